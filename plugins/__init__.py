@@ -1,0 +1,1 @@
+"""shardline.plugins: training-side parallelism (process grid, TP/SP layers, pipeline engine, strategy)."""

@@ -1,0 +1,1 @@
+"""shardline.profiling: trace analysis. Imports without torch."""
