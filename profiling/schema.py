@@ -1,0 +1,109 @@
+"""The events table: one pandas DataFrame for all ranks, one row per interval, fixed columns and dtypes.
+
+Every reader produces exactly these columns (``empty_events()`` is the template; ``check_events`` enforces it).
+Times are integer nanoseconds on the rank's own clock (``start_ns`` absolute as the source gives it,
+``dur_ns >= 0``); nothing is ever rounded to microseconds. Missing integers are -1, missing strings are
+empty-string categories, so no column holds Python ``None`` objects.
+
+=============  ========  ==================================================================================
+column         dtype     meaning
+=============  ========  ==================================================================================
+rank           int32     global rank of the process that recorded the event
+lane           category  "cpu" (a host thread) or "gpu" (a device stream)
+device         int32     GPU index for gpu lanes; -1 on cpu lanes
+stream         int64     GPU stream id for gpu lanes; thread id for cpu lanes
+name           category  event name as recorded (kernel name, op name, annotation)
+cat            category  the source's own category (Kineto ``cat``, ``nvtx``, ``nccl_coll`` ...)
+category       category  our classification (see ``CATEGORIES``); "" until classified
+dim            category  parallel dimension of a collective (tp, cp, dp, pp, ep, unknown); "" otherwise
+start_ns       int64     start time, ns
+dur_ns         int64     duration, ns
+step           int32     ProfilerStep number the event belongs to; -1 when the trace has no steps
+correlation    int64     launch <-> kernel correlation id; -1
+external_id    int64     Kineto "External id" linking GPU work to the CPU op; -1
+collective     category  collective name from the trace args (e.g. "allreduce", "_allgather_base"); ""
+pg_name        category  process-group name ("0", "1", ...); ""
+pg_desc        category  process-group description ("sl:tp", "default_pg", ...); ""
+pg_ranks       category  the group's global ranks as text "[0, 1, 2]"; ""
+pg_size        int32     group size; -1
+seq            int64     collective sequence number within its process group; -1
+msg_bytes      int64     message size in bytes (input for sends/all-reduce, output for gathers); -1
+peer           int32     peer global rank of a p2p op; -1
+memory_kind    category  host memory of a memcpy ("Pageable", "Pinned", "Device"); ""
+source         category  reader that produced the row ("kineto", "nccl_log", "nsys")
+=============  ========  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+CATEGORIES = (
+    "compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p_send", "p2p_recv",
+    "barrier", "other_comm", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset", "sync", "idle",
+)
+COMM_CATEGORIES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p_send",
+                   "p2p_recv", "barrier", "other_comm")
+MEMCPY_CATEGORIES = ("memcpy_h2d", "memcpy_d2h", "memcpy_d2d")
+
+COLUMNS: dict[str, str] = {
+    "rank": "int32",
+    "lane": "category",
+    "device": "int32",
+    "stream": "int64",
+    "name": "category",
+    "cat": "category",
+    "category": "category",
+    "dim": "category",
+    "start_ns": "int64",
+    "dur_ns": "int64",
+    "step": "int32",
+    "correlation": "int64",
+    "external_id": "int64",
+    "collective": "category",
+    "pg_name": "category",
+    "pg_desc": "category",
+    "pg_ranks": "category",
+    "pg_size": "int32",
+    "seq": "int64",
+    "msg_bytes": "int64",
+    "peer": "int32",
+    "memory_kind": "category",
+    "source": "category",
+}
+INT_COLUMNS = tuple(c for c, t in COLUMNS.items() if t.startswith("int"))
+STR_COLUMNS = tuple(c for c, t in COLUMNS.items() if t == "category")
+
+
+def empty_events() -> pd.DataFrame:
+    """A zero-row events table with the schema's columns and dtypes."""
+    return pd.DataFrame({c: pd.Series(np.empty(0, dtype=t) if t != "category" else [], dtype=t)
+                         for c, t in COLUMNS.items()})
+
+
+def conform(frame: pd.DataFrame) -> pd.DataFrame:
+    """Add missing columns (-1 / ""), cast to the schema's dtypes and order the columns."""
+    n = len(frame)
+    out = {}
+    for column, dtype in COLUMNS.items():
+        if column in frame:
+            values = frame[column]
+            if dtype == "category":
+                values = values.fillna("").astype(str) if values.dtype != "category" else values
+                out[column] = values.astype("category")
+            else:
+                out[column] = values.fillna(-1).astype(dtype)
+        else:
+            out[column] = (pd.Series(np.full(n, -1, dtype=dtype), index=frame.index) if dtype != "category"
+                           else pd.Series(pd.Categorical([""] * n), index=frame.index))
+    return pd.DataFrame(out, index=frame.index)
+
+
+def check_events(frame: pd.DataFrame) -> None:
+    """Raise ``ValueError`` naming every column whose presence or dtype breaks the schema."""
+    problems = [f"missing column {c!r}" for c in COLUMNS if c not in frame]
+    problems += [f"column {c!r} has dtype {frame[c].dtype}, expected {t}"
+                 for c, t in COLUMNS.items() if c in frame and str(frame[c].dtype) != t]
+    if problems:
+        raise ValueError("events table breaks the schema: " + "; ".join(problems))
