@@ -15,3 +15,16 @@ class MissingRankError(ProfilingError, ValueError):
 
 class TraceWarning(UserWarning):
     """Part of an input was unreadable; the readable part was returned."""
+
+
+class ClassificationError(ProfilingError, ValueError):
+    """Invalid classification input: a bad ``CommRule`` or ``layout``; the message names the offending value."""
+
+
+class AttributionError(ProfilingError, ValueError):
+    """An events table the attribution cannot partition (e.g. nothing to attribute); the message says why."""
+
+
+class MixedJobsError(TraceFormatError):
+    """Files of different jobs (world sizes, process groups, duplicate ranks) were loaded together; the
+    message names the files that disagree."""

@@ -1,0 +1,197 @@
+"""Per-(rank, step) time attribution: exclusive parts that sum exactly to the step time, plus overlap.
+
+Which lanes count. A rank with GPU work (any GPU-lane row that is not an annotation) is attributed on its GPU
+lanes: kernels, memcpy, memset and ``cuda_sync`` markers of all its streams. A rank without GPU work (CPU/gloo
+runs) is attributed on its CPU threads: communication is the comm ops (``record_param_comms``, ``c10d::*``,
+``gloo:*`` / ``nccl:*`` / ``sl:comm:*`` annotations) and compute the other CPU ops. On one CPU thread a comm op
+nests inside framework ops, so per thread the comm time is removed from that thread's compute first; across
+threads (e.g. backward thread computing while the main thread waits) the priority below applies as on GPUs.
+
+Step windows. ``ProfilerStep#N`` annotations of the analysed lane kind (GPU user annotations on GPU ranks when
+present, else the CPU ones; several per step are joined to their hull). A rank without step annotations is one
+window ``[first event start, last event end)`` with step -1. Time outside every window is not attributed.
+
+The partition. Inside a window every ns is given to the first label, in this priority order, whose interval
+set covers it::
+
+    compute > all_reduce > all_gather > reduce_scatter > all_to_all > broadcast > barrier > other_comm
+            > memcpy_h2d > memcpy_d2h > memcpy_d2d > memset > bubble > p2p_send > p2p_recv > sync > idle
+
+so ``compute`` is all time with any compute running, each comm column is that collective's *exposed* time, and
+``idle`` is the rest. ``bubble`` is pipeline time (``sl:pp:batch`` windows minus ``F``/``B``/``W`` action spans,
+see ``bubbles``); it ranks above p2p because a pipeline recv kernel spinning for its peer is bubble, not
+transfer. The columns of ``EXCLUSIVE_COLUMNS`` sum to ``step_ns`` exactly in integer ns (asserted).
+
+Alongside: ``overlapped_<comm>`` = time(comm_c ∩ compute); ``comm_ns`` = time(∪ comm) and
+``overlap_ratio`` = time(compute ∩ ∪comm) / time(∪comm) (HTA's definition; NaN without communication).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from shardline.profiling import intervals as iv
+from shardline.profiling.bubbles import bubble_set
+from shardline.profiling.classify import classify_events
+from shardline.profiling.errors import AttributionError
+from shardline.profiling.schema import COMM_CATEGORIES, check_events
+
+LABELS = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
+          "other_comm", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset", "bubble", "p2p_send", "p2p_recv",
+          "sync", "idle")
+#: Exclusive columns of ``breakdown`` (exposed time for the comm categories), summing to ``step_ns``.
+EXCLUSIVE_COLUMNS = LABELS
+OVERLAP_COLUMNS = tuple(f"overlapped_{c}" for c in COMM_CATEGORIES)
+
+STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
+# Source categories that mark spans rather than work (Kineto current and 2021 legacy, Nsight NVTX).
+ANNOTATION_CATS = frozenset({"user_annotation", "gpu_user_annotation", "python_function", "Trace", "ac2g",
+                             "fwdbwd", "overhead", "cuda_runtime", "cuda_driver", "Runtime", "python", "nvtx",
+                             "cpu_instant_event", "async", "flow"})
+_ANNOTATION_NAME_RE = r"^(ProfilerStep#\d+|sl:pp:|nccl:|gloo:|ucc:|mpi:|sl:comm:)"
+_CPU_OP_CATS = frozenset({"cpu_op", "Operator", "user_annotation"})
+
+
+def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
+    """One row per (rank, step): the exclusive partition of the step time and the overlap columns.
+
+    Accepts a ``TraceSet`` (uses ``.events``) or an events table; an unclassified table (all ``category``
+    empty) is classified first. See the module docstring for lanes, windows and the priority order.
+    """
+    events = getattr(traceset_or_events, "events", traceset_or_events)
+    if not isinstance(events, pd.DataFrame):
+        raise AttributionError(f"breakdown expects a TraceSet or an events DataFrame, got {type(events).__name__}")
+    check_events(events)
+    if len(events) and (events["category"].astype(str) == "").all():
+        events = classify_events(events, layout=layout)
+    rows = [_rank_breakdown(grp) for _, grp in events.groupby("rank", observed=True, sort=True)]
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        raise AttributionError("nothing to attribute: the events table has no work events on any rank")
+    return pd.concat(rows, ignore_index=True)
+
+
+def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows attributed for one rank and the lane kind used ("gpu" or "cpu")."""
+    named_annotation = events["name"].astype(str).str.match(_ANNOTATION_NAME_RE).to_numpy()
+    cat = events["cat"].astype(str).to_numpy()
+    lane = events["lane"].astype(str).to_numpy()
+    gpu = (lane == "gpu") & ~np.isin(cat, list(ANNOTATION_CATS)) & ~named_annotation
+    if gpu.any():
+        return events[gpu], "gpu"
+    is_comm = np.isin(events["category"].astype(str).to_numpy(), COMM_CATEGORIES)
+    step_marker = events["name"].astype(str).str.match(r"^(ProfilerStep#\d+|sl:pp:)").to_numpy()
+    # CPU ops are work; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*) are.
+    cpu = (lane == "cpu") & ~step_marker & (np.isin(cat, ["cpu_op", "Operator"])
+                                           | (is_comm & np.isin(cat, list(_CPU_OP_CATS))))
+    return events[cpu], "cpu"
+
+
+def step_windows(events: pd.DataFrame, lanes: str) -> pd.DataFrame:
+    """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
+    names = events["name"].astype(str)
+    steps = names.str.extract(STEP_RE, expand=False)
+    marked = steps.notna().to_numpy()
+    lane = events["lane"].astype(str).to_numpy()
+    for lane_kind in ((lanes, "cpu") if lanes == "gpu" else ("cpu",)):
+        sel = marked & (lane == lane_kind)
+        if sel.any():
+            sub = events[sel]
+            frame = pd.DataFrame({"step": steps[sel].astype(np.int64).to_numpy(),
+                                  "start_ns": sub["start_ns"].to_numpy(),
+                                  "end_ns": (sub["start_ns"] + sub["dur_ns"]).to_numpy()})
+            return frame.groupby("step", as_index=False).agg(start_ns=("start_ns", "min"),
+                                                             end_ns=("end_ns", "max"))
+    return pd.DataFrame({"step": np.empty(0, np.int64), "start_ns": np.empty(0, np.int64),
+                         "end_ns": np.empty(0, np.int64)})
+
+
+def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str, iv.IntervalSet]:
+    """Interval set of every non-idle label for one rank (before the priority partition)."""
+    start = work["start_ns"].to_numpy()
+    end = start + work["dur_ns"].to_numpy()
+    category = work["category"].astype(str).to_numpy()
+    sets: dict[str, iv.IntervalSet] = {}
+    if lanes == "cpu":
+        # Per thread, comm time leaves the thread's compute (comm ops nest inside framework ops).
+        stream = work["stream"].to_numpy()
+        compute_parts = []
+        for thread in np.unique(stream):
+            on = stream == thread
+            comm_t = iv.union(start[on & np.isin(category, COMM_CATEGORIES)],
+                              end[on & np.isin(category, COMM_CATEGORIES)])
+            busy_t = iv.union(start[on & ~np.isin(category, COMM_CATEGORIES)],
+                              end[on & ~np.isin(category, COMM_CATEGORIES)])
+            compute_parts.append(iv.subtract(busy_t, comm_t))
+        sets["compute"] = iv.merge(*compute_parts)
+    for label in LABELS:
+        if label in ("idle", "bubble") or (label == "compute" and lanes == "cpu"):
+            continue
+        on = category == label
+        sets[label] = iv.union(start[on], end[on])
+    sets["bubble"] = bubble_set(events, lanes=lanes)
+    return sets
+
+
+def _rank_breakdown(events: pd.DataFrame) -> pd.DataFrame | None:
+    work, lanes = work_rows(events)
+    if work.empty:
+        return None
+    windows = step_windows(events, lanes)
+    if windows.empty:
+        first = int(work["start_ns"].min())
+        last = int((work["start_ns"] + work["dur_ns"]).max())
+        windows = pd.DataFrame({"step": [-1], "start_ns": [first], "end_ns": [last]})
+    sets = label_sets(events, work, lanes)
+    frame = partition(sets, windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy())
+    frame.insert(0, "rank", int(events["rank"].iloc[0]))
+    frame.insert(1, "step", windows["step"].to_numpy().astype(np.int64))
+    frame.insert(2, "lanes", lanes)
+    return frame
+
+
+def partition(sets: dict[str, iv.IntervalSet], win_start: np.ndarray, win_end: np.ndarray) -> pd.DataFrame:
+    """Exclusive partition of each window ``[win_start[k], win_end[k])`` by ``LABELS`` priority, + overlap.
+
+    Elementary segments lie between consecutive endpoints of all sets and windows, so each segment is wholly
+    inside or outside every set; it goes to the first covering label (idle if none). Per-label prefix sums
+    over segments give any window's total as a difference of two prefix values, exactly, in int64.
+    """
+    win_start = np.asarray(win_start, np.int64)
+    win_end = np.asarray(win_end, np.int64)
+    if (win_end < win_start).any():
+        raise AttributionError(f"step windows with end before start: {list(zip(win_start, win_end))[:5]}")
+    points = np.unique(np.concatenate([win_start, win_end] + [a for s in sets.values() for a in s]))
+    seg_s, seg_e = points[:-1], points[1:]
+    length = seg_e - seg_s
+    lo = np.searchsorted(points, win_start)
+    hi = np.searchsorted(points, win_end)
+    covered = {label: iv.covers(s, seg_s) for label, s in sets.items()}
+    free = np.ones(len(seg_s), dtype=bool)
+    out: dict[str, np.ndarray] = {"start_ns": win_start, "end_ns": win_end, "step_ns": win_end - win_start}
+
+    def window_sums(mask: np.ndarray) -> np.ndarray:
+        prefix = np.concatenate([[0], np.cumsum(np.where(mask, length, 0))])
+        return prefix[hi] - prefix[lo]
+
+    for label in LABELS:
+        mask = free if label == "idle" else (free & covered.get(label, np.zeros_like(free)))
+        out[label] = window_sums(mask)
+        free &= ~mask
+    parts = np.sum([out[label] for label in LABELS], axis=0)
+    if not np.array_equal(parts, out["step_ns"]):  # the partition covers each window once, by construction
+        raise AssertionError(f"attribution parts {parts} do not sum to step times {out['step_ns']}")
+    compute = covered["compute"]
+    any_comm = np.zeros(len(seg_s), dtype=bool)
+    for comm in COMM_CATEGORIES:
+        c = covered.get(comm, np.zeros_like(free))
+        out[f"overlapped_{comm}"] = window_sums(c & compute)
+        any_comm |= c
+    out["comm_ns"] = window_sums(any_comm)
+    overlapped = window_sums(any_comm & compute)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["overlap_ratio"] = np.where(out["comm_ns"] > 0, overlapped / np.maximum(out["comm_ns"], 1), np.nan)
+    return pd.DataFrame(out)

@@ -1,0 +1,121 @@
+"""Pipeline bubbles from the engine's annotations (``shardline.profiling.annotations``), else from p2p waits.
+
+Definition (the annotation contract): on one rank, the bubble of a pipeline batch is the part of its
+``sl:pp:batch`` window covered by no ``F`` / ``B`` / ``W`` action span::
+
+    bubble = batch window \\ ∪(F, B, W spans)
+
+Phases of one batch window on one stage (fill / steady / drain):
+
+    warm-up   [batch start, start of the first B)       -- filling: forwards and the wait for the first grad
+    steady    [start of the first B, end of the last F) -- 1F1B alternation
+    cool-down [end of the last F, batch end)            -- draining: the remaining backwards
+
+each bubble ns falls in exactly one phase, so warmup_ns + steady_ns + cooldown_ns == bubble_ns. The measured
+fraction ``bubble_ns / batch_ns`` is compared with the equal-cost ideal (p-1)/(m+p-1) for the p and m the
+annotation names (``m_seen`` counts the distinct forward micro-batches actually found).
+
+Without annotations the estimate is the exposed ``p2p_recv`` time of ``breakdown`` (the idle a stage spends
+in receives), reported with ``method="p2p_recv_idle"``; phases and ideal are then unknown (NaN / -1).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import pandas as pd
+
+import shardline.profiling.annotations as contract
+from shardline.profiling import intervals as iv
+
+_COMPUTE_ACTIONS = ("F", "B", "W")
+
+
+class BubbleMethod(str, enum.Enum):
+    ANNOTATIONS = "annotations"
+    P2P_RECV_IDLE = "p2p_recv_idle"
+
+
+def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(batch rows with p/m/schedule, action rows with action/stage/microbatch) on the lanes to use."""
+    names = events["name"].astype(str)
+    is_pp = names.str.startswith(f"{contract.PREFIX}:pp:").to_numpy()
+    lane = events["lane"].astype(str).to_numpy()
+    for kind in ((lanes, "cpu") if lanes == "gpu" else (lanes,)):
+        sel = is_pp & (lane == kind)
+        if sel.any():
+            break
+    sub = events[sel]
+    sub_names = names[sel]
+    batch = sub_names.str.extract(contract.PP_BATCH_PATTERN)
+    action = sub_names.str.extract(contract.PP_ACTION_PATTERN)
+    start = sub["start_ns"].to_numpy()
+    end = start + sub["dur_ns"].to_numpy()
+    b = batch["p"].notna().to_numpy()
+    batches = pd.DataFrame({"rank": sub["rank"].to_numpy()[b], "start_ns": start[b], "end_ns": end[b],
+                            "schedule": batch["schedule"][b].to_numpy(),
+                            "p": batch["p"][b].astype(int).to_numpy(), "m": batch["m"][b].astype(int).to_numpy()})
+    a = action["action"].notna().to_numpy()
+    actions = pd.DataFrame({"rank": sub["rank"].to_numpy()[a], "start_ns": start[a], "end_ns": end[a],
+                            "action": action["action"][a].to_numpy(),
+                            "stage": action["stage"][a].astype(int).to_numpy(),
+                            "microbatch": action["microbatch"][a].astype(int).to_numpy()})
+    return batches, actions
+
+
+def bubble_set(events: pd.DataFrame, *, lanes: str) -> iv.IntervalSet:
+    """Bubble interval set of one rank: batch windows minus F/B/W spans (empty without annotations)."""
+    batches, actions = _pp_rows(events, lanes)
+    if batches.empty:
+        return iv.EMPTY
+    busy = actions[actions["action"].isin(_COMPUTE_ACTIONS)]
+    return iv.subtract(iv.union(batches["start_ns"], batches["end_ns"]),
+                       iv.union(busy["start_ns"], busy["end_ns"]))
+
+
+def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
+    """One row per (rank, pipeline batch): bubble split into phases and compared with (p-1)/(m+p-1)."""
+    from shardline.profiling.attribution import breakdown, work_rows  # attribution imports this module
+
+    events = getattr(traceset_or_events, "events", traceset_or_events)
+    rows = []
+    for rank, grp in events.groupby("rank", observed=True, sort=True):
+        _, lanes = work_rows(grp)
+        batches, actions = _pp_rows(grp, lanes)
+        for batch in batches.itertuples(index=False):  # one iteration per pipeline batch, not per event
+            rows.append(_batch_row(int(rank), batch, actions))
+    if rows:
+        return pd.DataFrame(rows)
+    table = breakdown(events)
+    return pd.DataFrame({
+        "rank": table["rank"], "step": table["step"], "method": BubbleMethod.P2P_RECV_IDLE.value,
+        "stage": -1, "schedule": "", "p": -1, "m": -1, "m_seen": -1, "batch_ns": table["step_ns"],
+        "bubble_ns": table["p2p_recv"], "warmup_ns": -1, "steady_ns": -1, "cooldown_ns": -1,
+        "bubble_fraction": table["p2p_recv"] / table["step_ns"].where(table["step_ns"] > 0),
+        "ideal_fraction": np.nan})
+
+
+def _batch_row(rank: int, batch, actions: pd.DataFrame) -> dict:
+    inside = actions[(actions["rank"] == rank) & (actions["start_ns"] >= batch.start_ns)
+                     & (actions["end_ns"] <= batch.end_ns)]
+    busy = inside[inside["action"].isin(_COMPUTE_ACTIONS)]
+    window = iv.union([batch.start_ns], [batch.end_ns])
+    bubble = iv.subtract(window, iv.union(busy["start_ns"], busy["end_ns"]))
+    fwd = inside[inside["action"] == "F"]
+    bwd = inside[inside["action"] == "B"]
+    first_b = int(bwd["start_ns"].min()) if len(bwd) else batch.end_ns
+    last_f = int(fwd["end_ns"].max()) if len(fwd) else batch.start_ns
+    last_f = max(last_f, first_b)  # GPipe: all F end before the first B; its steady phase is empty
+    phase = {name: iv.total(iv.intersect(bubble, iv.union([lo], [hi])))
+             for name, lo, hi in (("warmup_ns", batch.start_ns, first_b), ("steady_ns", first_b, last_f),
+                                  ("cooldown_ns", last_f, batch.end_ns))}
+    stages = inside["stage"].unique()
+    batch_ns = int(batch.end_ns - batch.start_ns)
+    bubble_ns = iv.total(bubble)
+    return {"rank": rank, "step": -1, "method": BubbleMethod.ANNOTATIONS.value,
+            "stage": int(stages[0]) if len(stages) == 1 else -1, "schedule": batch.schedule,
+            "p": int(batch.p), "m": int(batch.m), "m_seen": int(fwd["microbatch"].nunique()),
+            "batch_ns": batch_ns, "bubble_ns": bubble_ns, **phase,
+            "bubble_fraction": bubble_ns / batch_ns if batch_ns > 0 else np.nan,
+            "ideal_fraction": (batch.p - 1) / (batch.m + batch.p - 1)}

@@ -1,0 +1,394 @@
+"""Label every row of the events table with its ``category`` and, for communication, its parallel ``dim``.
+
+Communication is recognised by evidence, strongest first:
+
+1. the collective name and process-group args (``collective``, ``pg_*`` columns) on the row itself;
+2. for a GPU kernel, the same args on its CPU op: the ``record_param_comms`` op with the kernel's External id,
+   or the innermost communication op / ``nccl:*`` / ``gloo:*`` / ``sl:comm:*`` annotation that contains the
+   kernel's launch (kernel.correlation == launch.correlation, launch inside the op on the same thread);
+3. the kernel's own name (all three NCCL generations, RCCL ``Generic``) and the user-extensible ``CommRule`` list.
+
+Only kernels that are communication by name or rule take a category from 2: a copy kernel launched inside an
+all-to-all stays compute. A generic kernel (``SendRecv`` used for all-to-all, RCCL ``Generic``, a NCCL >= 2.19
+``ncclDevKernel_*``) is named by what the op says, where HTA would go by the kernel name alone.
+
+Everything else: memcpy by direction (h2d / d2h / d2d), memset, sync (host-side synchronize calls and the GPU
+``cuda_sync`` markers), and compute otherwise. ``idle`` is never assigned here; attribution creates it.
+
+``dim`` (communication rows only): from the process-group description (ours ``sl:tp``; torch DeviceMesh
+``mesh_tp``; Megatron ``TENSOR_MODEL_PARALLEL_GROUP``; ``default_pg`` is the world), else from the group's
+ranks or size against a ``layout`` ``dict(tp=, cp=, dp=, pp=)`` (rank order tp fastest, then cp, dp, pp),
+else ``unknown``. All matching runs on unique names/descriptions and is broadcast back.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+import shardline.profiling.annotations as contract
+from shardline.profiling.errors import ClassificationError
+from shardline.profiling.schema import COMM_CATEGORIES, check_events
+
+
+class Category(str, enum.Enum):
+    """Our event categories (``schema.CATEGORIES``); the value is the string stored in the table."""
+
+    COMPUTE = "compute"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    P2P_SEND = "p2p_send"
+    P2P_RECV = "p2p_recv"
+    BARRIER = "barrier"
+    OTHER_COMM = "other_comm"
+    MEMCPY_H2D = "memcpy_h2d"
+    MEMCPY_D2H = "memcpy_d2h"
+    MEMCPY_D2D = "memcpy_d2d"
+    MEMSET = "memset"
+    SYNC = "sync"
+    IDLE = "idle"
+
+
+UNKNOWN_DIM = "unknown"
+
+
+@dataclass(frozen=True)
+class CommRule:
+    """A communication kernel the NCCL name patterns do not know: ``pattern`` (regex, searched in the name)."""
+
+    pattern: str
+    category: Category
+    note: str = ""
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ClassificationError(f"CommRule pattern {self.pattern!r} is not a valid regex: {exc}") from None
+        if Category(self.category).value not in COMM_CATEGORIES:
+            raise ClassificationError(f"CommRule {self.pattern!r}: category {self.category!r} is not a "
+                                      f"communication category {COMM_CATEGORIES}")
+
+
+#: Non-NCCL communication kernels. First match wins; extend with ``classify_events(..., rules=DEFAULT_RULES+...)``.
+DEFAULT_RULES: tuple[CommRule, ...] = (
+    CommRule(r"deep_ep::.*(dispatch|combine)", Category.ALL_TO_ALL, "DeepEP expert dispatch/combine"),
+    CommRule(r"userbuffers.*(_rs|reducescatter|reduce_scatter)", Category.REDUCE_SCATTER, "TE userbuffers RS"),
+    CommRule(r"userbuffers.*(_ag|allgather|all_gather)", Category.ALL_GATHER, "TE userbuffers AG"),
+    CommRule(r"userbuffers|kuserbuffers", Category.OTHER_COMM, "TE userbuffers p2p/other"),
+    CommRule(r"cross_device_reduce_[12]stage", Category.ALL_REDUCE, "vLLM custom all-reduce"),
+    CommRule(r"(one|two)ShotAllReduce|allReduce\w*Kernel|lamport\w*AllReduce", Category.ALL_REDUCE,
+             "TensorRT-LLM custom all-reduce"),
+    CommRule(r"(one_shot|two_shot|multimem)_all_reduce", Category.ALL_REDUCE, "torch symmetric memory"),
+    CommRule(r"multimem_all_gather", Category.ALL_GATHER, "torch symmetric memory"),
+)
+
+# Operation words (NCCL kernel op, torch collective names, annotation suffixes) -> category. Keys are the
+# lower-cased word with "_" removed, so "AllReduce", "all_reduce" and "allreduce" meet.
+_OP_WORDS = {
+    "allreduce": Category.ALL_REDUCE, "allreducecoalesced": Category.ALL_REDUCE,
+    "allgather": Category.ALL_GATHER, "allgatherbase": Category.ALL_GATHER,
+    "allgatherintotensor": Category.ALL_GATHER, "allgatherintotensorcoalesced": Category.ALL_GATHER,
+    "allgathercoalesced": Category.ALL_GATHER, "allgathertensorcoalesced": Category.ALL_GATHER,
+    "reducescatter": Category.REDUCE_SCATTER, "reducescatterbase": Category.REDUCE_SCATTER,
+    "reducescattertensor": Category.REDUCE_SCATTER, "reducescattertensorcoalesced": Category.REDUCE_SCATTER,
+    "alltoall": Category.ALL_TO_ALL, "alltoallbase": Category.ALL_TO_ALL, "alltoallv": Category.ALL_TO_ALL,
+    "alltoallsingle": Category.ALL_TO_ALL,
+    "broadcast": Category.BROADCAST, "broadcastcoalesced": Category.BROADCAST,
+    "send": Category.P2P_SEND, "isend": Category.P2P_SEND, "p2psend": Category.P2P_SEND,
+    "recv": Category.P2P_RECV, "irecv": Category.P2P_RECV, "recvanysource": Category.P2P_RECV,
+    "p2precv": Category.P2P_RECV,
+    "barrier": Category.BARRIER, "monitoredbarrier": Category.BARRIER,
+    "reduce": Category.OTHER_COMM, "gather": Category.OTHER_COMM, "scatter": Category.OTHER_COMM,
+    "coalesced": Category.OTHER_COMM, "sendrecv": Category.OTHER_COMM, "generic": Category.OTHER_COMM,
+}
+
+# NCCL kernels: ncclKernel_<Op>_..., ncclDevKernel_<Op>_... / ncclDevKernel_<Op>(...), plain RCCL/NCCL
+# "ncclKernel_SendRecv". The op word decides; SendRecv/Generic are "other_comm" until an op says more.
+_NCCL_KERNEL_RE = re.compile(r"^(?:void\s+)?nccl(?:Dev)?Kernel_([A-Za-z]+)")
+_ANNOTATION_RE = re.compile(r"^(?:nccl|gloo|ucc|mpi):(\w+)")
+_C10D_RE = re.compile(r"^c10d::(\w+?)_?$")
+_MEMCPY_RE = re.compile(r"^Memcpy\s*(HtoD|DtoH|DtoD|PtoP|HtoH)|^(CopyHostToDevice|CopyDeviceToHost|"
+                        r"CopyDeviceToDevice)")
+_MEMSET_RE = re.compile(r"^(Memset|FillBuffer)")
+_SYNC_RE = re.compile(r"^(cuda|hip)(DeviceSynchronize|StreamSynchronize|EventSynchronize|StreamWaitEvent)$|"
+                      r"^(Context Sync|Stream Sync|Event Sync|Stream Wait Event)$")
+_MEMCPY_KIND = {"HtoD": Category.MEMCPY_H2D, "CopyHostToDevice": Category.MEMCPY_H2D,
+                "DtoH": Category.MEMCPY_D2H, "CopyDeviceToHost": Category.MEMCPY_D2H,
+                "DtoD": Category.MEMCPY_D2D, "PtoP": Category.MEMCPY_D2D, "CopyDeviceToDevice": Category.MEMCPY_D2D,
+                "HtoH": Category.MEMCPY_D2D}
+
+_COMM = frozenset(COMM_CATEGORIES)
+
+
+def op_category(word: str) -> str:
+    """Category of a collective's name in any spelling ("allreduce", "_allgather_base", "AllToAll"); "" if none."""
+    key = word.lower().replace("_", "")
+    hit = _OP_WORDS.get(key)
+    return hit.value if hit is not None else ""
+
+
+def name_category(name: str, rules: Sequence[CommRule] = DEFAULT_RULES) -> tuple[str, bool]:
+    """(category, is_comm_kernel_name) of one event name, from the name alone."""
+    for pattern, source in ((_NCCL_KERNEL_RE, "kernel"), (_ANNOTATION_RE, "annotation"), (_C10D_RE, "c10d")):
+        hit = pattern.match(name)
+        if hit:
+            category = op_category(hit.group(1))
+            if category or source == "kernel":  # an unknown NCCL kernel op is still communication
+                return (category or Category.OTHER_COMM.value), source == "kernel"
+    if name == "record_param_comms":  # torch's comm marker; its collective arg (evidence 1) is more precise
+        return Category.OTHER_COMM.value, False
+    hit = contract.COMM_RE.match(name)
+    if hit:
+        return (op_category(hit.group("op")) or _memcpy_op(hit.group("op")) or Category.OTHER_COMM.value), False
+    for rule in rules:
+        if re.search(rule.pattern, name):
+            return Category(rule.category).value, True
+    hit = _MEMCPY_RE.match(name)
+    if hit:
+        return _MEMCPY_KIND[hit.group(1) or hit.group(2)].value, False
+    if _MEMSET_RE.match(name):
+        return Category.MEMSET.value, False
+    if _SYNC_RE.match(name):
+        return Category.SYNC.value, False
+    return Category.COMPUTE.value, False
+
+
+def _memcpy_op(op: str) -> str:
+    return op if op in (Category.MEMCPY_H2D.value, Category.MEMCPY_D2H.value) else ""
+
+
+# --- parallel dimension -------------------------------------------------------------------------------------
+
+# Lower-cased group descriptions of other frameworks -> our dims. torch DeviceMesh names groups
+# "mesh_<dim name>" (torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep, flattened dp / dp_cp / dp_shard_cp);
+# Megatron-core passes group_desc="TENSOR_MODEL_PARALLEL_GROUP" and friends.
+_DESC_DIMS = (
+    (re.compile(r"^(mesh_)?(tp|tensor_parallel)$|^tensor_model_parallel_group$|^expert_tensor_parallel_group$"),
+     "tp"),
+    (re.compile(r"^(mesh_)?(pp|pipeline_parallel)$|^pipeline_model_parallel_group$"), "pp"),
+    (re.compile(r"^(mesh_)?cp$|^context_parallel_group$"), "cp"),
+    (re.compile(r"^(mesh_)?(ep|expert_parallel)$|^expert_model_parallel_group$"), "ep"),
+    (re.compile(r"^(mesh_)?(dp_cp|dp_shard_cp)$|^data_parallel_group_with_cp$"), "dp_cp"),
+    (re.compile(r"^(mesh_)?(dp|dp_shard|dp_replicate|fsdp|hsdp|ddp)$|^data_parallel_group$|"
+                r"^expert_data_parallel_group$"), "dp"),
+    (re.compile(r"^(embedding_group|position_embedding_group)$"), "embed"),
+    (re.compile(r"^default_pg$"), "world"),
+)
+
+
+def desc_dim(desc: str) -> str:
+    """Parallel dimension named by one process-group description, or "" when the name says nothing."""
+    hit = contract.GROUP_DESC_RE.match(desc)
+    if hit:
+        return hit.group("axis")
+    low = desc.lower()
+    for pattern, dim in _DESC_DIMS:
+        if pattern.match(low):
+            return dim
+    return ""
+
+
+def layout_dim(ranks_text: str, size: int, layout: Mapping[str, int]) -> str:
+    """Dimension of a group from its ranks (or only its size) in ``layout`` (tp fastest, then cp, dp, pp)."""
+    axes = [a for a in ("tp", "cp", "dp", "pp") if int(layout.get(a, 1)) > 1]
+    degrees = {a: int(layout.get(a, 1)) for a in ("tp", "cp", "dp", "pp")}
+    world = int(np.prod(list(degrees.values())))
+    ranks = [int(r) for r in re.findall(r"-?\d+", ranks_text)] if ranks_text else []
+    if ranks:
+        size = len(ranks)
+        if size == world:
+            return "world"
+        coords = np.array(ranks)
+        varying = []
+        for axis in ("tp", "cp", "dp", "pp"):
+            coord = coords % degrees[axis]
+            coords = coords // degrees[axis]
+            if len(np.unique(coord)) > 1:
+                varying.append(axis)
+        if varying == ["cp", "dp"]:
+            return "dp_cp"
+        return varying[0] if len(varying) == 1 else UNKNOWN_DIM
+    if size == world and size > 1:
+        return "world"
+    matches = [a for a in axes if degrees[a] == size]
+    return matches[0] if len(matches) == 1 else UNKNOWN_DIM
+
+
+# --- the table-level pass -----------------------------------------------------------------------------------
+
+_FILL_COLUMNS = ("collective", "pg_name", "pg_desc", "pg_ranks", "pg_size", "seq", "msg_bytes")
+
+
+def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = None,
+                    layout: Mapping[str, int] | None = None) -> pd.DataFrame:
+    """Return a copy of ``events`` with ``category`` and ``dim`` filled (see the module docstring).
+
+    A communication kernel linked to its CPU op also receives the op's ``collective`` / ``pg_*`` / ``seq`` /
+    ``msg_bytes`` where its own are missing, so cross-rank matching can work on kernels.
+    """
+    check_events(events)
+    if layout is not None:
+        bad = {k: v for k, v in layout.items() if k not in ("tp", "cp", "dp", "pp") or int(v) < 1}
+        if bad:
+            raise ClassificationError(f"layout entries {bad} are invalid: keys tp/cp/dp/pp, degrees >= 1")
+    rules = DEFAULT_RULES if rules is None else tuple(rules)
+    out = events.copy()
+    if out.empty:
+        return out
+    uniq = out["name"].cat.categories
+    labels = [name_category(str(n), rules) for n in uniq]
+    by_name = pd.Series([c for c, _ in labels], index=uniq)
+    comm_kernel_name = pd.Series([k for _, k in labels], index=uniq)
+    codes = out["name"].cat.codes.to_numpy()
+    category = by_name.to_numpy()[codes].astype(object)
+    is_comm_kernel = comm_kernel_name.to_numpy()[codes].astype(bool) & (out["lane"] == "gpu").to_numpy()
+
+    # Evidence 1: the row's own collective arg.
+    own = _mapped(out["collective"], op_category)
+    has_own = own != ""
+    category[has_own] = own[has_own]
+
+    # Evidence 2: the CPU op of a communication kernel.
+    linked, link_idx = _link_kernels_to_ops(out, category, is_comm_kernel & ~has_own)
+    take = linked != ""
+    category[take] = linked[take]
+    out["category"] = pd.Categorical(category)
+    _fill_from_ops(out, link_idx)
+    out["dim"] = pd.Categorical(_dims(out, layout))
+    return out
+
+
+def _mapped(column: pd.Series, fn) -> np.ndarray:
+    """Apply ``fn`` to the unique values of a categorical column and broadcast."""
+    cats = column.cat.categories
+    table = np.array([fn(str(c)) for c in cats] + [""], dtype=object)
+    codes = column.cat.codes.to_numpy().copy()
+    codes[codes < 0] = len(cats)
+    return table[codes]
+
+
+def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarray):
+    """For rows in ``want``: (category of the linked CPU comm op or "", index of that op row or -1)."""
+    n = len(ev)
+    result = np.full(n, "", dtype=object)
+    link = np.full(n, -1, dtype=np.int64)
+    if not want.any():
+        return result, link
+    lane_cpu = (ev["lane"] == "cpu").to_numpy()
+    is_op = lane_cpu & np.isin(category, list(_COMM))
+    rank = ev["rank"].to_numpy()
+    ext = ev["external_id"].to_numpy()
+    corr = ev["correlation"].to_numpy()
+    start = ev["start_ns"].to_numpy()
+    end = start + ev["dur_ns"].to_numpy()
+    stream = ev["stream"].to_numpy()
+    op_idx = np.flatnonzero(is_op)
+    # (a) External id of the kernel equals the External id of its record_param_comms op (recent Kineto).
+    ops_by_ext = pd.Series(op_idx, index=pd.MultiIndex.from_arrays([rank[op_idx], ext[op_idx]]))
+    ops_by_ext = ops_by_ext[(ext[op_idx] >= 0)]
+    ops_by_ext = ops_by_ext[~ops_by_ext.index.duplicated(keep="last")]
+    k_idx = np.flatnonzero(want)
+    hit = ops_by_ext.reindex(pd.MultiIndex.from_arrays([rank[k_idx], ext[k_idx]])).to_numpy()
+    found = ~np.isnan(hit.astype(float))
+    # Old Kineto reuses the correlation id as the kernel's External id: accept only an op that began before.
+    found[found] = start[hit[found].astype(np.int64)] <= start[k_idx[found]]
+    link[k_idx[found]] = hit[found].astype(np.int64)
+    # (b) kernel.correlation == launch.correlation; the launch lies inside the op on the same thread.
+    rest = k_idx[~found & (corr[k_idx] >= 0)]
+    if len(rest):
+        launches = np.flatnonzero(lane_cpu & (corr >= 0))
+        by_corr = pd.Series(launches, index=pd.MultiIndex.from_arrays([rank[launches], corr[launches]]))
+        by_corr = by_corr[~by_corr.index.duplicated(keep="first")]
+        lh = by_corr.reindex(pd.MultiIndex.from_arrays([rank[rest], corr[rest]])).to_numpy().astype(float)
+        ok = ~np.isnan(lh)
+        rest, launch = rest[ok], lh[ok].astype(np.int64)
+        specific = category != Category.OTHER_COMM.value
+        link[rest] = _innermost_container(op_idx, launch, rank=rank, stream=stream, start=start, end=end,
+                                          specific=specific)
+    linked = link >= 0
+    result[linked] = category[link[linked]]
+    return result, link
+
+
+def _innermost_container(op_idx, point_idx, *, rank, stream, start, end, specific) -> np.ndarray:
+    """Index of the innermost op interval containing each point event (same rank and thread), or -1.
+
+    Ops on one thread nest or are disjoint, so the innermost container of a point is the last-starting op at
+    or before it that still covers it; checking a few predecessors handles siblings nested in a parent.
+    A container with a specific category (not other_comm, e.g. a bare ``record_param_comms``) is preferred
+    over a vaguer inner one.
+    """
+    out = np.full(len(point_idx), -1, dtype=np.int64)
+    for want_specific in (True, False):
+        _containers_pass(out, op_idx, point_idx, rank=rank, stream=stream, start=start, end=end,
+                         allowed=specific if want_specific else np.ones_like(specific))
+    return out
+
+
+def _containers_pass(out, op_idx, point_idx, *, rank, stream, start, end, allowed) -> None:
+    keys = pd.DataFrame({"r": rank[op_idx], "s": stream[op_idx]})
+    for (r, s), grp in keys.groupby(["r", "s"]).groups.items():
+        ops = op_idx[np.asarray(grp)]
+        ops = ops[np.argsort(start[ops], kind="stable")]
+        sel = np.flatnonzero((rank[point_idx] == r) & (stream[point_idx] == s))
+        if not len(sel):
+            continue
+        pts = point_idx[sel]
+        pos = np.searchsorted(start[ops], start[pts], side="right") - 1
+        for back in range(4):  # nesting depth of comm evidence in practice: c10d op > record_param > nccl:*
+            cand = pos - back
+            valid = (cand >= 0) & (out[sel] < 0)
+            c = ops[np.clip(cand, 0, None)]
+            covers = valid & allowed[c] & (start[c] <= start[pts]) & (end[c] >= end[pts])
+            out[sel[covers]] = c[covers]
+
+
+def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
+    """Copy the op's collective/process-group columns onto linked kernels where the kernel lacks them."""
+    rows = np.flatnonzero(link >= 0)
+    if not len(rows):
+        return
+    src = link[rows]
+    for column in _FILL_COLUMNS:
+        values = out[column]
+        if isinstance(values.dtype, pd.CategoricalDtype):
+            current = values.astype(str).to_numpy(dtype=object)
+            missing = current[rows] == ""
+            current[rows[missing]] = current[src[missing]]
+            out[column] = pd.Categorical(current)
+        else:
+            current = values.to_numpy().copy()
+            missing = current[rows] < 0
+            current[rows[missing]] = current[src[missing]]
+            out[column] = current.astype(values.dtype)
+
+
+def _dims(out: pd.DataFrame, layout: Mapping[str, int] | None) -> np.ndarray:
+    comm = np.isin(out["category"].to_numpy(dtype=object), list(_COMM))
+    dims = np.full(len(out), "", dtype=object)
+    if not comm.any():
+        return dims
+    from_desc = _mapped(out["pg_desc"], desc_dim)
+    dims[comm] = np.where(from_desc[comm] != "", from_desc[comm], UNKNOWN_DIM)
+    ann = _mapped(out["name"], lambda n: (m.group("dim") if (m := contract.COMM_RE.match(n)) else ""))
+    use_ann = comm & (dims == UNKNOWN_DIM) & (ann != "")
+    dims[use_ann] = ann[use_ann]
+    if layout is not None:
+        todo = comm & (dims == UNKNOWN_DIM)
+        if todo.any():
+            keys = pd.DataFrame({"r": out["pg_ranks"].astype(str).to_numpy()[todo],
+                                 "s": out["pg_size"].to_numpy()[todo]})
+            uniq = keys.drop_duplicates()
+            uniq_dim = [layout_dim(r, int(s), layout) for r, s in zip(uniq["r"], uniq["s"])]
+            lookup = pd.Series(uniq_dim, index=pd.MultiIndex.from_frame(uniq))
+            dims[todo] = lookup.reindex(pd.MultiIndex.from_frame(keys)).to_numpy()
+    return dims

@@ -1,0 +1,75 @@
+"""Interval-set arithmetic on integer-ns half-open intervals ``[start, end)``, vectorised with numpy.
+
+An interval set is a pair ``(starts, ends)`` of int64 arrays, sorted, disjoint and non-touching (the canonical
+form ``union`` returns). Empty intervals (``end <= start``) are dropped everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IntervalSet = tuple[np.ndarray, np.ndarray]
+
+EMPTY: IntervalSet = (np.empty(0, np.int64), np.empty(0, np.int64))
+
+
+def union(starts, ends) -> IntervalSet:
+    """Canonical union of arbitrary intervals: sort by start, then a new run begins where a start exceeds the
+    running maximum of all previous ends (``np.maximum.accumulate``)."""
+    s = np.asarray(starts, dtype=np.int64)
+    e = np.asarray(ends, dtype=np.int64)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if not len(s):
+        return EMPTY
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new_run = np.empty(len(s), dtype=bool)
+    new_run[0] = True
+    new_run[1:] = s[1:] > reach[:-1]
+    run_id = np.cumsum(new_run) - 1
+    run_end = np.zeros(run_id[-1] + 1, dtype=np.int64)
+    np.maximum.at(run_end, run_id, e)
+    return s[new_run], run_end
+
+
+def total(a: IntervalSet) -> int:
+    """Length of a canonical set (sum of its intervals)."""
+    return int((a[1] - a[0]).sum())
+
+
+def covers(a: IntervalSet, points) -> np.ndarray:
+    """For each point t: is t inside some ``[start, end)`` of the canonical set ``a``."""
+    points = np.asarray(points, dtype=np.int64)
+    if not len(a[0]):
+        return np.zeros(len(points), dtype=bool)
+    idx = np.searchsorted(a[0], points, side="right") - 1
+    return (idx >= 0) & (a[1][np.clip(idx, 0, None)] > points)
+
+
+def _combine(a: IntervalSet, b: IntervalSet, keep_fn) -> IntervalSet:
+    """Elementary segments between all endpoints, kept where ``keep_fn(in_a, in_b)``, merged back."""
+    points = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    if len(points) < 2:
+        return EMPTY
+    seg_s, seg_e = points[:-1], points[1:]
+    keep = keep_fn(covers(a, seg_s), covers(b, seg_s))
+    return union(seg_s[keep], seg_e[keep])
+
+
+def subtract(a: IntervalSet, b: IntervalSet) -> IntervalSet:
+    """``a \\ b`` of canonical sets."""
+    return _combine(a, b, lambda x, y: x & ~y)
+
+
+def intersect(a: IntervalSet, b: IntervalSet) -> IntervalSet:
+    """``a ∩ b`` of canonical sets."""
+    return _combine(a, b, lambda x, y: x & y)
+
+
+def merge(*sets: IntervalSet) -> IntervalSet:
+    """Union of several canonical sets."""
+    if not sets:
+        return EMPTY
+    return union(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))

@@ -1,0 +1,229 @@
+"""Synthetic multi-rank traces with exact ground truth (a test helper; loaded by path from conftest.py).
+
+Every builder returns ``(events, truth)``: ``events`` is a list of row dicts in the events-table vocabulary
+(``rank, lane, stream, name, cat, start_ns, dur_ns`` plus Kineto-style args mapped to columns), ``truth`` the
+numbers the analysis must recover, derived from how the timeline was laid out -- never from the code under
+test. ``to_frame`` conforms rows to the schema; ``write_kineto`` writes one Kineto JSON file per rank so the
+full load -> classify -> breakdown path can run.
+
+``raster_partition`` is the brute-force reference for attribution: it paints every ns of a window with the
+first label (by priority) whose events cover it -- O(window length), fine for windows of a few thousand ns.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from shardline.profiling.schema import conform
+
+PRIORITY = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
+            "other_comm", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset", "bubble", "p2p_send", "p2p_recv",
+            "sync")
+
+# GPU event names per category, as real traces spell them; the generic SendRecv kernel carries the op in args.
+KERNEL_NAMES = {
+    "compute": "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>()",
+    "all_reduce": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "all_gather": "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "reduce_scatter": "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "all_to_all": "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
+    "broadcast": "ncclKernel_Broadcast_RING_LL_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
+    "p2p_send": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+    "p2p_recv": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+    "memcpy_h2d": "Memcpy HtoD (Pinned -> Device)",
+    "memcpy_d2h": "Memcpy DtoH (Device -> Pinned)",
+    "memcpy_d2d": "Memcpy DtoD (Device -> Device)",
+    "memset": "Memset (Device)",
+    "sync": "Stream Wait Event",
+}
+COLLECTIVE_ARG = {"all_to_all": "all_to_allv", "p2p_send": "send", "p2p_recv": "recv"}
+CAT_OF = {"memcpy_h2d": "gpu_memcpy", "memcpy_d2h": "gpu_memcpy", "memcpy_d2d": "gpu_memcpy",
+          "memset": "gpu_memset", "sync": "cuda_sync"}
+STREAM_OF = {"compute": 7, "memcpy_h2d": 9, "memcpy_d2h": 9, "memcpy_d2d": 7, "memset": 7, "sync": 7}
+
+
+def gpu_event(rank: int, category: str, start: int, dur: int, **extra) -> dict:
+    """One GPU-lane work row of ``category``; NCCL rows carry a collective arg only for generic kernels."""
+    row = {"rank": rank, "lane": "gpu", "device": rank % 8, "stream": STREAM_OF.get(category, 20),
+           "name": KERNEL_NAMES[category], "cat": CAT_OF.get(category, "kernel"), "start_ns": start,
+           "dur_ns": dur, "source": "kineto"}
+    if category in COLLECTIVE_ARG:
+        row["collective"] = COLLECTIVE_ARG[category]
+    row.update(extra)
+    return row
+
+
+def annotation(rank: int, name: str, start: int, dur: int, *, lane: str = "gpu") -> dict:
+    cat = "gpu_user_annotation" if lane == "gpu" else "user_annotation"
+    return {"rank": rank, "lane": lane, "device": rank % 8 if lane == "gpu" else -1,
+            "stream": 7 if lane == "gpu" else 100 + rank, "name": name, "cat": cat, "start_ns": start,
+            "dur_ns": dur, "source": "kineto"}
+
+
+def to_frame(rows: list[dict]) -> pd.DataFrame:
+    return conform(pd.DataFrame(rows))
+
+
+def raster_partition(rows: list[dict], *, rank: int, window: tuple[int, int],
+                     bubble: list[tuple[int, int]] = ()) -> dict[str, int]:
+    """Reference partition of one rank's window: paint each ns with its highest-priority label."""
+    lo, hi = window
+    painted = np.full(hi - lo, len(PRIORITY), dtype=np.int64)  # len(PRIORITY) stands for idle
+    spans = [(r["category"], r["start_ns"], r["start_ns"] + r["dur_ns"]) for r in rows
+             if r["rank"] == rank and r.get("category")]
+    spans += [("bubble", s, e) for s, e in bubble]
+    for label, s, e in spans:
+        a, b = max(s, lo) - lo, min(e, hi) - lo
+        if b > a:
+            painted[a:b] = np.minimum(painted[a:b], PRIORITY.index(label))
+    counts = np.bincount(painted, minlength=len(PRIORITY) + 1)
+    out = {label: int(counts[i]) for i, label in enumerate(PRIORITY)}
+    out["idle"] = int(counts[-1])
+    return out
+
+
+# --- scenario: ZeRO + TP + offload on one GPU rank, laid out by hand ---------------------------------------
+
+def zero_tp_offload(rank: int = 0, *, t0: int = 1_000_000) -> tuple[list[dict], dict[str, int]]:
+    """One step of 650 ns (offset t0): the truth below is worked out on paper from these intervals.
+
+    compute [0,100) [150,300) [400,500); all_gather [80,180) (ZeRO prefetch, 50 under compute);
+    all_reduce [300,340) (TP, exposed); h2d [340,420) (offload, 20 under compute); reduce_scatter [480,560)
+    (20 under compute); d2h [560,600); nothing in [600,650).
+    """
+    layout = [("compute", 0, 100), ("compute", 150, 150), ("compute", 400, 100), ("all_gather", 80, 100),
+              ("all_reduce", 300, 40), ("memcpy_h2d", 340, 80), ("reduce_scatter", 480, 80),
+              ("memcpy_d2h", 560, 40)]
+    rows = [dict(gpu_event(rank, c, t0 + s, d), category=c) for c, s, d in layout]
+    rows.append(annotation(rank, "ProfilerStep#3", t0, 650))
+    truth = {"compute": 350, "all_gather": 50, "overlapped_all_gather": 50, "all_reduce": 40,
+             "overlapped_all_reduce": 0, "memcpy_h2d": 60, "reduce_scatter": 60, "overlapped_reduce_scatter": 20,
+             "memcpy_d2h": 40, "idle": 50, "step_ns": 650, "comm_ns": 100 + 40 + 80}
+    truth["overlap_ratio_num"] = 50 + 20
+    return rows, truth
+
+
+# --- scenario: 1F1B pipeline --------------------------------------------------------------------------------
+
+def one_f_one_b(p: int, m: int, *, f: int = 100, b: int = 200, t0: int = 0,
+                recv_kernels: bool = True) -> tuple[list[dict], dict]:
+    """1F1B on p stages (rank s = stage s), m micro-batches, every F costs f and every B costs b ns.
+
+    Each action starts when its stage is free and its input is ready (F(s,i) after F(s-1,i); B(s,i) after
+    B(s+1,i)); p2p is instantaneous. With equal costs the makespan is (m+p-1)(f+b), so every stage's bubble
+    is (p-1)(f+b) and its fraction (p-1)/(m+p-1) -- the textbook result the truth states. Stage s>0 also
+    runs a recv kernel over each wait for an activation (it spins there), which must count as bubble.
+    """
+    from shardline.profiling.annotations import pp_action_name, pp_batch_name
+
+    done_f = np.zeros((p, m), dtype=np.int64)
+    done_b = np.zeros((p, m), dtype=np.int64)
+    order = {s: _one_f_one_b_order(p - s - 1, m) for s in range(p)}
+    pos = {s: 0 for s in range(p)}
+    free = {s: 0 for s in range(p)}
+    rows: list[dict] = []
+    pending = sum(len(v) for v in order.values())
+    while pending:
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(order[s]):
+                kind, i = order[s][pos[s]]
+                dep = (done_f[s - 1, i] if s > 0 else 0) if kind == "F" else (done_b[s + 1, i] if s < p - 1
+                                                                               else done_f[s, i])
+                if (kind == "F" and s > 0 and done_f[s - 1, i] == 0) or (kind == "B" and (
+                        (s < p - 1 and done_b[s + 1, i] == 0) or (s == p - 1 and done_f[s, i] == 0))):
+                    break
+                start = max(free[s], int(dep))
+                if recv_kernels and kind == "F" and s > 0 and start > free[s]:
+                    rows.append(dict(gpu_event(s, "p2p_recv", t0 + free[s], start - free[s]), category="p2p_recv"))
+                cost = f if kind == "F" else b
+                rows.append(dict(gpu_event(s, "compute", t0 + start, cost), category="compute"))
+                rows.append(annotation(s, pp_action_name(kind, stage=s, microbatch=i), t0 + start, cost))
+                free[s] = start + cost
+                (done_f if kind == "F" else done_b)[s, i] = free[s]
+                pos[s] += 1
+                pending -= 1
+                progressed = True
+        assert progressed, "1F1B generator deadlocked"  # a bug in the generator itself
+    makespan = max(free.values())
+    for s in range(p):
+        rows.append(annotation(s, pp_batch_name("1f1b", p=p, m=m), t0, makespan))
+        rows.append(annotation(s, "ProfilerStep#0", t0, makespan))
+    truth = {"makespan": makespan, "bubble_ns": (p - 1) * (f + b), "compute": m * (f + b),
+             "fraction": (p - 1) / (m + p - 1)}
+    assert makespan == (m + p - 1) * (f + b)  # the closed form the truth relies on
+    return rows, truth
+
+
+def _one_f_one_b_order(warmup: int, m: int) -> list[tuple[str, int]]:
+    warmup = min(warmup, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(m - warmup, m)]
+    return order
+
+
+# --- scenario: one collective on many ranks with known arrival, transfer and clock skew -------------------------
+
+def skewed_collectives(arrivals: np.ndarray, transfer: np.ndarray, offsets: np.ndarray, *,
+                       category: str = "all_reduce", pg: str = "0") -> tuple[list[dict], dict]:
+    """Collective k on rank r: true start ``arrivals[k, r]``, true end ``max_r arrivals[k] + transfer[k]``,
+    recorded on rank r's clock, which reads true time + ``offsets[r]``. Truth: wait = last arrival - own
+    arrival, transfer, the straggler (argmax arrival), and offsets relative to rank 0."""
+    n_coll, world = arrivals.shape
+    rows = []
+    last = arrivals.max(axis=1)
+    ends = last + transfer
+    for k in range(n_coll):
+        for r in range(world):
+            rows.append(dict(gpu_event(r, category, int(arrivals[k, r] + offsets[r]),
+                                       int(ends[k] - arrivals[k, r])), category=category, pg_name=pg,
+                             pg_desc="default_pg", pg_ranks=str(list(range(world))), pg_size=world, seq=k))
+    truth = {"wait": last[:, None] - arrivals, "transfer": transfer, "straggler": arrivals.argmax(axis=1),
+             "offset": offsets - offsets[0]}
+    return rows, truth
+
+
+# --- Kineto JSON writer ---------------------------------------------------------------------------------------
+
+def write_kineto(rows: list[dict], folder: Path, *, world: int | None = None) -> list[Path]:
+    """One ``rank{r}.pt.trace.json.gz`` per rank; ts in µs relative to ``baseTimeNanoseconds`` with the ns
+    fraction kept, GPU rows on pid=device/tid=stream, CPU rows on the rank's pid/thread."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ranks = sorted({r["rank"] for r in rows})
+    world = world or (max(ranks) + 1)
+    paths = []
+    for rank in ranks:
+        mine = [r for r in rows if r["rank"] == rank]
+        base = min(r["start_ns"] for r in mine)
+        trace = [_kineto_event(r, base) for r in mine]
+        doc = {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
+               "baseTimeNanoseconds": base, "traceEvents": trace}
+        path = folder / f"rank{rank}.pt.trace.json.gz"
+        with gzip.open(path, "wt") as fh:
+            json.dump(doc, fh)
+        paths.append(path)
+    return paths
+
+
+def _kineto_event(row: dict, base: int) -> dict:
+    rel = row["start_ns"] - base
+    gpu = row["lane"] == "gpu"
+    args = {}
+    if gpu:
+        args.update({"device": row["device"], "stream": row["stream"]})
+    for column, key in (("collective", "Collective name"), ("pg_name", "Process Group Name"),
+                        ("pg_desc", "Process Group Description"), ("pg_ranks", "Process Group Ranks"),
+                        ("pg_size", "Group size"), ("seq", "Seq")):
+        if column in row:
+            args[key] = row[column]
+    return {"ph": "X", "cat": row["cat"], "name": row["name"],
+            "pid": row["device"] if gpu else 1000 + row["rank"], "tid": row["stream"],
+            "ts": rel / 1000, "dur": row["dur_ns"] / 1000,
+            "args": args}

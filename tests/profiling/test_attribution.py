@@ -1,0 +1,114 @@
+"""breakdown(): exact ns partitions against hand-worked timelines and a brute-force raster reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardline.profiling import intervals as iv
+from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown, partition
+from shardline.profiling.errors import AttributionError
+from shardline.profiling.schema import conform
+
+
+def _row(table: pd.DataFrame, rank: int = 0) -> pd.Series:
+    (row,) = [r for _, r in table.iterrows() if r["rank"] == rank]
+    return row
+
+
+def test_hand_laid_zero_tp_offload_step_is_recovered_to_the_ns(synth):
+    rows, truth = synth.zero_tp_offload()
+    row = _row(breakdown(synth.to_frame(rows)))
+    assert row["step"] == 3 and row["lanes"] == "gpu"
+    for key, value in truth.items():
+        if key != "overlap_ratio_num":
+            assert row[key] == value, key
+    assert row[list(EXCLUSIVE_COLUMNS)].sum() == row["step_ns"] == 650
+    assert row["overlap_ratio"] == pytest.approx(truth["overlap_ratio_num"] / truth["comm_ns"], abs=0)
+
+
+def test_unclassified_table_is_classified_first(synth):
+    rows, truth = synth.zero_tp_offload()
+    bare = [{k: v for k, v in r.items() if k != "category"} for r in rows]
+    row = _row(breakdown(synth.to_frame(bare)))
+    # The all_gather / reduce_scatter kernels are NCCL 2.19+ ncclDevKernel_* names, the h2d a memcpy.
+    assert (row["all_gather"], row["reduce_scatter"], row["memcpy_h2d"], row["compute"]) == (50, 60, 60, 350)
+
+
+def test_trace_without_steps_is_one_window_from_first_to_last_event(synth):
+    rows = [dict(synth.gpu_event(0, "compute", 10, 5), category="compute"),
+            dict(synth.gpu_event(0, "all_reduce", 30, 10), category="all_reduce")]
+    row = _row(breakdown(synth.to_frame(rows)))
+    assert (row["step"], row["start_ns"], row["end_ns"]) == (-1, 10, 40)
+    assert (row["compute"], row["all_reduce"], row["idle"]) == (5, 10, 15)
+    assert row["overlap_ratio"] == 0.0
+
+
+def test_cpu_only_gloo_rank_counts_comm_ops_inside_framework_ops():
+    # Thread 1: optimizer.step [0,100) holds c10d::allreduce_ [20,60) > record_param_comms > gloo:all_reduce.
+    # Thread 2 (backward): an op [50,80) running while thread 1 is in the all-reduce -> 10 ns overlapped.
+    rows = [dict(rank=0, lane="cpu", stream=1, name="ProfilerStep#5", cat="user_annotation", start_ns=0,
+                 dur_ns=120),
+            dict(rank=0, lane="cpu", stream=1, name="Optimizer.step#SGD.step", cat="cpu_op", start_ns=0,
+                 dur_ns=100),
+            dict(rank=0, lane="cpu", stream=1, name="c10d::allreduce_", cat="cpu_op", start_ns=20, dur_ns=40),
+            dict(rank=0, lane="cpu", stream=1, name="record_param_comms", cat="cpu_op", start_ns=21,
+                 dur_ns=38, collective="allreduce"),
+            dict(rank=0, lane="cpu", stream=1, name="gloo:all_reduce", cat="user_annotation", start_ns=22,
+                 dur_ns=30),
+            dict(rank=0, lane="cpu", stream=2, name="autograd::engine::evaluate_function: MmBackward0",
+                 cat="cpu_op", start_ns=50, dur_ns=30)]
+    row = _row(breakdown(conform(pd.DataFrame(rows))))
+    assert (row["step"], row["lanes"], row["step_ns"]) == (5, "cpu", 120)
+    # compute: [0,20) + [60,100) on thread 1, [50,80) on thread 2 -> [0,20) u [50,100) = 70.
+    assert (row["compute"], row["all_reduce"], row["overlapped_all_reduce"], row["idle"]) == (70, 30, 10, 20)
+    assert row["overlap_ratio"] == pytest.approx(10 / 40, abs=0)
+
+
+def test_two_steps_and_two_ranks_partition_separately(synth):
+    a, _ = synth.zero_tp_offload(rank=0, t0=0)
+    b, _ = synth.zero_tp_offload(rank=1, t0=5_000)
+    extra = [dict(synth.gpu_event(0, "compute", 700, 30), category="compute"),
+             synth.annotation(0, "ProfilerStep#4", 650, 100)]
+    table = breakdown(synth.to_frame(a + b + extra))
+    assert list(zip(table["rank"], table["step"])) == [(0, 3), (0, 4), (1, 3)]
+    assert table.loc[1, ["compute", "idle", "step_ns"]].tolist() == [30, 70, 100]
+    assert (table[list(EXCLUSIVE_COLUMNS)].sum(axis=1) == table["step_ns"]).all()
+
+
+def test_bad_input_raises_our_errors(synth):
+    with pytest.raises(AttributionError, match="TraceSet or an events DataFrame"):
+        breakdown([1, 2, 3])
+    only_annotations = synth.to_frame([synth.annotation(0, "ProfilerStep#1", 0, 10)])
+    with pytest.raises(AttributionError, match="nothing to attribute"):
+        breakdown(only_annotations)
+    with pytest.raises(AttributionError, match="end before start"):
+        partition({"compute": iv.EMPTY}, np.array([10]), np.array([5]))
+
+
+_spans = st.lists(st.tuples(st.sampled_from(["compute", "all_reduce", "all_gather", "p2p_recv", "memcpy_h2d",
+                                             "memcpy_d2h", "memset", "sync", "reduce_scatter"]),
+                            st.integers(0, 400), st.integers(0, 120)), min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spans=_spans, window=st.tuples(st.integers(0, 200), st.integers(200, 600)),
+       bubble=st.lists(st.tuples(st.integers(0, 500), st.integers(1, 80)), max_size=4))
+def test_partition_equals_brute_force_raster(synth, spans, window, bubble):
+    rows = [dict(rank=0, category=c, start_ns=s, dur_ns=d) for c, s, d in spans]
+    bubble_spans = [(s, s + d) for s, d in bubble]
+    sets = {}
+    for label in {r["category"] for r in rows}:
+        mine = [r for r in rows if r["category"] == label]
+        sets[label] = iv.union([r["start_ns"] for r in mine], [r["start_ns"] + r["dur_ns"] for r in mine])
+    sets.setdefault("compute", iv.EMPTY)
+    sets["bubble"] = iv.union([s for s, _ in bubble_spans], [e for _, e in bubble_spans])
+    got = partition(sets, np.array([window[0]]), np.array([window[1]])).iloc[0]
+    want = synth.raster_partition(rows, rank=0, window=window, bubble=bubble_spans)
+    assert {k: int(got[k]) for k in want} == want
+    comm = [r for r in rows if r["category"] in ("all_reduce", "all_gather", "p2p_recv", "reduce_scatter")]
+    assert got["comm_ns"] == synth.raster_partition(
+        [dict(r, category="compute") for r in comm], rank=0, window=window)["compute"]
