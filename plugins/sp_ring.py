@@ -1,0 +1,170 @@
+"""Ring attention: the autograd Function behind :func:`shardline.plugins.sequence_parallel.ring_attention`.
+
+Math. For one query row ``i`` and a key block ``B``: ``s_ij = scale * q_i . k_j``, block log-sum-exp
+``l_B = log sum_{j in B, visible} exp(s_ij)`` and block output ``o_B = sum_j exp(s_ij - l_B) v_j``. Blocks merge
+exactly: ``l = logaddexp(l_1, l_2)``, ``o = exp(l_1 - l) o_1 + exp(l_2 - l) o_2``.
+
+Forward (``n`` ranks, rank ``r``): at step ``t = 0..n-1`` the rank holds the K/V block of rank ``src = r - t``
+(mod n), computes the visible part against its local queries and merges it. The K/V block for step ``t+1`` is
+already travelling (isend to ``r+1`` / irecv from ``r-1``) while step ``t`` computes. Saved for backward: local
+``q, k, v``, the output and ``l``; nothing of another rank's size.
+
+Backward: with ``D_i = dO_i . O_i`` and ``p_ij = exp(s_ij - l_i)`` (the final ``l``), a block contributes
+``dV_B += p^T dO``, ``dS = p * (dO V_B^T - D)``, ``dQ += scale * dS K_B`` and ``dK_B += scale * dS^T Q``. K/V
+travel around the ring again; each block's dK/dV accumulator travels with it (``r`` adds its part and passes it on),
+and after ``n`` hops it arrives home. Per-rank memory: O(local_seq) tensors plus one ``local x local`` score
+block at a time; no rank ever holds the full K/V or the full score matrix.
+
+Which part of a visiting block is visible (``causal``): the diagonal block (``src == r``) uses the ordinary causal
+mask (local positions increase with the local index in both layouts). Contiguous: blocks from ``src < r`` are fully
+visible, from ``src > r`` invisible (skipped). Balanced (rank ``i`` holds chunks ``i`` and ``2n-1-i``): from
+``src < r`` every query sees the block's first half; from ``src > r`` only the second half of the queries sees the
+block, all of it. So each off-diagonal step costs every rank the same half block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from shardline.plugins.tp_comm import group_rank, group_size
+from shardline.profiling.annotations import comm_name
+
+_KV_TAG, _GRAD_TAG = 11, 12  # distinct tags: gloo matches per tag, and the two streams interleave
+
+_ALL = slice(None)
+
+
+def _visible(*, causal: bool, balanced: bool, rank: int, src: int, local: int):
+    """(query slice, key slice, diagonal-causal) of the block of ``src`` that ``rank``'s queries see, or None."""
+    if not causal:
+        return _ALL, _ALL, False
+    if src == rank:
+        return _ALL, _ALL, True
+    if not balanced:
+        return (_ALL, _ALL, False) if src < rank else None
+    half = local // 2
+    return (_ALL, slice(0, half), False) if src < rank else (slice(half, None), _ALL, False)
+
+
+def _scores(q, k, scale, diag):
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if diag:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(mask, float("-inf"))
+    return s
+
+
+def _post(ops, tensor, peer, *, send: bool, tag: int):
+    # group ranks -> global ranks: the p2p API addresses peers by global rank.
+    if send:
+        with record_function(comm_name("cp", "p2p_send")):
+            ops.append(dist.isend(tensor, dst=peer, tag=tag))
+    else:
+        with record_function(comm_name("cp", "p2p_recv")):
+            ops.append(dist.irecv(tensor, src=peer, tag=tag))
+
+
+def _wait(works):
+    for w in works:
+        w.wait()
+    works.clear()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, balanced):
+        n, r = group_size(group), group_rank(group)
+        nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+        cdt = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+        qc = q.to(cdt)
+        kv = torch.stack([k, v]).to(cdt)
+        out = torch.zeros_like(qc)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+        local = q.shape[2]
+        sends, recvs = [], []
+        for t in range(n):
+            if t < n - 1:  # the next block travels while this one computes
+                incoming = torch.empty_like(kv)
+                _post(recvs, incoming, prv, send=False, tag=_KV_TAG)
+                _post(sends, kv, nxt, send=True, tag=_KV_TAG)
+            vis = _visible(causal=causal, balanced=balanced, rank=r, src=(r - t) % n, local=local)
+            if vis is not None:
+                qs, ks, diag = vis
+                s = _scores(qc[:, :, qs], kv[0][:, :, ks], scale, diag)
+                lse_b = torch.logsumexp(s, dim=-1)
+                o_b = torch.matmul(torch.exp_(s.sub_(lse_b.unsqueeze(-1))), kv[1][:, :, ks])
+                new = torch.logaddexp(lse[:, :, qs], lse_b)
+                out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new).unsqueeze(-1)
+                                 + o_b * torch.exp(lse_b - new).unsqueeze(-1))
+                lse[:, :, qs] = new
+            if t < n - 1:
+                _wait(recvs)
+                _wait(sends)
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.balanced = group, causal, scale, balanced
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, r = group_size(group), group_rank(group)
+        nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+        cdt = out.dtype
+        qc, do = q.to(cdt), dout.to(cdt)
+        delta = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v]).to(cdt)
+        local = q.shape[2]
+        kv_sends, kv_recvs, grad_sends, grad_recvs = [], [], [], []
+        for t in range(n):
+            # Post this step's receives before waiting on last step's sends: waiting first would let every rank
+            # wait for its successor's receive at once, a cycle around the ring if sends are rendezvous.
+            if t > 0:
+                acc = torch.empty_like(kv)
+                _post(grad_recvs, acc, prv, send=False, tag=_GRAD_TAG)
+            if t < n - 1:
+                incoming = torch.empty_like(kv)
+                _post(kv_recvs, incoming, prv, send=False, tag=_KV_TAG)
+            _wait(kv_sends)
+            _wait(grad_sends)
+            if t < n - 1:
+                _post(kv_sends, kv, nxt, send=True, tag=_KV_TAG)
+            dkv = torch.zeros_like(kv)
+            vis = _visible(causal=ctx.causal, balanced=ctx.balanced, rank=r, src=(r - t) % n, local=local)
+            if vis is not None:
+                _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale)
+            if t > 0:
+                _wait(grad_recvs)
+                dkv.add_(acc)
+            _post(grad_sends, dkv, nxt, send=True, tag=_GRAD_TAG)  # the last hop takes it home
+            if t < n - 1:
+                _wait(kv_recvs)
+                kv = incoming
+        home = torch.empty_like(kv)
+        _post(grad_recvs, home, prv, send=False, tag=_GRAD_TAG)
+        _wait(grad_recvs)
+        _wait(kv_sends)
+        _wait(grad_sends)
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
+
+
+def _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale):
+    """Add one visible block's contribution to ``dq`` (in place) and to its ``dkv = [dK, dV]`` accumulator."""
+    qs, ks, diag = vis
+    q_b, do_b = qc[:, :, qs], do[:, :, qs]
+    k_b, v_b = kv[0][:, :, ks], kv[1][:, :, ks]
+    p = torch.exp_(_scores(q_b, k_b, scale, diag).sub_(lse[:, :, qs].unsqueeze(-1)))
+    dkv[1][:, :, ks] += torch.matmul(p.transpose(-1, -2), do_b)
+    ds = p.mul_(torch.matmul(do_b, v_b.transpose(-1, -2)).sub_(delta[:, :, qs].unsqueeze(-1)))
+    dq[:, :, qs] += torch.matmul(ds, k_b).mul_(scale)
+    dkv[0][:, :, ks] += torch.matmul(ds.transpose(-1, -2), q_b).mul_(scale)
+
+
+def ring_attention_impl(q, k, v, *, group, causal: bool, scale: float | None, balanced: bool):
+    """Inputs already validated by the public wrapper; ``scale`` None means ``1/sqrt(head_dim)``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, causal, scale, balanced)

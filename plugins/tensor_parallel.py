@@ -1,0 +1,203 @@
+"""Megatron-style tensor-parallel layers, built on the conjugate collectives of :mod:`shardline.plugins.tp_comm`.
+
+Partitions (``n`` = TP group size, ``r`` = this rank's index in it; chunks are contiguous, in rank order):
+
+- :class:`ColumnParallelLinear` ``y = x A^T + b`` with ``A: [out, in]`` split by rows (output features):
+  rank r holds ``A[r*out/n:(r+1)*out/n]`` and the same slice of ``b``; it produces ``y[..., out/n]``.
+- :class:`RowParallelLinear` ``y = x A^T + b`` with ``A`` split by columns (input features): rank r holds
+  ``A[:, r*in/n:(r+1)*in/n]``, computes a partial ``x_r A_r^T`` that is summed over the group; ``b`` is replicated
+  and added once, after the sum.
+- :class:`VocabParallelEmbedding` rows (vocabulary) split: rank r holds ids ``[r*V'/n, (r+1)*V'/n)`` of the
+  vocabulary padded to ``V' = ceil(V/n)*n``; lookups outside the shard give zero and the results are summed.
+- :func:`vocab_parallel_cross_entropy` the loss over vocab-sharded logits without gathering them.
+
+Layout-independent initialisation: every layer draws its *full* dense weight on the CPU from ``generator`` (or the
+global RNG when None) in float32, then keeps its slice and casts to ``dtype``. The random stream consumed is
+therefore the same at every TP degree, so with the same seed the shards of a TP=k model are exactly the slices of
+the dense model's weights (the price: each rank briefly materialises one full weight on the CPU at construction).
+
+Parameter attributes, read by DeepSpeed's gradient-norm de-duplication and by :func:`allreduce_sequence_parallel_grads`:
+
+- ``tensor_model_parallel`` (bool) and ``partition_dim`` (int): the parameter is a shard along that dim.
+- ``sequence_parallel`` (bool): the parameter is replicated over TP but fed sequence-sharded activations
+  (Megatron-SP); each rank's gradient covers only its tokens, so gradients must be summed over the TP group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardline.plugins.errors import LayoutError
+from shardline.plugins.tp_comm import (
+    all_reduce,
+    check_divisible,
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    split_to_tp,
+)
+from shardline.plugins.tp_vocab import VocabParallelEmbedding, pad_vocab, vocab_parallel_cross_entropy
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "pad_vocab",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "split_to_tp",
+    "gather_from_tp",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "mark_parallel",
+    "allreduce_sequence_parallel_grads",
+    "sequence_parallel_parameters",
+]
+
+log = logging.getLogger(__name__)
+
+
+def mark_parallel(param: nn.Parameter, *, partition_dim: int | None = None, sequence_parallel: bool = False):
+    """Set the attributes DeepSpeed and our gradient sync read: a shard along ``partition_dim`` (None: replicated)."""
+    param.tensor_model_parallel = partition_dim is not None
+    param.partition_dim = -1 if partition_dim is None else partition_dim
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def _uniform_full(shape, *, bound: float, generator) -> torch.Tensor:
+    # Always float32 on the CPU, whatever the target dtype/device: the same numbers at every layout and dtype.
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+
+
+def _shard(full: torch.Tensor, *, group, dim: int, dtype, device) -> nn.Parameter:
+    n = group_size(group)
+    part = full.chunk(n, dim=dim)[group_rank(group)] if n > 1 else full
+    return nn.Parameter(part.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b``, ``A: [out, in]`` split along ``out`` over ``group`` (see the module docstring).
+
+    Input ``[..., in]`` replicated over the group, or with ``sequence_parallel`` ``[b, s/n, in]`` (this rank's
+    sequence chunk, dim 1). Output ``[..., out/n]`` (full sequence), or ``[..., out]`` with ``gather_output``.
+    Entry collective: ``copy_to_tp`` (forward identity / backward all-reduce), or ``gather_from_sequence``
+    (all-gather / reduce-scatter) under sequence parallelism. Init: ``A, b ~ U(-1/sqrt(in), 1/sqrt(in))`` drawn
+    full, then sliced (as ``nn.Linear``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, generator=None,
+                 dtype=None, device=None):
+        super().__init__()
+        n = group_size(group)
+        check_divisible(out_features, n, what="out_features", by="tp")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel and n > 1
+        bound = 1.0 / math.sqrt(in_features)
+        full_w = _uniform_full((out_features, in_features), bound=bound, generator=generator)
+        self.weight = mark_parallel(_shard(full_w, group=group, dim=0, dtype=dtype, device=device),
+                                    partition_dim=0)
+        if bias:
+            full_b = _uniform_full((out_features,), bound=bound, generator=generator)
+            self.bias = mark_parallel(_shard(full_b, group=group, dim=0, dtype=dtype, device=device),
+                                      partition_dim=0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, group=self.group, dim=1)
+        else:
+            x = copy_to_tp(x, group=self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, group=self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+                f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b``, ``A: [out, in]`` split along ``in`` over ``group`` (see the module docstring).
+
+    Input ``[..., in/n]`` (``input_is_parallel``, e.g. a ColumnParallelLinear's output) or ``[..., in]`` replicated,
+    which is split first (``split_to_tp``: forward split / backward all-gather). Output ``[..., out]`` summed over
+    the group by ``reduce_from_tp`` (all-reduce / identity), or with ``sequence_parallel`` ``[b, s/n, out]`` by
+    ``reduce_scatter_to_sequence`` (reduce-scatter / all-gather). The bias is replicated and added after the sum;
+    under sequence parallelism it is marked ``sequence_parallel`` (its gradient covers only this rank's tokens).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, generator=None,
+                 dtype=None, device=None):
+        super().__init__()
+        n = group_size(group)
+        check_divisible(in_features, n, what="in_features", by="tp")
+        self.sequence_parallel = sequence_parallel and n > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise LayoutError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True "
+                              "(got input_is_parallel=False): a sequence-parallel input is never replicated")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.input_is_parallel = group, input_is_parallel
+        bound = 1.0 / math.sqrt(in_features)
+        full_w = _uniform_full((out_features, in_features), bound=bound, generator=generator)
+        self.weight = mark_parallel(_shard(full_w, group=group, dim=1, dtype=dtype, device=device),
+                                    partition_dim=1)
+        if bias:
+            full_b = _uniform_full((out_features,), bound=bound, generator=generator)
+            self.bias = mark_parallel(_shard(full_b, group=None, dim=0, dtype=dtype, device=device),
+                                      sequence_parallel=self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = split_to_tp(x, group=self.group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(partial, group=self.group, dim=1)
+        else:
+            y = reduce_from_tp(partial, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+                f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of ``module`` marked ``sequence_parallel`` (replicated, fed sequence-sharded activations)."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, *, group) -> int:
+    """Sum over ``group`` the gradients of every parameter marked ``sequence_parallel``; returns how many.
+
+    Under Megatron-SP a replicated parameter (LayerNorm weight/bias, RowParallelLinear bias, position embedding)
+    sees only this rank's ``s/n`` tokens, so its local gradient is a partial sum; the dense gradient is the sum
+    over the TP group. Call after backward and before the optimizer step (and before any data-parallel reduction,
+    which averages over a different group). The gradients are flattened into one buffer: one all-reduce.
+    """
+    params = [p for p in sequence_parallel_parameters(module) if p.grad is not None]
+    if not params or group_size(group) == 1:
+        return len(params)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+    return len(params)
