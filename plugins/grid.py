@@ -6,8 +6,8 @@ Rank order is ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` (Megatron's 
 
 so a TP group is ``tp`` consecutive ranks and stays inside one node (NVLink), while DP, CP and PP groups stride
 across nodes (InfiniBand). A group of axis ``a`` is the set of ranks that share every coordinate but ``a``.
-Combined axes: ``dp_cp`` (ranks sharing tp and pp: ZeRO's partition group when the sequence is sharded) and
-``embed`` (the first and last pipeline stage of each (tp, cp, dp) position: tied embeddings).
+Combined axes: ``dp_cp`` (ranks sharing tp and pp: ZeRO's partition group when the sequence is sharded),
+``mp`` (ranks sharing cp and dp: the model-parallel group over which a gradient norm is summed) and ``embed`` (the first and last pipeline stage of each (tp, cp, dp) position: tied embeddings).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from shardline.plugins.errors import LayoutError
 from shardline.profiling.annotations import group_desc
 
 AXES = ("tp", "cp", "dp", "pp")
-COMBINED_AXES = ("dp_cp", "embed")
+COMBINED_AXES = ("dp_cp", "mp", "embed")
 
 
 class SPMode(str, enum.Enum):
@@ -119,6 +119,8 @@ class ParallelDims:
             return getattr(self, axis)
         if axis == "dp_cp":
             return self.dp * self.cp
+        if axis == "mp":
+            return self.tp * self.pp
         if axis == "embed":
             return 1 if self.pp == 1 else 2
         raise LayoutError(f"unknown axis {axis!r}; expected one of {AXES + COMBINED_AXES}")
@@ -143,6 +145,8 @@ class ParallelDims:
             varying = (axis,)
         elif axis == "dp_cp":
             varying = ("cp", "dp")
+        elif axis == "mp":
+            varying = ("tp", "pp")
         elif axis == "embed":
             return self._embed_groups()
         else:

@@ -17,6 +17,7 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -52,18 +53,24 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: st
                           LOCAL_WORLD_SIZE=str(world_size))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        conn.send(("ok", result))
+        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensors by value; multiprocessing's pickler would share their storage through a
+        # file-descriptor server that dies with this worker before the caller reads it.
+        conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises must reach the caller
         status = 1
         # Only text crosses back: an arbitrary exception object may not pickle, its description always does.
-        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        # The monotonic clock is system-wide, so the caller can tell the first failure from its consequences.
+        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                                      time.monotonic())))
     finally:
         conn.close()
+        # Tear down only after reporting: a peer that sees the connection drop must not beat the root cause.
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
         # Skip atexit handlers and buffered state inherited from the parent (pytest's, torch's).
         os._exit(status)
 
@@ -72,8 +79,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
               backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks and return their results.
 
-    Raises :class:`RankFailedError` for the first rank (in time) that raised, died or hung past ``timeout``
-    seconds; other ranks still running are killed and reaped first.
+    Raises :class:`RankFailedError` for the rank that failed first (raised or died), or for the lowest rank still
+    running after ``timeout`` seconds; other ranks still running are killed and reaped first.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -109,7 +116,7 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
     world_size = len(procs)
     results: list[Any] = [None] * world_size
     pending = dict(enumerate(conns))
-    first_failure: RankFailedError | None = None
+    failures: list[tuple[float, RankFailedError]] = []
     deadline = time.monotonic() + timeout
     while pending:
         now = time.monotonic()
@@ -120,18 +127,20 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
             rank = next(r for r, c in pending.items() if c is conn)
             del pending[rank]
             try:
-                message = conn.recv()
-            except EOFError:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
                 procs[rank].join(timeout=5)
                 code = procs[rank].exitcode
-                message = ("error", f"worker died without reporting (exit code {code})", "")
+                message = ("error", f"worker died without reporting (exit code {code})", "", time.monotonic())
             if message[0] == "ok":
                 results[rank] = message[1]
-            elif first_failure is None:
-                first_failure = RankFailedError(rank, message[1], message[2])
+                continue
+            if not failures:
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
-    if first_failure is not None:
-        raise first_failure
+            failures.append((message[3], RankFailedError(rank, message[1], message[2])))
+    if failures:
+        # The earliest failure is the cause; later ones are usually peers losing their connection to it.
+        raise min(failures, key=lambda item: item[0])[1]
     if pending:
         hung = sorted(pending)
         raise RankFailedError(hung[0], f"timed out after {timeout:g} s; ranks still running: {hung}")

@@ -26,7 +26,7 @@ PREFIX = "sl"
 #: Pipeline actions, in the text form the schedule module uses (F/B are compute; the rest are p2p).
 PP_ACTIONS = ("F", "B", "W", "send_act", "recv_act", "send_grad", "recv_grad", "wait")
 #: Parallel dimensions a collective can belong to.
-DIMS = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "embed", "world")
+DIMS = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "mp", "embed", "world")
 #: Collective operations named in ``sl:comm`` annotations (the profiler's communication categories).
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p_send", "p2p_recv",
             "barrier", "memcpy_h2d", "memcpy_d2h")
