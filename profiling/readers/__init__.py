@@ -1,1 +1,86 @@
-"""Readers: one module per input format, each turning a file into rows of the events table."""
+"""Readers: one module per input format, each turning a file into rows of the events table.
+
+Every reader returns a :class:`ReadResult`: schema-conformant rows (``source`` names the reader), the metadata
+it found per rank, and the warnings it raised about parts it could not read. ``sniff`` says which reader a
+file needs, from its name and first bytes; :func:`shardline.profiling.load` is the public entry point.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import pandas as pd
+
+
+class Format(str, Enum):
+    """Input formats ``load`` recognises."""
+
+    KINETO = "kineto"
+    NCCL_LOG = "nccl_log"
+    NSYS = "nsys"
+    FLIGHT_RECORDER = "flight_recorder"
+    NCCL_PROFILER = "nccl_profiler"
+
+
+@dataclass
+class ReadResult:
+    """What one reader produced from one file."""
+
+    events: pd.DataFrame
+    #: rank -> metadata dict (``distributedInfo``, ``baseTimeNanoseconds``, ``deviceProperties`` ...).
+    metadata: dict[int, dict] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    #: what the file is, when it holds no events (e.g. an execution trace); None otherwise.
+    skipped: str | None = None
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_NCCL_LINE = re.compile(rb"NCCL (INFO|WARN)|NCCL version")
+_TEXT_SUFFIXES = (".log", ".txt", ".out", ".err")
+_JSON_SUFFIXES = (".json", ".json.gz", ".gz")
+
+
+def peek(path: Path, size: int = 4096) -> bytes:
+    """The first ``size`` bytes of a file, gunzipped when it is gzip; ``b""`` when that fails."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(size)
+        if head[:2] == b"\x1f\x8b":
+            with gzip.open(path, "rb") as handle:
+                head = handle.read(size)
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return b""
+    return head
+
+
+def sniff(path: Path) -> Format | None:
+    """Which reader a file needs, from its content first and its name second; None for anything else.
+
+    Kineto JSON and the flight-recorder JSON dump are told apart by their keys; an NCCL profiler-plugin dump
+    is a JSON-like array of ``"cat": "GROUP_API"``-style events; a text file is an NCCL log when it holds
+    NCCL lines.
+    """
+    name = path.name.lower()
+    head = peek(path)
+    if head.startswith(_SQLITE_MAGIC) or name.endswith((".sqlite", ".sqlite3")):
+        return Format.NSYS
+    stripped = head.lstrip()
+    if name.endswith(_TEXT_SUFFIXES) or stripped[:1] not in (b"{", b"["):
+        if _NCCL_LINE.search(head):
+            return Format.NCCL_LOG
+        if stripped[:1] == b"[" and (b"GROUP_API" in head or b"KERNEL_LAUNCH" in head or b"P2P_API" in head):
+            return Format.NCCL_PROFILER
+        return None
+    if stripped[:1] == b"[":
+        if b"GROUP_API" in head or b"KERNEL_LAUNCH" in head or b"COLL" in head and b"CommHash" in head:
+            return Format.NCCL_PROFILER
+        return Format.KINETO if name.endswith(_JSON_SUFFIXES) else None
+    if b'"pg_config"' in head and b'"entries"' in head or b'"pg_status"' in head:
+        return Format.FLIGHT_RECORDER
+    if name.endswith(_JSON_SUFFIXES) or name.endswith(".raw.gz"):
+        return Format.KINETO
+    return None

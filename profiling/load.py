@@ -1,0 +1,197 @@
+"""``load(path) -> TraceSet``: every trace, log and export of one job, read into one events table.
+
+``path`` is a trace file, a folder of per-rank files, or a whole run directory (searched recursively). Files
+are recognised by content and extension (``readers.sniff``): Kineto JSON (``.json``, ``.json.gz``,
+``.pt.trace.json(.gz)``), NCCL_DEBUG logs (``.log``/``.txt`` with NCCL lines), Nsight Systems SQLite exports,
+flight-recorder JSON dumps and NCCL profiler-plugin dumps; anything else is ignored. The rows are
+classified (``classify.classify_events``) before they are returned.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings as _warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from pandas.api.types import union_categoricals
+
+from shardline.profiling.errors import MissingRankError, MixedJobsError, TraceFormatError, TraceWarning
+from shardline.profiling.readers import Format, ReadResult, sniff
+from shardline.profiling.schema import COLUMNS, check_events, conform, empty_events
+
+#: Readers by format, imported on first use so a Kineto-only job never imports sqlite3 or the log parser.
+_READERS = {
+    Format.KINETO: ("shardline.profiling.readers.kineto", "read_kineto"),
+    Format.NCCL_LOG: ("shardline.profiling.readers.nccl_log", "read_nccl_log"),
+    Format.NSYS: ("shardline.profiling.readers.nsys", "read_nsys"),
+    Format.FLIGHT_RECORDER: ("shardline.profiling.readers.flight_recorder", "read_flight_recorder"),
+    Format.NCCL_PROFILER: ("shardline.profiling.readers.nccl_profiler", "read_nccl_profiler"),
+}
+#: Formats whose rows come with their own per-row ranks (one file, many ranks); they never clash with traces.
+_MULTI_RANK = (Format.NCCL_LOG, Format.NCCL_PROFILER)
+
+
+@dataclass(frozen=True)
+class TraceSet:
+    """One job's events, all ranks.
+
+    ``events``: the events table (``schema.COLUMNS``, checked with ``check_events``), classified.
+    ``ranks``: sorted global ranks present. ``files``: each file read -> the ranks its rows carry (``-1`` for
+    NCCL-log rows whose rank could not be told). ``metadata``: rank -> what the files said about it
+    (``distributedInfo``, ``baseTimeNanoseconds``, ``deviceProperties``, the source file...).
+    ``warnings``: every partial read, also issued as :class:`TraceWarning`. ``skipped``: recognised files
+    that hold no events (an execution trace, a memory timeline) -> what they are.
+    """
+
+    events: pd.DataFrame
+    ranks: tuple[int, ...]
+    files: dict[Path, tuple[int, ...]]
+    metadata: dict[int, dict] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    skipped: dict[Path, str] = field(default_factory=dict)
+
+
+def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None,
+         keep_python: bool = False, classify: bool = True) -> TraceSet:
+    """Read every recognised file under ``path`` into one :class:`TraceSet`.
+
+    ``rank`` supplies ranks a trace does not record itself: an int for a single file, or a mapping from file
+    path (or file name) to rank for a folder. A trace's own ``distributedInfo.rank`` always wins; then
+    ``rank``; then a rank written in the file name (``rank-3``, ``rank_3``, ``worker3``); a trace with none
+    raises :class:`MissingRankError` naming it. Files of different jobs (different world sizes or default
+    groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
+    ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
+    ``category``/``dim`` empty.
+    """
+    root = Path(path)
+    files = _discover(root)
+    if isinstance(rank, int) and not isinstance(rank, bool) and len(files) > 1:
+        raise TraceFormatError(f"{root}: rank={rank} given for a folder of {len(files)} trace files; pass a "
+                               "{file: rank} mapping instead")
+    results: list[tuple[Path, Format, ReadResult]] = []
+    for file, fmt in files:
+        results.append((file, fmt, _read(file, fmt, rank=_rank_for(file, rank))))
+    _check_one_job(results)
+    notes = [w for _, _, result in results for w in result.warnings]
+    for note in notes:
+        _warnings.warn(note, TraceWarning, stacklevel=2)
+    frames = [result.events for _, _, result in results if len(result.events)]
+    events = _concat(frames)
+    if classify:
+        events = _classify(events)
+    check_events(events)
+    metadata: dict[int, dict] = {}
+    file_ranks: dict[Path, tuple[int, ...]] = {}
+    for file, _fmt, result in results:
+        for r, meta in result.metadata.items():
+            metadata.setdefault(r, {}).update({**meta, "files": [*metadata.get(r, {}).get("files", []), file]})
+        ranks_here = result.events["rank"].unique() if len(result.events) else list(result.metadata)
+        file_ranks[file] = tuple(sorted(int(r) for r in ranks_here))
+    ranks = tuple(sorted(int(r) for r in events["rank"].unique() if r >= 0)) if len(events) else tuple(
+        sorted(r for r in metadata if r >= 0))
+    skipped = {file: result.skipped for file, _, result in results if result.skipped}
+    return TraceSet(events=events, ranks=ranks, files=file_ranks, metadata=metadata, warnings=tuple(notes),
+                    skipped=skipped)
+
+
+def _discover(root: Path) -> list[tuple[Path, Format]]:
+    if not root.exists():
+        raise TraceFormatError(f"{root}: no such file or folder")
+    if root.is_file():
+        fmt = sniff(root)
+        if fmt is None:
+            raise TraceFormatError(f"{root}: not a Kineto trace, NCCL_DEBUG log, Nsight SQLite export, flight-"
+                                   "recorder or NCCL profiler dump (by content and extension)")
+        return [(root, fmt)]
+    found = []
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        fmt = sniff(file)
+        if fmt is not None:
+            found.append((file, fmt))
+    if not found:
+        raise TraceFormatError(f"{root}: no trace, log or export found in this folder")
+    return found
+
+
+def _rank_for(file: Path, rank) -> int | None:
+    if rank is None or isinstance(rank, int):
+        return rank
+    for key in (file, str(file), file.name):
+        if key in rank:
+            return int(rank[key])
+    return None
+
+
+def _read(file: Path, fmt: Format, *, rank: int | None) -> ReadResult:
+    module, function = _READERS[fmt]
+    reader = getattr(importlib.import_module(module), function)
+    result = reader(file, rank=rank)
+    if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:
+        raise MissingRankError(f"{file}: the rank is not recorded (no distributedInfo.rank, no rank in the file "
+                               "name); pass load(path, rank=N), or rank={file: N, ...} for a folder")
+    return result
+
+
+def _check_one_job(results: list[tuple[Path, Format, ReadResult]]) -> None:
+    """Refuse files that cannot belong to one job: one rank claimed twice, or disagreeing job descriptions."""
+    owner: dict[int, Path] = {}
+    jobs: dict[tuple, list[Path]] = {}
+    for file, fmt, result in results:
+        if fmt in _MULTI_RANK or result.skipped:
+            continue
+        for r, meta in result.metadata.items():
+            if r in owner and owner[r] != file:
+                raise MixedJobsError(f"rank {r} is claimed by two files: {owner[r]} and {file}; load them "
+                                     "separately (or move one out of the folder)")
+            owner[r] = file
+            jobs.setdefault(_job_key(meta), []).append(file)
+    known = {key: paths for key, paths in jobs.items() if key != (None, None, None)}
+    if len(known) > 1:
+        lines = "; ".join(f"world_size={k[0]} backend={k[1]} default group={k[2]}: {[str(p) for p in v]}"
+                          for k, v in known.items())
+        raise MixedJobsError(f"files of different jobs in one load: {lines}")
+    for file, fmt, result in results:
+        for r, meta in result.metadata.items():
+            world = _job_key(meta)[0]
+            if isinstance(world, int) and r >= world and fmt not in _MULTI_RANK:
+                raise MixedJobsError(f"{file}: rank {r} is outside world_size {world}")
+
+
+def _job_key(meta: dict) -> tuple:
+    info = meta.get("distributedInfo")
+    if not isinstance(info, dict):
+        return (None, None, None)
+    default = None
+    for group in info.get("pg_config") or []:
+        if isinstance(group, dict) and str(group.get("pg_name")) == "0":
+            default = str(group.get("ranks"))
+    return (info.get("world_size"), info.get("backend"), default)
+
+
+def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Concatenate event frames keeping categorical columns categorical (pandas would fall back to object)."""
+    if not frames:
+        return empty_events()
+    if len(frames) == 1:
+        return frames[0].reset_index(drop=True)
+    out = {}
+    for column, dtype in COLUMNS.items():
+        if dtype == "category":
+            out[column] = union_categoricals([f[column].astype("category") for f in frames]).astype("category")
+        else:
+            out[column] = pd.concat([f[column] for f in frames], ignore_index=True)
+    return conform(pd.DataFrame({c: pd.Series(v).reset_index(drop=True) for c, v in out.items()}))
+
+
+def _classify(events: pd.DataFrame) -> pd.DataFrame:
+    """Part B's classifier when it is installed; until then rows stay unclassified (``category`` "")."""
+    try:
+        module = importlib.import_module("shardline.profiling.classify")
+    except ModuleNotFoundError as exc:
+        if exc.name != "shardline.profiling.classify":
+            raise
+        return events
+    return module.classify_events(events)

@@ -1,0 +1,258 @@
+"""Column building for the Kineto reader: decoded event batches -> numpy columns -> one events frame.
+
+Split from ``kineto.py`` to keep each file focused: this half knows nothing about JSON, only about turning
+a batch of ``Event`` structs into arrays (then dropping the structs) and the arrays into schema rows:
+exact ns times, lanes, message sizes, memcpy host-memory kind, B/E pairing and ``ProfilerStep`` steps.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from pandas.api.types import union_categoricals
+
+from shardline.profiling.readers._numtext import decimal_texts_to_scaled
+
+#: Events decoded per batch: big enough to amortise the per-batch cost, small enough to bound memory.
+BATCH = 200_000
+#: Kineto categories of activity recorded on a GPU stream (current and 2021 legacy spellings).
+GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "Kernel", "Memcpy",
+                      "Memset", "gpu_instant_event"})
+#: Categories no analysis uses: the profiler's own span, flows, and Python stacks (unless kept).
+DROP_CATS = frozenset({"Trace", "ac2g", "fwdbwd", "async", "flow"})
+PYTHON_CATS = frozenset({"python_function", "python"})
+_PHASES = frozenset({"X", "B", "E"})
+#: Bytes per element of the ``dtype`` arg of collectives (torch ScalarType names).
+DTYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Int": 4, "Long": 8, "Short": 2, "Char": 1, "Byte": 1,
+    "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "ComplexHalf": 4, "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "UInt16": 2, "UInt32": 4, "UInt64": 8,
+}
+_MEMCPY_NAME = re.compile(r"^Memcpy (?P<kind>\w+) \((?P<src>\w+) -> (?P<dst>\w+)\)")
+_STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
+_STREAM_TEXT = re.compile(r"(\d+)\s*$")
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(value, overflow: list) -> int:
+    """An int64 from an arg value (int, digit text, hex text); -1 when absent or not a number."""
+    if type(value) is int:
+        if _INT64[0] <= value <= _INT64[1]:
+            return value
+        overflow.append(value)
+        return -1
+    if isinstance(value, str):
+        match = _STREAM_TEXT.search(value)
+        if value.startswith("0x"):
+            try:
+                return int(value, 16) if len(value) <= 18 else -1
+            except ValueError:
+                return -1
+        return int(match.group(1)) if match and len(match.group(1)) < 19 else -1
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return -1
+
+
+def _text(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _ints(values: list, overflow: list) -> np.ndarray:
+    """int64 column from a list of arg values: one C-level conversion, or per value when types are mixed."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return np.array([_int(v, overflow) for v in values], dtype=np.int64)
+
+
+def _texts(values: list) -> pd.Categorical:
+    try:
+        return pd.Categorical(values)
+    except TypeError:
+        return pd.Categorical([_text(v) for v in values])
+
+
+def columns_from_events(events: list, *, keep_python: bool) -> dict:
+    """One batch of decoded events -> dict of numpy arrays (times still as parsed ns, not yet offset)."""
+    drop = DROP_CATS if keep_python else DROP_CATS | PYTHON_CATS
+    kept = [e for e in events if e.ph in _PHASES and e.cat not in drop]
+    overflow: list = []
+    none = _NO_ARGS
+    args = [e.args if e.args is not None else none for e in kept]
+    cats = [e.cat for e in kept]
+    gpu = np.fromiter((c in GPU_CATS for c in cats), dtype=bool, count=len(kept))
+    pid = _ints([e.pid for e in kept], overflow)
+    tid = _ints([e.tid for e in kept], overflow)
+    arg_device = _ints([a.device for a in args], overflow)
+    arg_stream = _ints([a.stream for a in args], overflow)
+    times = np.array([bytes(e.ts) for e in kept] + [bytes(e.dur) for e in kept] or [b"0"], dtype="S")
+    scaled, bad = decimal_texts_to_scaled(times[:2 * len(kept)], scale_digits=3)
+    ts, dur = scaled[:len(kept)], scaled[len(kept):]
+    external = _ints([a.external_id if a.external_id != -1 else a.external_id_legacy for a in args], overflow)
+    return {
+        "ph": pd.Categorical([e.ph for e in kept]),
+        "cat": pd.Categorical(cats),
+        "name": pd.Categorical([e.name for e in kept]),
+        "lane": np.where(gpu, "gpu", "cpu"),
+        "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1),
+        "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
+        "pid": pid,
+        "ts": ts, "dur": dur, "bad_time": bad[:len(kept)] | bad[len(kept):],
+        "correlation": _ints([a.correlation for a in args], overflow),
+        "external_id": external,
+        "collective": _texts([a.collective for a in args]),
+        "pg_name": _texts([a.pg_name for a in args]),
+        "pg_desc": _texts([a.pg_desc for a in args]),
+        "pg_ranks": _texts([a.pg_ranks for a in args]),
+        "pg_size": _ints([a.group_size for a in args], overflow),
+        "in_nelems": _ints([a.in_nelems for a in args], overflow),
+        "out_nelems": _ints([a.out_nelems for a in args], overflow),
+        "dtype": _texts([a.dtype for a in args]),
+        "nbytes": _ints([a.nbytes for a in args], overflow),
+        "seq": _ints([a.seq for a in args], overflow),
+        "peer": _ints([a.dst_rank if a.dst_rank != -1 else a.src_rank for a in args], overflow),
+        "overflow": len(overflow),
+    }
+
+
+class _NoArgs:
+    __slots__ = ()
+    correlation = external_id = external_id_legacy = device = stream = nbytes = -1
+    group_size = in_nelems = out_nelems = seq = src_rank = dst_rank = -1
+    collective = pg_name = pg_desc = pg_ranks = dtype = ""
+
+
+_NO_ARGS = _NoArgs()
+
+
+def _concat(batches: list[dict]) -> dict:
+    if not batches:
+        batches = [columns_from_events([], keep_python=False)]
+    out = {}
+    for key, first in batches[0].items():
+        if key == "overflow":
+            out[key] = sum(b[key] for b in batches)
+        elif isinstance(first, pd.Categorical):
+            out[key] = union_categoricals([b[key] for b in batches]) if len(batches) > 1 else first
+        else:
+            out[key] = np.concatenate([b[key] for b in batches])
+    return out
+
+
+def finish_frame(path: Path, batches: list[dict], *, base_ns: int, rank: int, warnings: list[str]) -> pd.DataFrame:
+    """Concatenate batches, apply the time base, pair B/E, and derive sizes, memory kinds and steps."""
+    cols = _concat(batches)
+    if cols["overflow"]:
+        warnings.append(f"{path}: {cols['overflow']} integer args beyond int64 were set to -1")
+    keep = ~cols["bad_time"]
+    if not keep.all():
+        warnings.append(f"{path}: dropped {int((~keep).sum())} events whose ts/dur is not a number "
+                        "or beyond int64 ns")
+    if keep.any() and base_ns and int(cols["ts"][keep].max()) > _INT64[1] - base_ns:
+        warnings.append(f"{path}: ts + baseTimeNanoseconds overflows int64; times kept relative to the base")
+        base_ns = 0
+    frame = pd.DataFrame({k: v for k, v in cols.items() if k not in ("overflow", "bad_time")})[keep]
+    frame["start_ns"] = frame.pop("ts") + base_ns
+    frame["dur_ns"] = frame.pop("dur")
+    frame = _pair_begin_end(frame, warnings=warnings, path=path)
+    frame["rank"] = rank
+    frame["source"] = "kineto"
+    frame["msg_bytes"] = _message_bytes(frame)
+    frame["memory_kind"] = _memory_kind(frame["name"])
+    frame["step"] = assign_steps(frame)
+    frame = frame.drop(columns=["ph", "pid", "in_nelems", "out_nelems", "dtype", "nbytes"])
+    return frame.reset_index(drop=True)
+
+
+def _pair_begin_end(frame: pd.DataFrame, *, warnings: list[str], path: Path) -> pd.DataFrame:
+    """Turn matched B/E events (same pid, thread, nesting) into complete events; unmatched ones are dropped."""
+    is_b, is_e = (frame["ph"] == "B").to_numpy(), (frame["ph"] == "E").to_numpy()
+    if not (is_b.any() or is_e.any()):
+        return frame
+    be = frame[is_b | is_e].sort_values("start_ns", kind="stable")
+    stacks: dict = {}
+    ends: dict = {}
+    # B/E are rare in Kineto output (a few user ranges), so a plain stack walk over just them is fine.
+    for index, ph, pid, stream, start in zip(be.index, be["ph"], be["pid"], be["stream"], be["start_ns"]):
+        stack = stacks.setdefault((pid, stream), [])
+        if ph == "B":
+            stack.append(index)
+        elif stack:
+            ends[stack.pop()] = start
+    unmatched = int(is_b.sum() + is_e.sum()) - 2 * len(ends)
+    if unmatched:
+        warnings.append(f"{path}: {unmatched} B/E events without a partner were dropped")
+    out = frame[~(is_b | is_e)]
+    begins = frame.loc[list(ends)]
+    begins = begins.assign(dur_ns=np.array(list(ends.values()), dtype=np.int64) - begins["start_ns"].to_numpy())
+    return pd.concat([out, begins]) if len(begins) else out
+
+
+def _message_bytes(frame: pd.DataFrame) -> np.ndarray:
+    """Collective payload: max(in, out) elements × dtype size (the output of gathers, the input otherwise);
+    memcpy/memset rows take the ``bytes`` arg."""
+    size = frame["dtype"].map(DTYPE_BYTES).astype("float64").fillna(-1).to_numpy().astype(np.int64)
+    nelems = np.maximum(frame["in_nelems"].to_numpy(), frame["out_nelems"].to_numpy())
+    collective = np.where((nelems >= 0) & (size > 0), nelems * np.maximum(size, 0), -1)
+    return np.where(frame["nbytes"].to_numpy() >= 0, frame["nbytes"].to_numpy(), collective)
+
+
+def _memory_kind(names: pd.Series) -> pd.Categorical:
+    """Host-side memory of a memcpy from its name: the source of HtoD, the destination of DtoH, else Device."""
+    categories = pd.Series(names.cat.categories, dtype=object)
+    parts = categories.str.extract(_MEMCPY_NAME)
+    kind = np.where(parts["kind"].str.startswith("H", na=False), parts["src"],
+                    np.where(parts["kind"].str.endswith("H", na=False), parts["dst"],
+                             np.where(parts["kind"].notna(), "Device", "")))
+    lookup = pd.Series(kind, index=names.cat.categories).astype(str)
+    return pd.Categorical(lookup.to_numpy()[names.cat.codes.to_numpy()]) if len(names) else pd.Categorical([])
+
+
+def assign_steps(frame: pd.DataFrame) -> np.ndarray:
+    """Step of every event: CPU events by the ``ProfilerStep#N`` window containing their start; GPU events by
+    the step of the runtime call with the same correlation id, else by a GPU-side ``ProfilerStep#N`` window
+    on their device; -1 when no window applies (and everywhere when the trace has no steps)."""
+    step = np.full(len(frame), -1, dtype=np.int32)
+    numbers = pd.Series(frame["name"].cat.categories, dtype=object).str.extract(_STEP_NAME)[0]
+    number_of_code = pd.to_numeric(numbers, errors="coerce").fillna(-1).to_numpy().astype(np.int64)
+    if len(frame) == 0 or (number_of_code < 0).all():
+        return step
+    event_step = number_of_code[frame["name"].cat.codes.to_numpy()]
+    start = frame["start_ns"].to_numpy()
+    end = start + frame["dur_ns"].to_numpy()
+    gpu = (frame["lane"] == "gpu").to_numpy()
+    _fill_windows(step, ~gpu, event_step, start, end, within=~gpu)
+    correlation = frame["correlation"].to_numpy()
+    launch = ~gpu & (correlation >= 0) & (step >= 0)
+    by_corr = pd.Series(step[launch], index=correlation[launch])
+    by_corr = by_corr[~by_corr.index.duplicated()]
+    linked = gpu & (correlation >= 0)
+    step[linked] = by_corr.reindex(correlation[linked]).fillna(-1).to_numpy().astype(np.int32)
+    device = frame["device"].to_numpy()
+    for dev in np.unique(device[gpu & (step < 0)]):
+        _fill_windows(step, gpu & (device == dev), event_step, start, end, within=gpu & (device == dev) & (step < 0))
+    return step
+
+
+def _fill_windows(step, lane_mask, event_step, start, end, *, within) -> None:
+    """Set ``step[within]`` from the ProfilerStep windows found among ``lane_mask`` rows (sorted by start)."""
+    windows = np.flatnonzero(lane_mask & (event_step >= 0))
+    if len(windows) == 0:
+        return
+    order = windows[np.argsort(start[windows], kind="stable")]
+    w_start, w_end, w_num = start[order], end[order], event_step[order]
+    targets = np.flatnonzero(within)
+    slot = np.searchsorted(w_start, start[targets], side="right") - 1
+    ok = slot >= 0
+    ok[ok] = start[targets[ok]] < w_end[slot[ok]]
+    step[targets[ok]] = w_num[slot[ok]]

@@ -1,0 +1,243 @@
+"""Kineto / PyTorch-profiler Chrome-trace JSON (``.json``, ``.json.gz``, ``.pt.trace.json(.gz)``) -> events.
+
+Formats handled: the current schema (``ts`` in µs relative to ``baseTimeNanoseconds``), older traces with
+absolute µs times, the 2021 legacy categories (``Operator``/``Runtime``/``Kernel``/``Memcpy``/``Memset``, string
+tids such as ``"stream 7"``, lower-case ``external id``), CPU-only and gloo traces, ROCm traces.
+
+Times: ``start_ns = baseTimeNanoseconds + ts·1000`` and ``dur_ns = dur·1000``, computed from the number *text*
+(``_numtext``), so ns fractions survive exactly. Lanes: Kineto puts GPU activity (``kernel``, ``gpu_memcpy``,
+``gpu_memset``, ``gpu_user_annotation`` and the legacy ``Kernel``/``Memcpy``/``Memset``) on ``pid`` = device and
+``tid`` = stream; the ``device``/``stream`` args win when present. Everything else is a CPU lane whose
+``stream`` is the thread id. Kept: complete events (``ph`` X) and B/E pairs; dropped: metadata, flows,
+instant events, the profiler's own ``Trace`` span, and ``python_function`` stacks unless ``keep_python``.
+
+Decoding is columnar: msgspec first splits ``traceEvents`` into raw per-event slices, then decodes batches
+of them into typed structs holding only the fields used here, turns each batch into numpy columns and drops
+the structs, so no Python object per event outlives its batch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shardline.profiling.errors import TraceFormatError
+from shardline.profiling.readers import ReadResult
+from shardline.profiling.readers._kineto_columns import BATCH, columns_from_events, finish_frame
+from shardline.profiling.schema import conform, empty_events
+
+
+class _Args(msgspec.Struct):
+    # Typed with -1 / "" defaults so columns build with one C-level conversion. Fields producers disagree on
+    # (ROCm writes ``"stream": "0x0"``; torch has written ranks as text and as lists) admit both types.
+    correlation: int = -1
+    external_id: int = msgspec.field(name="External id", default=-1)
+    external_id_legacy: int = msgspec.field(name="external id", default=-1)
+    device: int | str = -1
+    stream: int | str = -1
+    nbytes: int = msgspec.field(name="bytes", default=-1)
+    collective: str = msgspec.field(name="Collective name", default="")
+    pg_name: str | int = msgspec.field(name="Process Group Name", default="")
+    pg_desc: str = msgspec.field(name="Process Group Description", default="")
+    pg_ranks: str | list = msgspec.field(name="Process Group Ranks", default="")
+    group_size: int = msgspec.field(name="Group size", default=-1)
+    in_nelems: int = msgspec.field(name="In msg nelems", default=-1)
+    out_nelems: int = msgspec.field(name="Out msg nelems", default=-1)
+    dtype: str = ""
+    seq: int | str = msgspec.field(name="Seq", default=-1)
+    src_rank: int = msgspec.field(name="Src Rank", default=-1)
+    dst_rank: int = msgspec.field(name="Dst Rank", default=-1)
+
+
+class Event(msgspec.Struct):
+    """The fields of one Chrome-trace event that the events table uses."""
+
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    pid: int | str = -1
+    tid: int | str = -1
+    ts: msgspec.Raw = msgspec.Raw(b"0")
+    dur: msgspec.Raw = msgspec.Raw(b"0")
+    args: _Args | None = None
+
+
+_META_KEYS = ("distributedInfo", "baseTimeNanoseconds", "deviceProperties", "schemaVersion", "traceName",
+              "displayTimeUnit", "cupti_version", "cuda_runtime_version", "cuda_driver_version", "record_shapes")
+_DECODE_EVENTS = msgspec.json.Decoder(list[Event])
+_DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
+_BYTE_AT = re.compile(r"\(byte (\d+)\)")
+_RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)(?![\d])", re.IGNORECASE)
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped in memory when gzip; a corrupt or truncated gzip is our error."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
+    if data[:2] != b"\x1f\x8b":
+        return data
+    try:
+        return gzip.decompress(data)
+    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
+        raise TraceFormatError(f"{path}: corrupt or truncated gzip ({exc})") from exc
+
+
+def rank_from_name(path: Path) -> int | None:
+    """Rank written in a file name (``rank-3``, ``rank_3``, ``rank3``, ``worker3``); None when absent."""
+    match = _RANK_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False) -> ReadResult:
+    """Read one Kineto trace into events (see the module docstring for the mapping).
+
+    The rank is ``distributedInfo.rank``, else ``rank``, else one written in the file name; none of them
+    raises :class:`MissingRankError` from ``load`` (here it is returned as ``-1`` in ``metadata``). A trace
+    truncated or corrupted part-way gives a warning and the events before the damage.
+    """
+    path = Path(path)
+    data = read_bytes(path)
+    warnings: list[str] = []
+    top, events_raw = _split_top(path, data, warnings)
+    if events_raw is None:
+        return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
+    metadata = {key: _decode_any(top[key]) for key in _META_KEYS if key in top}
+    info = metadata.get("distributedInfo") if isinstance(metadata.get("distributedInfo"), dict) else {}
+    file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
+    if file_rank is None:
+        file_rank = rank if rank is not None else rank_from_name(path)
+    base = metadata.get("baseTimeNanoseconds")
+    base_ns = base if isinstance(base, int) and not isinstance(base, bool) else 0
+    if base is not None and not base_ns:
+        warnings.append(f"{path}: baseTimeNanoseconds {base!r} is not an integer; times kept as written")
+    raws = _event_slices(path, events_raw, warnings)
+    if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
+        return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
+    batches = []
+    for start in range(0, len(raws), BATCH):
+        chunk = b"[" + b",".join(raws[start:start + BATCH]) + b"]"
+        try:
+            decoded = _DECODE_EVENTS.decode(chunk)
+        except msgspec.ValidationError as exc:
+            decoded = _salvage_batch(path, raws[start:start + BATCH], exc, warnings)
+        batches.append(columns_from_events(decoded, keep_python=keep_python))
+        del decoded, chunk
+    del raws
+    frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
+                         warnings=warnings)
+    metadata["rank_source"] = ("distributedInfo" if info.get("rank") == file_rank and file_rank is not None
+                               else "argument" if rank is not None and rank == file_rank
+                               else "file name" if file_rank is not None else "none")
+    return ReadResult(conform(frame), metadata={-1 if file_rank is None else file_rank: metadata},
+                      warnings=warnings)
+
+
+def _decode_any(raw: msgspec.Raw) -> Any:
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+
+
+def _split_top(path: Path, data: bytes, warnings: list[str]) -> tuple[dict, msgspec.Raw | bytes | None]:
+    """Top-level keys as raw slices, and the raw ``traceEvents`` array (None when the file has none)."""
+    if not data.strip():
+        raise TraceFormatError(f"{path}: empty file")
+    try:
+        top = _DECODE_TOP.decode(data)
+    except msgspec.ValidationError:
+        if data.lstrip()[:1] == b"[":
+            # Chrome's bare-array form: the whole file is the events list.
+            return {}, data
+        raise TraceFormatError(f"{path}: top level is neither a JSON object nor an array") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        return _split_damaged(path, data, exc, warnings)
+    return top, top.get("traceEvents")
+
+
+def _split_damaged(path: Path, data: bytes, exc: Exception, warnings: list[str]) -> tuple[dict, bytes]:
+    """For a file that is not valid JSON: the metadata before ``traceEvents`` and the events array text."""
+    key = data.find(b'"traceEvents"')
+    if key < 0:
+        raise TraceFormatError(f"{path}: invalid JSON ({exc}) and no traceEvents array to salvage") from exc
+    top: dict = {}
+    head = data[:key].rstrip().rstrip(b",").rstrip()
+    try:
+        top = _DECODE_TOP.decode(head + b"}") if head.startswith(b"{") else {}
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        top = {}
+    bracket = data.find(b"[", key)
+    if bracket < 0:
+        raise TraceFormatError(f"{path}: invalid JSON ({exc}); traceEvents has no array") from exc
+    warnings.append(f"{path}: invalid JSON ({exc}); reading the events before the damage")
+    if b'"baseTimeNanoseconds"' not in head and b'"baseTimeNanoseconds"' not in data[-4096:]:
+        warnings.append(f"{path}: trailing metadata lost; if the trace used baseTimeNanoseconds its times are "
+                        "relative to an unknown base")
+    return top, data[bracket:]
+
+
+def _event_slices(path: Path, array: bytes | msgspec.Raw, warnings: list[str]) -> list:
+    """The events array split into one raw slice per event; a damaged array keeps its readable prefix."""
+    try:
+        return _DECODE_RAWS.decode(array)
+    except msgspec.ValidationError as exc:
+        raise TraceFormatError(f"{path}: traceEvents is not an array ({exc})") from exc
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        array = bytes(array)
+        return _prefix_slices(path, array, exc, warnings)
+
+
+def _prefix_slices(path: Path, array: bytes, exc: Exception, warnings: list[str]) -> list:
+    """Raw slices of the complete events before the first damage in ``array`` (which starts with ``[``)."""
+    match = _BYTE_AT.search(str(exc))
+    limit = int(match.group(1)) if match else len(array)
+    # Cut at an event boundary before the damage and close the array; a boundary inside a string literal
+    # makes the retry fail earlier, so walk back a bounded number of times.
+    for _ in range(64):
+        cut = array.rfind(b"}", 0, limit)
+        while cut > 0:
+            after = array[cut + 1:cut + 64].lstrip()
+            if after[:1] == b"," and after[1:].lstrip()[:1] == b"{":
+                break
+            cut = array.rfind(b"}", 0, cut)
+        if cut <= 0:
+            break
+        try:
+            slices = _DECODE_RAWS.decode(array[:cut + 1] + b"]")
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            limit = cut
+            continue
+        warnings.append(f"{path}: kept the {len(slices)} complete events before byte {limit} of traceEvents")
+        return slices
+    warnings.append(f"{path}: no complete event could be read ({exc})")
+    return []
+
+
+def _salvage_batch(path: Path, raws: list, exc: msgspec.ValidationError, warnings: list[str]) -> list[Event]:
+    """Decode a batch one event at a time, dropping (and counting) events whose fields have wrong types."""
+    kept, dropped = [], 0
+    decode = msgspec.json.Decoder(Event).decode
+    for raw in raws:
+        try:
+            kept.append(decode(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+            dropped += 1
+    warnings.append(f"{path}: dropped {dropped} events with fields of the wrong type (first: {exc})")
+    return kept
+
+
+def _what_it_is(path: Path, top: dict) -> str:
+    if "nodes" in top and "schema" in top:
+        return "PyTorch execution trace (operator graph, no timings)"
+    if not top:
+        return "JSON array that is not a list of trace events (e.g. a memory timeline)"
+    return f"JSON without traceEvents (keys: {sorted(top)[:8]})"
+
