@@ -1,0 +1,169 @@
+"""Cross-rank view of collectives: match instances, split wait vs transfer, name stragglers, align clocks.
+
+Matching. A collective instance is one call on every member of a process group. Instances are matched by
+(process group, sequence number) when the trace records ``seq``, else by order: the k-th call of a category on
+a group on one rank meets the k-th on every other rank. The group key is the ``pg_name``, else the
+``pg_ranks`` text, else "" (one anonymous group: traces without process-group args). One row per rank and
+instance is used: the GPU kernel on ranks attributed on GPUs, else the outermost CPU comm op on its thread.
+
+Clock alignment (``ClockAlignment.ENDS``, the default). A collective completes on all members at about the
+same true time, so for rank r and reference rank r0 (the lowest rank) the offset is
+
+    offset_r = median over instances shared with r0 of (end_r - end_r0)
+
+and every time of rank r is read as ``t - offset_r``. The residual skew is the per-instance spread
+``max_r(end_r - offset_r) - min_r(...)``; ``clock_offsets`` reports it (median and max) so a user can see how
+far to trust the alignment. ``ClockAlignment.NONE`` keeps the recorded clocks.
+
+Wait vs transfer, per instance k and rank r (aligned times, arrival a_r = start of the rank's call):
+
+    last_k = max_r a_r          wait_r = clip(last_k - a_r, 0, dur_r)          transfer_r = dur_r - wait_r
+
+so the transfer is what the slowest-arriving rank sees, and the rest of each rank's time is waiting for it.
+The straggler of a step is the rank whose late arrivals caused the most waiting (sum over the instances it
+arrived last of the waits of the others).
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+
+import numpy as np
+import pandas as pd
+
+from shardline.profiling.attribution import step_windows, work_rows
+from shardline.profiling.errors import AttributionError, TraceWarning
+from shardline.profiling.schema import COMM_CATEGORIES, check_events
+
+
+class ClockAlignment(str, enum.Enum):
+    NONE = "none"
+    ENDS = "ends"
+
+
+def comm_calls(events: pd.DataFrame) -> pd.DataFrame:
+    """One row per communication call per rank: rank, step, category, group, seq, start_ns, end_ns, dur_ns."""
+    frames = []
+    for _, grp in events.groupby("rank", observed=True, sort=True):
+        work, lanes = work_rows(grp)
+        calls = work[work["category"].astype(str).isin(COMM_CATEGORIES)]
+        if lanes == "cpu":
+            calls = _outermost(calls)
+        if calls.empty:
+            continue
+        windows = step_windows(grp, lanes)
+        start = calls["start_ns"].to_numpy()
+        step = np.full(len(calls), -1, dtype=np.int64)
+        if len(windows):
+            order = np.argsort(windows["start_ns"].to_numpy())
+            ws = windows["start_ns"].to_numpy()[order]
+            idx = np.searchsorted(ws, start, side="right") - 1
+            inside = (idx >= 0) & (start < windows["end_ns"].to_numpy()[order][np.clip(idx, 0, None)])
+            step[inside] = windows["step"].to_numpy()[order][idx[inside]]
+        pg_name = calls["pg_name"].astype(str).to_numpy()
+        pg_ranks = calls["pg_ranks"].astype(str).to_numpy()
+        frames.append(pd.DataFrame({
+            "rank": calls["rank"].to_numpy().astype(np.int64), "step": step,
+            "category": calls["category"].astype(str).to_numpy(),
+            "group": np.where(pg_name != "", pg_name, pg_ranks), "seq": calls["seq"].to_numpy(),
+            "start_ns": start, "end_ns": start + calls["dur_ns"].to_numpy(), "dur_ns": calls["dur_ns"].to_numpy()}))
+    if not frames:
+        return pd.DataFrame(columns=["rank", "step", "category", "group", "seq", "start_ns", "end_ns", "dur_ns"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
+    """Drop comm ops nested in an earlier comm op of the same thread (c10d op > record_param_comms > gloo:*)."""
+    if calls.empty:
+        return calls
+    calls = calls.sort_values(["stream", "start_ns", "dur_ns"], ascending=[True, True, False])
+    end = (calls["start_ns"] + calls["dur_ns"]).to_numpy()
+    reach = pd.Series(end).groupby(calls["stream"].to_numpy()).cummax().to_numpy()
+    prev_reach = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    same_thread = np.concatenate([[False], calls["stream"].to_numpy()[1:] == calls["stream"].to_numpy()[:-1]])
+    nested = same_thread & (end <= prev_reach)
+    return calls[~nested]
+
+
+def match_collectives(traceset_or_events, *,
+                      clock: ClockAlignment = ClockAlignment.ENDS) -> pd.DataFrame:
+    """Matched calls, one row per (instance, rank), with aligned times, wait_ns, transfer_ns, is_last."""
+    events = getattr(traceset_or_events, "events", traceset_or_events)
+    check_events(events)
+    calls = comm_calls(events)
+    if calls.empty:
+        raise AttributionError("no communication calls to match in this trace")
+    calls["instance"] = _instance_ids(calls)
+    calls = calls[calls["instance"] >= 0]
+    offsets = _offsets(calls) if ClockAlignment(clock) is ClockAlignment.ENDS else {}
+    shift = calls["rank"].map(offsets).fillna(0).astype(np.int64).to_numpy()
+    calls["offset_ns"] = shift
+    calls["start_ns"] = calls["start_ns"] - shift
+    calls["end_ns"] = calls["end_ns"] - shift
+    key = ["group", "category", "instance"]
+    last = calls.groupby(key)["start_ns"].transform("max").to_numpy()
+    calls["members"] = calls.groupby(key)["rank"].transform("size").to_numpy()
+    calls["wait_ns"] = np.clip(last - calls["start_ns"].to_numpy(), 0, calls["dur_ns"].to_numpy())
+    calls["transfer_ns"] = calls["dur_ns"] - calls["wait_ns"]
+    # The last arriver of each instance (ties: the lowest rank): first row after sorting by arrival, descending.
+    by_arrival = calls.sort_values(key + ["start_ns", "rank"], ascending=[True, True, True, False, True])
+    calls["is_last"] = False
+    calls.loc[by_arrival.index[~by_arrival.duplicated(key)], "is_last"] = True
+    return calls.sort_values(key + ["rank"]).reset_index(drop=True)
+
+
+def _instance_ids(calls: pd.DataFrame) -> np.ndarray:
+    """Instance number within (group, category): the seq when every call has one, else the call order."""
+    has_seq = (calls["seq"] >= 0).all()
+    if has_seq:
+        return calls["seq"].to_numpy()
+    ordered = calls.sort_values("start_ns")
+    order = ordered.groupby(["group", "category", "rank"]).cumcount().reindex(calls.index).to_numpy()
+    counts = calls.groupby(["group", "category", "rank"]).size()
+    spread = counts.groupby(level=["group", "category"]).agg(["min", "max"])
+    uneven = spread[spread["min"] != spread["max"]]
+    if len(uneven):
+        warnings.warn(f"ranks issued different numbers of calls for {list(uneven.index)[:5]}; matched by order "
+                      "up to the smallest count only", TraceWarning, stacklevel=3)
+        limit = calls.set_index(["group", "category"]).index.map(spread["min"]).to_numpy()
+        order = np.where(order < limit, order, -1)
+    return order
+
+
+def _offsets(calls: pd.DataFrame) -> dict[int, int]:
+    ref = int(calls["rank"].min())
+    ends = calls.pivot_table(index=["group", "category", "instance"], columns="rank", values="end_ns",
+                             aggfunc="first")
+    diffs = ends.sub(ends[ref], axis=0)
+    return {int(r): int(np.round(diffs[r].median())) if diffs[r].notna().any() else 0 for r in ends.columns}
+
+
+def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
+    """Per rank: the applied offset and the residual skew of aligned ends (median and max over instances)."""
+    key = ["group", "category", "instance"]
+    spread = matched.groupby(key)["end_ns"].agg(lambda s: int(s.max() - s.min()))
+    per_rank = matched.groupby("rank").agg(offset_ns=("offset_ns", "first"), instances=("instance", "size"))
+    per_rank["residual_skew_median_ns"] = float(spread.median())
+    per_rank["residual_skew_max_ns"] = int(spread.max())
+    return per_rank.reset_index()
+
+
+def wait_transfer(matched: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, category): time in collectives split into waiting and transfer, and the wait fraction."""
+    out = matched.groupby(["rank", "category"], as_index=False).agg(
+        calls=("instance", "size"), dur_ns=("dur_ns", "sum"), wait_ns=("wait_ns", "sum"),
+        transfer_ns=("transfer_ns", "sum"))
+    out["wait_fraction"] = out["wait_ns"] / out["dur_ns"].where(out["dur_ns"] > 0)
+    return out
+
+
+def stragglers(matched: pd.DataFrame) -> pd.DataFrame:
+    """Per step: the rank whose late arrivals caused the most waiting in others, with that wait."""
+    key = ["group", "category", "instance"]
+    caused = matched.groupby(key)["wait_ns"].transform("sum")
+    late = matched.assign(caused_wait_ns=caused)[matched["is_last"]]
+    per = late.groupby(["step", "rank"], as_index=False).agg(caused_wait_ns=("caused_wait_ns", "sum"),
+                                                             times_last=("instance", "size"))
+    best = per.sort_values(["step", "caused_wait_ns", "rank"], ascending=[True, False, True])
+    return best.groupby("step", as_index=False).first().rename(columns={"rank": "straggler_rank"})
