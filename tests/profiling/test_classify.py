@@ -1,0 +1,160 @@
+"""classify_events: communication by evidence, memcpy/memset/sync, user rules, parallel dims."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from shardline.profiling.classify import (
+    DEFAULT_RULES,
+    Category,
+    CommRule,
+    classify_events,
+    desc_dim,
+    layout_dim,
+    name_category,
+)
+from shardline.profiling.errors import ClassificationError
+from shardline.profiling.schema import CATEGORIES, conform
+
+
+def _classify(rows, **kw) -> pd.DataFrame:
+    return classify_events(conform(pd.DataFrame(rows)), **kw)
+
+
+@pytest.mark.parametrize("name, category", [
+    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "all_reduce"),
+    ("ncclKernel_Broadcast_RING_LL_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)", "broadcast"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all_gather"),
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "reduce_scatter"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "other_comm"),
+    ("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)", "other_comm"),
+    ("ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)", "other_comm"),
+    ("ncclKernel_Reduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "other_comm"),
+    ("Memcpy HtoD (Pageable -> Device)", "memcpy_h2d"),
+    ("Memcpy DtoH (Device -> Pinned)", "memcpy_d2h"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy_d2d"),
+    ("Memcpy PtoP (Device -> Device)", "memcpy_d2d"),
+    ("Memset (Device)", "memset"),
+    ("cudaStreamSynchronize", "sync"), ("cudaDeviceSynchronize", "sync"), ("hipDeviceSynchronize", "sync"),
+    ("Stream Wait Event", "sync"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 3, 128, 1>()", "compute"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>()", "compute"),
+    ("nccl:all_to_all", "all_to_all"), ("nccl:_all_gather_base", "all_gather"), ("gloo:all_reduce", "all_reduce"),
+    ("nccl:_reduce_scatter_base", "reduce_scatter"), ("nccl:send", "p2p_send"), ("nccl:recv", "p2p_recv"),
+    ("c10d::allreduce_", "all_reduce"), ("c10d::alltoall_base_", "all_to_all"), ("c10d::barrier", "barrier"),
+    ("sl:comm:tp:all_reduce", "all_reduce"), ("sl:comm:dp:memcpy_h2d", "memcpy_h2d"),
+    ("void deep_ep::intranode::dispatch<8, 768>(void*)", "all_to_all"),
+    ("cross_device_reduce_2stage<half, 8>", "all_reduce"),
+    ("aten::mm", "compute"),
+])
+def test_name_only_categories(name, category):
+    assert name_category(name)[0] == category
+    assert category in CATEGORIES
+
+
+def _kernel(name, *, corr=-1, ext=-1, start=1_000, **kw):
+    return dict(rank=0, lane="gpu", stream=20, name=name, cat="kernel", start_ns=start, dur_ns=50,
+                correlation=corr, external_id=ext, **kw)
+
+
+def _cpu(name, start, dur, *, cat="cpu_op", stream=1, corr=-1, ext=-1, **kw):
+    return dict(rank=0, lane="cpu", stream=stream, name=name, cat=cat, start_ns=start, dur_ns=dur,
+                correlation=corr, external_id=ext, **kw)
+
+
+SENDRECV = "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)"
+
+
+def test_generic_sendrecv_kernel_takes_the_op_of_the_annotation_around_its_launch():
+    # DLRM's layout: record_param_comms (no args) > nccl:all_to_all > cudaLaunchKernel (correlation 7).
+    # By name alone (HTA) this is a SendRecv/p2p kernel; it is an all-to-all.
+    rows = [_cpu("record_param_comms", 100, 80), _cpu("nccl:all_to_all", 110, 60, cat="user_annotation"),
+            _cpu("cudaLaunchKernel", 120, 5, cat="cuda_runtime", corr=7), _kernel(SENDRECV, corr=7),
+            _cpu("cudaLaunchKernel", 200, 5, cat="cuda_runtime", corr=8), _kernel(SENDRECV, corr=8, start=2_000)]
+    out = _classify(rows)
+    assert out["category"].tolist()[3] == "all_to_all"
+    assert out["category"].tolist()[5] == "other_comm"  # launched outside any comm op: no evidence
+
+
+def test_external_id_links_kernel_to_record_param_comms_and_copies_group_args():
+    rows = [_cpu("record_param_comms", 100, 80, ext=42, collective="all_to_allv", pg_name="3",
+                 pg_desc="mesh_ep", pg_ranks="[0, 1, 2, 3]", pg_size=4, seq=11, msg_bytes=4096),
+            _kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", ext=42, corr=99)]
+    out = _classify(rows).iloc[1]
+    assert (out["category"], out["dim"], out["pg_name"], out["seq"], out["pg_size"]) == ("all_to_all", "ep", "3",
+                                                                                       11, 4)
+
+
+def test_old_kineto_external_id_equal_to_correlation_does_not_link_to_a_later_op():
+    rows = [_kernel(SENDRECV, ext=5, start=10),
+            _cpu("record_param_comms", 100, 80, ext=5, collective="allreduce")]
+    assert _classify(rows)["category"].tolist() == ["other_comm", "all_reduce"]
+
+
+def test_own_collective_arg_beats_the_kernel_name_and_copy_kernels_stay_compute():
+    copy = "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 3, 128, 1>()"
+    rows = [_kernel("ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)", collective="_allgather_base"),
+            _cpu("nccl:all_to_all", 100, 60, cat="user_annotation"),
+            _cpu("cudaLaunchKernel", 110, 5, cat="cuda_runtime", corr=3), _kernel(copy, corr=3)]
+    assert _classify(rows)["category"].tolist() == ["all_gather", "all_to_all", "compute", "compute"]
+
+
+def test_user_rules_extend_and_bad_rules_are_our_error():
+    rows = [_kernel("my_fused_allgather_gemm_kernel<bf16>")]
+    assert _classify(rows)["category"].tolist() == ["compute"]
+    rule = CommRule(r"fused_allgather_gemm", Category.ALL_GATHER, "async TP")
+    assert _classify(rows, rules=[*DEFAULT_RULES, rule])["category"].tolist() == ["all_gather"]
+    with pytest.raises(ClassificationError, match="not a valid regex"):
+        CommRule("(unclosed", Category.ALL_GATHER)
+    with pytest.raises(ClassificationError, match="not a communication category"):
+        CommRule("x", Category.COMPUTE)
+
+
+@pytest.mark.parametrize("desc, dim", [
+    ("sl:tp", "tp"), ("sl:dp_cp", "dp_cp"), ("mesh_tp", "tp"), ("mesh_dp_shard", "dp"), ("mesh_pp", "pp"),
+    ("mesh_cp", "cp"), ("mesh_dp_shard_cp", "dp_cp"), ("mesh_ep", "ep"), ("TENSOR_MODEL_PARALLEL_GROUP", "tp"),
+    ("PIPELINE_MODEL_PARALLEL_GROUP", "pp"), ("DATA_PARALLEL_GROUP", "dp"), ("CONTEXT_PARALLEL_GROUP", "cp"),
+    ("EXPERT_MODEL_PARALLEL_GROUP", "ep"), ("DATA_PARALLEL_GROUP_WITH_CP", "dp_cp"), ("default_pg", "world"),
+    ("undefined", ""), ("mesh_dim_0", ""),
+])
+def test_group_descriptions_name_dims(desc, dim):
+    assert desc_dim(desc) == dim
+
+
+def test_layout_fallback_from_ranks_and_size():
+    layout = dict(tp=2, cp=1, dp=2, pp=2)  # rank = tp + 2*dp + 4*pp
+    assert layout_dim("[4, 5]", 2, layout) == "tp"
+    assert layout_dim("[1, 3]", 2, layout) == "dp"
+    assert layout_dim("[2, 6]", 2, layout) == "pp"
+    assert layout_dim("[0, 1, 2, 3]", 4, layout) == "unknown"  # tp x dp: no single dimension
+    assert layout_dim(str(list(range(8))), 8, layout) == "world"
+    assert layout_dim("", 2, layout) == "unknown"  # three dims of size 2: the size alone is ambiguous
+    assert layout_dim("", 4, dict(tp=4, dp=2)) == "tp"
+
+
+def test_dims_in_the_table_and_bad_layout():
+    rows = [_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", collective="allreduce", pg_desc="undefined",
+                    pg_ranks="[0, 1]", pg_size=2),
+            _kernel("ncclDevKernel_AllGather_RING_LL(x)", pg_desc="sl:dp"), _kernel("aten_gemm_kernel")]
+    assert _classify(rows)["dim"].tolist() == ["unknown", "dp", ""]
+    assert _classify(rows, layout=dict(tp=2, dp=4))["dim"].tolist() == ["tp", "dp", ""]
+    with pytest.raises(ClassificationError, match="invalid"):
+        _classify(rows, layout=dict(tp=0))
+    with pytest.raises(ClassificationError, match="invalid"):
+        _classify(rows, layout=dict(sp=2))
+
+
+def test_real_traces_generic_kernels_are_named_by_their_ops(traces_dir):
+    from shardline.profiling.load import load
+
+    dlrm = load(traces_dir / "param" / "dlrm_kineto").events
+    gpu = dlrm[dlrm["lane"] == "gpu"]
+    sendrecv = gpu[gpu["name"].astype(str).str.startswith("ncclKernel_SendRecv")]
+    assert len(sendrecv) == 40 and (sendrecv["category"] == "all_to_all").all()
+    assert (gpu[gpu["name"].astype(str).str.startswith("ncclKernel_AllReduce")]["category"] == "all_reduce").all()
+    b200 = load(traces_dir / "tracelens" / "b200" / "eager_trace.json.gz").events
+    (ag,) = b200[b200["name"].astype(str).str.startswith("ncclDevKernel_AllGather")].itertuples()
+    assert (ag.category, ag.collective, ag.pg_name, ag.dim) == ("all_gather", "_allgather_base", "3", "unknown")
+    with_layout = classify_events(b200, layout=dict(tp=8))
+    assert with_layout.loc[ag.Index, "dim"] == "world"
