@@ -45,7 +45,12 @@ from shardline.plugins.tp_comm import (
     reduce_scatter_to_sequence,
     split_to_tp,
 )
-from shardline.plugins.tp_vocab import VocabParallelEmbedding, pad_vocab, vocab_parallel_cross_entropy
+from shardline.plugins.tp_vocab import (
+    VocabParallelEmbedding,
+    pad_vocab,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_weight,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -53,6 +58,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "pad_vocab",
+    "vocab_parallel_weight",
     "copy_to_tp",
     "reduce_from_tp",
     "split_to_tp",

@@ -40,6 +40,21 @@ def vocab_shard_range(padded_vocab: int, *, group) -> tuple[int, int]:
     return start, start + per
 
 
+def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, init_std: float, generator=None,
+                          dtype=None, device=None) -> nn.Parameter:
+    """This rank's rows ``[V'/n, d]`` of ``E ~ N(0, init_std^2)`` drawn full ``[V, d]`` in float32 from
+    ``generator``, zero-padded to ``V'`` rows, then sliced (layout-independent). Marked as a dim-0 TP shard."""
+    padded = pad_vocab(num_embeddings, group_size(group))
+    start, end = vocab_shard_range(padded, group=group)
+    full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator) * init_std
+    full = F.pad(full, (0, 0, 0, padded - num_embeddings))
+    weight = nn.Parameter(full[start:end].to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
+    weight.tensor_model_parallel = True
+    weight.partition_dim = 0
+    weight.sequence_parallel = False
+    return weight
+
+
 class VocabParallelEmbedding(nn.Module):
     """``E[ids]`` with ``E: [V', d]`` split by rows over ``group``; ``ids: [b, s] -> [b, s, d]``.
 
@@ -58,13 +73,8 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_num_embeddings = pad_vocab(num_embeddings, n)
         self.sequence_parallel = sequence_parallel and n > 1
         self.vocab_start, self.vocab_end = vocab_shard_range(self.padded_num_embeddings, group=group)
-        full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator) * init_std
-        full = F.pad(full, (0, 0, 0, self.padded_num_embeddings - num_embeddings))
-        local = full[self.vocab_start:self.vocab_end]
-        self.weight = nn.Parameter(local.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
-        self.weight.tensor_model_parallel = True
-        self.weight.partition_dim = 0
-        self.weight.sequence_parallel = False
+        self.weight = vocab_parallel_weight(num_embeddings, embedding_dim, group=group, init_std=init_std,
+                                            generator=generator, dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:
