@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build the wheel, install it (no deps: they come from the system site) into a fresh venv, and import every
+# module of it from a directory outside the repository, checking each really comes from the wheel.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+python -m build --wheel --no-isolation --outdir "$work/dist" "$repo" >"$work/build.log" 2>&1 \
+  || { cat "$work/build.log"; exit 1; }
+python -m venv --system-site-packages "$work/venv"
+"$work/venv/bin/pip" install --no-deps --no-index --quiet "$work"/dist/shardline-*.whl
+cd "$work"
+"$work/venv/bin/python" - "$work/venv" <<'PY'
+import importlib, pkgutil, sys
+venv = sys.argv[1]
+import shardline
+count = 0
+for root in ("shardline.plugins", "shardline.profiling", "shardline.recipes"):
+    package = importlib.import_module(root)
+    for info in [None, *pkgutil.walk_packages(package.__path__, root + ".")]:
+        module = package if info is None else importlib.import_module(info.name)
+        assert module.__file__.startswith(venv), f"{module.__name__} came from {module.__file__}, not the wheel"
+        count += 1
+print(f"wheel check: imported {count} modules from the installed wheel")
+PY
+"$work/venv/bin/shardline" --version

@@ -1,0 +1,105 @@
+"""Guardrails of the one-import-root layout: pyproject lists every package, profiling imports without torch,
+the console script answers, and ruff bans the bare folder names."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from shardline.recipes.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"plugins": "shardline.plugins", "profiling": "shardline.profiling", "recipes": "shardline.recipes"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _package_folders() -> dict[str, str]:
+    """Every folder under the three roots holding an __init__.py, as dotted package -> folder."""
+    found = {}
+    for folder, package in ROOTS.items():
+        for init in sorted((REPO / folder).rglob("__init__.py")):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.parent.relative_to(REPO / folder)
+            dotted = ".".join((package, *rel.parts)) if rel.parts else package
+            found[dotted] = init.parent.relative_to(REPO).as_posix()
+    return found
+
+
+def test_every_package_folder_is_listed_and_mapped():
+    config = _pyproject()["tool"]["setuptools"]
+    folders = _package_folders()
+    assert sorted(config["packages"]) == sorted(folders), "pyproject packages != folders with __init__.py"
+    assert config["package-dir"] == folders
+
+
+def test_no_fourth_top_level_package():
+    assert not (REPO / "shardline").exists()
+    assert not (REPO / "__init__.py").exists()
+
+
+def test_profiling_imports_without_torch():
+    # A meta-path blocker makes `import torch` fail, as on a laptop without it; every profiling module must load.
+    code = """
+import importlib, pkgutil, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch.") or name.startswith("shardline.plugins"):
+            raise ImportError(f"blocked {name}")
+sys.meta_path.insert(0, Block())
+import shardline.profiling as p
+names = [m.name for m in pkgutil.walk_packages(p.__path__, "shardline.profiling.")]
+for name in names:
+    importlib.import_module(name)
+assert "torch" not in sys.modules
+print(len(names))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 3
+
+
+def test_cli_help_and_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip().startswith("shardline 0.")
+    assert main([]) == 0
+    assert "usage: shardline" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("shardline")
+    if exe is None:
+        pytest.skip("the shardline console script is not on PATH (package not installed)")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: shardline" in out.stdout
+
+
+def test_ruff_bans_bare_folder_imports(tmp_path):
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it comes with the dev extra)")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import plugins\nfrom profiling import load\nimport recipes.cli\n")
+    out = subprocess.run([ruff, "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), "--select",
+                          "TID251", str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    for line in ("bad.py:1:", "bad.py:2:", "bad.py:3:"):
+        assert line in out.stdout
+
+
+def test_ci_runs_exactly_the_readme_test_line():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Test", 1)[1]
+    test_line = section.split("```bash", 1)[1].split("```", 1)[0].strip()
+    ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert test_line in ci_lines
