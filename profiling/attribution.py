@@ -29,6 +29,7 @@ Alongside: ``overlapped_<comm>`` = time(comm_c ∩ compute); ``comm_ns`` = time(
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -36,7 +37,7 @@ import pandas as pd
 from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import bubble_set
 from shardline.profiling.classify import classify_events
-from shardline.profiling.errors import AttributionError
+from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES, check_events
 
 LABELS = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
@@ -70,8 +71,21 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
     rows = [_rank_breakdown(grp) for _, grp in events.groupby("rank", observed=True, sort=True)]
     rows = [r for r in rows if r is not None]
     if not rows:
-        raise AttributionError("nothing to attribute: the events table has no work events on any rank")
+        # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
+        # the user gets the (empty) table with a warning rather than an exception.
+        warnings.warn("nothing to attribute: the events table has no work events on any rank",
+                      TraceWarning, stacklevel=2)
+        return empty_breakdown()
     return pd.concat(rows, ignore_index=True)
+
+
+def empty_breakdown() -> pd.DataFrame:
+    """A zero-row breakdown with every column ``breakdown`` returns."""
+    columns = ["rank", "step", "lanes", "start_ns", "end_ns", "step_ns", *LABELS, *OVERLAP_COLUMNS, "comm_ns"]
+    frame = pd.DataFrame({c: np.empty(0, dtype=np.int64) for c in columns})
+    frame["lanes"] = frame["lanes"].astype(str)
+    frame["overlap_ratio"] = np.empty(0, dtype=float)
+    return frame
 
 
 def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:

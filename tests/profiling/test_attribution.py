@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shardline.profiling import intervals as iv
 from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown, partition
-from shardline.profiling.errors import AttributionError
+from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import conform
 
 
@@ -83,8 +83,9 @@ def test_bad_input_raises_our_errors(synth):
     with pytest.raises(AttributionError, match="TraceSet or an events DataFrame"):
         breakdown([1, 2, 3])
     only_annotations = synth.to_frame([synth.annotation(0, "ProfilerStep#1", 0, 10)])
-    with pytest.raises(AttributionError, match="nothing to attribute"):
-        breakdown(only_annotations)
+    with pytest.warns(TraceWarning, match="nothing to attribute"):
+        empty = breakdown(only_annotations)
+    assert empty.empty and set(EXCLUSIVE_COLUMNS) <= set(empty.columns) and "overlap_ratio" in empty
     with pytest.raises(AttributionError, match="end before start"):
         partition({"compute": iv.EMPTY}, np.array([10]), np.array([5]))
 

@@ -1,0 +1,75 @@
+"""`shardline profile report`: formats carry breakdown's numbers unchanged; errors are one line and status 2."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pandas as pd
+import pytest
+
+from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.cli import main
+
+
+@pytest.fixture(scope="module")
+def trace_folder(tmp_path_factory):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("synth_for_cli", Path(__file__).with_name("synthetic_traces.py"))
+    synth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synth)
+    a, _ = synth.zero_tp_offload(rank=0)
+    b, _ = synth.zero_tp_offload(rank=1, t0=2_000_000)
+    folder = tmp_path_factory.mktemp("run")
+    synth.write_kineto(a + b, folder, world=2)
+    return folder
+
+
+def test_csv_is_the_breakdown_in_integer_ns(trace_folder, capsys):
+    assert main(["profile", "report", str(trace_folder), "--format", "csv"]) == 0
+    table = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    assert table["rank"].tolist() == [0, 1]
+    # The hand-worked truth of zero_tp_offload, through file writing, loading, classifying and attributing.
+    assert table[["compute", "all_gather", "reduce_scatter", "memcpy_h2d", "idle"]].values.tolist() == \
+        [[350, 50, 60, 60, 50]] * 2
+    assert (table[list(EXCLUSIVE_COLUMNS)].sum(axis=1) == table["step_ns"]).all()
+
+
+def test_json_to_file_and_table_on_terminal(trace_folder, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["profile", "report", str(trace_folder), "--format", "json", "-o", str(out)]) == 0
+    assert capsys.readouterr().out == ""
+    records = json.loads(out.read_text())
+    assert [r["step_ns"] for r in records] == [650, 650]
+    assert records[0]["overlap_ratio"] == pytest.approx(70 / 220, abs=1e-12)
+
+    assert main(["profile", "report", str(trace_folder)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert "compute_ms" in lines[1] and "all_gather_ms" in lines[1] and "broadcast_ms" not in lines[1]
+    assert lines[2].split()[:5] == ["0", "3", "gpu", "0.001", "0.000"]  # 650 ns = 0.00065 ms -> "0.001"
+    assert lines[2].split()[-1] == f"{100 * 70 / 220:.1f}"
+
+
+def test_missing_path_is_one_error_line_and_status_2(tmp_path, capsys):
+    assert main(["profile", "report", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardline profile report: error:") and "nope" in err and len(err.splitlines()) == 1
+
+
+def test_real_trace_csv_matches_breakdown(traces_dir, capsys):
+    from shardline.profiling.load import load
+
+    path = traces_dir / "tracelens" / "b200" / "eager_trace.json.gz"
+    assert main(["profile", "report", str(path), "--format", "csv"]) == 0
+    got = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    want = breakdown(load(path))
+    assert got[list(EXCLUSIVE_COLUMNS)].values.tolist() == want[list(EXCLUSIVE_COLUMNS)].values.tolist()
+
+
+def test_unknown_format_is_rejected_by_the_parser(trace_folder):
+    with pytest.raises(SystemExit) as info:
+        main(["profile", "report", str(trace_folder), "--format", "xml"])
+    assert info.value.code == 2
