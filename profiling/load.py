@@ -73,7 +73,7 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
                                "{file: rank} mapping instead")
     results: list[tuple[Path, Format, ReadResult]] = []
     for file, fmt in files:
-        results.append((file, fmt, _read(file, fmt, rank=_rank_for(file, rank))))
+        results.append((file, fmt, _read(file, fmt, rank=_rank_for(file, rank), keep_python=keep_python)))
     _check_one_job(results)
     notes = [w for _, _, result in results for w in result.warnings]
     for note in notes:
@@ -125,10 +125,11 @@ def _rank_for(file: Path, rank) -> int | None:
     return None
 
 
-def _read(file: Path, fmt: Format, *, rank: int | None) -> ReadResult:
+def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool) -> ReadResult:
     module, function = _READERS[fmt]
     reader = getattr(importlib.import_module(module), function)
-    result = reader(file, rank=rank)
+    options = {"keep_python": keep_python} if fmt is Format.KINETO else {}
+    result = reader(file, rank=rank, **options)
     if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:
         raise MissingRankError(f"{file}: the rank is not recorded (no distributedInfo.rank, no rank in the file "
                                "name); pass load(path, rank=N), or rank={file: N, ...} for a folder")
