@@ -1,0 +1,229 @@
+"""Tier 2: sequence layouts, ring attention and Ulysses attention on real gloo ranks vs dense attention (float64).
+
+Workers return their local tensors; the parent places them at the global positions the layout defines (written
+out here from the definition, independently of the library) and compares with the dense reference.
+Tolerances: exact (``torch.equal``) for pure data movement; float64 ``assert_close`` defaults for attention (the
+ring sums its blocks in a different order than the dense softmax).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from shardline.plugins.errors import LayoutError
+from shardline.plugins.grid import Grid, ParallelDims
+from shardline.plugins.sequence_parallel import (
+    local_positions,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
+from shardline.plugins.testing import run_ranks
+
+F64 = torch.float64
+B, H, S, D = 2, 4, 16, 8  # S divisible by 2*cp for cp in {2, 4}
+LAYOUTS = ("balanced", "contiguous")
+FNS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def expected_positions(seq_len: int, n: int, rank: int, layout: str) -> list[int]:
+    """The layout's definition: contiguous blocks, or chunks ``rank`` and ``2n-1-rank`` of ``2n``."""
+    if layout == "contiguous":
+        per = seq_len // n
+        return list(range(rank * per, (rank + 1) * per))
+    c = seq_len // (2 * n)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))
+
+
+def _qkv_do(seed=0, shape=(B, H, S, D)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen, dtype=F64) for _ in range(4)]
+
+
+def _cp_group(world: int):
+    return Grid.build(ParallelDims(world, cp=world, sp="ring")).group("cp")
+
+
+def test_local_positions_match_the_layout_definition():
+    for n in (1, 2, 4):
+        for layout in LAYOUTS:
+            got = sorted(p for r in range(n) for p in local_positions(S, n=n, rank=r, layout=layout).tolist())
+            assert got == list(range(S))  # a partition of the sequence
+            for r in range(n):
+                assert local_positions(S, n=n, rank=r, layout=layout).tolist() == expected_positions(S, n, r, layout)
+
+
+def _layout_worker(rank, world):
+    group = _cp_group(world)
+    x = torch.arange(B * S * 3, dtype=F64).reshape(B, S, 3)
+    out = {}
+    for layout in LAYOUTS:
+        xi = x.clone().requires_grad_()
+        local = shard_sequence(xi, group=group, dim=1, layout=layout)
+        full = unshard_sequence(local, group=group, dim=1, layout=layout)
+        # every rank feeds the same upstream grad to the replicated unsharded tensor
+        full.backward(torch.ones_like(full) * 2)
+        out[layout] = (local.detach(), full.detach(), xi.grad)
+    errors = []
+    for bad in (lambda: shard_sequence(torch.zeros(1, 2 * world + 2), group=group, dim=1),
+                lambda: shard_sequence(torch.zeros(1, world + 1), group=group, dim=1, layout="contiguous"),
+                lambda: ulysses_attention(*_qkv_do(shape=(1, 3, 2, 4))[:3], group=group)):
+        try:
+            bad()
+        except LayoutError as exc:
+            errors.append(str(exc))
+    return out, errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_and_unshard_sequence_are_exact_inverses_with_the_defined_layout(world):
+    results = run_ranks(_layout_worker, world)
+    x = torch.arange(B * S * 3, dtype=F64).reshape(B, S, 3)
+    for r, (out, errors) in enumerate(results):
+        for layout in LAYOUTS:
+            local, full, grad = out[layout]
+            assert torch.equal(local, x[:, expected_positions(S, world, r, layout)])  # data movement: exact
+            assert torch.equal(full, x)
+            # the shard's backward gathers each rank's slice of the (identical) upstream grad; unshard's keeps
+            # this rank's slice: the grad reaching the replicated input is the upstream grad itself, exact
+            assert torch.equal(grad, torch.full_like(x, 2))
+        assert len(errors) == 3
+        assert f"sequence length {2 * world + 2}" in errors[0] and f"2*cp={2 * world}" in errors[0]
+        assert f"sequence length {world + 1}" in errors[1] and f"cp={world}" in errors[1]
+        assert "heads=3" in errors[2] and f"cp={world}" in errors[2]
+
+
+def _attention_worker(rank, world):
+    group = _cp_group(world)
+    q, k, v, do = _qkv_do()
+    out = {}
+    for name, fn in FNS.items():
+        for causal in (True, False):
+            for layout in LAYOUTS:
+                pos = expected_positions(S, world, rank, layout)
+                ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+                o = fn(ql, kl, vl, group=group, causal=causal, layout=layout)
+                o.backward(do[:, :, pos])
+                out[name, causal, layout] = (o.detach(), ql.grad, kl.grad, vl.grad)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_and_ulysses_attention_equal_dense_attention_and_its_gradients(world):
+    results = run_ranks(_attention_worker, world)
+    q, k, v, do = _qkv_do()
+    for causal in (True, False):
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+        refs = (ref.detach(), *torch.autograd.grad(ref, (qr, kr, vr), do))
+        for name in FNS:
+            for layout in LAYOUTS:
+                for r, res in enumerate(results):
+                    pos = expected_positions(S, world, r, layout)
+                    for got, want in zip(res[name, causal, layout], refs):
+                        # softmax sums regrouped across ranks/blocks: float64 defaults
+                        torch.testing.assert_close(got, want[:, :, pos], msg=f"{name} causal={causal} {layout}")
+
+
+# ---------------------------------------------------------------- memory
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive on this rank, from every op's outputs to the storage's release.
+
+    CPU tensors have no allocator statistics, so we count them ourselves: each output storage is counted once
+    when an op creates it and uncounted by a ``weakref.finalize`` when it is freed. ``peak`` is the high-water
+    mark, ``largest`` the biggest single storage. Deterministic (no RSS, no allocator caching), and it sees the
+    backward pass's temporaries too.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self._keys: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._keys.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in self._keys:  # a view of a storage already counted
+                continue
+            self._keys.add(key)
+            self.live += nbytes
+            self.peak, self.largest = max(self.peak, self.live), max(self.largest, nbytes)
+            weakref.finalize(storage, self._release, key, nbytes)
+        return out
+
+
+MEM_SHAPE = (1, 2, 256, 16)  # long sequence, small head: the O(s^2) terms dominate as in practice
+
+
+def _saved_bytes(fn, *args):
+    """Bytes of distinct storages autograd saves for backward while ``fn(*args)`` runs."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum(seen.values())
+
+
+def _measure(attend, q, k, v, do):
+    tracker = LiveTensorBytes()
+    with tracker:
+        out, saved = _saved_bytes(attend, q, k, v)
+        out.backward(do)
+        del out
+    return tracker.peak, tracker.largest, saved
+
+
+def _memory_worker(rank, world):
+    group = _cp_group(world)
+    q, k, v, do = (shard_sequence(t, group=group, dim=2) for t in _qkv_do(seed=3, shape=MEM_SHAPE))
+    for t in (q, k, v):
+        t.requires_grad_()
+    return _measure(lambda a, b, c: ring_attention(a, b, c, group=group), q, k, v, do)
+
+
+def _dense_attention(q, k, v):
+    """softmax(q k^T / sqrt(d) + causal mask) v, written out: the textbook dense attention."""
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    mask = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+    return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
+def test_ring_attention_peak_bytes_per_rank_fall_as_one_over_cp():
+    q, k, v, do = _qkv_do(seed=3, shape=MEM_SHAPE)
+    for t in (q, k, v):
+        t.requires_grad_()
+    dense_peak, dense_largest, dense_saved = _measure(_dense_attention, q, k, v, do)
+    b, h, s, d = MEM_SHAPE
+    assert dense_largest >= b * h * s * s * 8  # the dense way holds the full s x s score matrix
+    by_cp = {cp: run_ranks(_memory_worker, cp) for cp in (2, 4)}
+    for cp, ranks in by_cp.items():
+        for peak, largest, saved in ranks:
+            assert peak * cp <= dense_peak  # per-rank peak at most 1/cp of the dense peak
+            # no rank ever holds more than one local score block: never the full s x s matrix or full K/V
+            assert largest <= b * h * (s // cp) ** 2 * 8
+            # saved for backward: local q, k, v, out (compute dtype) and the log-sum-exp rows, nothing global
+            assert saved == 4 * b * h * (s // cp) * d * 8 + b * h * (s // cp) * 8
+    for (p2, _, s2), (p4, _, s4) in zip(by_cp[2], by_cp[4]):
+        assert p4 <= 0.5 * p2  # doubling cp at least halves the per-rank peak
+        assert s4 * 2 == s2  # saved activations exactly halve
