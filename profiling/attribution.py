@@ -23,7 +23,9 @@ see ``bubbles``); it ranks above p2p because a pipeline recv kernel spinning for
 transfer. The columns of ``EXCLUSIVE_COLUMNS`` sum to ``step_ns`` exactly in integer ns (asserted).
 
 Alongside: ``overlapped_<comm>`` = time(comm_c ∩ compute); ``comm_ns`` = time(∪ comm) and
-``overlap_ratio`` = time(compute ∩ ∪comm) / time(∪comm) (HTA's definition; NaN without communication).
+``overlap_ratio`` = time(compute ∩ ∪comm) / time(∪comm) (HTA's definition; NaN without communication);
+``pageable_memcpy_ns`` = time with an H2D/D2H copy from/to pageable host memory running (the slow, blocking
+kind of offload traffic; ``memory_kind == "Pageable"``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import pandas as pd
 
 from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import bubble_set
-from shardline.profiling.classify import classify_events
+from shardline.profiling.classify import classify_events, match_names
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES, check_events
 
@@ -81,7 +83,8 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
 
 def empty_breakdown() -> pd.DataFrame:
     """A zero-row breakdown with every column ``breakdown`` returns."""
-    columns = ["rank", "step", "lanes", "start_ns", "end_ns", "step_ns", *LABELS, *OVERLAP_COLUMNS, "comm_ns"]
+    columns = ["rank", "step", "lanes", "start_ns", "end_ns", "step_ns", *LABELS, *OVERLAP_COLUMNS, "comm_ns",
+               "pageable_memcpy_ns"]
     frame = pd.DataFrame({c: np.empty(0, dtype=np.int64) for c in columns})
     frame["lanes"] = frame["lanes"].astype(str)
     frame["overlap_ratio"] = np.empty(0, dtype=float)
@@ -90,14 +93,14 @@ def empty_breakdown() -> pd.DataFrame:
 
 def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """The rows attributed for one rank and the lane kind used ("gpu" or "cpu")."""
-    named_annotation = events["name"].astype(str).str.match(_ANNOTATION_NAME_RE).to_numpy()
+    named_annotation = match_names(events["name"], _ANNOTATION_NAME_RE)
     cat = events["cat"].astype(str).to_numpy()
     lane = events["lane"].astype(str).to_numpy()
     gpu = (lane == "gpu") & ~np.isin(cat, list(ANNOTATION_CATS)) & ~named_annotation
     if gpu.any():
         return events[gpu], "gpu"
     is_comm = np.isin(events["category"].astype(str).to_numpy(), COMM_CATEGORIES)
-    step_marker = events["name"].astype(str).str.match(r"^(ProfilerStep#\d+|sl:pp:)").to_numpy()
+    step_marker = match_names(events["name"], r"^(ProfilerStep#\d+|sl:pp:)")
     # CPU ops are work; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*) are.
     cpu = (lane == "cpu") & ~step_marker & (np.isin(cat, ["cpu_op", "Operator"])
                                            | (is_comm & np.isin(cat, list(_CPU_OP_CATS))))
@@ -106,15 +109,14 @@ def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 
 def step_windows(events: pd.DataFrame, lanes: str) -> pd.DataFrame:
     """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
-    names = events["name"].astype(str)
-    steps = names.str.extract(STEP_RE, expand=False)
-    marked = steps.notna().to_numpy()
+    marked = match_names(events["name"], STEP_RE.pattern)
     lane = events["lane"].astype(str).to_numpy()
     for lane_kind in ((lanes, "cpu") if lanes == "gpu" else ("cpu",)):
         sel = marked & (lane == lane_kind)
         if sel.any():
             sub = events[sel]
-            frame = pd.DataFrame({"step": steps[sel].astype(np.int64).to_numpy(),
+            steps = sub["name"].astype(str).str.extract(STEP_RE, expand=False)  # only the step markers
+            frame = pd.DataFrame({"step": steps.astype(np.int64).to_numpy(),
                                   "start_ns": sub["start_ns"].to_numpy(),
                                   "end_ns": (sub["start_ns"] + sub["dur_ns"]).to_numpy()})
             return frame.groupby("step", as_index=False).agg(start_ns=("start_ns", "min"),
@@ -147,6 +149,9 @@ def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str
         on = category == label
         sets[label] = iv.union(start[on], end[on])
     sets["bubble"] = bubble_set(events, lanes=lanes)
+    # Not a partition label: time with a copy from/to pageable host memory running (a PCIe offload smell).
+    pageable = np.isin(category, ("memcpy_h2d", "memcpy_d2h")) & (work["memory_kind"].astype(str) == "Pageable")
+    sets["pageable_memcpy"] = iv.union(start[pageable], end[pageable])
     return sets
 
 
@@ -205,6 +210,8 @@ def partition(sets: dict[str, iv.IntervalSet], win_start: np.ndarray, win_end: n
         out[f"overlapped_{comm}"] = window_sums(c & compute)
         any_comm |= c
     out["comm_ns"] = window_sums(any_comm)
+    for extra in sorted(set(sets) - set(LABELS)):  # reported alongside, outside the partition
+        out[f"{extra}_ns"] = window_sums(covered[extra])
     overlapped = window_sums(any_comm & compute)
     with np.errstate(invalid="ignore", divide="ignore"):
         out["overlap_ratio"] = np.where(out["comm_ns"] > 0, overlapped / np.maximum(out["comm_ns"], 1), np.nan)

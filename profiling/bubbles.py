@@ -28,6 +28,7 @@ import pandas as pd
 
 import shardline.profiling.annotations as contract
 from shardline.profiling import intervals as iv
+from shardline.profiling.classify import match_names
 
 _COMPUTE_ACTIONS = ("F", "B", "W")
 
@@ -39,15 +40,14 @@ class BubbleMethod(str, enum.Enum):
 
 def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(batch rows with p/m/schedule, action rows with action/stage/microbatch) on the lanes to use."""
-    names = events["name"].astype(str)
-    is_pp = names.str.startswith(f"{contract.PREFIX}:pp:").to_numpy()
+    is_pp = match_names(events["name"], f"{contract.PREFIX}:pp:")
     lane = events["lane"].astype(str).to_numpy()
     for kind in ((lanes, "cpu") if lanes == "gpu" else (lanes,)):
         sel = is_pp & (lane == kind)
         if sel.any():
             break
     sub = events[sel]
-    sub_names = names[sel]
+    sub_names = sub["name"].astype(str)  # only the pipeline annotations
     batch = sub_names.str.extract(contract.PP_BATCH_PATTERN)
     action = sub_names.str.extract(contract.PP_ACTION_PATTERN)
     start = sub["start_ns"].to_numpy()
@@ -76,15 +76,21 @@ def bubble_set(events: pd.DataFrame, *, lanes: str) -> iv.IntervalSet:
 
 def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
     """One row per (rank, pipeline batch): bubble split into phases and compared with (p-1)/(m+p-1)."""
-    from shardline.profiling.attribution import breakdown, work_rows  # attribution imports this module
+    # attribution imports this module, so these come in at call time
+    from shardline.profiling.attribution import breakdown, step_windows, work_rows
 
     events = getattr(traceset_or_events, "events", traceset_or_events)
     rows = []
     for rank, grp in events.groupby("rank", observed=True, sort=True):
         _, lanes = work_rows(grp)
         batches, actions = _pp_rows(grp, lanes)
+        windows = step_windows(grp, lanes)
         for batch in batches.itertuples(index=False):  # one iteration per pipeline batch, not per event
-            rows.append(_batch_row(int(rank), batch, actions))
+            row = _batch_row(int(rank), batch, actions)
+            # The step whose window holds the batch start (batches nest in ProfilerStep windows).
+            holds = windows[(windows["start_ns"] <= batch.start_ns) & (windows["end_ns"] > batch.start_ns)]
+            row["step"] = int(holds["step"].iloc[0]) if len(holds) else -1
+            rows.append(row)
     if rows:
         return pd.DataFrame(rows)
     table = breakdown(events)

@@ -267,6 +267,17 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
     return out
 
 
+def match_names(column: pd.Series, pattern: str) -> np.ndarray:
+    """Boolean mask: does each value of a categorical column match ``pattern`` (``re.match``), computed on
+    the unique values and broadcast."""
+    regex = re.compile(pattern)
+    cats = column.cat.categories
+    table = np.array([bool(regex.match(str(c))) for c in cats] + [False], dtype=bool)
+    codes = column.cat.codes.to_numpy().copy()
+    codes[codes < 0] = len(cats)
+    return table[codes]
+
+
 def _mapped(column: pd.Series, fn) -> np.ndarray:
     """Apply ``fn`` to the unique values of a categorical column and broadcast."""
     cats = column.cat.categories

@@ -113,3 +113,12 @@ def test_partition_equals_brute_force_raster(synth, spans, window, bubble):
     comm = [r for r in rows if r["category"] in ("all_reduce", "all_gather", "p2p_recv", "reduce_scatter")]
     assert got["comm_ns"] == synth.raster_partition(
         [dict(r, category="compute") for r in comm], rank=0, window=window)["compute"]
+
+
+def test_pageable_copies_are_flagged_alongside_the_partition(synth):
+    rows = [dict(synth.gpu_event(0, "memcpy_h2d", 0, 40), category="memcpy_h2d", memory_kind="Pageable",
+                 name="Memcpy HtoD (Pageable -> Device)"),
+            dict(synth.gpu_event(0, "memcpy_h2d", 30, 40), category="memcpy_h2d", memory_kind="Pinned"),
+            dict(synth.gpu_event(0, "memcpy_d2h", 100, 10), category="memcpy_d2h", memory_kind="Pageable")]
+    row = _row(breakdown(synth.to_frame(rows)))
+    assert (row["memcpy_h2d"], row["memcpy_d2h"], row["idle"], row["pageable_memcpy_ns"]) == (70, 10, 30, 50)

@@ -43,7 +43,7 @@ def test_1f1b_bubble_is_recovered_exactly(synth, p, m):
     assert (bubbles["bubble_ns"] == truth["bubble_ns"]).all()
     assert bubbles["bubble_fraction"].tolist() == pytest.approx([truth["fraction"]] * p, abs=1e-15)
     assert bubbles["ideal_fraction"].tolist() == pytest.approx([(p - 1) / (m + p - 1)] * p, abs=1e-15)
-    assert (bubbles["m_seen"] == m).all() and (bubbles["p"] == p).all()
+    assert (bubbles["m_seen"] == m).all() and (bubbles["p"] == p).all() and (bubbles["step"] == 0).all()
     for stage in range(p):
         want = _raster_phases(rows, stage, truth["makespan"])
         assert bubbles.loc[stage, list(want)].to_dict() == want
