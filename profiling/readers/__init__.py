@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import re
+import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -52,7 +53,7 @@ def peek(path: Path, size: int = 4096) -> bytes:
         if head[:2] == b"\x1f\x8b":
             with gzip.open(path, "rb") as handle:
                 head = handle.read(size)
-    except (OSError, EOFError, gzip.BadGzipFile):
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error):
         return b""
     return head
 
@@ -69,12 +70,25 @@ def sniff(path: Path) -> Format | None:
     if head.startswith(_SQLITE_MAGIC) or name.endswith((".sqlite", ".sqlite3")):
         return Format.NSYS
     stripped = head.lstrip()
-    if name.endswith(_TEXT_SUFFIXES) or stripped[:1] not in (b"{", b"["):
+    opens_json = stripped[:1] in (b"{", b"[")
+    if name.endswith(_TEXT_SUFFIXES) or not opens_json:
         if _NCCL_LINE.search(head):
             return Format.NCCL_LOG
         if stripped[:1] == b"[" and (b"GROUP_API" in head or b"KERNEL_LAUNCH" in head or b"P2P_API" in head):
             return Format.NCCL_PROFILER
+        if not opens_json:
+            # Unreadable or empty content with a JSON name is still meant as a trace: let its reader say why.
+            return Format.KINETO if name.endswith(_JSON_SUFFIXES) else None
         return None
+    if stripped[:1] == b"[":
+        if b"GROUP_API" in head or b"KERNEL_LAUNCH" in head or b"COLL" in head and b"CommHash" in head:
+            return Format.NCCL_PROFILER
+        return Format.KINETO if name.endswith(_JSON_SUFFIXES) else None
+    if b'"pg_config"' in head and b'"entries"' in head or b'"pg_status"' in head:
+        return Format.FLIGHT_RECORDER
+    if name.endswith(_JSON_SUFFIXES) or name.endswith(".raw.gz"):
+        return Format.KINETO
+    return None
     if stripped[:1] == b"[":
         if b"GROUP_API" in head or b"KERNEL_LAUNCH" in head or b"COLL" in head and b"CommHash" in head:
             return Format.NCCL_PROFILER

@@ -72,6 +72,7 @@ _META_KEYS = ("distributedInfo", "baseTimeNanoseconds", "deviceProperties", "sch
 _DECODE_EVENTS = msgspec.json.Decoder(list[Event])
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
+_BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
 _BYTE_AT = re.compile(r"\(byte (\d+)\)")
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)(?![\d])", re.IGNORECASE)
 
@@ -123,13 +124,9 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
     batches = []
     for start in range(0, len(raws), BATCH):
-        chunk = b"[" + b",".join(raws[start:start + BATCH]) + b"]"
-        try:
-            decoded = _DECODE_EVENTS.decode(chunk)
-        except msgspec.ValidationError as exc:
-            decoded = _salvage_batch(path, raws[start:start + BATCH], exc, warnings)
+        decoded = _decode_batch(path, raws[start:start + BATCH], warnings)
         batches.append(columns_from_events(decoded, keep_python=keep_python))
-        del decoded, chunk
+        del decoded
     del raws
     frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
                          warnings=warnings)
@@ -178,9 +175,13 @@ def _split_damaged(path: Path, data: bytes, exc: Exception, warnings: list[str])
     if bracket < 0:
         raise TraceFormatError(f"{path}: invalid JSON ({exc}); traceEvents has no array") from exc
     warnings.append(f"{path}: invalid JSON ({exc}); reading the events before the damage")
-    if b'"baseTimeNanoseconds"' not in head and b'"baseTimeNanoseconds"' not in data[-4096:]:
-        warnings.append(f"{path}: trailing metadata lost; if the trace used baseTimeNanoseconds its times are "
-                        "relative to an unknown base")
+    # Current Kineto writes baseTimeNanoseconds after the events: recover it from an intact tail.
+    tail = _BASE_IN_TAIL.search(data[-4096:])
+    if tail and "baseTimeNanoseconds" not in top:
+        top["baseTimeNanoseconds"] = msgspec.Raw(tail.group(1))
+    elif not tail and "baseTimeNanoseconds" not in top:
+        warnings.append(f"{path}: no baseTimeNanoseconds found; if the trace had one after its events (current "
+                        "Kineto), the times read are relative to that lost base")
     return top, data[bracket:]
 
 
@@ -219,6 +220,25 @@ def _prefix_slices(path: Path, array: bytes, exc: Exception, warnings: list[str]
         return slices
     warnings.append(f"{path}: no complete event could be read ({exc})")
     return []
+
+
+def _decode_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
+    """Decode one batch of raw events; invalid UTF-8 is replaced (with a warning), mistyped events dropped."""
+    chunk = b"[" + b",".join(raws) + b"]"
+    try:
+        return _DECODE_EVENTS.decode(chunk)
+    except UnicodeDecodeError as exc:
+        # The slicing pass does not validate string bytes; a name with a stray byte keeps its event.
+        warnings.append(f"{path}: invalid UTF-8 in event text ({exc.reason} at byte {exc.start} of a batch); "
+                        "replaced by U+FFFD")
+        chunk = chunk.decode("utf-8", errors="replace").encode()
+        raws = _DECODE_RAWS.decode(chunk)
+        try:
+            return _DECODE_EVENTS.decode(chunk)
+        except (msgspec.ValidationError, msgspec.DecodeError) as again:
+            return _salvage_batch(path, raws, again, warnings)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return _salvage_batch(path, raws, exc, warnings)
 
 
 def _salvage_batch(path: Path, raws: list, exc: msgspec.ValidationError, warnings: list[str]) -> list[Event]:

@@ -1,0 +1,204 @@
+"""load(): folders, run directories, mixed jobs, rank mappings, and bad input of every kind."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import pytest
+
+from shardline.profiling.errors import (
+    MissingRankError,
+    MixedJobsError,
+    ProfilingError,
+    TraceFormatError,
+    TraceWarning,
+)
+from shardline.profiling.load import load
+from shardline.profiling.schema import check_events
+
+_EVENT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1.5}}'
+
+
+def _trace(n: int = 3, *, rank: int = 0, world: int = 4, name: str = "aten::add") -> str:
+    events = ",\n".join(_EVENT.format(name=name, ts=10 * i + 0.25) for i in range(n))
+    info = f'{{"backend": "nccl", "rank": {rank}, "world_size": {world}}}'
+    return f'{{"distributedInfo": {info},\n"traceEvents": [\n{events}\n]}}'
+
+
+
+def _link(src, dst):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(src, dst)  # the corpus is read in place, never copied
+    return dst
+
+
+def test_run_directory_mixes_formats(tmp_path, traces_dir):
+    # A run folder: two Kineto traces in a subfolder, an NCCL log and a README that is ignored.
+    _link(traces_dir / "hta/trace_filter/sampled_rank-0.json.gz", tmp_path / "profiler" / "a.json.gz")
+    _link(traces_dir / "hta/trace_filter/sampled_rank-1.json.gz", tmp_path / "profiler" / "b.json.gz")
+    _link(traces_dir / "nccl_debug_logs/nvidia_nccl_issue1814_init_complete_64ranks.log", tmp_path / "nccl.log")
+    (tmp_path / "README.md").write_text("notes")
+    ts = load(tmp_path)
+    assert {p.name: r for p, r in ts.files.items()} == {"a.json.gz": (0,), "b.json.gz": (1,), "nccl.log": (32, 34, 35, 36)}
+    assert ts.ranks == (0, 1)
+    assert set(ts.events["source"]) == {"kineto"}
+    assert ts.metadata[36]["nccl_comms"][0]["rank"] == 36
+    check_events(ts.events)
+
+
+def test_mixed_world_sizes_are_refused_naming_files(tmp_path, traces_dir):
+    _link(traces_dir / "param/dlrm_kineto/worker2_step_12.1694128201554.pt.trace.json.gz", tmp_path / "x.json.gz")
+    _link(traces_dir / "hta/trace_filter/sampled_rank-1.json.gz", tmp_path / "y.json.gz")
+    with pytest.raises(MixedJobsError, match=r"world_size=8.*x\.json\.gz.*world_size=128.*y\.json\.gz"):
+        load(tmp_path)
+
+
+def test_one_rank_in_two_files_is_refused(tmp_path):
+    (tmp_path / "a.json").write_text(_trace(rank=1))
+    (tmp_path / "b.json").write_text(_trace(rank=1))
+    with pytest.raises(MixedJobsError, match=r"rank 1 is claimed by two files: .*a\.json and .*b\.json"):
+        load(tmp_path)
+
+
+def test_rank_outside_world(tmp_path):
+    (tmp_path / "a.json").write_text(_trace(rank=5, world=4))
+    with pytest.raises(MixedJobsError, match="rank 5 is outside world_size 4"):
+        load(tmp_path / "a.json")
+
+
+def test_folder_rank_mapping_and_int_refused(tmp_path):
+    body = '{"traceEvents": [' + _EVENT.format(name="a", ts=1) + "]}"
+    (tmp_path / "first.json").write_text(body)
+    (tmp_path / "second.json").write_text(body)
+    with pytest.raises(MissingRankError, match="first.json"):
+        load(tmp_path)
+    with pytest.raises(TraceFormatError, match="mapping"):
+        load(tmp_path, rank=0)
+    ts = load(tmp_path, rank={"first.json": 4, tmp_path / "second.json": 6})
+    assert ts.ranks == (4, 6)
+
+
+def test_nothing_to_read(tmp_path):
+    with pytest.raises(TraceFormatError, match="no such file"):
+        load(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(TraceFormatError, match="no trace, log or export"):
+        load(tmp_path)
+    with pytest.raises(TraceFormatError, match="notes.txt: not a Kineto trace"):
+        load(tmp_path / "notes.txt")
+
+
+# ---- bad input: our error naming the file and the problem, or a warning and the readable part ----
+
+
+def test_truncated_gzip(tmp_path):
+    data = gzip.compress(_trace(50).encode())
+    path = tmp_path / "rank0.json.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceFormatError, match=r"rank0\.json\.gz: corrupt or truncated gzip"):
+        load(path)
+
+
+def test_corrupt_gzip(tmp_path):
+    data = bytearray(gzip.compress(_trace(50).encode()))
+    data[20:40] = b"\x00" * 20
+    path = tmp_path / "rank0.json.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(TraceFormatError, match="corrupt or truncated gzip"):
+        load(path)
+
+
+def test_truncated_json_keeps_complete_events(tmp_path):
+    text = _trace(10)
+    cut = text.index('"ts": 70.25')  # inside the 8th event
+    path = tmp_path / "rank0.json"
+    path.write_text(text[:cut])
+    with pytest.warns(TraceWarning, match=r"rank0\.json: invalid JSON"):
+        ts = load(path)
+    # Events 0..6 are complete; times exact: 0.25 µs, 10.25 µs, ...
+    assert ts.events["start_ns"].tolist() == [10_000 * i + 250 for i in range(7)]
+    assert any("kept the 7 complete events" in w for w in ts.warnings)
+
+
+def test_unescaped_quote_in_name(tmp_path):
+    text = _trace(6).replace('"name": "aten::add", "pid": 1, "tid": 1, "ts": 30.25',
+                             '"name": "aten::add"bad"", "pid": 1, "tid": 1, "ts": 30.25')
+    path = tmp_path / "rank0.json"
+    path.write_text(text)
+    with pytest.warns(TraceWarning, match="invalid JSON"):
+        ts = load(path)
+    assert len(ts.events) == 3  # the three events before the broken one
+
+
+def test_invalid_utf8(tmp_path):
+    # A stray byte in one name: the event is kept, the byte replaced by U+FFFD, and a warning says so.
+    data = _trace(4).encode().replace(b"aten::add", b"aten::\xff\xfe", 1)
+    path = tmp_path / "rank0.json"
+    path.write_bytes(data)
+    with pytest.warns(TraceWarning, match=r"rank0\.json: invalid UTF-8"):
+        ts = load(path)
+    assert ts.events["name"].tolist() == ["aten::\ufffd\ufffd", "aten::add", "aten::add", "aten::add"]
+
+
+def test_integers_beyond_int64(tmp_path):
+    # A correlation id of 2**70 becomes -1 with a warning; a ts beyond int64 ns drops that event with a warning.
+    text = _trace(3)
+    text = text.replace('"dur": 1.5}', '"dur": 1.5, "args": {"correlation": 1180591620717411303424}}', 1)
+    text = text.replace('"ts": 20.25', '"ts": 99999999999999999999999.5')
+    path = tmp_path / "rank0.json"
+    path.write_text(text)
+    with pytest.warns(TraceWarning) as record:
+        ts = load(path)
+    messages = " ".join(str(w.message) for w in record)
+    assert "beyond int64" in messages and "rank0.json" in messages
+    assert ts.events["start_ns"].tolist() == [250, 10_250]
+    assert ts.events["correlation"].tolist() == [-1, -1]
+
+
+def test_empty_inputs(tmp_path):
+    empty = tmp_path / "rank0.json"
+    empty.write_text("")
+    with pytest.raises(TraceFormatError, match=r"rank0\.json: empty file"):
+        load(empty)
+    no_events = tmp_path / "rank1.json"
+    no_events.write_text('{"distributedInfo": {"rank": 1}, "traceEvents": []}')
+    ts = load(no_events)
+    assert len(ts.events) == 0 and ts.ranks == (1,)
+    check_events(ts.events)
+
+
+def test_top_level_not_a_trace(tmp_path):
+    path = tmp_path / "rank0.json"
+    path.write_text('"just a string"')
+    with pytest.raises(TraceFormatError, match="rank0.json"):
+        load(path)
+
+
+def test_bad_sqlite(tmp_path):
+    path = tmp_path / "run.sqlite"
+    path.write_bytes(b"SQLite format 3\x00" + b"\x00" * 200)
+    with pytest.raises(ProfilingError, match="run.sqlite"):
+        load(path)
+
+
+def test_not_nsys_sqlite(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "other.sqlite"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    with pytest.raises(TraceFormatError, match="other.sqlite.*not an Nsight Systems export"):
+        load(path)
+
+
+def test_damaged_middle_keeps_base_time_from_the_tail(tmp_path):
+    # Current Kineto writes baseTimeNanoseconds after traceEvents; damage in the middle must not lose it.
+    body = _trace(5).replace('"ts": 30.25', '"ts": 30.25 oops', 1)[:-1] + ', "baseTimeNanoseconds": 1000000000}'
+    path = tmp_path / "rank0.json"
+    path.write_text(body)
+    with pytest.warns(TraceWarning, match="invalid JSON"):
+        ts = load(path)
+    assert ts.events["start_ns"].tolist() == [1_000_000_000 + 250, 1_000_000_000 + 10_250, 1_000_000_000 + 20_250]
