@@ -216,3 +216,41 @@ def partition(sets: dict[str, iv.IntervalSet], win_start: np.ndarray, win_end: n
     with np.errstate(invalid="ignore", divide="ignore"):
         out["overlap_ratio"] = np.where(out["comm_ns"] > 0, overlapped / np.maximum(out["comm_ns"], 1), np.nan)
     return pd.DataFrame(out)
+
+
+def comm_by_dim(traceset_or_events, *, layout=None) -> pd.DataFrame:
+    """One row per (rank, step, dim) with communication: ``comm_ns`` = time(∪ comm of that dim),
+    ``exposed_ns`` = time(that \\ compute), ``overlapped_ns`` = time(that ∩ compute).
+
+    Dims are not a partition of each other (a TP all-reduce may run under a DP reduce-scatter), so the
+    per-dim exposed times can sum to more than the exposed comm columns of ``breakdown``.
+    """
+    events = getattr(traceset_or_events, "events", traceset_or_events)
+    check_events(events)
+    if layout is not None or (len(events) and (events["category"].astype(str) == "").all()):
+        events = classify_events(events, layout=layout)
+    frames = []
+    for rank, grp in events.groupby("rank", observed=True, sort=True):
+        work, lanes = work_rows(grp)
+        if work.empty:
+            continue
+        windows = step_windows(grp, lanes)
+        if windows.empty:
+            windows = pd.DataFrame({"step": [-1], "start_ns": [int(work["start_ns"].min())],
+                                    "end_ns": [int((work["start_ns"] + work["dur_ns"]).max())]})
+        compute = label_sets(grp, work, lanes)["compute"]
+        comm = work[work["category"].astype(str).isin(COMM_CATEGORIES)]
+        lo, hi = windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()
+        for dim, rows in comm.groupby(comm["dim"].astype(str), sort=True):  # a handful of dims per rank
+            dim_set = iv.union(rows["start_ns"], rows["start_ns"] + rows["dur_ns"])
+            frames.append(pd.DataFrame({
+                "rank": int(rank), "step": windows["step"].to_numpy(), "dim": dim,
+                "comm_ns": iv.window_totals(dim_set, lo, hi),
+                "exposed_ns": iv.window_totals(iv.subtract(dim_set, compute), lo, hi),
+                "overlapped_ns": iv.window_totals(iv.intersect(dim_set, compute), lo, hi)}))
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype=t) for c, t in (("rank", "int64"), ("step", "int64"),
+                             ("dim", "str"), ("comm_ns", "int64"), ("exposed_ns", "int64"),
+                             ("overlapped_ns", "int64"))})
+    out = pd.concat(frames, ignore_index=True)
+    return out[out["comm_ns"] > 0].reset_index(drop=True)

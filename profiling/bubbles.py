@@ -13,7 +13,8 @@ Phases of one batch window on one stage (fill / steady / drain):
 
 each bubble ns falls in exactly one phase, so warmup_ns + steady_ns + cooldown_ns == bubble_ns. The measured
 fraction ``bubble_ns / batch_ns`` is compared with the equal-cost ideal (p-1)/(m+p-1) for the p and m the
-annotation names (``m_seen`` counts the distinct forward micro-batches actually found).
+annotation names -- (p-1)/(v·m+p-1) for an interleaved schedule with v chunks per stage, which is
+(p-1)/(m+p-1) at v=1 (``m_seen`` counts the distinct forward micro-batches actually found).
 
 Without annotations the estimate is the exposed ``p2p_recv`` time of ``breakdown`` (the idle a stage spends
 in receives), reported with ``method="p2p_recv_idle"``; phases and ideal are then unknown (NaN / -1).
@@ -55,7 +56,8 @@ def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFra
     b = batch["p"].notna().to_numpy()
     batches = pd.DataFrame({"rank": sub["rank"].to_numpy()[b], "start_ns": start[b], "end_ns": end[b],
                             "schedule": batch["schedule"][b].to_numpy(),
-                            "p": batch["p"][b].astype(int).to_numpy(), "m": batch["m"][b].astype(int).to_numpy()})
+                            "p": batch["p"][b].astype(int).to_numpy(), "m": batch["m"][b].astype(int).to_numpy(),
+                            "v": batch["v"][b].astype(int).to_numpy()})
     a = action["action"].notna().to_numpy()
     actions = pd.DataFrame({"rank": sub["rank"].to_numpy()[a], "start_ns": start[a], "end_ns": end[a],
                             "action": action["action"][a].to_numpy(),
@@ -65,7 +67,11 @@ def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFra
 
 
 def bubble_set(events: pd.DataFrame, *, lanes: str) -> iv.IntervalSet:
-    """Bubble interval set of one rank: batch windows minus F/B/W spans (empty without annotations)."""
+    """Bubble interval set of one rank: batch windows minus F/B/W spans (empty without annotations).
+
+    On a GPU rank the GPU copies of the annotations are used; a trace that has them only on the CPU falls
+    back to those, whose times are the host's issue times and only approximate the GPU's.
+    """
     batches, actions = _pp_rows(events, lanes)
     if batches.empty:
         return iv.EMPTY
@@ -96,7 +102,7 @@ def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
     table = breakdown(events)
     return pd.DataFrame({
         "rank": table["rank"], "step": table["step"], "method": BubbleMethod.P2P_RECV_IDLE.value,
-        "stage": -1, "schedule": "", "p": -1, "m": -1, "m_seen": -1, "batch_ns": table["step_ns"],
+        "stage": -1, "schedule": "", "p": -1, "m": -1, "v": -1, "m_seen": -1, "batch_ns": table["step_ns"],
         "bubble_ns": table["p2p_recv"], "warmup_ns": -1, "steady_ns": -1, "cooldown_ns": -1,
         "bubble_fraction": table["p2p_recv"] / table["step_ns"].where(table["step_ns"] > 0),
         "ideal_fraction": np.nan})
@@ -121,7 +127,7 @@ def _batch_row(rank: int, batch, actions: pd.DataFrame) -> dict:
     bubble_ns = iv.total(bubble)
     return {"rank": rank, "step": -1, "method": BubbleMethod.ANNOTATIONS.value,
             "stage": int(stages[0]) if len(stages) == 1 else -1, "schedule": batch.schedule,
-            "p": int(batch.p), "m": int(batch.m), "m_seen": int(fwd["microbatch"].nunique()),
+            "p": int(batch.p), "m": int(batch.m), "v": int(batch.v), "m_seen": int(fwd["microbatch"].nunique()),
             "batch_ns": batch_ns, "bubble_ns": bubble_ns, **phase,
             "bubble_fraction": bubble_ns / batch_ns if batch_ns > 0 else np.nan,
-            "ideal_fraction": (batch.p - 1) / (batch.m + batch.p - 1)}
+            "ideal_fraction": (batch.p - 1) / (batch.v * batch.m + batch.p - 1)}

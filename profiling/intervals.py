@@ -73,3 +73,20 @@ def merge(*sets: IntervalSet) -> IntervalSet:
     if not sets:
         return EMPTY
     return union(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))
+
+
+def window_totals(a: IntervalSet, lo, hi) -> np.ndarray:
+    """Length of ``a ∩ [lo[k], hi[k])`` for every window k, as F(hi) - F(lo) with F(t) = |a ∩ (-inf, t)|."""
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    if not len(a[0]):
+        return np.zeros(len(lo), dtype=np.int64)
+    before = np.concatenate([[0], np.cumsum(a[1] - a[0])])  # total length of the intervals before index i
+
+    def measure_below(t: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(a[0], t, side="right") - 1
+        safe = np.clip(idx, 0, None)
+        partial = np.clip(t - a[0][safe], 0, a[1][safe] - a[0][safe])
+        return np.where(idx >= 0, before[safe] + partial, 0)
+
+    return measure_below(hi) - measure_below(lo)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.profiling import intervals as iv
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown, partition
+from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown, comm_by_dim, partition
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import conform
 
@@ -122,3 +122,28 @@ def test_pageable_copies_are_flagged_alongside_the_partition(synth):
             dict(synth.gpu_event(0, "memcpy_d2h", 100, 10), category="memcpy_d2h", memory_kind="Pageable")]
     row = _row(breakdown(synth.to_frame(rows)))
     assert (row["memcpy_h2d"], row["memcpy_d2h"], row["idle"], row["pageable_memcpy_ns"]) == (70, 10, 30, 50)
+
+
+def test_comm_by_dim_splits_exposed_and_overlapped_per_parallel_dimension(synth):
+    rows, _ = synth.zero_tp_offload()
+    desc = {"all_gather": "sl:dp", "reduce_scatter": "sl:dp", "all_reduce": "sl:tp"}
+    rows = [dict(r, pg_desc=desc[r.get("category")]) if r.get("category") in desc else r for r in rows]
+    bare = [{k: v for k, v in r.items() if k != "category"} for r in rows]  # classified (with dims) inside
+    table = comm_by_dim(synth.to_frame(bare)).set_index("dim")
+    # dp: all_gather [80,180) + reduce_scatter [480,560), compute as in zero_tp_offload's docstring.
+    assert table.loc["dp", ["comm_ns", "exposed_ns", "overlapped_ns"]].tolist() == [180, 110, 70]
+    assert table.loc["tp", ["comm_ns", "exposed_ns", "overlapped_ns"]].tolist() == [40, 40, 0]
+    assert (table["step"] == 3).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60)), max_size=12),
+       windows=st.lists(st.tuples(st.integers(0, 350), st.integers(0, 120)), min_size=1, max_size=5))
+def test_window_totals_equal_a_ns_count(spans, windows):
+    a = iv.union([s for s, _ in spans], [s + d for s, d in spans])
+    painted = np.zeros(500, dtype=bool)
+    for s, d in spans:
+        painted[s:s + d] = True
+    lo = np.array([w for w, _ in windows])
+    hi = lo + np.array([d for _, d in windows])
+    assert iv.window_totals(a, lo, hi).tolist() == [int(painted[x:y].sum()) for x, y in zip(lo, hi)]

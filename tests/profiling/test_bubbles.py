@@ -70,3 +70,11 @@ def test_without_annotations_the_exposed_recv_time_is_the_estimate(synth):
     assert result.loc[0, "bubble_ns"] == 0 and result.loc[2, "bubble_ns"] > 0
     # Only the waits for activations had recv kernels here, so the estimate stays below the true bubble.
     assert (result["bubble_ns"] < truth["bubble_ns"]).all()
+
+
+def test_interleaved_annotation_uses_the_virtual_stage_ideal(synth):
+    rows, _ = synth.one_f_one_b(2, 4)
+    rows = [dict(r, name=r["name"].replace(":v1", ":v2")) for r in rows]
+    bubbles = pipeline_bubbles(synth.to_frame(rows))
+    assert (bubbles["v"] == 2).all()
+    assert bubbles["ideal_fraction"].tolist() == pytest.approx([(2 - 1) / (2 * 4 + 2 - 1)] * 2, abs=1e-15)
