@@ -1,0 +1,261 @@
+"""The pipeline engine on real gloo ranks, float64, against one process running the whole model on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as torch_f
+from torch import nn
+
+from shardline.plugins.errors import ContractError, LayoutError, RankFailedError, ScheduleError
+from shardline.plugins.grid import Grid, ParallelDims
+from shardline.plugins.pipeline import MemoryAccounting, PipelineEngine, PipelineHooks
+from shardline.plugins.pipeline.partition import (
+    TiedWeight,
+    build_stages,
+    partition_layers,
+    stages_of_rank,
+)
+from shardline.plugins.pipeline.schedule import Schedule, build_schedule, gpipe, one_f_one_b, simulate
+from shardline.plugins.testing import run_ranks
+
+VOCAB, DIM, BATCH = 11, 6, 8
+DT = torch.float64
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM, dtype=DT)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM, dtype=DT)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class Head(nn.Module):
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM, dtype=DT)
+        self.weight = weight
+
+    def forward(self, x):
+        return self.norm(x) @ self.weight.T
+
+
+def loss_fn(logits, targets):
+    return torch_f.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_layers(n_stages: int, *, shared_head: bool) -> nn.ModuleList:
+    """Embedding, 2 n_stages - 2 blocks, head (2 layers per stage). The head's weight starts equal to the
+    embedding's: the same Parameter for the reference (``shared_head``), an equal copy for a pipeline."""
+    torch.manual_seed(0)
+    embed = Embed()
+    blocks = [Block() for _ in range(2 * n_stages - 2)]
+    weight = embed.emb.weight if shared_head else nn.Parameter(embed.emb.weight.detach().clone())
+    return nn.ModuleList([embed, *blocks, Head(weight)])
+
+
+def make_batch(seq: int, index: int):
+    gen = torch.Generator().manual_seed(100 + index)
+    ids = torch.randint(VOCAB, (BATCH, seq), generator=gen)
+    return ids, torch.randint(VOCAB, (BATCH, seq), generator=gen)
+
+
+def reference(n_stages: int, seqs: tuple[int, ...]):
+    """One process, whole model, whole batch: the loss and every gradient, per batch."""
+    layers = make_layers(n_stages, shared_head=False)
+    out = []
+    for index, seq in enumerate(seqs):
+        layers.zero_grad(set_to_none=True)
+        x, targets = make_batch(seq, index)
+        for layer in layers:
+            x = layer(x)
+        loss = loss_fn(x, targets)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in layers.named_parameters()}))
+    return out
+
+
+def _my_layers(layers, n_stages, rank, world):
+    partition = partition_layers(layers, n_stages)
+    mine = set(stages_of_rank(range(n_stages), rank=rank, n_ranks=world))
+    return partition, {i for i in range(len(layers)) if partition.stage_of_layer(i) in mine}
+
+
+def _run_engine(rank, world, kind, m, v, seqs):
+    n_stages = world * v
+    layers = make_layers(n_stages, shared_head=False)
+    partition, mine = _my_layers(layers, n_stages, rank, world)
+    stages = stages_of_rank(build_stages(layers, partition), rank=rank, n_ranks=world)
+    schedule = build_schedule(kind, n_ranks=world, n_microbatches=m, n_chunks=v)
+    engine = PipelineEngine(stages, schedule=schedule, pp_rank=rank, loss_fn=loss_fn)
+    out = []
+    for index, seq in enumerate(seqs):
+        layers.zero_grad(set_to_none=True)
+        ids, targets = make_batch(seq, index)
+        loss = engine.run_batch(ids, targets)
+        grads = {n: p.grad.clone() for n, p in layers.named_parameters() if int(n.split(".")[0]) in mine}
+        out.append((loss, grads))
+    return out
+
+
+@pytest.mark.parametrize(("world", "kind", "m", "v"), [
+    (2, "gpipe", 4, 1), (2, "1f1b", 4, 1), (2, "interleaved", 4, 2),
+    (4, "gpipe", 4, 1), (4, "1f1b", 8, 1), (4, "interleaved", 4, 2),
+])
+def test_engine_matches_whole_model_reference_across_sequence_lengths(world, kind, m, v):
+    seqs = (5, 3)  # the second batch has a shorter sequence: shapes travel with the activations
+    results = run_ranks(_run_engine, world, kind, m, v, seqs, timeout=60)
+    expected = reference(world * v, seqs)
+    for batch, (ref_loss, ref_grads) in enumerate(expected):
+        seen = set()
+        for rank in range(world):
+            loss, grads = results[rank][batch]
+            # float64 behind a reduction (micro-batch sums vs one batch mean): float64 defaults of assert_close.
+            torch.testing.assert_close(loss, ref_loss)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], msg=lambda s, n=name: f"{n}: {s}")
+                seen.add(name)
+        assert seen == set(ref_grads)  # every parameter's gradient was checked on exactly the rank that owns it
+
+
+def _run_tied(rank, world, steps):
+    dims = ParallelDims(world, pp=world)
+    grid = Grid.build(dims)
+    layers = make_layers(world, shared_head=False)
+    partition, _ = _my_layers(layers, world, rank, world)
+    stages = build_stages(layers, partition)
+    engine = PipelineEngine(stages[rank], schedule=one_f_one_b(world, 4), pp_rank=rank, loss_fn=loss_fn,
+                            group=grid.group("pp"))
+    weight = layers[0].emb.weight if rank == 0 else layers[-1].weight if rank == world - 1 else None
+    tied = TiedWeight(weight, grid.group("embed"))
+    optimizer = torch.optim.SGD(stages[rank].parameters(), lr=0.5, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        engine.run_batch(*make_batch(4, step))
+        tied.sync_grads()
+        optimizer.step()
+    return None if weight is None else weight.detach().clone()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tied_embeddings_stay_identical_and_match_a_shared_weight(world):
+    steps = 2
+    results = run_ranks(_run_tied, world, steps, timeout=60)
+    first, last = results[0], results[-1]
+    # Both copies received the same summed gradient (one all-reduce result) and ran the same SGD arithmetic.
+    assert torch.equal(first, last)
+    assert not torch.equal(first, make_layers(world, shared_head=True)[0].emb.weight)  # it did train
+    layers = make_layers(world, shared_head=True)
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.5, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        x, targets = make_batch(4, step)
+        for layer in layers:
+            x = layer(x)
+        loss_fn(x, targets).backward()
+        optimizer.step()
+    torch.testing.assert_close(first, layers[0].emb.weight.detach())  # float64 defaults: reductions reordered
+
+
+def _run_memory(rank, world, kind, m):
+    layers = make_layers(world, shared_head=False)
+    partition, _ = _my_layers(layers, world, rank, world)
+    stages = build_stages(layers, partition)
+    schedule = build_schedule(kind, n_ranks=world, n_microbatches=m)
+    engine = PipelineEngine(stages[rank], schedule=schedule, pp_rank=rank, loss_fn=loss_fn,
+                            memory=MemoryAccounting.SAVED_TENSORS)
+    ids, targets = make_batch(16, 0)
+    engine.run_batch(ids[:1].repeat(m, 1), targets[:1].repeat(m, 1))  # micro-batch size 1 whatever m is
+    return engine.stats.peak_saved_bytes, engine.stats.peak_in_flight
+
+
+def test_first_stage_activation_memory_flat_for_1f1b_linear_for_gpipe():
+    world, ms = 2, (1, 2, 4, 8)
+    peaks = {(kind, m): run_ranks(_run_memory, world, kind, m, timeout=60)[0] for kind in ("gpipe", "1f1b")
+             for m in ms}
+    per_microbatch = peaks["gpipe", 1][0]
+    assert per_microbatch > 0
+    for m in ms:
+        # Micro-batches have identical shapes, so bytes are exact multiples of one micro-batch's activations.
+        assert peaks["gpipe", m] == (m * per_microbatch, m)
+        bound = simulate(one_f_one_b(world, m)).peak_in_flight[0]
+        assert bound == min(world, m)
+        assert peaks["1f1b", m] == (bound * per_microbatch, bound)
+
+
+class _Recorder(PipelineHooks):
+    def __init__(self):
+        self.calls = []
+
+    def before_batch(self, *, n_microbatches):
+        self.calls.append(("before_batch", n_microbatches))
+
+    def after_batch(self, *, loss):
+        self.calls.append(("after_batch",))
+
+    def before_forward(self, *, stage, microbatch):
+        self.calls.append(("F", stage, microbatch))
+
+    def before_backward(self, *, stage, microbatch, last):
+        self.calls.append(("B", stage, microbatch, last))
+
+
+def _run_hooks_and_stats(rank, world):
+    layers = make_layers(world, shared_head=False)
+    partition, _ = _my_layers(layers, world, rank, world)
+    schedule = one_f_one_b(world, 4)
+    hooks = _Recorder()
+    engine = PipelineEngine(build_stages(layers, partition)[rank], schedule=schedule, pp_rank=rank,
+                            loss_fn=loss_fn, hooks=hooks)
+    engine.run_batch(*make_batch(3, 0))
+    names = [r[0] for r in engine.stats.records]
+    return hooks.calls, names, engine.stats.bubble_fraction
+
+
+def test_hooks_follow_the_schedule_and_stats_record_every_action():
+    world = 2
+    schedule = one_f_one_b(world, 4)
+    results = run_ranks(_run_hooks_and_stats, world, timeout=60)
+    for rank, (calls, names, bubble) in enumerate(results):
+        compute = [a for a in schedule.actions[rank] if a.kind.is_compute]
+        assert calls[0] == ("before_batch", 4) and calls[-1] == ("after_batch",)
+        assert [c[:3] for c in calls[1:-1]] == [(a.kind.value, a.stage, a.microbatch) for a in compute]
+        assert [c[3] for c in calls[1:-1] if c[0] == "B"] == [False, False, False, True]
+        assert [n for n in names if n != "wait"] == [a.kind.value for a in schedule.actions[rank]]
+        assert 0.0 <= bubble < 1.0
+
+
+def _run_bad(rank, world, case):
+    layers = make_layers(world, shared_head=False)
+    stages = build_stages(layers, partition_layers(layers, world))
+    if case == "batch":
+        engine = PipelineEngine(stages[rank], schedule=gpipe(world, 3), pp_rank=rank, loss_fn=loss_fn)
+        engine.run_batch(*make_batch(2, 0))
+    elif case == "stages":
+        PipelineEngine(stages, schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn)
+    elif case == "deadlock":
+        text = ("schedule hand ranks=2 stages=2 microbatches=2\n"
+                "r0: F0 SA0 F1 RG0 B0 SA1 RG1 B1\nr1: RA0 F0 RA1 F1 B0 SG0 B1 SG1\n")
+        PipelineEngine(stages[rank], schedule=Schedule.from_text(text), pp_rank=rank, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize(("case", "error", "pattern"), [
+    ("batch", LayoutError, r"(inputs|targets) batch size \(8,\) is not divisible by n_microbatches=3"),
+    ("stages", ContractError, r"got 2 stage modules in chunk order but this rank hosts stages \[[01]\]"),
+    ("deadlock", ScheduleError, r"schedule 'hand' deadlocks .* rank 0 blocked at step 3 on \[RG0@0\]"),
+])
+def test_bad_input_raises_our_errors_with_the_values(case, error, pattern):
+    # Either rank may be the first to report; each names its own values.
+    with pytest.raises(RankFailedError, match=rf"rank [01]: {error.__name__}: {pattern}"):
+        run_ranks(_run_bad, 2, case, timeout=60)
