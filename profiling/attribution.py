@@ -64,12 +64,7 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
     Accepts a ``TraceSet`` (uses ``.events``) or an events table; an unclassified table (all ``category``
     empty) is classified first. See the module docstring for lanes, windows and the priority order.
     """
-    events = getattr(traceset_or_events, "events", traceset_or_events)
-    if not isinstance(events, pd.DataFrame):
-        raise AttributionError(f"breakdown expects a TraceSet or an events DataFrame, got {type(events).__name__}")
-    check_events(events)
-    if len(events) and (events["category"].astype(str) == "").all():
-        events = classify_events(events, layout=layout)
+    events = checked_events(traceset_or_events, caller="breakdown", layout=layout)
     rows = [_rank_breakdown(grp) for _, grp in events.groupby("rank", observed=True, sort=True)]
     rows = [r for r in rows if r is not None]
     if not rows:
@@ -79,6 +74,25 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
                       TraceWarning, stacklevel=2)
         return empty_breakdown()
     return pd.concat(rows, ignore_index=True)
+
+
+def checked_events(traceset_or_events, *, caller: str, layout=None) -> pd.DataFrame:
+    """The events table of a TraceSet or DataFrame, schema-checked (bad input raises ``AttributionError``),
+    classified when it is not yet (every ``category`` empty) or when a ``layout`` for the dims is given."""
+    events = getattr(traceset_or_events, "events", traceset_or_events)
+    if not isinstance(events, pd.DataFrame):
+        raise AttributionError(f"{caller} expects a TraceSet or an events DataFrame, got {type(events).__name__}")
+    try:
+        check_events(events)
+    except ValueError as exc:
+        raise AttributionError(f"{caller}: {exc}") from None
+    negative = events["dur_ns"] < 0
+    if negative.any():
+        names = events.loc[negative, "name"].astype(str).unique()[:5].tolist()
+        raise AttributionError(f"{caller}: {int(negative.sum())} events have a negative duration (e.g. {names})")
+    if layout is not None or (len(events) and (events["category"].astype(str) == "").all()):
+        events = classify_events(events, layout=layout)
+    return events
 
 
 def empty_breakdown() -> pd.DataFrame:
@@ -225,10 +239,7 @@ def comm_by_dim(traceset_or_events, *, layout=None) -> pd.DataFrame:
     Dims are not a partition of each other (a TP all-reduce may run under a DP reduce-scatter), so the
     per-dim exposed times can sum to more than the exposed comm columns of ``breakdown``.
     """
-    events = getattr(traceset_or_events, "events", traceset_or_events)
-    check_events(events)
-    if layout is not None or (len(events) and (events["category"].astype(str) == "").all()):
-        events = classify_events(events, layout=layout)
+    events = checked_events(traceset_or_events, caller="comm_by_dim", layout=layout)
     frames = []
     for rank, grp in events.groupby("rank", observed=True, sort=True):
         work, lanes = work_rows(grp)

@@ -235,7 +235,12 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
     A communication kernel linked to its CPU op also receives the op's ``collective`` / ``pg_*`` / ``seq`` /
     ``msg_bytes`` where its own are missing, so cross-rank matching can work on kernels.
     """
-    check_events(events)
+    if not isinstance(events, pd.DataFrame):
+        raise ClassificationError(f"classify_events expects an events DataFrame, got {type(events).__name__}")
+    try:
+        check_events(events)
+    except ValueError as exc:
+        raise ClassificationError(str(exc)) from None
     if layout is not None:
         bad = {k: v for k, v in layout.items() if k not in ("tp", "cp", "dp", "pp") or int(v) < 1}
         if bad:

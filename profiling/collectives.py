@@ -32,9 +32,9 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.attribution import step_windows, work_rows
+from shardline.profiling.attribution import checked_events, step_windows, work_rows
 from shardline.profiling.errors import AttributionError, TraceWarning
-from shardline.profiling.schema import COMM_CATEGORIES, check_events
+from shardline.profiling.schema import COMM_CATEGORIES
 
 
 class ClockAlignment(str, enum.Enum):
@@ -89,8 +89,7 @@ def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
 def match_collectives(traceset_or_events, *,
                       clock: ClockAlignment = ClockAlignment.ENDS) -> pd.DataFrame:
     """Matched calls, one row per (instance, rank), with aligned times, wait_ns, transfer_ns, is_last."""
-    events = getattr(traceset_or_events, "events", traceset_or_events)
-    check_events(events)
+    events = checked_events(traceset_or_events, caller="match_collectives")
     calls = comm_calls(events)
     if calls.empty:
         raise AttributionError("no communication calls to match in this trace")

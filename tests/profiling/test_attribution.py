@@ -147,3 +147,16 @@ def test_window_totals_equal_a_ns_count(spans, windows):
     lo = np.array([w for w, _ in windows])
     hi = lo + np.array([d for _, d in windows])
     assert iv.window_totals(a, lo, hi).tolist() == [int(painted[x:y].sum()) for x, y in zip(lo, hi)]
+
+
+def test_schema_breaks_and_negative_durations_are_named(synth):
+    rows, _ = synth.zero_tp_offload()
+    frame = synth.to_frame(rows)
+    with pytest.raises(AttributionError, match="missing column 'dur_ns'"):
+        breakdown(frame.drop(columns="dur_ns"))
+    broken = frame.copy()
+    broken.loc[0, "dur_ns"] = -5
+    with pytest.raises(AttributionError, match="1 events have a negative duration"):
+        breakdown(broken)
+    with pytest.raises(AttributionError, match="comm_by_dim expects"):
+        comm_by_dim("trace.json")

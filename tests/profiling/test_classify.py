@@ -158,3 +158,10 @@ def test_real_traces_generic_kernels_are_named_by_their_ops(traces_dir):
     assert (ag.category, ag.collective, ag.pg_name, ag.dim) == ("all_gather", "_allgather_base", "3", "unknown")
     with_layout = classify_events(b200, layout=dict(tp=8))
     assert with_layout.loc[ag.Index, "dim"] == "world"
+
+
+def test_bad_tables_are_our_error():
+    with pytest.raises(ClassificationError, match="expects an events DataFrame"):
+        classify_events({"name": ["x"]})
+    with pytest.raises(ClassificationError, match="missing column"):
+        classify_events(pd.DataFrame({"name": ["x"]}))

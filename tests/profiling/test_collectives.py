@@ -112,3 +112,22 @@ def test_dlrm_all_to_all_ranks_1_and_3_mostly_wait_and_straggler_is_named(traces
     raw_last = np.bincount(starts.argmax(axis=0), minlength=8)
     (row,) = stragglers(matched).itertuples(index=False)
     assert row.straggler_rank == 7 == raw_last.argmax()
+
+
+def test_cpu_gloo_calls_use_the_outermost_op_per_thread():
+    import pandas as pd
+
+    from shardline.profiling.schema import conform
+
+    rows = []
+    for rank, arrive in ((0, 100), (1, 160)):  # rank 1 arrives 60 ns late; both finish at 300
+        rows += [dict(rank=rank, lane="cpu", stream=1, name="aten::mm", cat="cpu_op", start_ns=0, dur_ns=arrive),
+                 dict(rank=rank, lane="cpu", stream=1, name="c10d::allreduce_", cat="cpu_op", start_ns=arrive,
+                      dur_ns=300 - arrive),
+                 dict(rank=rank, lane="cpu", stream=1, name="record_param_comms", cat="cpu_op",
+                      start_ns=arrive + 1, dur_ns=290 - arrive, collective="allreduce", seq=0),
+                 dict(rank=rank, lane="cpu", stream=1, name="gloo:all_reduce", cat="user_annotation",
+                      start_ns=arrive + 2, dur_ns=280 - arrive)]
+    matched = match_collectives(conform(pd.DataFrame(rows)), clock=ClockAlignment.NONE)
+    assert matched[["rank", "start_ns", "wait_ns", "transfer_ns", "is_last"]].values.tolist() == [
+        [0, 100, 60, 140, False], [1, 160, 0, 140, True]]
