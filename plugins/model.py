@@ -69,8 +69,9 @@ IGNORE_INDEX = -100
 class GPTConfig:
     """Shape and options of a GPT; validated at construction (ContractError naming every bad field).
 
-    ``d_ff`` defaults to ``4 * d_model``. ``activation_checkpointing`` recomputes each block's activations in
-    backward (``torch.utils.checkpoint``, non-reentrant). ``init_std`` is the std of the token and position
+    ``d_ff`` defaults to ``4 * d_model``. ``activation_checkpointing`` makes every block recompute its
+    activations in backward (``torch.utils.checkpoint``, non-reentrant; inside the block, so pipeline stages
+    built from :meth:`GPT.pipeline_layers` get it too). ``init_std`` is the std of the token and position
     embeddings (linear layers use the ``nn.Linear`` rule ``U(-1/sqrt(in), 1/sqrt(in))``).
     """
 
@@ -197,6 +198,13 @@ class Block(nn.Module):
         return fn(q, k, v, group=ctx.cp_group, causal=True, layout=SequenceLayout.BALANCED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.activation_checkpointing and torch.is_grad_enabled():
+            # Non-reentrant: works with inputs that need no grad and replays the collectives in backward in
+            # the same order on every rank (the recompute is the same program).
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         qkv = self.qkv(self.ln1(x))  # [b, s, 3d/tp], whole sequence of this CP rank
         s = qkv.shape[1]
@@ -295,10 +303,7 @@ class GPT(nn.Module):
         """``ids [b, S/cp]`` -> logits ``[b, S/cp, V'/tp]``, or the loss (:meth:`loss`) when ``targets`` given."""
         x = self.embedding(ids)
         for block in self.blocks:
-            if self.config.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = block(x)
         logits = self.head(x)
         return logits if targets is None else self.loss(logits, targets)
 
