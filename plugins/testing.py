@@ -145,3 +145,19 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
         hung = sorted(pending)
         raise RankFailedError(hung[0], f"timed out after {timeout:g} s; ranks still running: {hung}")
     return results
+
+
+def adopt_process_group_in_lightning() -> None:
+    """Inside a ``run_ranks`` worker: make a Lightning ``Trainer`` use the already-initialised process group.
+
+    Lightning then sees a torchelastic-style launch (processes created externally) and neither launches
+    workers nor initialises the group again; the strategy's own setup (grid, DeepSpeed) still runs.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("adopt_process_group_in_lightning() needs an initialised process group (run_ranks)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ.update(TORCHELASTIC_RUN_ID="shardline-run-ranks", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")

@@ -1,0 +1,177 @@
+"""``HybridParallelStrategy``: DeepSpeed ZeRO x tensor/sequence parallel (x pipeline) as a Lightning strategy.
+
+What it changes relative to Lightning's own ``DeepSpeedStrategy`` (which it extends for checkpointing,
+precision and the optimizer/backward plumbing):
+
+* it runs on CPU with gloo (DeepSpeed's CPU accelerator) as well as on CUDA with NCCL;
+* it builds a :class:`~shardline.plugins.grid.Grid` for ``tp x cp x dp x pp`` right after the process group
+  exists, and validates the layout before any process group is created (in the launcher, and again per rank);
+* it passes ``mpu=grid.mpu`` to ``deepspeed.initialize``, so ZeRO shards over the data-parallel group (``dp x cp``)
+  only, never over TP ranks;
+* the distributed sampler uses the data-parallel rank and size, so every TP/CP/PP rank of one replica sees the
+  same samples; with ``cp > 1`` each CP rank then keeps its load-balanced sequence shard of every batch tensor.
+
+The LightningModule contract: build the model in ``configure_model()`` (``self.trainer.strategy.grid`` is
+ready by then) from shardline's layers or ``shardline.plugins.model.GPT``, and return the (replica-global) mean
+loss from ``training_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+
+from shardline.plugins.errors import ContractError
+from shardline.plugins.grid import Grid, ParallelDims, SPMode
+from shardline.plugins.zero import Offload, derive_config, load_user_config, parse_offload
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class HybridParallelStrategy(DeepSpeedStrategy):
+    """ZeRO stage 0-3 (with CPU/NVMe offload) composed with TP/SP and pipeline parallelism.
+
+    Degrees not given are 1; the data-parallel degree is what is left of the world:
+    ``dp = world_size / (tp * cp * pp)``.
+    """
+
+    strategy_name = "shardline"
+
+    def __init__(self, *, tp: int = 1, pp: int = 1, cp: int = 1, sp: str | SPMode = "none", zero_stage: int = 1,
+                 offload_optimizer: str | None = None, offload_params: str | None = None,
+                 nvme_path: str | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
+                 chunks: int = 1, activation_checkpointing: bool = False,
+                 deepspeed_config: dict | str | None = None, gpus_per_node: int | None = None,
+                 **lightning_kwargs: Any):
+        # Catch a wrong degree or mode now, with the world size still unknown (world_size=product checks it).
+        ParallelDims(tp * pp * cp, tp=tp, pp=pp, cp=cp, sp=sp)
+        if schedule not in SCHEDULES:
+            raise ContractError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+        if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and schedule != "interleaved"):
+            raise ContractError(f"chunks={chunks!r} must be 1, or > 1 with schedule='interleaved' "
+                                f"(schedule={schedule!r})")
+        if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
+            raise ContractError(f"micro_batches={micro_batches!r} must be a positive integer or None")
+        self.degrees = {"tp": tp, "pp": pp, "cp": cp}
+        self.sp = SPMode(sp)
+        self.zero_stage = zero_stage
+        self.offload_optimizer = parse_offload(offload_optimizer, name="offload_optimizer")
+        self.offload_params = parse_offload(offload_params, name="offload_params")
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        self.chunks = chunks
+        self.activation_checkpointing = activation_checkpointing
+        self.gpus_per_node = gpus_per_node
+        config = derive_config(zero_stage=zero_stage, offload_optimizer=self.offload_optimizer,
+                               offload_params=self.offload_params, nvme_path=nvme_path,
+                               user_config=load_user_config(deepspeed_config))
+        lightning_kwargs.setdefault("logging_level", logging.WARNING)
+        super().__init__(config=config, **lightning_kwargs)
+        self.grid: Grid | None = None
+        self.dims: ParallelDims | None = None
+
+    # --- layout ------------------------------------------------------------------------------------------------
+
+    def layout_for(self, world_size: int) -> ParallelDims:
+        """The ParallelDims for ``world_size`` ranks (raises LayoutError naming every number if impossible)."""
+        return ParallelDims(world_size, sp=self.sp, gpus_per_node=self.gpus_per_node, **self.degrees)
+
+    def _configure_launcher(self) -> None:
+        # Runs in the launching process, before any worker or process group exists: fail here, not in N copies.
+        self.layout_for(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        # DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed itself runs on CPU (gloo), so we skip it.
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self.dims = self.layout_for(self.world_size)
+        if self.degrees["pp"] > 1:
+            raise ContractError(
+                f"pp={self.degrees['pp']}: the pipeline engine is not yet driven by HybridParallelStrategy; "
+                "use pp=1 with tp/cp/dp for now")
+        self._init_deepspeed_distributed()
+        self.grid = Grid.build(self.dims)
+        if self.global_rank == 0:
+            log.info("shardline layout:\n%s", self.dims.describe())
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # All TP/CP/PP ranks of one replica must read the same samples: shard the data over dp only.
+        if self.grid is None:
+            dims = self.layout_for(self.num_nodes * self.num_processes)
+            coords = dims.coords(self.global_rank)
+            return {"num_replicas": dims.dp, "rank": coords["dp"]}
+        return {"num_replicas": self.grid.size("dp"), "rank": self.grid.rank("dp")}
+
+    # --- DeepSpeed --------------------------------------------------------------------------------------------
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import deepspeed
+
+        if self.grid is None:
+            raise ContractError("the process grid does not exist yet: setup_environment() must run first")
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()), config=self.config, model=model,
+            model_parameters=parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
+            dist_init_required=False, mpu=self.grid.mpu)
+        return engine, ds_optimizer
+
+    def _device_rank(self) -> int:
+        # A CPU device has no index; DeepSpeed's CPU accelerator only needs a number.
+        index = self.root_device.index
+        return self.local_rank if index is None else index
+
+    # --- the batch --------------------------------------------------------------------------------------------
+
+    def shard_batch(self, batch: Any) -> Any:
+        """With ``cp > 1``: every tensor of two or more dims keeps this CP rank's load-balanced sequence shard
+        (dim 1). Identity otherwise."""
+        if self.grid is None or self.grid.size("cp") == 1:
+            return batch
+        from shardline.plugins.sequence_parallel import shard_sequence
+
+        group = self.grid.group("cp")
+
+        def shard(value):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                return shard_sequence(value, group=group, dim=1)
+            if isinstance(value, dict):
+                return {k: shard(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(shard(v) for v in value)
+            return value
+
+        return shard(batch)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        if args:
+            args = (self.shard_batch(args[0]), *args[1:])
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        if args:
+            args = (self.shard_batch(args[0]), *args[1:])
+        return super().validation_step(*args, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        """The layout as plain values (for hparams, checkpoints and logs)."""
+        dims = self.dims
+        return {"tp": self.degrees["tp"], "pp": self.degrees["pp"], "cp": self.degrees["cp"],
+                "dp": dims.dp if dims else None, "sp": self.sp.value, "zero_stage": self.zero_stage,
+                "offload_optimizer": self.offload_optimizer.value, "offload_params": self.offload_params.value,
+                "micro_batches": self.micro_batches, "schedule": self.schedule, "chunks": self.chunks}
+
+
+__all__ = ["HybridParallelStrategy", "Offload"]
