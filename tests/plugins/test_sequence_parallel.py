@@ -8,13 +8,9 @@ ring sums its blocks in a different order than the dense softmax).
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
@@ -25,6 +21,7 @@ from shardline.plugins.sequence_parallel import (
     ulysses_attention,
     unshard_sequence,
 )
+from shardline.plugins.sp_memory import LiveTensorBytes, saved_tensor_bytes
 from shardline.plugins.testing import run_ranks
 
 F64 = torch.float64
@@ -135,60 +132,13 @@ def test_ring_and_ulysses_attention_equal_dense_attention_and_its_gradients(worl
 # ---------------------------------------------------------------- memory
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive on this rank, from every op's outputs to the storage's release.
-
-    CPU tensors have no allocator statistics, so we count them ourselves: each output storage is counted once
-    when an op creates it and uncounted by a ``weakref.finalize`` when it is freed. ``peak`` is the high-water
-    mark, ``largest`` the biggest single storage. Deterministic (no RSS, no allocator caching), and it sees the
-    backward pass's temporaries too.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = self.largest = 0
-        self._keys: set[int] = set()
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._keys.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or key in self._keys:  # a view of a storage already counted
-                continue
-            self._keys.add(key)
-            self.live += nbytes
-            self.peak, self.largest = max(self.peak, self.live), max(self.largest, nbytes)
-            weakref.finalize(storage, self._release, key, nbytes)
-        return out
-
-
 MEM_SHAPE = (1, 2, 256, 16)  # long sequence, small head: the O(s^2) terms dominate as in practice
-
-
-def _saved_bytes(fn, *args):
-    """Bytes of distinct storages autograd saves for backward while ``fn(*args)`` runs."""
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, sum(seen.values())
 
 
 def _measure(attend, q, k, v, do):
     tracker = LiveTensorBytes()
     with tracker:
-        out, saved = _saved_bytes(attend, q, k, v)
+        out, saved = saved_tensor_bytes(attend, q, k, v)
         out.backward(do)
         del out
     return tracker.peak, tracker.largest, saved
@@ -227,3 +177,16 @@ def test_ring_attention_peak_bytes_per_rank_fall_as_one_over_cp():
     for (p2, _, s2), (p4, _, s4) in zip(by_cp[2], by_cp[4]):
         assert p4 <= 0.5 * p2  # doubling cp at least halves the per-rank peak
         assert s4 * 2 == s2  # saved activations exactly halve
+
+
+def test_live_tensor_bytes_counts_allocations_views_and_frees():
+    with LiveTensorBytes() as m:
+        a = torch.zeros(1000, dtype=F64)  # 8000 bytes
+        b = a + 1  # 8000 more
+        view = b[10:]  # a view: no new storage
+        del a
+        after_free = m.live
+        c = torch.ones(500, dtype=F64)  # 4000, below the previous high-water mark
+    assert (m.peak, m.largest) == (16000, 8000)
+    assert after_free == 8000
+    assert m.live == 12000 and view.numel() == 990 and c.numel() == 500
