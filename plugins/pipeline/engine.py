@@ -115,6 +115,13 @@ class EngineStats:
         return 1.0 - self.compute_ns / self.window_ns if self.window_ns else 0.0
 
 
+def _enum(kind: type[enum.Enum], value, name: str):
+    try:
+        return kind(value)
+    except ValueError:
+        raise ContractError(f"{name}={value!r} is not one of {[k.value for k in kind]}") from None
+
+
 def _as_stage_map(stages, expected: list[int]) -> dict[int, nn.Module]:
     if isinstance(stages, nn.Module):
         stages = [stages]
@@ -163,8 +170,8 @@ class PipelineEngine:
         self.meta_group = group if meta_group is None else meta_group
         self._meta_tag = _HEADER_TAG if meta_group is None else 0
         self._meta_device = torch.device("cpu") if dist.get_backend(self.meta_group) == "gloo" else None
-        self.loss_reduction = LossReduction(loss_reduction)
-        self.memory = MemoryAccounting(memory)
+        self.loss_reduction = _enum(LossReduction, loss_reduction, "loss_reduction")
+        self.memory = _enum(MemoryAccounting, memory, "memory")
         self.hooks = hooks or PipelineHooks()
         self._ops = _batches(schedule.actions[pp_rank])
         self._last_stage = schedule.n_stages - 1

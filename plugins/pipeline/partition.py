@@ -96,7 +96,10 @@ def partition_layers(layers: Sequence[nn.Module] | int, n_stages: int, *,
                      method: PartitionMethod | str = PartitionMethod.UNIFORM,
                      costs: Sequence[float] | None = None) -> Partition:
     """Cut ``layers`` (or a layer count, for ``uniform``/``cost``) into ``n_stages`` stages by ``method``."""
-    method = PartitionMethod(method)
+    try:
+        method = PartitionMethod(method)
+    except ValueError:
+        raise LayoutError(f"method={method!r} is not one of {[m.value for m in PartitionMethod]}") from None
     n = layers if isinstance(layers, int) else len(layers)
     _check_counts(n, n_stages)
     if method is PartitionMethod.UNIFORM:

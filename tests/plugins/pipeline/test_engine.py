@@ -18,6 +18,7 @@ from shardline.plugins.pipeline.partition import (
 )
 from shardline.plugins.pipeline.schedule import Schedule, build_schedule, gpipe, one_f_one_b, simulate
 from shardline.plugins.testing import run_ranks
+from shardline.profiling.annotations import pp_action_name, pp_batch_name
 
 VOCAB, DIM, BATCH = 11, 6, 8
 DT = torch.float64
@@ -55,6 +56,13 @@ def loss_fn(logits, targets):
     return torch_f.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def sum_loss_fn(logits, targets):
+    return torch_f.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+
+
+LOSSES = {"mean": loss_fn, "sum": sum_loss_fn}
+
+
 def make_layers(n_stages: int, *, shared_head: bool) -> nn.ModuleList:
     """Embedding, 2 n_stages - 2 blocks, head (2 layers per stage). The head's weight starts equal to the
     embedding's: the same Parameter for the reference (``shared_head``), an equal copy for a pipeline."""
@@ -71,7 +79,7 @@ def make_batch(seq: int, index: int):
     return ids, torch.randint(VOCAB, (BATCH, seq), generator=gen)
 
 
-def reference(n_stages: int, seqs: tuple[int, ...]):
+def reference(n_stages: int, seqs: tuple[int, ...], reduction: str = "mean"):
     """One process, whole model, whole batch: the loss and every gradient, per batch."""
     layers = make_layers(n_stages, shared_head=False)
     out = []
@@ -80,7 +88,7 @@ def reference(n_stages: int, seqs: tuple[int, ...]):
         x, targets = make_batch(seq, index)
         for layer in layers:
             x = layer(x)
-        loss = loss_fn(x, targets)
+        loss = LOSSES[reduction](x, targets)
         loss.backward()
         out.append((loss.detach(), {n: p.grad.clone() for n, p in layers.named_parameters()}))
     return out
@@ -92,13 +100,14 @@ def _my_layers(layers, n_stages, rank, world):
     return partition, {i for i in range(len(layers)) if partition.stage_of_layer(i) in mine}
 
 
-def _run_engine(rank, world, kind, m, v, seqs):
+def _run_engine(rank, world, kind, m, v, seqs, reduction):
     n_stages = world * v
     layers = make_layers(n_stages, shared_head=False)
     partition, mine = _my_layers(layers, n_stages, rank, world)
     stages = stages_of_rank(build_stages(layers, partition), rank=rank, n_ranks=world)
     schedule = build_schedule(kind, n_ranks=world, n_microbatches=m, n_chunks=v)
-    engine = PipelineEngine(stages, schedule=schedule, pp_rank=rank, loss_fn=loss_fn)
+    engine = PipelineEngine(stages, schedule=schedule, pp_rank=rank, loss_fn=LOSSES[reduction],
+                            loss_reduction=reduction)
     out = []
     for index, seq in enumerate(seqs):
         layers.zero_grad(set_to_none=True)
@@ -109,14 +118,17 @@ def _run_engine(rank, world, kind, m, v, seqs):
     return out
 
 
-@pytest.mark.parametrize(("world", "kind", "m", "v"), [
-    (2, "gpipe", 4, 1), (2, "1f1b", 4, 1), (2, "interleaved", 4, 2),
-    (4, "gpipe", 4, 1), (4, "1f1b", 8, 1), (4, "interleaved", 4, 2),
+@pytest.mark.parametrize(("world", "kind", "m", "v", "reduction"), [
+    (2, "gpipe", 4, 1, "mean"), (2, "1f1b", 4, 1, "mean"), (2, "interleaved", 4, 2, "mean"),
+    (4, "gpipe", 4, 1, "mean"), (4, "1f1b", 8, 1, "mean"), (4, "interleaved", 4, 2, "mean"),
+    (4, "interleaved", 8, 2, "mean"),  # m > p: the steady state with Megatron's four-way batches
+    (2, "1f1b", 2, 1, "sum"),  # a summed loss is not rescaled by 1/m
+    (1, "interleaved", 2, 2, "mean"),  # one rank, two chunks: neighbouring stages hand over locally
 ])
-def test_engine_matches_whole_model_reference_across_sequence_lengths(world, kind, m, v):
+def test_engine_matches_whole_model_reference_across_sequence_lengths(world, kind, m, v, reduction):
     seqs = (5, 3)  # the second batch has a shorter sequence: shapes travel with the activations
-    results = run_ranks(_run_engine, world, kind, m, v, seqs, timeout=60)
-    expected = reference(world * v, seqs)
+    results = run_ranks(_run_engine, world, kind, m, v, seqs, reduction, timeout=60)
+    expected = reference(world * v, seqs, reduction)
     for batch, (ref_loss, ref_grads) in enumerate(expected):
         seen = set()
         for rank in range(world):
@@ -244,6 +256,9 @@ def _run_bad(rank, world, case):
         engine.run_batch(*make_batch(2, 0))
     elif case == "stages":
         PipelineEngine(stages, schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn)
+    elif case == "reduction":
+        PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
+                       loss_reduction="median")
     elif case == "deadlock":
         text = ("schedule hand ranks=2 stages=2 microbatches=2\n"
                 "r0: F0 SA0 F1 RG0 B0 SA1 RG1 B1\nr1: RA0 F0 RA1 F1 B0 SG0 B1 SG1\n")
@@ -253,9 +268,32 @@ def _run_bad(rank, world, case):
 @pytest.mark.parametrize(("case", "error", "pattern"), [
     ("batch", LayoutError, r"(inputs|targets) batch size \(8,\) is not divisible by n_microbatches=3"),
     ("stages", ContractError, r"got 2 stage modules in chunk order but this rank hosts stages \[[01]\]"),
+    ("reduction", ContractError, r"loss_reduction='median' is not one of \['mean', 'sum'\]"),
     ("deadlock", ScheduleError, r"schedule 'hand' deadlocks .* rank 0 blocked at step 3 on \[RG0@0\]"),
 ])
 def test_bad_input_raises_our_errors_with_the_values(case, error, pattern):
     # Either rank may be the first to report; each names its own values.
     with pytest.raises(RankFailedError, match=rf"rank [01]: {error.__name__}: {pattern}"):
         run_ranks(_run_bad, 2, case, timeout=60)
+
+
+def _run_profiled(rank, world):
+    layers = make_layers(world, shared_head=False)
+    partition, _ = _my_layers(layers, world, rank, world)
+    engine = PipelineEngine(build_stages(layers, partition)[rank], schedule=one_f_one_b(world, 2), pp_rank=rank,
+                            loss_fn=loss_fn)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.run_batch(*make_batch(3, 0))
+    return sorted({e.name for e in prof.events() if e.name.startswith("sl:")})
+
+
+def test_every_action_and_every_receive_wait_is_annotated_in_a_real_trace():
+    world = 2
+    schedule = one_f_one_b(world, 2)
+    for rank, names in enumerate(run_ranks(_run_profiled, world, timeout=60)):
+        expected = {pp_batch_name("1f1b", p=2, m=2, v=1)}
+        for a in schedule.actions[rank]:
+            expected.add(pp_action_name(a.kind.value, stage=a.stage, microbatch=a.microbatch))
+            if a.kind.is_recv:
+                expected.add(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch))
+        assert set(names) == expected
