@@ -45,7 +45,7 @@ def read_nsys(path: Path, *, rank: int | None = None) -> ReadResult:
         raise TraceFormatError(f"{path}: not a readable SQLite database ({exc})") from exc
     try:
         return _read(path, con, tables, rank=rank)
-    except sqlite3.DatabaseError as exc:
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as exc:
         raise TraceFormatError(f"{path}: damaged Nsight export ({exc})") from exc
     finally:
         con.close()

@@ -1,0 +1,111 @@
+"""Fuzz: mutated real traces (truncation, byte flips, deletions, on the text and on the gzip bytes) either load
+into a schema-valid table, with only TraceWarnings, or raise our ProfilingError naming the file. Nothing else
+escapes, and nothing hangs (bounded inputs, bounded examples)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardline.profiling.errors import ProfilingError, TraceWarning
+from shardline.profiling.load import load
+from shardline.profiling.schema import check_events
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = Path(os.environ.get("SHARDLINE_TRACES", REPO.parent / "shared" / "traces"))
+#: Small real inputs of every format (name to write the mutant under, corpus file).
+SEEDS = {
+    "rank0.json": "hta/call_stack/backward_thread.json",
+    "rank1.json.gz": "hta/trace_compare/base/base.json.gz",
+    "rank0.pt.trace.json": "hta/execution_trace/benchmark_simple_add_trace.json.gz",
+    "nccl.log": "nccl_debug_logs/pytorch_torchtitan_issue1369_tp2_ag_rs.log",
+    "prof_dump.txt": "nccl_profiler_plugin/example_profiler_p2p_ring_4gpu.txt",
+    "fr_rank0.json": "flight_recorder/fr_doc_example_rank0.json",
+}
+_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _seed_bytes(target: str) -> bytes:
+    source = CORPUS / SEEDS[target]
+    if not source.is_file():
+        pytest.skip(f"trace corpus not found at {CORPUS}")
+    data = source.read_bytes()
+    text = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+    return text[:12_000]  # bounded: keeps each example fast, and still spans many events
+
+
+@st.composite
+def mutations(draw, size: int):
+    """A list of edits: ('cut', at) truncation, ('flip', at, byte) overwrite, ('del', at, n) deletion."""
+    edits = draw(st.lists(st.one_of(
+        st.tuples(st.just("cut"), st.integers(0, size)),
+        st.tuples(st.just("flip"), st.integers(0, max(size - 1, 0)), st.integers(0, 255)),
+        st.tuples(st.just("del"), st.integers(0, size), st.integers(1, 64)),
+    ), min_size=1, max_size=4))
+    return edits
+
+
+def _apply(data: bytes, edits) -> bytes:
+    out = bytearray(data)
+    for edit in edits:
+        at = min(edit[1], len(out))
+        if edit[0] == "cut":
+            del out[at:]
+        elif edit[0] == "flip" and at < len(out):
+            out[at] = edit[2]
+        elif edit[0] == "del":
+            del out[at:at + edit[2]]
+    return bytes(out)
+
+
+def _check(target: str, payload: bytes) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / target
+        path.write_bytes(payload)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any warning but ours is an escape
+            warnings.simplefilter("ignore", TraceWarning)
+            try:
+                ts = load(path, rank={path.name: 0})
+            except ProfilingError as exc:
+                assert path.name in str(exc), f"error does not name the file: {exc}"
+                return
+        check_events(ts.events)
+        assert (ts.events["dur_ns"] >= 0).all() or ts.events["source"].isin(["nccl_log"]).all()
+
+
+@pytest.mark.parametrize("target", sorted(SEEDS))
+@_SETTINGS
+@given(data=st.data())
+def test_mutated_text_never_escapes(target, data):
+    seed = _seed_bytes(target)
+    edits = data.draw(mutations(len(seed)))
+    payload = _apply(seed, edits)
+    if target.endswith(".gz"):
+        payload = gzip.compress(payload)
+    _check(target, payload)
+
+
+@_SETTINGS
+@given(data=st.data())
+def test_mutated_gzip_bytes_never_escape(data):
+    seed = gzip.compress(_seed_bytes("rank1.json.gz"))
+    _check("rank1.json.gz", _apply(seed, data.draw(mutations(len(seed)))))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_nsys_export_never_escapes(data):
+    source = CORPUS / "nsys_ai/tests/fixtures/mock.sqlite"
+    if not source.is_file():
+        pytest.skip(f"trace corpus not found at {CORPUS}")
+    seed = source.read_bytes()
+    _check("run.sqlite", _apply(seed, data.draw(mutations(len(seed)))))
