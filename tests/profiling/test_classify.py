@@ -165,3 +165,17 @@ def test_bad_tables_are_our_error():
         classify_events({"name": ["x"]})
     with pytest.raises(ClassificationError, match="missing column"):
         classify_events(pd.DataFrame({"name": ["x"]}))
+
+
+def test_classification_does_not_depend_on_row_order(traces_dir):
+    import numpy as np
+
+    from shardline.profiling.load import load
+
+    events = load(traces_dir / "param" / "dlrm_kineto", classify=False).events
+    events = events[events["rank"].isin([0, 1])]
+    first = classify_events(events)
+    shuffled = classify_events(events.iloc[np.random.default_rng(0).permutation(len(events))])
+    assert shuffled.loc[first.index, "category"].tolist() == first["category"].tolist()
+    gpu = first[first["lane"] == "gpu"]
+    assert (gpu["category"] == "all_to_all").sum() == 10  # 5 all-to-all kernels on each of the two ranks
