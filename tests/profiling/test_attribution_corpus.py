@@ -83,3 +83,33 @@ def test_file_round_trip_1f1b(synth, tmp_path):
     assert (table["bubble"] == truth["bubble_ns"]).all() and (table["compute"] == truth["compute"]).all()
     bubbles = pipeline_bubbles(traceset)
     assert np.allclose(bubbles["bubble_fraction"], truth["fraction"], rtol=0, atol=1e-15)
+
+
+def test_real_cpu_only_gloo_trace_against_the_raw_json(traces_dir):
+    """hta/cpu_only: two gloo threads all-reducing inside ProfilerStep#551; reference computed from the JSON
+    text with exact decimals (ts in µs relative to baseTimeNanoseconds), union by a ns-ordered sweep."""
+    import gzip
+    import json
+    from decimal import Decimal
+
+    from shardline.profiling.load import load
+
+    path = traces_dir / "hta" / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
+    doc = json.loads(gzip.open(path).read(), parse_float=Decimal)
+    base = int(doc.get("baseTimeNanoseconds", 0))
+
+    def span(e):
+        start = base + int(e["ts"] * 1000)
+        return start, start + int(e["dur"] * 1000)
+
+    (step,) = [span(e) for e in doc["traceEvents"] if e.get("name") == "ProfilerStep#551"]
+    gloo = sorted(span(e) for e in doc["traceEvents"] if e.get("name") == "gloo:all_reduce")
+    covered, reach = 0, step[0]
+    for s, e in gloo:  # union clipped to the step window
+        s, e = max(s, reach), min(e, step[1])
+        if e > s:
+            covered += e - s
+            reach = e
+    (row,) = breakdown(load(path)).itertuples(index=False)
+    assert (row.rank, row.step, row.lanes, row.step_ns) == (34, 551, "cpu", step[1] - step[0])
+    assert row.all_reduce == covered and row.idle == row.step_ns - covered and row.compute == 0
