@@ -1,0 +1,79 @@
+"""The LightningModule of the main job: the reference GPT under any shardline layout.
+
+It meets the strategy's contract: the model is built in ``configure_model()`` from the strategy's grid (dense
+when the strategy is not shardline's), ``training_step`` returns the replica's mean loss. Two layout details
+live here because they are properties of the loss, not of the optimizer:
+
+* Megatron-SP: replicated parameters fed sequence-sharded activations get their gradient summed over TP by a
+  tensor hook, i.e. during backward and before any ZeRO bucket sees it (ZeRO-2/3 reduce while backward runs,
+  so summing after backward would be too late).
+* CP: ``GPT.loss`` is the global mean and each CP rank's gradient is its share of it; DeepSpeed averages over
+  ``dp x cp``, so the backward sees ``loss * cp`` (the logged loss is unscaled).
+"""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+
+from shardline.plugins.grid import SPMode
+from shardline.plugins.model import GPT, GPTConfig
+from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.tensor_parallel import sequence_parallel_parameters
+from shardline.plugins.tp_comm import all_reduce
+
+
+class GPTModule(pl.LightningModule):
+    """A GPT language model: ``batch = (ids [b, S], targets [b, S])``, AdamW with linear warm-up."""
+
+    def __init__(self, vocab_size: int = 256, seq_len: int = 128, n_layer: int = 4, n_head: int = 4,
+                 d_model: int = 128, d_ff: int | None = None, dropout: float = 0.0, tie_embeddings: bool = True,
+                 lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10, seed: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
+                                d_model=d_model, d_ff=d_ff, dropout=dropout, tie_embeddings=tie_embeddings)
+        self.gpt: GPT | None = None
+
+    @property
+    def grid(self):
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        return strategy.grid if isinstance(strategy, HybridParallelStrategy) else None
+
+    def configure_model(self) -> None:
+        if self.gpt is not None:
+            return
+        grid = self.grid
+        checkpointing = bool(getattr(self._trainer and self.trainer.strategy, "activation_checkpointing", False))
+        config = self.config
+        if checkpointing and not config.activation_checkpointing:
+            config = GPTConfig(**{**config.__dict__, "activation_checkpointing": True})
+        self.gpt = GPT(config, grid=grid, seed=self.hparams.seed)
+        if grid is not None and grid.dims.sp is SPMode.MEGATRON:
+            group = grid.group("tp")
+            for param in sequence_parallel_parameters(self.gpt):
+                param.register_hook(lambda grad, group=group: all_reduce(grad, group=group))
+
+    def _cp(self) -> int:
+        grid = self.grid
+        return 1 if grid is None else grid.size("cp")
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        loss = self.gpt(ids, targets)
+        self.last_loss = loss.detach()
+        self.log("train_loss", self.last_loss, prog_bar=True)
+        return loss * self._cp()
+
+    def validation_step(self, batch, batch_idx):
+        ids, targets = batch
+        loss = self.gpt(ids, targets)
+        self.log("val_loss", loss.detach(), prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
+                                      weight_decay=self.hparams.weight_decay, betas=(0.9, 0.95))
+        warmup = max(1, self.hparams.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
