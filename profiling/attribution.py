@@ -179,14 +179,14 @@ def _rank_breakdown(events: pd.DataFrame) -> pd.DataFrame | None:
         last = int((work["start_ns"] + work["dur_ns"]).max())
         windows = pd.DataFrame({"step": [-1], "start_ns": [first], "end_ns": [last]})
     sets = label_sets(events, work, lanes)
-    frame = partition(sets, windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy())
+    frame = partition(sets, win_start=windows["start_ns"].to_numpy(), win_end=windows["end_ns"].to_numpy())
     frame.insert(0, "rank", int(events["rank"].iloc[0]))
     frame.insert(1, "step", windows["step"].to_numpy().astype(np.int64))
     frame.insert(2, "lanes", lanes)
     return frame
 
 
-def partition(sets: dict[str, iv.IntervalSet], win_start: np.ndarray, win_end: np.ndarray) -> pd.DataFrame:
+def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray) -> pd.DataFrame:
     """Exclusive partition of each window ``[win_start[k], win_end[k])`` by ``LABELS`` priority, + overlap.
 
     Elementary segments lie between consecutive endpoints of all sets and windows, so each segment is wholly
@@ -256,9 +256,9 @@ def comm_by_dim(traceset_or_events, *, layout=None) -> pd.DataFrame:
             dim_set = iv.union(rows["start_ns"], rows["start_ns"] + rows["dur_ns"])
             frames.append(pd.DataFrame({
                 "rank": int(rank), "step": windows["step"].to_numpy(), "dim": dim,
-                "comm_ns": iv.window_totals(dim_set, lo, hi),
-                "exposed_ns": iv.window_totals(iv.subtract(dim_set, compute), lo, hi),
-                "overlapped_ns": iv.window_totals(iv.intersect(dim_set, compute), lo, hi)}))
+                "comm_ns": iv.window_totals(dim_set, lo=lo, hi=hi),
+                "exposed_ns": iv.window_totals(iv.subtract(dim_set, compute), lo=lo, hi=hi),
+                "overlapped_ns": iv.window_totals(iv.intersect(dim_set, compute), lo=lo, hi=hi)}))
     if not frames:
         return pd.DataFrame({c: pd.Series(dtype=t) for c, t in (("rank", "int64"), ("step", "int64"),
                              ("dim", "str"), ("comm_ns", "int64"), ("exposed_ns", "int64"),

@@ -92,7 +92,7 @@ def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
         batches, actions = _pp_rows(grp, lanes)
         windows = step_windows(grp, lanes)
         for batch in batches.itertuples(index=False):  # one iteration per pipeline batch, not per event
-            row = _batch_row(int(rank), batch, actions)
+            row = _batch_row(int(rank), batch=batch, actions=actions)
             # The step whose window holds the batch start (batches nest in ProfilerStep windows).
             holds = windows[(windows["start_ns"] <= batch.start_ns) & (windows["end_ns"] > batch.start_ns)]
             row["step"] = int(holds["step"].iloc[0]) if len(holds) else -1
@@ -108,7 +108,7 @@ def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
         "ideal_fraction": np.nan})
 
 
-def _batch_row(rank: int, batch, actions: pd.DataFrame) -> dict:
+def _batch_row(rank: int, *, batch, actions: pd.DataFrame) -> dict:
     inside = actions[(actions["rank"] == rank) & (actions["start_ns"] >= batch.start_ns)
                      & (actions["end_ns"] <= batch.end_ns)]
     busy = inside[inside["action"].isin(_COMPUTE_ACTIONS)]

@@ -136,7 +136,7 @@ def op_category(word: str) -> str:
     return hit.value if hit is not None else ""
 
 
-def name_category(name: str, rules: Sequence[CommRule] = DEFAULT_RULES) -> tuple[str, bool]:
+def name_category(name: str, *, rules: Sequence[CommRule] = DEFAULT_RULES) -> tuple[str, bool]:
     """(category, is_comm_kernel_name) of one event name, from the name alone."""
     for pattern, source in ((_NCCL_KERNEL_RE, "kernel"), (_ANNOTATION_RE, "annotation"), (_C10D_RE, "c10d")):
         hit = pattern.match(name)
@@ -197,7 +197,7 @@ def desc_dim(desc: str) -> str:
     return ""
 
 
-def layout_dim(ranks_text: str, size: int, layout: Mapping[str, int]) -> str:
+def layout_dim(ranks_text: str, *, size: int, layout: Mapping[str, int]) -> str:
     """Dimension of a group from its ranks (or only its size) in ``layout`` (tp fastest, then cp, dp, pp)."""
     axes = [a for a in ("tp", "cp", "dp", "pp") if int(layout.get(a, 1)) > 1]
     degrees = {a: int(layout.get(a, 1)) for a in ("tp", "cp", "dp", "pp")}
@@ -250,7 +250,7 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
     if out.empty:
         return out
     uniq = out["name"].cat.categories
-    labels = [name_category(str(n), rules) for n in uniq]
+    labels = [name_category(str(n), rules=rules) for n in uniq]
     by_name = pd.Series([c for c, _ in labels], index=uniq)
     comm_kernel_name = pd.Series([k for _, k in labels], index=uniq)
     codes = out["name"].cat.codes.to_numpy()
@@ -404,7 +404,7 @@ def _dims(out: pd.DataFrame, layout: Mapping[str, int] | None) -> np.ndarray:
             keys = pd.DataFrame({"r": out["pg_ranks"].astype(str).to_numpy()[todo],
                                  "s": out["pg_size"].to_numpy()[todo]})
             uniq = keys.drop_duplicates()
-            uniq_dim = [layout_dim(r, int(s), layout) for r, s in zip(uniq["r"], uniq["s"])]
+            uniq_dim = [layout_dim(r, size=int(s), layout=layout) for r, s in zip(uniq["r"], uniq["s"])]
             lookup = pd.Series(uniq_dim, index=pd.MultiIndex.from_frame(uniq))
             dims[todo] = lookup.reindex(pd.MultiIndex.from_frame(keys)).to_numpy()
     return dims

@@ -1,7 +1,8 @@
 """Interval-set arithmetic on integer-ns half-open intervals ``[start, end)``, vectorised with numpy.
 
 An interval set is a pair ``(starts, ends)`` of int64 arrays, sorted, disjoint and non-touching (the canonical
-form ``union`` returns). Empty intervals (``end <= start``) are dropped everywhere.
+form ``union`` returns). Empty intervals (``end <= start``) are dropped everywhere. The binary set operations
+take their two operands positionally, like the operators they stand for (``a \\ b``, ``a ∩ b``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def merge(*sets: IntervalSet) -> IntervalSet:
     return union(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))
 
 
-def window_totals(a: IntervalSet, lo, hi) -> np.ndarray:
+def window_totals(a: IntervalSet, *, lo, hi) -> np.ndarray:
     """Length of ``a ∩ [lo[k], hi[k])`` for every window k, as F(hi) - F(lo) with F(t) = |a ∩ (-inf, t)|."""
     lo = np.asarray(lo, dtype=np.int64)
     hi = np.asarray(hi, dtype=np.int64)

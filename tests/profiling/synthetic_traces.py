@@ -171,7 +171,7 @@ def _one_f_one_b_order(warmup: int, m: int) -> list[tuple[str, int]]:
 
 # --- scenario: one collective on many ranks with known arrival, transfer and clock skew -------------------------
 
-def skewed_collectives(arrivals: np.ndarray, transfer: np.ndarray, offsets: np.ndarray, *,
+def skewed_collectives(arrivals: np.ndarray, *, transfer: np.ndarray, offsets: np.ndarray,
                        category: str = "all_reduce", pg: str = "0") -> tuple[list[dict], dict]:
     """Collective k on rank r: true start ``arrivals[k, r]``, true end ``max_r arrivals[k] + transfer[k]``,
     recorded on rank r's clock, which reads true time + ``offsets[r]``. Truth: wait = last arrival - own

@@ -87,7 +87,7 @@ def test_bad_input_raises_our_errors(synth):
         empty = breakdown(only_annotations)
     assert empty.empty and set(EXCLUSIVE_COLUMNS) <= set(empty.columns) and "overlap_ratio" in empty
     with pytest.raises(AttributionError, match="end before start"):
-        partition({"compute": iv.EMPTY}, np.array([10]), np.array([5]))
+        partition({"compute": iv.EMPTY}, win_start=np.array([10]), win_end=np.array([5]))
 
 
 _spans = st.lists(st.tuples(st.sampled_from(["compute", "all_reduce", "all_gather", "p2p_recv", "memcpy_h2d",
@@ -107,7 +107,7 @@ def test_partition_equals_brute_force_raster(synth, spans, window, bubble):
         sets[label] = iv.union([r["start_ns"] for r in mine], [r["start_ns"] + r["dur_ns"] for r in mine])
     sets.setdefault("compute", iv.EMPTY)
     sets["bubble"] = iv.union([s for s, _ in bubble_spans], [e for _, e in bubble_spans])
-    got = partition(sets, np.array([window[0]]), np.array([window[1]])).iloc[0]
+    got = partition(sets, win_start=np.array([window[0]]), win_end=np.array([window[1]])).iloc[0]
     want = synth.raster_partition(rows, rank=0, window=window, bubble=bubble_spans)
     assert {k: int(got[k]) for k in want} == want
     comm = [r for r in rows if r["category"] in ("all_reduce", "all_gather", "p2p_recv", "reduce_scatter")]
@@ -146,7 +146,7 @@ def test_window_totals_equal_a_ns_count(spans, windows):
         painted[s:s + d] = True
     lo = np.array([w for w, _ in windows])
     hi = lo + np.array([d for _, d in windows])
-    assert iv.window_totals(a, lo, hi).tolist() == [int(painted[x:y].sum()) for x, y in zip(lo, hi)]
+    assert iv.window_totals(a, lo=lo, hi=hi).tolist() == [int(painted[x:y].sum()) for x, y in zip(lo, hi)]
 
 
 def test_schema_breaks_and_negative_durations_are_named(synth):

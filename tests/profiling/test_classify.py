@@ -124,13 +124,13 @@ def test_group_descriptions_name_dims(desc, dim):
 
 def test_layout_fallback_from_ranks_and_size():
     layout = dict(tp=2, cp=1, dp=2, pp=2)  # rank = tp + 2*dp + 4*pp
-    assert layout_dim("[4, 5]", 2, layout) == "tp"
-    assert layout_dim("[1, 3]", 2, layout) == "dp"
-    assert layout_dim("[2, 6]", 2, layout) == "pp"
-    assert layout_dim("[0, 1, 2, 3]", 4, layout) == "unknown"  # tp x dp: no single dimension
-    assert layout_dim(str(list(range(8))), 8, layout) == "world"
-    assert layout_dim("", 2, layout) == "unknown"  # three dims of size 2: the size alone is ambiguous
-    assert layout_dim("", 4, dict(tp=4, dp=2)) == "tp"
+    assert layout_dim("[4, 5]", size=2, layout=layout) == "tp"
+    assert layout_dim("[1, 3]", size=2, layout=layout) == "dp"
+    assert layout_dim("[2, 6]", size=2, layout=layout) == "pp"
+    assert layout_dim("[0, 1, 2, 3]", size=4, layout=layout) == "unknown"  # tp x dp: no single dimension
+    assert layout_dim(str(list(range(8))), size=8, layout=layout) == "world"
+    assert layout_dim("", size=2, layout=layout) == "unknown"  # three dims of size 2: size alone is ambiguous
+    assert layout_dim("", size=4, layout=dict(tp=4, dp=2)) == "tp"
 
 
 def test_dims_in_the_table_and_bad_layout():

@@ -28,7 +28,7 @@ def test_skewed_clocks_are_aligned_and_wait_transfer_recovered_exactly(synth, us
     arrivals = _arrivals(1, 6, 4)
     transfer = np.array([700, 800, 900, 1_000, 1_100, 1_200])
     offsets = np.array([0, 12_345, -7_000, 250_000])
-    rows, truth = synth.skewed_collectives(arrivals, transfer, offsets)
+    rows, truth = synth.skewed_collectives(arrivals, transfer=transfer, offsets=offsets)
     if not use_seq:
         rows = [{k: v for k, v in r.items() if k != "seq"} for r in rows]
     matched = match_collectives(synth.to_frame(rows))
@@ -46,7 +46,7 @@ def test_skewed_clocks_are_aligned_and_wait_transfer_recovered_exactly(synth, us
 
 def test_without_alignment_skew_shows_up_as_wait(synth):
     arrivals = np.zeros((2, 2), dtype=np.int64)
-    rows, _ = synth.skewed_collectives(arrivals, np.array([100, 100]), np.array([0, 40]))
+    rows, _ = synth.skewed_collectives(arrivals, transfer=np.array([100, 100]), offsets=np.array([0, 40]))
     matched = match_collectives(synth.to_frame(rows), clock=ClockAlignment.NONE)
     # Both arrive together in truth; rank 1's clock is 40 ns ahead, so rank 0 seems to wait 40 ns.
     assert matched.groupby("rank")["wait_ns"].sum().tolist() == [80, 0]
@@ -55,13 +55,15 @@ def test_without_alignment_skew_shows_up_as_wait(synth):
 def test_straggler_is_the_rank_that_caused_most_waiting(synth):
     arrivals = np.array([[0, 0, 900], [0, 50, 0], [0, 0, 700]], dtype=np.int64) + \
         np.arange(3)[:, None] * 10_000
-    rows, _ = synth.skewed_collectives(arrivals, np.array([10, 10, 10]), np.zeros(3, dtype=np.int64))
+    rows, _ = synth.skewed_collectives(arrivals, transfer=np.array([10, 10, 10]),
+                                     offsets=np.zeros(3, dtype=np.int64))
     table = stragglers(match_collectives(synth.to_frame(rows), clock=ClockAlignment.NONE))
     assert table[["straggler_rank", "caused_wait_ns", "times_last"]].values.tolist() == [[2, 3200, 2]]
 
 
 def test_uneven_call_counts_warn_and_match_the_common_prefix(synth):
-    rows, _ = synth.skewed_collectives(_arrivals(2, 3, 2), np.array([5, 5, 5]), np.zeros(2, dtype=np.int64))
+    rows, _ = synth.skewed_collectives(_arrivals(2, 3, 2), transfer=np.array([5, 5, 5]),
+                                      offsets=np.zeros(2, dtype=np.int64))
     rows = [{k: v for k, v in r.items() if k != "seq"} for r in rows][:-1]  # rank 1 lost its last call
     with pytest.warns(TraceWarning, match="different numbers of calls"):
         matched = match_collectives(synth.to_frame(rows), clock=ClockAlignment.NONE)
