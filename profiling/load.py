@@ -10,6 +10,8 @@ classified (``classify.classify_events``) before they are returned.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 import warnings as _warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -196,3 +198,19 @@ def _classify(events: pd.DataFrame) -> pd.DataFrame:
             raise
         return events
     return module.classify_events(events)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as ``load``.
+
+    ``shardline.profiling`` exports ``load`` lazily from this module, which is itself named ``load``: once the
+    submodule is imported, Python binds the *module* as the package attribute ``load``, shadowing the lazy
+    export, so ``shardline.profiling.load(path)`` would call a module. Making the module callable keeps the
+    public spelling working whichever object that attribute holds.
+    """
+
+    def __call__(self, path, **options) -> TraceSet:
+        return load(path, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -202,3 +202,16 @@ def test_damaged_middle_keeps_base_time_from_the_tail(tmp_path):
     with pytest.warns(TraceWarning, match="invalid JSON"):
         ts = load(path)
     assert ts.events["start_ns"].tolist() == [1_000_000_000 + 250, 1_000_000_000 + 10_250, 1_000_000_000 + 20_250]
+
+
+def test_public_spelling_is_callable_after_submodule_import(tmp_path):
+    # Importing shardline.profiling.load binds the submodule on the package; the public call must still work.
+    import shardline.profiling as profiling_pkg
+    import shardline.profiling.load  # noqa: F401
+
+    path = tmp_path / "rank0.json"
+    path.write_text(_trace(2))
+    from shardline.profiling import load as public_load
+
+    assert len(public_load(path).events) == 2
+    assert len(profiling_pkg.load(path, classify=False).events) == 2
