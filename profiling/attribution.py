@@ -7,9 +7,17 @@ runs) is attributed on its CPU threads: communication is the comm ops (``record_
 nests inside framework ops, so per thread the comm time is removed from that thread's compute first; across
 threads (e.g. backward thread computing while the main thread waits) the priority below applies as on GPUs.
 
-Step windows. ``ProfilerStep#N`` annotations of the analysed lane kind (GPU user annotations on GPU ranks when
-present, else the CPU ones; several per step are joined to their hull). A rank without step annotations is one
-window ``[first event start, last event end)`` with step -1. Time outside every window is not attributed.
+Step windows, first source that exists:
+
+1. ``ProfilerStep#N`` annotations of the analysed lane kind (GPU user annotations on a GPU rank; several per
+   step are joined to their hull);
+2. on a GPU rank, the GPU work's own ``step`` (the reader gives a kernel the step of its launch): step N runs
+   from the first start of its work to the first start of step N+1's work (the last step: to its last end), so
+   the GPU-side step includes the idle before the next step's first kernel and never overlaps its neighbour;
+3. CPU ``ProfilerStep#N`` annotations (a CPU rank, or a GPU rank whose work carries no step);
+4. one window ``[first work start, last work end)`` with step -1.
+
+Time outside every window is not attributed.
 
 The partition. Inside a window every ns is given to the first label, in this priority order, whose interval
 set covers it::
@@ -121,11 +129,15 @@ def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return events[cpu], "cpu"
 
 
-def step_windows(events: pd.DataFrame, lanes: str) -> pd.DataFrame:
+def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None = None) -> pd.DataFrame:
     """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
     marked = match_names(events["name"], STEP_RE.pattern)
     lane = events["lane"].astype(str).to_numpy()
     for lane_kind in ((lanes, "cpu") if lanes == "gpu" else ("cpu",)):
+        if lane_kind == "cpu" and lanes == "gpu":
+            from_work = _gpu_work_steps(work_rows(events)[0] if work is None else work)
+            if len(from_work):
+                return from_work
         sel = marked & (lane == lane_kind)
         if sel.any():
             sub = events[sel]
@@ -137,6 +149,20 @@ def step_windows(events: pd.DataFrame, lanes: str) -> pd.DataFrame:
                                                              end_ns=("end_ns", "max"))
     return pd.DataFrame({"step": np.empty(0, np.int64), "start_ns": np.empty(0, np.int64),
                          "end_ns": np.empty(0, np.int64)})
+
+
+def _gpu_work_steps(work: pd.DataFrame) -> pd.DataFrame:
+    """Windows from the ``step`` of GPU work: [first start of N, first start of N+1), last: to its last end."""
+    stepped = work[work["step"] >= 0]
+    if stepped.empty:
+        return stepped[[]].assign(step=np.empty(0, np.int64), start_ns=np.empty(0, np.int64),
+                                  end_ns=np.empty(0, np.int64)).reset_index(drop=True)
+    per = stepped.assign(end_ns=stepped["start_ns"] + stepped["dur_ns"]).groupby("step", as_index=False).agg(
+        start_ns=("start_ns", "min"), last_end=("end_ns", "max"))
+    starts = per["start_ns"].to_numpy()
+    # The next step's first start closes a step; a non-increasing start (out-of-order work) gives an empty window.
+    ends = np.append(np.maximum(starts[1:], starts[:-1]), max(per["last_end"].iloc[-1], starts[-1]))
+    return pd.DataFrame({"step": per["step"].to_numpy().astype(np.int64), "start_ns": starts, "end_ns": ends})
 
 
 def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str, iv.IntervalSet]:
@@ -173,7 +199,7 @@ def _rank_breakdown(events: pd.DataFrame) -> pd.DataFrame | None:
     work, lanes = work_rows(events)
     if work.empty:
         return None
-    windows = step_windows(events, lanes)
+    windows = step_windows(events, lanes=lanes, work=work)
     if windows.empty:
         first = int(work["start_ns"].min())
         last = int((work["start_ns"] + work["dur_ns"]).max())
@@ -245,7 +271,7 @@ def comm_by_dim(traceset_or_events, *, layout=None) -> pd.DataFrame:
         work, lanes = work_rows(grp)
         if work.empty:
             continue
-        windows = step_windows(grp, lanes)
+        windows = step_windows(grp, lanes=lanes, work=work)
         if windows.empty:
             windows = pd.DataFrame({"step": [-1], "start_ns": [int(work["start_ns"].min())],
                                     "end_ns": [int((work["start_ns"] + work["dur_ns"]).max())]})

@@ -90,7 +90,7 @@ def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
     for rank, grp in events.groupby("rank", observed=True, sort=True):
         _, lanes = work_rows(grp)
         batches, actions = _pp_rows(grp, lanes)
-        windows = step_windows(grp, lanes)
+        windows = step_windows(grp, lanes=lanes)
         for batch in batches.itertuples(index=False):  # one iteration per pipeline batch, not per event
             row = _batch_row(int(rank), batch=batch, actions=actions)
             # The step whose window holds the batch start (batches nest in ProfilerStep windows).

@@ -52,7 +52,7 @@ def comm_calls(events: pd.DataFrame) -> pd.DataFrame:
             calls = _outermost(calls)
         if calls.empty:
             continue
-        windows = step_windows(grp, lanes)
+        windows = step_windows(grp, lanes=lanes, work=work)
         start = calls["start_ns"].to_numpy()
         step = np.full(len(calls), -1, dtype=np.int64)
         if len(windows):

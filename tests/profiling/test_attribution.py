@@ -160,3 +160,15 @@ def test_schema_breaks_and_negative_durations_are_named(synth):
         breakdown(broken)
     with pytest.raises(AttributionError, match="comm_by_dim expects"):
         comm_by_dim("trace.json")
+
+
+def test_gpu_steps_come_from_the_work_step_when_there_are_no_gpu_step_annotations(synth):
+    # CPU steps end before their kernels do (asynchronous launches); the kernels carry their launch's step.
+    kernels = [(1, 100, 50), (1, 160, 40), (2, 230, 30), (2, 300, 20)]
+    rows = [dict(synth.gpu_event(0, "compute", s, d), category="compute", step=n) for n, s, d in kernels]
+    rows += [synth.annotation(0, "ProfilerStep#1", 0, 120, lane="cpu"),
+             synth.annotation(0, "ProfilerStep#2", 120, 120, lane="cpu")]
+    table = breakdown(synth.to_frame(rows))
+    # step 1: [100, 230) -- first kernel of 1 to first kernel of 2; step 2: [230, 320) -- to its last end.
+    assert table[["step", "start_ns", "end_ns", "compute", "idle"]].values.tolist() == [
+        [1, 100, 230, 90, 40], [2, 230, 320, 50, 40]]
