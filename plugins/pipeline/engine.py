@@ -30,6 +30,7 @@ action itself (:class:`EngineStats`), which gives a measured bubble fraction wit
 
 from __future__ import annotations
 
+import datetime
 import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -147,7 +148,8 @@ class PipelineEngine:
                  schedule: Schedule, pp_rank: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  group: dist.ProcessGroup | None = None, meta_group: dist.ProcessGroup | None = None,
                  loss_reduction: LossReduction | str = LossReduction.MEAN,
-                 memory: MemoryAccounting | str = MemoryAccounting.OFF, hooks: PipelineHooks | None = None):
+                 memory: MemoryAccounting | str = MemoryAccounting.OFF, hooks: PipelineHooks | None = None,
+                 timeout_s: float = 300.0):
         validate(schedule)
         if not isinstance(pp_rank, int) or not 0 <= pp_rank < schedule.n_ranks:
             raise LayoutError(f"pp_rank={pp_rank!r} outside 0..{schedule.n_ranks - 1} of schedule "
@@ -173,6 +175,9 @@ class PipelineEngine:
         self.loss_reduction = _enum(LossReduction, loss_reduction, "loss_reduction")
         self.memory = _enum(MemoryAccounting, memory, "memory")
         self.hooks = hooks or PipelineHooks()
+        if not timeout_s > 0:
+            raise ContractError(f"timeout_s={timeout_s!r} must be > 0")
+        self._timeout = datetime.timedelta(seconds=timeout_s)
         self._ops = _batches(schedule.actions[pp_rank])
         self._last_stage = schedule.n_stages - 1
         self._last_backward = {s: max(st for st, a in enumerate(schedule.actions[pp_rank])
@@ -204,7 +209,7 @@ class PipelineEngine:
                 else:
                     self._exchange(batch)
             for work, _ in self._pending:
-                work.wait()
+                self._wait(work, "the sends of this batch to complete")
             loss = self._batch_loss()
             self.hooks.after_batch(loss=loss)
         self.stats.end_ns = time.perf_counter_ns()
@@ -277,8 +282,8 @@ class PipelineEngine:
         self.hooks.before_backward(stage=s, microbatch=mb, last=last)
         torch.autograd.backward(out, grad_tensors=grad)
         del out  # the graph and its saved activations go now, not at the end of the batch
-        if s > 0:
-            st["grad"][(s, mb)] = x.grad
+        if s > 0:  # an input the output does not depend on gets a zero gradient, not None
+            st["grad"][(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
         self.hooks.after_backward(stage=s, microbatch=mb, last=last)
 
     # ---------------------------------------------------------------- communication
@@ -306,11 +311,20 @@ class PipelineEngine:
             start = time.perf_counter_ns()
             with record_function(pp_action_name(a.kind.value, stage=a.stage, microbatch=a.microbatch)), \
                     record_function(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch)):
-                work.wait()
+                self._wait(work, f"{a} from rank {self._peer(a)}")
             self._timed("wait", a.stage, a.microbatch, start)
             if a.kind is ActionKind.RECV_ACT:
                 tensor.requires_grad_(tensor.is_floating_point())
             self._state["recv"][(a.stage, a.microbatch)] = tensor
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait with a deadline: a validated schedule cannot deadlock, so a timeout means the ranks disagree."""
+        try:
+            work.wait(timeout=self._timeout)
+        except RuntimeError as exc:
+            raise ScheduleError(f"rank {self.pp_rank} waited more than {self._timeout.total_seconds():g} s for "
+                                f"{what} (schedule {self.schedule.name!r}): the ranks are not running the same "
+                                f"schedule, or a peer failed ({exc})") from exc
 
     def _buffer(self, a: Action) -> torch.Tensor:
         """The tensor a send reads or a receive fills."""
@@ -344,7 +358,8 @@ class PipelineEngine:
                 header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._meta_device)
                 start = time.perf_counter_ns()
                 with record_function(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch)):
-                    dist.irecv(header, group=self.meta_group, group_src=self._peer(a), tag=self._meta_tag).wait()
+                    work = dist.irecv(header, group=self.meta_group, group_src=self._peer(a), tag=self._meta_tag)
+                    self._wait(work, f"the shape header of {a} from rank {self._peer(a)}")
                 self._timed("wait", a.stage, a.microbatch, start)
                 st["meta_in"][a.stage] = (*_decode_header(header), self._device_of(a.stage))
 

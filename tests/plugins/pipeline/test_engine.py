@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as torch_f
@@ -256,6 +258,12 @@ def _run_bad(rank, world, case):
         engine.run_batch(*make_batch(2, 0))
     elif case == "stages":
         PipelineEngine(stages, schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn)
+    elif case == "mismatch":  # rank 1 runs a second batch that rank 0 never starts
+        engine = PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
+                                timeout_s=1.0)
+        for index in range(rank + 1):
+            engine.run_batch(*make_batch(2, index))
+        time.sleep(3.0)  # rank 0 stays up, so rank 1 meets its deadline rather than a closed connection
     elif case == "reduction":
         PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
                        loss_reduction="median")
@@ -268,6 +276,7 @@ def _run_bad(rank, world, case):
 @pytest.mark.parametrize(("case", "error", "pattern"), [
     ("batch", LayoutError, r"(inputs|targets) batch size \(8,\) is not divisible by n_microbatches=3"),
     ("stages", ContractError, r"got 2 stage modules in chunk order but this rank hosts stages \[[01]\]"),
+    ("mismatch", ScheduleError, r"rank 1 waited more than 1 s for the shape header of RA0@1 from rank 0"),
     ("reduction", ContractError, r"loss_reduction='median' is not one of \['mean', 'sum'\]"),
     ("deadlock", ScheduleError, r"schedule 'hand' deadlocks .* rank 0 blocked at step 3 on \[RG0@0\]"),
 ])
