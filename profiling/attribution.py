@@ -46,7 +46,7 @@ import pandas as pd
 
 from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import bubble_set
-from shardline.profiling.classify import classify_events, match_names
+from shardline.profiling.classify import Lane, classify_events, match_names
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES, check_events
 
@@ -114,27 +114,28 @@ def empty_breakdown() -> pd.DataFrame:
 
 
 def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """The rows attributed for one rank and the lane kind used ("gpu" or "cpu")."""
+    """The rows attributed for one rank and the lane kind used (``Lane.GPU`` or ``Lane.CPU``)."""
     named_annotation = match_names(events["name"], _ANNOTATION_NAME_RE)
     cat = events["cat"].astype(str).to_numpy()
     lane = events["lane"].astype(str).to_numpy()
-    gpu = (lane == "gpu") & ~np.isin(cat, list(ANNOTATION_CATS)) & ~named_annotation
+    gpu = (lane == Lane.GPU.value) & ~np.isin(cat, list(ANNOTATION_CATS)) & ~named_annotation
     if gpu.any():
-        return events[gpu], "gpu"
+        return events[gpu], Lane.GPU.value
     is_comm = np.isin(events["category"].astype(str).to_numpy(), COMM_CATEGORIES)
     step_marker = match_names(events["name"], r"^(ProfilerStep#\d+|sl:pp:)")
     # CPU ops are work; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*) are.
-    cpu = (lane == "cpu") & ~step_marker & (np.isin(cat, ["cpu_op", "Operator"])
+    cpu = (lane == Lane.CPU.value) & ~step_marker & (np.isin(cat, ["cpu_op", "Operator"])
                                            | (is_comm & np.isin(cat, list(_CPU_OP_CATS))))
-    return events[cpu], "cpu"
+    return events[cpu], Lane.CPU.value
 
 
 def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None = None) -> pd.DataFrame:
     """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
     marked = match_names(events["name"], STEP_RE.pattern)
     lane = events["lane"].astype(str).to_numpy()
-    for lane_kind in ((lanes, "cpu") if lanes == "gpu" else ("cpu",)):
-        if lane_kind == "cpu" and lanes == "gpu":
+    gpu, cpu = Lane.GPU.value, Lane.CPU.value
+    for lane_kind in ((lanes, cpu) if lanes == gpu else (cpu,)):
+        if lane_kind == cpu and lanes == gpu:
             from_work = _gpu_work_steps(work_rows(events)[0] if work is None else work)
             if len(from_work):
                 return from_work
@@ -171,7 +172,7 @@ def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str
     end = start + work["dur_ns"].to_numpy()
     category = work["category"].astype(str).to_numpy()
     sets: dict[str, iv.IntervalSet] = {}
-    if lanes == "cpu":
+    if lanes == Lane.CPU.value:
         # Per thread, comm time leaves the thread's compute (comm ops nest inside framework ops).
         stream = work["stream"].to_numpy()
         compute_parts = []
@@ -184,7 +185,7 @@ def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str
             compute_parts.append(iv.subtract(busy_t, comm_t))
         sets["compute"] = iv.merge(*compute_parts)
     for label in LABELS:
-        if label in ("idle", "bubble") or (label == "compute" and lanes == "cpu"):
+        if label in ("idle", "bubble") or (label == "compute" and lanes == Lane.CPU.value):
             continue
         on = category == label
         sets[label] = iv.union(start[on], end[on])

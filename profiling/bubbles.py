@@ -29,7 +29,7 @@ import pandas as pd
 
 import shardline.profiling.annotations as contract
 from shardline.profiling import intervals as iv
-from shardline.profiling.classify import match_names
+from shardline.profiling.classify import Lane, match_names
 
 _COMPUTE_ACTIONS = ("F", "B", "W")
 
@@ -43,7 +43,8 @@ def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFra
     """(batch rows with p/m/schedule, action rows with action/stage/microbatch) on the lanes to use."""
     is_pp = match_names(events["name"], f"{contract.PREFIX}:pp:")
     lane = events["lane"].astype(str).to_numpy()
-    for kind in ((lanes, "cpu") if lanes == "gpu" else (lanes,)):
+    cpu = Lane.CPU.value  # a GPU rank may carry the annotations only on its host threads
+    for kind in ((lanes, cpu) if lanes == Lane.GPU.value else (lanes,)):
         sel = is_pp & (lane == kind)
         if sel.any():
             break

@@ -57,6 +57,13 @@ class Category(str, enum.Enum):
     IDLE = "idle"
 
 
+class Lane(str, enum.Enum):
+    """Lane kind of the events table (``lane`` column), and the kind a rank is attributed on."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
 UNKNOWN_DIM = "unknown"
 
 
@@ -255,7 +262,7 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
     comm_kernel_name = pd.Series([k for _, k in labels], index=uniq)
     codes = out["name"].cat.codes.to_numpy()
     category = by_name.to_numpy()[codes].astype(object)
-    is_comm_kernel = comm_kernel_name.to_numpy()[codes].astype(bool) & (out["lane"] == "gpu").to_numpy()
+    is_comm_kernel = comm_kernel_name.to_numpy()[codes].astype(bool) & (out["lane"] == Lane.GPU.value).to_numpy()
 
     # Evidence 1: the row's own collective arg.
     own = _mapped(out["collective"], op_category)
@@ -299,7 +306,7 @@ def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarra
     link = np.full(n, -1, dtype=np.int64)
     if not want.any():
         return result, link
-    lane_cpu = (ev["lane"] == "cpu").to_numpy()
+    lane_cpu = (ev["lane"] == Lane.CPU.value).to_numpy()
     is_op = lane_cpu & np.isin(category, list(_COMM))
     rank = ev["rank"].to_numpy()
     ext = ev["external_id"].to_numpy()

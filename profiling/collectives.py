@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.attribution import checked_events, step_windows, work_rows
+from shardline.profiling.attribution import Lane, checked_events, step_windows, work_rows
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES
 
@@ -48,7 +48,7 @@ def comm_calls(events: pd.DataFrame) -> pd.DataFrame:
     for _, grp in events.groupby("rank", observed=True, sort=True):
         work, lanes = work_rows(grp)
         calls = work[work["category"].astype(str).isin(COMM_CATEGORIES)]
-        if lanes == "cpu":
+        if lanes == Lane.CPU.value:
             calls = _outermost(calls)
         if calls.empty:
             continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline.profiling.classify import (
     DEFAULT_RULES,
@@ -14,8 +16,9 @@ from shardline.profiling.classify import (
     layout_dim,
     name_category,
 )
+from shardline.profiling.annotations import DIMS
 from shardline.profiling.errors import ClassificationError
-from shardline.profiling.schema import CATEGORIES, conform
+from shardline.profiling.schema import CATEGORIES, COMM_CATEGORIES, conform
 
 
 def _classify(rows, **kw) -> pd.DataFrame:
@@ -179,3 +182,25 @@ def test_classification_does_not_depend_on_row_order(traces_dir):
     assert shuffled.loc[first.index, "category"].tolist() == first["category"].tolist()
     gpu = first[first["lane"] == "gpu"]
     assert (gpu["category"] == "all_to_all").sum() == 10  # 5 all-to-all kernels on each of the two ranks
+
+
+_NAME_PARTS = st.sampled_from(["ncclKernel_", "ncclDevKernel_", "AllReduce", "SendRecv", "Generic", "nccl:",
+                               "gloo:", "Memcpy ", "HtoD", "Memset", "sl:comm:", "tp:", "c10d::", "(", "*", "\\",
+                               "record_param_comms", "deep_ep::", "_", " "])
+
+
+@settings(max_examples=80, deadline=None)
+@given(names=st.lists(st.one_of(st.text(max_size=30), st.lists(_NAME_PARTS, max_size=6).map("".join)),
+                      min_size=1, max_size=12),
+       descs=st.lists(st.text(max_size=20), min_size=1, max_size=12),
+       lanes=st.lists(st.sampled_from(["cpu", "gpu"]), min_size=1, max_size=12))
+def test_any_names_and_descriptions_get_a_valid_category_and_dim(names, descs, lanes):
+    n = len(names)
+    rows = [dict(rank=0, lane=lanes[i % len(lanes)], stream=1, name=names[i], cat="kernel", start_ns=10 * i,
+                 dur_ns=5, correlation=i % 3, pg_desc=descs[i % len(descs)], pg_ranks="[0, 1]", pg_size=2)
+            for i in range(n)]
+    out = _classify(rows, layout=dict(tp=2))
+    assert set(out["category"].astype(str)) <= set(CATEGORIES) - {"idle"}
+    comm = out["category"].astype(str).isin(COMM_CATEGORIES)
+    assert (out.loc[~comm, "dim"].astype(str) == "").all()
+    assert set(out.loc[comm, "dim"].astype(str)) <= set(DIMS) | {"unknown"}
