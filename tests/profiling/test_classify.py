@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardline.profiling.annotations import DIMS
 from shardline.profiling.classify import (
     DEFAULT_RULES,
     Category,
@@ -16,7 +17,6 @@ from shardline.profiling.classify import (
     layout_dim,
     name_category,
 )
-from shardline.profiling.annotations import DIMS
 from shardline.profiling.errors import ClassificationError
 from shardline.profiling.schema import CATEGORIES, COMM_CATEGORIES, conform
 
