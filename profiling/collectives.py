@@ -5,6 +5,8 @@ Matching. A collective instance is one call on every member of a process group. 
 a group on one rank meets the k-th on every other rank. The group key is the ``pg_name``, else the
 ``pg_ranks`` text, else "" (one anonymous group: traces without process-group args). One row per rank and
 instance is used: the GPU kernel on ranks attributed on GPUs, else the outermost CPU comm op on its thread.
+Point-to-point sends and receives are not collectives (a send meets one receive, not the other sends) and are
+left out; the time a pipeline stage waits in receives is ``bubbles``' business.
 
 Clock alignment (``ClockAlignment.ENDS``, the default). A collective completes on all members at about the
 same true time, so for rank r and reference rank r0 (the lowest rank) the offset is
@@ -37,6 +39,9 @@ from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES
 
 
+COLLECTIVE_CATEGORIES = tuple(c for c in COMM_CATEGORIES if c not in ("p2p_send", "p2p_recv"))
+
+
 class ClockAlignment(str, enum.Enum):
     NONE = "none"
     ENDS = "ends"
@@ -47,7 +52,7 @@ def comm_calls(events: pd.DataFrame) -> pd.DataFrame:
     frames = []
     for _, grp in events.groupby("rank", observed=True, sort=True):
         work, lanes = work_rows(grp)
-        calls = work[work["category"].astype(str).isin(COMM_CATEGORIES)]
+        calls = work[work["category"].astype(str).isin(COLLECTIVE_CATEGORIES)]
         if lanes == Lane.CPU.value:
             calls = _outermost(calls)
         if calls.empty:

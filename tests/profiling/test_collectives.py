@@ -133,3 +133,12 @@ def test_cpu_gloo_calls_use_the_outermost_op_per_thread():
     matched = match_collectives(conform(pd.DataFrame(rows)), clock=ClockAlignment.NONE)
     assert matched[["rank", "start_ns", "wait_ns", "transfer_ns", "is_last"]].values.tolist() == [
         [0, 100, 60, 140, False], [1, 160, 0, 140, True]]
+
+
+def test_point_to_point_calls_are_not_matched_as_collectives(synth):
+    rows, _ = synth.skewed_collectives(_arrivals(3, 2, 2), transfer=np.array([5, 5]),
+                                       offsets=np.zeros(2, dtype=np.int64))
+    p2p = [dict(synth.gpu_event(0, "p2p_send", 900_000, 50), category="p2p_send"),
+           dict(synth.gpu_event(1, "p2p_recv", 900_010, 40), category="p2p_recv")]
+    matched = match_collectives(synth.to_frame(rows + p2p))
+    assert set(matched["category"]) == {"all_reduce"} and len(matched) == 4
