@@ -26,9 +26,12 @@ seed; their gradients must be summed over the grid's ``embed`` group before the 
 Loss and gradient scaling (:meth:`GPT.loss`): the returned loss is the *global* mean over every non-ignored token
 of the whole sequence (all CP ranks), the same value on every rank. Its gradient on each CP rank is the gradient
 of the global mean with respect to that rank's own tokens only, so the dense gradient of every parameter is the
-*sum* over the CP group of the ranks' gradients (:meth:`GPT.allreduce_context_parallel_grads`). A data-parallel
-engine that *averages* over ``dp_cp`` (DeepSpeed with ``mpu=grid``) must therefore be given ``loss * cp``, as
-Megatron does. Under Megatron-SP, replicated parameters need :meth:`GPT.allreduce_sequence_parallel_grads` first.
+*sum* over the CP group of the ranks' gradients (:meth:`GPT.allreduce_context_parallel_grads`). DeepSpeed ZeRO
+given ``mpu=grid.mpu`` does exactly that without help: it all-reduces over ``dp_cp`` and divides by
+``dp_cp_size / sequence_parallel_size = dp`` (the mpu reports cp as its sequence-parallel size), i.e. sums over CP
+and averages over DP. An engine that instead *averages* over all ``dp * cp`` ranks must be given ``loss * cp``
+(Megatron's rule). Under Megatron-SP, replicated parameters need :meth:`GPT.allreduce_sequence_parallel_grads`
+(a sum over TP, which no data-parallel engine does) before the data-parallel reduction.
 """
 
 from __future__ import annotations

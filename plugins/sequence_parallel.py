@@ -45,7 +45,7 @@ class SequenceLayout(str, enum.Enum):
     CONTIGUOUS = "contiguous"
 
 
-def check_sequence(seq_len: int, n: int, layout: SequenceLayout | str) -> SequenceLayout:
+def check_sequence(seq_len: int, *, n: int, layout: SequenceLayout | str) -> SequenceLayout:
     """Validate ``layout`` and that ``seq_len`` splits into it over ``n`` ranks (LayoutError naming both)."""
     try:
         layout = SequenceLayout(layout)
@@ -63,7 +63,7 @@ def check_sequence(seq_len: int, n: int, layout: SequenceLayout | str) -> Sequen
 def local_positions(seq_len: int, *, n: int, rank: int, layout: SequenceLayout | str = SequenceLayout.BALANCED,
                     device=None) -> torch.Tensor:
     """Global positions (int64, ``[seq_len/n]``) of the tokens rank ``rank`` of ``n`` holds."""
-    layout = check_sequence(seq_len, n, layout)
+    layout = check_sequence(seq_len, n=n, layout=layout)
     local = seq_len // n
     if n == 1 or layout is SequenceLayout.CONTIGUOUS:
         return torch.arange(rank * local, (rank + 1) * local, device=device)
@@ -104,7 +104,7 @@ class _UnshardSequence(torch.autograd.Function):
     def forward(ctx, x, group, dim, layout):
         n = group_size(group)
         seq_len = x.shape[dim] * n
-        check_sequence(seq_len, n, layout)
+        check_sequence(seq_len, n=n, layout=layout)
         ctx.group, ctx.dim, ctx.layout, ctx.seq_len = group, dim, layout, seq_len
         gathered = all_gather(x, group=group, dim=dim, dim_name="cp")
         return gathered.index_select(dim, _gathered_order(seq_len, n, layout, x.device))
@@ -124,14 +124,14 @@ def shard_sequence(x: torch.Tensor, *, group, dim: int, layout: SequenceLayout |
     (balanced) or ``cp`` (contiguous) raises LayoutError naming both numbers.
     """
     dim = dim % x.dim()
-    layout = check_sequence(x.shape[dim], group_size(group), layout)
+    layout = check_sequence(x.shape[dim], n=group_size(group), layout=layout)
     return x if group_size(group) == 1 else _ShardSequence.apply(x, group, dim, layout)
 
 
 def unshard_sequence(x: torch.Tensor, *, group, dim: int, layout: SequenceLayout | str = SequenceLayout.BALANCED):
     """Inverse of :func:`shard_sequence`. forward: all-gather + reorder; backward: select this rank's tokens."""
     dim = dim % x.dim()
-    layout = check_sequence(x.shape[dim] * group_size(group), group_size(group), layout)
+    layout = check_sequence(x.shape[dim] * group_size(group), n=group_size(group), layout=layout)
     return x if group_size(group) == 1 else _UnshardSequence.apply(x, group, dim, layout)
 
 
@@ -208,7 +208,7 @@ def ulysses_attention(q, k, v, *, group, causal: bool = True, scale: float | Non
     if q.shape[1] % n:
         raise LayoutError(f"ulysses_attention: heads={q.shape[1]} is not divisible by cp={n}")
     seq_len = q.shape[2] * n
-    layout = check_sequence(seq_len, n, layout)
+    layout = check_sequence(seq_len, n=n, layout=layout)
     qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
     if layout is SequenceLayout.CONTIGUOUS:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
@@ -234,6 +234,6 @@ def ring_attention(q, k, v, *, group, causal: bool = True, scale: float | None =
     n = group_size(group)
     if n == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    layout = check_sequence(q.shape[2] * n, n, layout)
+    layout = check_sequence(q.shape[2] * n, n=n, layout=layout)
     return ring_attention_impl(q, k, v, group=group, causal=causal, scale=scale,
                                balanced=layout is SequenceLayout.BALANCED)

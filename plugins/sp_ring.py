@@ -79,7 +79,7 @@ class _RingAttention(torch.autograd.Function):
         nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
         cdt = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         qc = q.to(cdt)
-        kv = torch.stack([k, v]).to(cdt)
+        kv = torch.stack([k, v])  # travels in the input dtype (bf16 halves the bytes); blocks upcast to compute
         out = torch.zeros_like(qc)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         local = q.shape[2]
@@ -92,9 +92,9 @@ class _RingAttention(torch.autograd.Function):
             vis = _visible(causal=causal, balanced=balanced, rank=r, src=(r - t) % n, local=local)
             if vis is not None:
                 qs, ks, diag = vis
-                s = _scores(qc[:, :, qs], kv[0][:, :, ks], scale, diag)
+                s = _scores(qc[:, :, qs], kv[0][:, :, ks].to(cdt), scale, diag)
                 lse_b = torch.logsumexp(s, dim=-1)
-                o_b = torch.matmul(torch.exp_(s.sub_(lse_b.unsqueeze(-1))), kv[1][:, :, ks])
+                o_b = torch.matmul(torch.exp_(s.sub_(lse_b.unsqueeze(-1))), kv[1][:, :, ks].to(cdt))
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
                 out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new).unsqueeze(-1)
                                  + o_b * torch.exp(lse_b - new).unsqueeze(-1))
@@ -117,14 +117,14 @@ class _RingAttention(torch.autograd.Function):
         qc, do = q.to(cdt), dout.to(cdt)
         delta = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
         dq = torch.zeros_like(qc)
-        kv = torch.stack([k, v]).to(cdt)
+        kv = torch.stack([k, v])
         local = q.shape[2]
         kv_sends, kv_recvs, grad_sends, grad_recvs = [], [], [], []
         for t in range(n):
             # Post this step's receives before waiting on last step's sends: waiting first would let every rank
             # wait for its successor's receive at once, a cycle around the ring if sends are rendezvous.
             if t > 0:
-                acc = torch.empty_like(kv)
+                acc = torch.empty_like(kv, dtype=cdt)  # dK/dV accumulate in the compute dtype
                 _post(grad_recvs, acc, prv, send=False, tag=_GRAD_TAG)
             if t < n - 1:
                 incoming = torch.empty_like(kv)
@@ -133,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_sends)
             if t < n - 1:
                 _post(kv_sends, kv, nxt, send=True, tag=_KV_TAG)
-            dkv = torch.zeros_like(kv)
+            dkv = torch.zeros_like(kv, dtype=cdt)
             vis = _visible(causal=ctx.causal, balanced=ctx.balanced, rank=r, src=(r - t) % n, local=local)
             if vis is not None:
                 _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale)
@@ -144,7 +144,7 @@ class _RingAttention(torch.autograd.Function):
             if t < n - 1:
                 _wait(kv_recvs)
                 kv = incoming
-        home = torch.empty_like(kv)
+        home = torch.empty_like(kv, dtype=cdt)
         _post(grad_recvs, home, prv, send=False, tag=_GRAD_TAG)
         _wait(grad_recvs)
         _wait(kv_sends)
@@ -156,7 +156,7 @@ def _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale):
     """Add one visible block's contribution to ``dq`` (in place) and to its ``dkv = [dK, dV]`` accumulator."""
     qs, ks, diag = vis
     q_b, do_b = qc[:, :, qs], do[:, :, qs]
-    k_b, v_b = kv[0][:, :, ks], kv[1][:, :, ks]
+    k_b, v_b = kv[0][:, :, ks].to(dq.dtype), kv[1][:, :, ks].to(dq.dtype)
     p = torch.exp_(_scores(q_b, k_b, scale, diag).sub_(lse[:, :, qs].unsqueeze(-1)))
     dkv[1][:, :, ks] += torch.matmul(p.transpose(-1, -2), do_b)
     ds = p.mul_(torch.matmul(do_b, v_b.transpose(-1, -2)).sub_(delta[:, :, qs].unsqueeze(-1)))

@@ -107,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
                  dtype=None, device=None):
         super().__init__()
         n = group_size(group)
-        check_divisible(out_features, n, what="out_features", by="tp")
+        check_divisible(out_features, n=n, what="out_features", by="tp")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and n > 1
@@ -150,7 +150,7 @@ class RowParallelLinear(nn.Module):
                  dtype=None, device=None):
         super().__init__()
         n = group_size(group)
-        check_divisible(in_features, n, what="in_features", by="tp")
+        check_divisible(in_features, n=n, what="in_features", by="tp")
         self.sequence_parallel = sequence_parallel and n > 1
         if self.sequence_parallel and not input_is_parallel:
             raise LayoutError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True "

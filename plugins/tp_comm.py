@@ -47,7 +47,7 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def check_divisible(length: int, n: int, *, what: str, by: str) -> None:
+def check_divisible(length: int, *, n: int, what: str, by: str) -> None:
     """Raise LayoutError naming both numbers when ``length`` is not a multiple of ``n``."""
     if length % n:
         raise LayoutError(f"{what}={length} is not divisible by {by}={n}")
@@ -83,7 +83,7 @@ def reduce_scatter(x: torch.Tensor, *, group, dim: int, dim_name: str = "tp") ->
     if n == 1:
         return x
     dim = dim % x.dim()
-    check_divisible(x.shape[dim], n, what=f"reduce-scatter length of dim {dim}", by="group size")
+    check_divisible(x.shape[dim], n=n, what=f"reduce-scatter length of dim {dim}", by="group size")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
     with record_function(comm_name(dim_name, "reduce_scatter")):
@@ -96,7 +96,7 @@ def local_chunk(x: torch.Tensor, *, group, dim: int) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    check_divisible(x.shape[dim], n, what=f"length of dim {dim % x.dim()}", by="group size")
+    check_divisible(x.shape[dim], n=n, what=f"length of dim {dim % x.dim()}", by="group size")
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 

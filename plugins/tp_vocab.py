@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 _logged_paddings: set[tuple[int, int]] = set()  # (V, n) pairs already reported: log once, not per layer
 
 
-def pad_vocab(vocab_size: int, tp: int) -> int:
+def pad_vocab(vocab_size: int, *, tp: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``tp`` (logged once per pair when it changes)."""
     padded = -(-vocab_size // tp) * tp
     if padded != vocab_size and (vocab_size, tp) not in _logged_paddings:
@@ -44,7 +44,7 @@ def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, ini
                           dtype=None, device=None) -> nn.Parameter:
     """This rank's rows ``[V'/n, d]`` of ``E ~ N(0, init_std^2)`` drawn full ``[V, d]`` in float32 from
     ``generator``, zero-padded to ``V'`` rows, then sliced (layout-independent). Marked as a dim-0 TP shard."""
-    padded = pad_vocab(num_embeddings, group_size(group))
+    padded = pad_vocab(num_embeddings, tp=group_size(group))
     start, end = vocab_shard_range(padded, group=group)
     full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator) * init_std
     full = F.pad(full, (0, 0, 0, padded - num_embeddings))
@@ -70,7 +70,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         n = group_size(group)
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
-        self.padded_num_embeddings = pad_vocab(num_embeddings, n)
+        self.padded_num_embeddings = pad_vocab(num_embeddings, tp=n)
         self.sequence_parallel = sequence_parallel and n > 1
         self.vocab_start, self.vocab_end = vocab_shard_range(self.padded_num_embeddings, group=group)
         self.weight = vocab_parallel_weight(num_embeddings, embedding_dim, group=group, init_std=init_std,

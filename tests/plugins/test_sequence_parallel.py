@@ -190,3 +190,29 @@ def test_live_tensor_bytes_counts_allocations_views_and_frees():
     assert (m.peak, m.largest) == (16000, 8000)
     assert after_free == 8000
     assert m.live == 12000 and view.numel() == 990 and c.numel() == 500
+
+
+def _bf16_worker(rank, world):
+    group = _cp_group(world)
+    q, k, v, do = (shard_sequence(t, group=group, dim=2).to(torch.bfloat16) for t in _qkv_do(seed=5))
+    out = {}
+    for name, fn in FNS.items():
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fn(ql, kl, vl, group=group)
+        o.backward(do)
+        out[name] = [unshard_sequence(t.float(), group=group, dim=2) for t in (o.detach(), ql.grad, kl.grad, vl.grad)]
+    return out
+
+
+def test_bf16_ring_and_ulysses_stay_within_the_bf16_noise_floor():
+    u = 2.0**-8  # bf16 unit roundoff
+    q, k, v, do = (t.to(torch.bfloat16).double() for t in _qkv_do(seed=5))  # the bf16-rounded inputs, in f64
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    refs = (ref.detach(), *torch.autograd.grad(ref, (qr, kr, vr), do))
+    for name, got in run_ranks(_bf16_worker, 2)[0].items():
+        for g, want in zip(got, refs):
+            rel = ((g.double() - want).norm() / want.norm()).item()
+            # the ring accumulates in float32 and rounds its results to bf16 once: within a few u of the exact
+            # answer on the same (rounded) inputs; Ulysses is torch's bf16 SDPA. A wrong block gives O(1).
+            assert rel <= 4 * u, (name, rel)
