@@ -38,7 +38,6 @@ from shardline.profiling.attribution import Lane, checked_events, step_windows, 
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES
 
-
 COLLECTIVE_CATEGORIES = tuple(c for c in COMM_CATEGORIES if c not in ("p2p_send", "p2p_recv"))
 
 
