@@ -297,3 +297,33 @@ def test_indivisible_features_raise_layout_error_naming_both_numbers():
     assert "out_features=6" in messages[0] and "tp=4" in messages[0]
     assert "in_features=6" in messages[1] and "tp=4" in messages[1]
     assert "input_is_parallel=False" in messages[2]
+
+
+# ---------------------------------------------------------------- trace annotations (the profiler's contract)
+
+
+def _annotations_worker(rank, world):
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardline.plugins.sequence_parallel import ring_attention
+
+    tp_group = _tp_group(world)
+    cp_group = Grid.build(ParallelDims(world, cp=world, sp="ring")).group("cp")
+    col = _build(ColumnParallelLinear, IN, OUT, group=tp_group, sequence_parallel=True)
+    row = _build(RowParallelLinear, OUT, IN, group=tp_group, sequence_parallel=True)
+    qkv = [_rand(20 + i, 1, 2, 4, 4).requires_grad_() for i in range(3)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        row(col(_rand(1, B, S // world, IN))).sum().backward()
+        reduce_from_tp(_rand(2, 3), group=tp_group)
+        ring_attention(*qkv, group=cp_group).sum().backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("sl:")})
+
+
+def test_collectives_are_annotated_with_the_shared_comm_names():
+    from shardline.profiling.annotations import COMM_RE, comm_name
+
+    names = run_ranks(_annotations_worker, 2)[0]
+    assert all(COMM_RE.match(n) for n in names)  # every sl: name parses with the profiler's own pattern
+    expected = {comm_name("tp", "all_gather"), comm_name("tp", "reduce_scatter"), comm_name("tp", "all_reduce"),
+                comm_name("cp", "p2p_send"), comm_name("cp", "p2p_recv")}
+    assert expected <= set(names)
