@@ -256,13 +256,9 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
     out = events.copy()
     if out.empty:
         return out
-    uniq = out["name"].cat.categories
-    labels = [name_category(str(n), rules=rules) for n in uniq]
-    by_name = pd.Series([c for c, _ in labels], index=uniq)
-    comm_kernel_name = pd.Series([k for _, k in labels], index=uniq)
-    codes = out["name"].cat.codes.to_numpy()
-    category = by_name.to_numpy()[codes].astype(object)
-    is_comm_kernel = comm_kernel_name.to_numpy()[codes].astype(bool) & (out["lane"] == Lane.GPU.value).to_numpy()
+    labels = _mapped(out["name"], lambda n: name_category(n, rules=rules))  # (category, comm-kernel name)
+    category = np.array([c for c, _ in labels], dtype=object)
+    is_comm_kernel = np.array([k for _, k in labels], dtype=bool) & (out["lane"] == Lane.GPU.value).to_numpy()
 
     # Evidence 1: the row's own collective arg.
     own = _mapped(out["collective"], op_category)
@@ -291,9 +287,11 @@ def match_names(column: pd.Series, pattern: str) -> np.ndarray:
 
 
 def _mapped(column: pd.Series, fn) -> np.ndarray:
-    """Apply ``fn`` to the unique values of a categorical column and broadcast."""
+    """Apply ``fn`` to the unique values of a categorical column and broadcast (a missing value counts as "")."""
     cats = column.cat.categories
-    table = np.array([fn(str(c)) for c in cats] + [""], dtype=object)
+    table = np.empty(len(cats) + 1, dtype=object)
+    for i, value in enumerate([*cats, ""]):  # one call per unique value; element-wise so tuples stay whole
+        table[i] = fn(str(value))
     codes = column.cat.codes.to_numpy().copy()
     codes[codes < 0] = len(cats)
     return table[codes]
