@@ -169,8 +169,9 @@ class Schedule:
                     + _positive("n_microbatches", n_microbatches))
         if not problems and n_stages % n_ranks:
             problems.append(f"n_stages={n_stages} is not a multiple of n_ranks={n_ranks}")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", name):
-            problems.append(f"name={name!r} must be a non-empty word of [A-Za-z0-9_]")
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
+            # The name goes into trace annotations (pp_batch_name), whose pattern allows [a-z0-9_].
+            problems.append(f"name={name!r} must be a non-empty word of [a-z0-9_]")
         if problems:
             raise ScheduleError("invalid schedule: " + "; ".join(problems))
         for rank, rank_actions in enumerate(actions):
@@ -218,7 +219,7 @@ class Schedule:
         """Inverse of :meth:`to_text`; blank lines and ``#`` comments are ignored."""
         lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
         lines = [ln for ln in lines if ln]
-        header = re.fullmatch(r"schedule\s+(\w+)\s+ranks=(\d+)\s+stages=(\d+)\s+microbatches=(\d+)",
+        header = re.fullmatch(r"schedule\s+(\S+)\s+ranks=(\d+)\s+stages=(\d+)\s+microbatches=(\d+)",
                               lines[0]) if lines else None
         if header is None:
             raise ScheduleError("schedule text must start with 'schedule <name> ranks=<p> stages=<S> "

@@ -45,7 +45,7 @@ from torch.profiler import record_function
 from shardline.plugins.errors import ContractError, LayoutError, ScheduleError
 from shardline.plugins.pipeline.actions import Action, ActionKind, Schedule
 from shardline.plugins.pipeline.memory import SavedTensorMeter
-from shardline.plugins.pipeline.simulate import _batches, validate
+from shardline.plugins.pipeline.simulate import split_ops, validate
 from shardline.profiling.annotations import pp_action_name, pp_batch_name
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -178,7 +178,7 @@ class PipelineEngine:
         if not timeout_s > 0:
             raise ContractError(f"timeout_s={timeout_s!r} must be > 0")
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._ops = _batches(schedule.actions[pp_rank])
+        self._ops = split_ops(schedule.actions[pp_rank])
         self._last_stage = schedule.n_stages - 1
         self._last_backward = {s: max(st for st, a in enumerate(schedule.actions[pp_rank])
                                       if a.kind is B and a.stage == s) for s in self.stages}

@@ -52,8 +52,9 @@ class SimulationResult:
     timeline: list[Timed]
 
 
-def _batches(program: tuple[Action, ...]) -> list[tuple[int, list[Action]]]:
-    """Split a program into ops: a compute action alone, or a maximal run of comms; with their first step."""
+def split_ops(program: tuple[Action, ...]) -> list[tuple[int, list[Action]]]:
+    """A rank's program as executed: each compute action alone, each maximal run of send/recv actions as one
+    batch; every op with the step index of its first action. The engine runs exactly these ops."""
     ops: list[tuple[int, list[Action]]] = []
     for step, action in enumerate(program):
         if not action.kind.is_compute and ops and not ops[-1][1][0].kind.is_compute:
@@ -139,7 +140,7 @@ def _check_channels(schedule: Schedule) -> None:
 
 def _run(schedule: Schedule, *, strict: bool, costs: dict, t_comm: float):
     """Event loop shared by validate and simulate; returns (clock per rank, timeline, peak in flight)."""
-    ops = [_batches(program) for program in schedule.actions]
+    ops = [split_ops(program) for program in schedule.actions]
     posted: dict[Action, float] = {}
     pc = [0] * schedule.n_ranks
     clock = [0.0] * schedule.n_ranks

@@ -143,43 +143,58 @@ def test_engine_matches_whole_model_reference_across_sequence_lengths(world, kin
         assert seen == set(ref_grads)  # every parameter's gradient was checked on exactly the rank that owns it
 
 
-def _run_tied(rank, world, steps):
-    dims = ParallelDims(world, pp=world)
-    grid = Grid.build(dims)
-    layers = make_layers(world, shared_head=False)
-    partition, _ = _my_layers(layers, world, rank, world)
+def _run_tied(rank, world, pp, steps):
+    """A pp-stage pipeline per data-parallel replica (dp = world / pp), tied embedding synced over "embed"."""
+    grid = Grid.build(ParallelDims(world, pp=pp))
+    stage, replica = grid.rank("pp"), grid.coords["dp"]
+    layers = make_layers(pp, shared_head=False)
+    partition, _ = _my_layers(layers, pp, stage, pp)
     stages = build_stages(layers, partition)
-    engine = PipelineEngine(stages[rank], schedule=one_f_one_b(world, 4), pp_rank=rank, loss_fn=loss_fn,
+    engine = PipelineEngine(stages[stage], schedule=one_f_one_b(pp, 4), pp_rank=stage, loss_fn=loss_fn,
                             group=grid.group("pp"))
-    weight = layers[0].emb.weight if rank == 0 else layers[-1].weight if rank == world - 1 else None
+    weight = layers[0].emb.weight if stage == 0 else layers[-1].weight if stage == pp - 1 else None
     tied = TiedWeight(weight, grid.group("embed"))
-    optimizer = torch.optim.SGD(stages[rank].parameters(), lr=0.5, momentum=0.9)
+    optimizer = torch.optim.SGD(stages[stage].parameters(), lr=0.5, momentum=0.9)
+    losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        engine.run_batch(*make_batch(4, step))
+        losses.append(engine.run_batch(*make_batch(4, 10 * replica + step)))  # each replica its own data
         tied.sync_grads()
         optimizer.step()
-    return None if weight is None else weight.detach().clone()
+    return replica, stage, losses, None if weight is None else weight.detach().clone()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tied_embeddings_stay_identical_and_match_a_shared_weight(world):
-    steps = 2
-    results = run_ranks(_run_tied, world, steps, timeout=60)
-    first, last = results[0], results[-1]
-    # Both copies received the same summed gradient (one all-reduce result) and ran the same SGD arithmetic.
-    assert torch.equal(first, last)
-    assert not torch.equal(first, make_layers(world, shared_head=True)[0].emb.weight)  # it did train
-    layers = make_layers(world, shared_head=True)
+def _reference_training(n_stages, replica, steps):
+    layers = make_layers(n_stages, shared_head=True)
     optimizer = torch.optim.SGD(layers.parameters(), lr=0.5, momentum=0.9)
+    losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        x, targets = make_batch(4, step)
+        x, targets = make_batch(4, 10 * replica + step)
         for layer in layers:
             x = layer(x)
-        loss_fn(x, targets).backward()
+        loss = loss_fn(x, targets)
+        loss.backward()
         optimizer.step()
-    torch.testing.assert_close(first, layers[0].emb.weight.detach())  # float64 defaults: reductions reordered
+        losses.append(loss.detach())
+    return losses, layers[0].emb.weight.detach()
+
+
+@pytest.mark.parametrize(("world", "pp"), [(2, 2), (4, 4), (4, 2)])
+def test_tied_embeddings_stay_identical_and_match_a_shared_weight(world, pp):
+    steps = 2
+    results = run_ranks(_run_tied, world, pp, steps, timeout=60)
+    for replica in range(world // pp):
+        ends = {stage: (losses, w) for r, stage, losses, w in results if r == replica and stage in (0, pp - 1)}
+        (first_losses, first), (last_losses, last) = ends[0], ends[pp - 1]
+        # Both copies received the same summed gradient (one all-reduce result) and ran the same SGD arithmetic.
+        assert torch.equal(first, last)
+        ref_losses, ref_weight = _reference_training(pp, replica, steps)
+        assert not torch.equal(first, make_layers(pp, shared_head=True)[0].emb.weight)  # it did train
+        # float64 behind reductions in another order (micro-batches, the all-reduce): assert_close defaults.
+        torch.testing.assert_close(first, ref_weight)
+        for losses in (first_losses, last_losses):  # the loss reaches every rank of the pipeline
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
 
 
 def _run_memory(rank, world, kind, m):
