@@ -71,7 +71,8 @@ def _layout_worker(rank, world):
     errors = []
     for bad in (lambda: shard_sequence(torch.zeros(1, 2 * world + 2), group=group, dim=1),
                 lambda: shard_sequence(torch.zeros(1, world + 1), group=group, dim=1, layout="contiguous"),
-                lambda: ulysses_attention(*_qkv_do(shape=(1, 3, 2, 4))[:3], group=group)):
+                lambda: ulysses_attention(*_qkv_do(shape=(1, 3, 2, 4))[:3], group=group),
+                lambda: ring_attention(*_qkv_do(shape=(1, 2, 3, 4))[:3], group=group)):
         try:
             bad()
         except LayoutError as exc:
@@ -91,10 +92,12 @@ def test_shard_and_unshard_sequence_are_exact_inverses_with_the_defined_layout(w
             # the shard's backward gathers each rank's slice of the (identical) upstream grad; unshard's keeps
             # this rank's slice: the grad reaching the replicated input is the upstream grad itself, exact
             assert torch.equal(grad, torch.full_like(x, 2))
-        assert len(errors) == 3
+        assert len(errors) == 4
         assert f"sequence length {2 * world + 2}" in errors[0] and f"2*cp={2 * world}" in errors[0]
         assert f"sequence length {world + 1}" in errors[1] and f"cp={world}" in errors[1]
         assert "heads=3" in errors[2] and f"cp={world}" in errors[2]
+        # ring: 3 local tokens per rank cannot be two balanced chunks
+        assert f"sequence length {3 * world}" in errors[3] and f"2*cp={2 * world}" in errors[3]
 
 
 def _attention_worker(rank, world):

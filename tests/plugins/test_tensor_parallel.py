@@ -327,3 +327,13 @@ def test_collectives_are_annotated_with_the_shared_comm_names():
     expected = {comm_name("tp", "all_gather"), comm_name("tp", "reduce_scatter"), comm_name("tp", "all_reduce"),
                 comm_name("cp", "p2p_send"), comm_name("cp", "p2p_recv")}
     assert expected <= set(names)
+
+
+def test_vocab_padding_rounds_up_to_a_multiple_of_tp_and_logs_once(caplog):
+    from shardline.plugins.tensor_parallel import pad_vocab
+
+    with caplog.at_level("INFO", logger="shardline.plugins.tp_vocab"):
+        assert [pad_vocab(1001, tp=8) for _ in range(3)] == [1008] * 3
+        assert pad_vocab(1000, tp=8) == 1000  # already a multiple: nothing to say
+    records = [r for r in caplog.records if "1001" in r.getMessage()]
+    assert len(records) == 1 and "1008" in records[0].getMessage()
