@@ -20,6 +20,7 @@ Writes bench/results/bench_pipeline.md and prints it. Target: shardline / torch 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -92,7 +93,8 @@ def _bench_rank(rank: int, world: int, m: int):
     bubbles, f_ns, b_ns = [], [], []
     for index in range(WARMUP + BATCHES):
         x, y = make_batch(m, index + 1)
-        for name, fn, module in (("ours", run_ours, ours_module), ("theirs", run_theirs, theirs_module)):
+        sides = [("ours", run_ours, ours_module), ("theirs", run_theirs, theirs_module)]
+        for name, fn, module in sides if index % 2 else sides[::-1]:  # alternate who goes first
             module.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
@@ -144,6 +146,7 @@ def dense_microbatched(m: int) -> float:
 
 def main() -> str:
     p = WORLD
+    load_before = os.getloadavg()[0]
     rows = []
     for m in MICROBATCHES:
         per_rank = run_ranks(_bench_rank, p, m, timeout=300)
@@ -168,6 +171,10 @@ def main() -> str:
         "| bubble simulate(measured F,B) | bubble (p-1)/(m+p-1) | max rel. grad diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
+        "",
+        f"Machine: {os.cpu_count()} cores, 1-minute load average {load_before:.1f} before the run and "
+        f"{os.getloadavg()[0]:.1f} after (other work on the machine inflates both sides alike, and the "
+        "ideal, which runs alone, less).",
         "",
         "Target: shardline / torch <= 1.0. The measured bubble counts every moment of the batch window that is "
         "not an F or B (waits, posting sends, the final loss broadcast), so it sits slightly above the "

@@ -321,3 +321,42 @@ def test_every_action_and_every_receive_wait_is_annotated_in_a_real_trace():
             if a.kind.is_recv:
                 expected.add(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch))
         assert set(names) == expected
+
+
+def _gpt(seed=0):
+    from shardline.plugins.model import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=13, seq_len=8, n_layer=2, n_head=2, d_model=8, tie_embeddings=True)
+    return GPT(config, seed=seed, dtype=DT)
+
+
+def _run_gpt(rank, world):
+    grid = Grid.build(ParallelDims(world, pp=world))
+    gpt = _gpt()
+    layers = gpt.pipeline_layers()
+    stages = build_stages(layers, partition_layers(layers, world))
+    engine = PipelineEngine(stages[rank], schedule=one_f_one_b(world, 2), pp_rank=rank, loss_fn=gpt.loss,
+                            group=grid.group("pp"))
+    ids, targets = make_batch(8, 0)
+    loss = engine.run_batch(ids % 13, targets % 13)
+    # The tied weight is one Parameter in this process, but only one of its two uses ran here.
+    TiedWeight(gpt.embedding.wte.weight if rank in (0, world - 1) else None, grid.group("embed")).sync_grads()
+    mine = {id(p) for p in stages[rank].parameters()}
+    return loss, {n: p.grad.clone() for n, p in gpt.named_parameters() if id(p) in mine}
+
+
+def test_reference_gpt_pipeline_layers_run_on_the_engine():
+    world = 2
+    results = run_ranks(_run_gpt, world, timeout=60)
+    gpt = _gpt()
+    ids, targets = make_batch(8, 0)
+    loss = gpt(ids % 13, targets % 13)
+    loss.backward()
+    expected = {n: p.grad for n, p in gpt.named_parameters()}
+    seen = set()
+    for rank_loss, grads in results:
+        torch.testing.assert_close(rank_loss, loss.detach())  # float64 defaults: micro-batch sums reordered
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], msg=lambda s, n=name: f"{n}: {s}")
+            seen.add(name)
+    assert seen == set(expected)
