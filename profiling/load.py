@@ -10,10 +10,13 @@ classified (``classify.classify_events``) before they are returned.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import os
 import sys
 import types
 import warnings as _warnings
 from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +60,7 @@ class TraceSet:
 
 
 def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None,
-         keep_python: bool = False, classify: bool = True) -> TraceSet:
+         keep_python: bool = False, classify: bool = True, workers: int | None = None) -> TraceSet:
     """Read every recognised file under ``path`` into one :class:`TraceSet`.
 
     ``rank`` supplies ranks a trace does not record itself: an int for a single file, or a mapping from file
@@ -66,16 +69,16 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     raises :class:`MissingRankError` naming it. Files of different jobs (different world sizes or default
     groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
     ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
-    ``category``/``dim`` empty.
+    ``category``/``dim`` empty. ``workers``: processes reading files in parallel (default: one per core when
+    several large files are read; 1 reads in this process).
     """
     root = Path(path)
     files = _discover(root)
     if isinstance(rank, int) and not isinstance(rank, bool) and len(files) > 1:
         raise TraceFormatError(f"{root}: rank={rank} given for a folder of {len(files)} trace files; pass a "
                                "{file: rank} mapping instead")
-    results: list[tuple[Path, Format, ReadResult]] = []
-    for file, fmt in files:
-        results.append((file, fmt, _read(file, fmt, rank=_rank_for(file, rank), keep_python=keep_python)))
+    jobs = [(file, fmt, _rank_for(file, rank), keep_python) for file, fmt in files]
+    results = [(file, fmt, result) for (file, fmt, _, _), result in zip(jobs, _read_all(jobs, workers=workers))]
     _check_one_job(results)
     notes = [w for _, _, result in results for w in result.warnings]
     for note in notes:
@@ -125,6 +128,33 @@ def _rank_for(file: Path, rank) -> int | None:
         if key in rank:
             return int(rank[key])
     return None
+
+
+#: Below this many bytes in all, forking workers costs more than it saves.
+_PARALLEL_MIN_BYTES = 64 << 20
+
+
+def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
+    """Read every file, in a pool of forked processes when there are several big ones and several cores.
+
+    Each reader is single-threaded and CPU-bound (JSON decoding), so files are the natural unit of
+    parallelism; a worker returns its columnar frame (pickled categoricals, cheap) and drops its structs.
+    """
+    total = sum(file.stat().st_size for file, *_ in jobs)
+    if workers is None:
+        workers = min(len(jobs), os.cpu_count() or 1) if total >= _PARALLEL_MIN_BYTES else 1
+    if workers <= 1 or len(jobs) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_read_job(job) for job in jobs]
+    # Largest files first, so one huge file does not start last.
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].stat().st_size)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        done = dict(zip(order, pool.map(_read_job, [jobs[i] for i in order])))
+    return [done[i] for i in range(len(jobs))]
+
+
+def _read_job(job: tuple) -> ReadResult:
+    file, fmt, rank, keep_python = job
+    return _read(file, fmt, rank=rank, keep_python=keep_python)
 
 
 def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool) -> ReadResult:

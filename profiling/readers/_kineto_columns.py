@@ -76,10 +76,19 @@ def _ints(values: list, overflow: list) -> np.ndarray:
 
 
 def _texts(values: list) -> pd.Categorical:
+    """Categorical column from arg texts, most of them empty: only the non-empty ones are factorised."""
+    n = len(values)
+    if not any(values):
+        return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[""])
+    where = [i for i, v in enumerate(values) if v]
     try:
-        return pd.Categorical(values)
+        present = pd.Categorical([values[i] for i in where])
     except TypeError:
-        return pd.Categorical([_text(v) for v in values])
+        present = pd.Categorical([_text(values[i]) for i in where])
+    categories = present.categories.insert(0, "") if "" not in present.categories else present.categories
+    codes = np.full(n, categories.get_loc(""), dtype=np.int32)
+    codes[where] = categories.get_indexer(present.categories)[present.codes]
+    return pd.Categorical.from_codes(codes, categories=categories)
 
 
 def columns_from_events(events: list, *, keep_python: bool) -> dict:

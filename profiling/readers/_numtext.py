@@ -18,6 +18,26 @@ _POW10 = np.array([10**k for k in range(_MAX_EXP + 1)], dtype=np.int64)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
+def _fast(texts: np.ndarray, scale_digits: int) -> np.ndarray | None:
+    """The common case (plain ``[-]digits[.digits]`` that fits) with numpy's C string kernels; None otherwise."""
+    if texts.dtype.itemsize > _WIDTH or (np.strings.find(texts, b"e") >= 0).any() or \
+            (np.strings.find(texts, b"E") >= 0).any():
+        return None
+    try:
+        negative = np.strings.startswith(texts, b"-")
+        head, _, tail = np.strings.partition(texts, b".")
+        whole = np.abs(head.astype(np.int64))
+        # One digit beyond the scale decides the rounding; the rest cannot change it (half away from zero).
+        digits = np.strings.ljust(tail, scale_digits + 1, b"0").astype(f"S{scale_digits + 1}").astype(np.int64)
+    except (ValueError, OverflowError, TypeError):
+        return None
+    if len(whole) and (whole.max() > _INT64_MAX // 10**scale_digits - 1 or (np.strings.str_len(head) == 0).any()
+                       or (digits < 0).any()):
+        return None
+    values = whole * 10**scale_digits + digits // 10 + (digits % 10 >= 5)
+    return np.where(negative, -values, values)
+
+
 def decimal_texts_to_scaled(texts: np.ndarray, *, scale_digits: int) -> tuple[np.ndarray, np.ndarray]:
     """Convert decimal number texts to integers ``round(value * 10**scale_digits)``, exactly.
 
@@ -29,6 +49,9 @@ def decimal_texts_to_scaled(texts: np.ndarray, *, scale_digits: int) -> tuple[np
     texts = np.asarray(texts)
     if texts.dtype.kind != "S":
         texts = texts.astype(f"S{_WIDTH}")
+    fast = _fast(texts, scale_digits)
+    if fast is not None:
+        return fast, np.zeros(len(texts), dtype=bool)
     n = len(texts)
     originals = texts
     overlong = np.zeros(n, dtype=bool)

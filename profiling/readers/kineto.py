@@ -69,7 +69,7 @@ class Event(msgspec.Struct):
 
 _META_KEYS = ("distributedInfo", "baseTimeNanoseconds", "deviceProperties", "schemaVersion", "traceName",
               "displayTimeUnit", "cupti_version", "cuda_runtime_version", "cuda_driver_version", "record_shapes")
-_DECODE_EVENTS = msgspec.json.Decoder(list[Event])
+_DECODE_EVENT = msgspec.json.Decoder(Event)
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
 _BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
@@ -223,34 +223,38 @@ def _prefix_slices(path: Path, array: bytes, exc: Exception, warnings: list[str]
 
 
 def _decode_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
-    """Decode one batch of raw events; invalid UTF-8 is replaced (with a warning), mistyped events dropped."""
-    chunk = b"[" + b",".join(raws) + b"]"
+    """Decode one batch of raw event slices (one decoder call each: no joined copy of the batch)."""
+    decode = _DECODE_EVENT.decode
     try:
-        return _DECODE_EVENTS.decode(chunk)
-    except UnicodeDecodeError as exc:
-        # The slicing pass does not validate string bytes; a name with a stray byte keeps its event.
-        warnings.append(f"{path}: invalid UTF-8 in event text ({exc.reason} at byte {exc.start} of a batch); "
-                        "replaced by U+FFFD")
-        chunk = chunk.decode("utf-8", errors="replace").encode()
-        raws = _DECODE_RAWS.decode(chunk)
-        try:
-            return _DECODE_EVENTS.decode(chunk)
-        except (msgspec.ValidationError, msgspec.DecodeError) as again:
-            return _salvage_batch(path, raws, again, warnings)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return _salvage_batch(path, raws, exc, warnings)
+        return [decode(raw) for raw in raws]
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+        return _salvage_batch(path, raws, warnings)
 
 
-def _salvage_batch(path: Path, raws: list, exc: msgspec.ValidationError, warnings: list[str]) -> list[Event]:
-    """Decode a batch one event at a time, dropping (and counting) events whose fields have wrong types."""
-    kept, dropped = [], 0
-    decode = msgspec.json.Decoder(Event).decode
+def _salvage_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
+    """The careful path: invalid UTF-8 is replaced by U+FFFD (event kept), mistyped events are dropped."""
+    decode = _DECODE_EVENT.decode
+    kept, replaced, dropped, first = [], 0, 0, None
     for raw in raws:
         try:
             kept.append(decode(raw))
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+            continue
+        except UnicodeDecodeError:
+            # The slicing pass does not validate string bytes; a name with a stray byte keeps its event.
+            replaced += 1
+            raw = bytes(raw).decode("utf-8", errors="replace").encode()
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             dropped += 1
-    warnings.append(f"{path}: dropped {dropped} events with fields of the wrong type (first: {exc})")
+            first = first or exc
+            continue
+        try:
+            kept.append(decode(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            dropped, first = dropped + 1, first or exc
+    if replaced:
+        warnings.append(f"{path}: invalid UTF-8 in {replaced} events; the bad bytes were replaced by U+FFFD")
+    if dropped:
+        warnings.append(f"{path}: dropped {dropped} events with fields of the wrong type (first: {first})")
     return kept
 
 

@@ -136,7 +136,7 @@ def test_invalid_utf8(tmp_path):
     data = _trace(4).encode().replace(b"aten::add", b"aten::\xff\xfe", 1)
     path = tmp_path / "rank0.json"
     path.write_bytes(data)
-    with pytest.warns(TraceWarning, match=r"rank0\.json: invalid UTF-8"):
+    with pytest.warns(TraceWarning, match=r"rank0\.json: invalid UTF-8 in 1 events"):
         ts = load(path)
     assert ts.events["name"].tolist() == ["aten::\ufffd\ufffd", "aten::add", "aten::add", "aten::add"]
 
