@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from shardline.plugins.tp_comm import group_rank, group_size
 from shardline.profiling.annotations import comm_name
 
-_KV_TAG, _GRAD_TAG = 11, 12  # distinct tags: gloo matches per tag, and the two streams interleave
+_KV_TAG, _GRAD_TAG = 11, 12  # distinct tags for the two streams (gloo matches by tag; NCCL by order)
 
 _ALL = slice(None)
 
@@ -56,39 +56,56 @@ def _scores(q, k, scale, diag):
     return s
 
 
-def _post(ops, tensor, peer, *, send: bool, tag: int):
-    # group ranks -> global ranks: the p2p API addresses peers by global rank.
-    if send:
+class _Exchange:
+    """One ring step's transfers, posted together: tensors to ``r+1``, the same number of buffers from ``r-1``.
+
+    Every rank posts the same pattern at the same step, so each batch's sends meet the neighbours' receives of
+    the same batch and nothing waits across steps: no deadlock even where a send blocks until it is received.
+    Posting them as one ``batch_isend_irecv`` also keeps NCCL from serialising a send ahead of the matching
+    receive on a shared stream (cp=2: next and previous rank are the same peer).
+    """
+
+    def __init__(self, group):
+        n, r = group_size(group), group_rank(group)
+        self.group = group
+        # the p2p API addresses peers by global rank
+        self.nxt = dist.get_global_rank(group, (r + 1) % n)
+        self.prv = dist.get_global_rank(group, (r - 1) % n)
+
+    def start(self, pairs):
+        """``pairs``: ``(tensor to send, buffer to receive into, tag)``; returns the works to :meth:`wait` on."""
+        ops = []
+        for send, recv, tag in pairs:
+            ops.append(dist.P2POp(dist.irecv, recv, self.prv, group=self.group, tag=tag))
+            ops.append(dist.P2POp(dist.isend, send, self.nxt, group=self.group, tag=tag))
+        if not ops:
+            return []
         with record_function(comm_name("cp", "p2p_send")):
-            ops.append(dist.isend(tensor, dst=peer, tag=tag))
-    else:
+            return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works):
+        # the exposed part of the transfer: what compute did not hide
         with record_function(comm_name("cp", "p2p_recv")):
-            ops.append(dist.irecv(tensor, src=peer, tag=tag))
-
-
-def _wait(works):
-    for w in works:
-        w.wait()
-    works.clear()
+            for w in works:
+                w.wait()
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, balanced):
         n, r = group_size(group), group_rank(group)
-        nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+        ring = _Exchange(group)
         cdt = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         qc = q.to(cdt)
         kv = torch.stack([k, v])  # travels in the input dtype (bf16 halves the bytes); blocks upcast to compute
         out = torch.zeros_like(qc)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         local = q.shape[2]
-        sends, recvs = [], []
         for t in range(n):
-            if t < n - 1:  # the next block travels while this one computes
-                incoming = torch.empty_like(kv)
-                _post(recvs, incoming, prv, send=False, tag=_KV_TAG)
-                _post(sends, kv, nxt, send=True, tag=_KV_TAG)
+            incoming = torch.empty_like(kv) if t < n - 1 else None
+            # the next block travels while this one computes
+            works = ring.start([(kv, incoming, _KV_TAG)] if t < n - 1 else [])
             vis = _visible(causal=causal, balanced=balanced, rank=r, src=(r - t) % n, local=local)
             if vis is not None:
                 qs, ks, diag = vis
@@ -99,10 +116,8 @@ class _RingAttention(torch.autograd.Function):
                 out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new).unsqueeze(-1)
                                  + o_b * torch.exp(lse_b - new).unsqueeze(-1))
                 lse[:, :, qs] = new
-            if t < n - 1:
-                _wait(recvs)
-                _wait(sends)
-                kv = incoming
+            ring.wait(works)
+            kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.balanced = group, causal, scale, balanced
         return out.to(q.dtype)
@@ -112,43 +127,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         n, r = group_size(group), group_rank(group)
-        nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+        ring = _Exchange(group)
         cdt = out.dtype
         qc, do = q.to(cdt), dout.to(cdt)
         delta = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
         dq = torch.zeros_like(qc)
         kv = torch.stack([k, v])
         local = q.shape[2]
-        kv_sends, kv_recvs, grad_sends, grad_recvs = [], [], [], []
+        finished = None  # dK/dV of the block this rank worked on last step, to pass on
         for t in range(n):
-            # Post this step's receives before waiting on last step's sends: waiting first would let every rank
-            # wait for its successor's receive at once, a cycle around the ring if sends are rendezvous.
-            if t > 0:
-                acc = torch.empty_like(kv, dtype=cdt)  # dK/dV accumulate in the compute dtype
-                _post(grad_recvs, acc, prv, send=False, tag=_GRAD_TAG)
+            # One batch per step: last step's dK/dV accumulator goes to r+1 while r-1's arrives (it belongs to
+            # this step's block), and the next K/V block travels; all of it overlaps this step's compute.
+            pairs, acc, incoming = [], None, None
+            if finished is not None:
+                acc = torch.empty_like(finished)
+                pairs.append((finished, acc, _GRAD_TAG))
             if t < n - 1:
                 incoming = torch.empty_like(kv)
-                _post(kv_recvs, incoming, prv, send=False, tag=_KV_TAG)
-            _wait(kv_sends)
-            _wait(grad_sends)
-            if t < n - 1:
-                _post(kv_sends, kv, nxt, send=True, tag=_KV_TAG)
-            dkv = torch.zeros_like(kv, dtype=cdt)
+                pairs.append((kv, incoming, _KV_TAG))
+            works = ring.start(pairs)
+            dkv = torch.zeros_like(kv, dtype=cdt)  # dK/dV accumulate in the compute dtype
             vis = _visible(causal=ctx.causal, balanced=ctx.balanced, rank=r, src=(r - t) % n, local=local)
             if vis is not None:
                 _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale)
-            if t > 0:
-                _wait(grad_recvs)
+            ring.wait(works)
+            if acc is not None:
                 dkv.add_(acc)
-            _post(grad_sends, dkv, nxt, send=True, tag=_GRAD_TAG)  # the last hop takes it home
-            if t < n - 1:
-                _wait(kv_recvs)
-                kv = incoming
-        home = torch.empty_like(kv, dtype=cdt)
-        _post(grad_recvs, home, prv, send=False, tag=_GRAD_TAG)
-        _wait(grad_recvs)
-        _wait(kv_sends)
-        _wait(grad_sends)
+            finished, kv = dkv, incoming
+        home = torch.empty_like(finished)  # after n hops every block's dK/dV is back with its owner
+        ring.wait(ring.start([(finished, home, _GRAD_TAG)]))
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
 
 
