@@ -231,3 +231,18 @@ def test_bf16_sharded_gpt_stays_within_the_bf16_noise_floor_of_the_float64_model
         want_logits = F.pad(logits64, (0, 1)).chunk(2, -1)[tr]  # vocab 37 padded to 38 at tp=2
         assert _rel(logits, want_logits) <= 4 * BF16_U
         assert _rel(grad, dense64.blocks[1].fc2.weight.grad.chunk(2, 1)[tr]) <= 8 * BF16_U
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_gpt_on_cuda_in_bf16_matches_the_cpu_float64_model_within_the_bf16_noise_floor():
+    dense64, logits64, loss64 = _dense()
+    model = GPT(CFG, seed=SEED, dtype=torch.bfloat16, device="cuda")
+    ids, targets = (t.cuda() for t in _batch())
+    logits = model(ids)
+    loss = model.loss(logits, targets)
+    loss.backward()
+    # Same noise floor as the CPU bf16 test: 4u on logits and loss (u = 2**-8); CUDA bf16 matmuls accumulate
+    # in fp32 like the CPU kernels.
+    assert abs(loss.double().cpu() - loss64).item() / loss64.item() <= 4 * BF16_U
+    assert _rel(logits.float().cpu(), logits64) <= 4 * BF16_U
