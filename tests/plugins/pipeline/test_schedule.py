@@ -187,3 +187,19 @@ def test_render_text_grid_and_png(tmp_path):
         assert sum(c.startswith("F") for c in cells) == 8 and sum(c.startswith("B") for c in cells) == 8
         assert cells[rank].startswith("F0")  # rank r starts its first forward at time r
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_split_backward_weight_actions_validate_and_are_timed():
+    schedule = _hand("""
+        schedule split ranks=2 stages=2 microbatches=1
+        r0: F0 SA0 RG0 B0 W0
+        r1: RA0 F0 B0 SG0 W0
+    """)
+    # r0 F [0,1]; r1 F [1,2], B [2,3], W [3,3.5]; r0 B [3,4], W [4,4.5].
+    result = simulate(schedule, t_forward=1.0, t_backward=1.0, t_weight=0.5)
+    assert result.makespan == 4.5 and result.busy == [2.5, 2.5]
+    assert Schedule.from_text(schedule.to_text()) == schedule
+    with pytest.raises(ScheduleError, match=r"rank 1, step 2: W0@1 comes before its backward at step 3"):
+        validate(_hand("schedule s ranks=2 stages=2 microbatches=1\nr0: F0 SA0 RG0 B0 W0\nr1: RA0 F0 W0 B0 SG0"))
+    with pytest.raises(ScheduleError, match=r"rank 0: stage 0 micro-batch 0 lacks \['W0@0'\]"):
+        validate(_hand("schedule s ranks=2 stages=2 microbatches=1\nr0: F0 SA0 RG0 B0\nr1: RA0 F0 B0 SG0 W0"))
