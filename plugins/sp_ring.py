@@ -11,8 +11,8 @@ already travelling (isend to ``r+1`` / irecv from ``r-1``) while step ``t`` comp
 
 Backward: with ``D_i = dO_i . O_i`` and ``p_ij = exp(s_ij - l_i)`` (the final ``l``), a block contributes
 ``dV_B += p^T dO``, ``dS = p * (dO V_B^T - D)``, ``dQ += scale * dS K_B`` and ``dK_B += scale * dS^T Q``. K/V
-travel around the ring again; each block's dK/dV accumulator travels with it (``r`` adds its part and passes it on),
-and after ``n`` hops it arrives home. Per-rank memory: O(local_seq) tensors plus one ``local x local`` score
+travel around the ring again; each block's dK/dV accumulator follows it one step behind (``r`` adds its part and
+passes it on in the next step's exchange), and after ``n`` hops it arrives home. Per-rank memory: O(local_seq) tensors plus one ``local x local`` score
 block at a time; no rank ever holds the full K/V or the full score matrix.
 
 Which part of a visiting block is visible (``causal``): the diagonal block (``src == r``) uses the ordinary causal

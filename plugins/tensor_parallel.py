@@ -25,7 +25,6 @@ Parameter attributes, read by DeepSpeed's gradient-norm de-duplication and by :f
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -70,7 +69,6 @@ __all__ = [
     "sequence_parallel_parameters",
 ]
 
-log = logging.getLogger(__name__)
 
 
 def mark_parallel(param: nn.Parameter, *, partition_dim: int | None = None, sequence_parallel: bool = False):
