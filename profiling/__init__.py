@@ -2,11 +2,11 @@
 step's time on every rank. Imports without torch.
 
 Public entry points (loaded on first use, so ``import shardline.profiling`` stays cheap):
-``load(path) -> TraceSet`` and ``breakdown(traceset) -> DataFrame``.
+``load(path) -> TraceSet`` and ``breakdown(traceset) -> DataFrame``; also ``classify_events``, ``comm_by_dim``,
+``pipeline_bubbles``, ``match_collectives``, ``stragglers``, ``clock_offsets``, ``CommRule``, ``Category``.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: it would shadow the submodule shardline.profiling.annotations.
 import importlib
 
 _EXPORTS = {
@@ -14,6 +14,13 @@ _EXPORTS = {
     "TraceSet": "shardline.profiling.load",
     "breakdown": "shardline.profiling.attribution",
     "classify_events": "shardline.profiling.classify",
+    "CommRule": "shardline.profiling.classify",
+    "Category": "shardline.profiling.classify",
+    "comm_by_dim": "shardline.profiling.attribution",
+    "pipeline_bubbles": "shardline.profiling.bubbles",
+    "match_collectives": "shardline.profiling.collectives",
+    "stragglers": "shardline.profiling.collectives",
+    "clock_offsets": "shardline.profiling.collectives",
 }
 
 __all__ = sorted(_EXPORTS)
