@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
@@ -55,6 +57,16 @@ def test_local_positions_match_the_layout_definition():
             assert got == list(range(S))  # a partition of the sequence
             for r in range(n):
                 assert local_positions(S, n=n, rank=r, layout=layout).tolist() == expected_positions(S, n, r, layout)
+
+
+@given(n=st.integers(1, 16), chunk=st.integers(1, 32))
+def test_balanced_layout_partitions_the_sequence_and_equalises_causal_work(n, chunk):
+    seq_len = 2 * n * chunk
+    parts = [local_positions(seq_len, n=n, rank=r) for r in range(n)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq_len))
+    # causal work of a rank: each query at position p attends to p + 1 keys
+    work = {int((p + 1).sum()) for p in parts}
+    assert len(work) == 1
 
 
 def _layout_worker(rank, world):
