@@ -91,6 +91,13 @@ def _texts(values: list) -> pd.Categorical:
     return pd.Categorical.from_codes(codes, categories=categories)
 
 
+def _factorize(values: list) -> pd.Categorical:
+    """Categorical from many repeated strings: a dict assigns codes (cheaper than pandas' object factorize)."""
+    index: dict = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int32, count=len(values))
+    return pd.Categorical.from_codes(codes, categories=pd.Index(list(index), dtype=object))
+
+
 def columns_from_events(events: list, *, keep_python: bool) -> dict:
     """One batch of decoded events -> dict of numpy arrays (times still as parsed ns, not yet offset)."""
     drop = DROP_CATS if keep_python else DROP_CATS | PYTHON_CATS
@@ -109,9 +116,9 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
     ts, dur = scaled[:len(kept)], scaled[len(kept):]
     external = _ints([a.external_id if a.external_id != -1 else a.external_id_legacy for a in args], overflow)
     return {
-        "ph": pd.Categorical([e.ph for e in kept]),
-        "cat": pd.Categorical(cats),
-        "name": pd.Categorical([e.name for e in kept]),
+        "ph": _factorize([e.ph for e in kept]),
+        "cat": _factorize(cats),
+        "name": _factorize([e.name for e in kept]),
         "lane": np.where(gpu, "gpu", "cpu"),
         "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1),
         "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),

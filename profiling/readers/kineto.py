@@ -18,6 +18,8 @@ the structs, so no Python object per event outlives its batch.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import gzip
 import re
 import zlib
@@ -32,7 +34,7 @@ from shardline.profiling.readers._kineto_columns import BATCH, columns_from_even
 from shardline.profiling.schema import conform, empty_events
 
 
-class _Args(msgspec.Struct):
+class _Args(msgspec.Struct, gc=False):
     # Typed with -1 / "" defaults so columns build with one C-level conversion. Fields producers disagree on
     # (ROCm writes ``"stream": "0x0"``; torch has written ranks as text and as lists) admit both types.
     correlation: int = -1
@@ -54,7 +56,7 @@ class _Args(msgspec.Struct):
     dst_rank: int = msgspec.field(name="Dst Rank", default=-1)
 
 
-class Event(msgspec.Struct):
+class Event(msgspec.Struct, gc=False):
     """The fields of one Chrome-trace event that the events table uses."""
 
     ph: str = ""
@@ -122,11 +124,9 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     raws = _event_slices(path, events_raw, warnings)
     if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
-    batches = []
-    for start in range(0, len(raws), BATCH):
-        decoded = _decode_batch(path, raws[start:start + BATCH], warnings)
-        batches.append(columns_from_events(decoded, keep_python=keep_python))
-        del decoded
+    # Millions of short-lived objects would otherwise trigger full collections that rescan every live one.
+    with _gc_paused():
+        batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings)
     del raws
     frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
                          warnings=warnings)
@@ -220,6 +220,26 @@ def _prefix_slices(path: Path, array: bytes, exc: Exception, warnings: list[str]
         return slices
     warnings.append(f"{path}: no complete event could be read ({exc})")
     return []
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode_all(path: Path, raws: list, *, keep_python: bool, warnings: list[str]) -> list[dict]:
+    batches = []
+    for start in range(0, len(raws), BATCH):
+        decoded = _decode_batch(path, raws[start:start + BATCH], warnings)
+        batches.append(columns_from_events(decoded, keep_python=keep_python))
+        del decoded
+    return batches
 
 
 def _decode_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
