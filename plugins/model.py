@@ -3,7 +3,9 @@
 ``GPT(config, grid=None)`` is an ordinary dense model. With a :class:`~shardline.plugins.grid.Grid` it is the
 sharded version of the same function: with the same ``seed`` every TP shard is exactly a slice of the dense
 weights (see :mod:`shardline.plugins.tensor_parallel`), so loss and gradients equal the dense model's up to
-summation order. Dropout masks are the one exception: they are drawn per rank and are not layout-independent.
+summation order. Dropout masks are the one exception: they come from the global RNG on each rank and are not
+layout-independent. Every TP rank draws them at the same points with the same shapes, so ranks of one TP group
+that share a seed (``seed_everything`` on every rank) apply identical masks to the activations they replicate.
 
 Layouts (``grid.dims``): ``tp`` shards heads, FFN and vocabulary; ``sp="megatron"`` additionally shards the
 sequence over the TP group between the TP regions; ``cp > 1`` with ``sp="ring"`` or ``"ulysses"`` shards the

@@ -246,3 +246,23 @@ def test_dense_gpt_on_cuda_in_bf16_matches_the_cpu_float64_model_within_the_bf16
     # in fp32 like the CPU kernels.
     assert abs(loss.double().cpu() - loss64).item() / loss64.item() <= 4 * BF16_U
     assert _rel(logits.float().cpu(), logits64) <= 4 * BF16_U
+
+
+def _dropout_worker(rank, world):
+    grid = Grid.build(ParallelDims(world, tp=world))
+    model = GPT(GPTConfig(**{**CFG.__dict__, "dropout": 0.25}), grid=grid, seed=SEED, dtype=F64)
+    torch.manual_seed(123)  # the same seed on every rank, as seed_everything does
+    x = model.pipeline_layers()[0](_batch()[0])
+    for block in model.blocks:
+        x = block(x)
+    return x.detach()
+
+
+def test_dropout_masks_on_replicated_activations_agree_across_tp_ranks():
+    first, second = run_ranks(_dropout_worker, 2)
+    assert torch.equal(first, second)  # replicated hidden state, identical masks: bitwise equal across TP
+    dense = GPT(GPTConfig(**{**CFG.__dict__, "dropout": 0.25}), seed=SEED, dtype=F64).eval()
+    x = dense.embedding(_batch()[0])
+    for block in dense.blocks:
+        x = block(x)
+    assert not torch.allclose(first, x)  # dropout did act: the training-mode output differs from eval mode
