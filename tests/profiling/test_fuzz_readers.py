@@ -29,7 +29,7 @@ SEEDS = {
     "prof_dump.txt": "nccl_profiler_plugin/example_profiler_p2p_ring_4gpu.txt",
     "fr_rank0.json": "flight_recorder/fr_doc_example_rank0.json",
 }
-_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+_SETTINGS = settings(max_examples=80, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

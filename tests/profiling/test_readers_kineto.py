@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+from decimal import ROUND_HALF_UP, Decimal
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline.profiling.errors import MissingRankError
 from shardline.profiling.load import load
@@ -206,3 +209,17 @@ def test_json_library_agrees_on_counts(tmp_path):
     path = _write(tmp_path, "t.json", _trace(events))
     want = sum(json.loads(e)["cat"] != "python_function" for e in events)
     assert len(load(path, classify=False).events) == want
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.decimals(min_value=-10**14, max_value=10**15, places=6,
+                            allow_nan=False, allow_infinity=False), min_size=1, max_size=40),
+       st.booleans())
+def test_decimal_text_parser_matches_decimal_reference(numbers, exponent_form):
+    # Reference: Python's Decimal, scaled by 1000 and rounded half away from zero; both the numpy fast path
+    # (plain texts) and the general path (an exponent form forces it) must agree exactly.
+    texts = [format(d, "E") if exponent_form else format(d, "f") for d in numbers]
+    values, bad = decimal_texts_to_scaled(np.array([t.encode() for t in texts]), scale_digits=3)
+    want = [int((Decimal(t) * 1000).to_integral_value(rounding=ROUND_HALF_UP)) for t in texts]
+    assert not bad.any()
+    assert values.tolist() == want
