@@ -135,3 +135,16 @@ def test_quote_bare_tokens_leaves_strings_alone():
     text = b'{"a": ncclFloat32, "b": 0x1f, "c": "keep ncclFloat32, 0x2", "d": true, "e": [x1, 2]}'
     assert quote_bare_tokens(text) == \
         b'{"a": "ncclFloat32", "b": "0x1f", "c": "keep ncclFloat32, 0x2", "d": true, "e": ["x1", 2]}'
+
+
+def test_nccl_log_timestamps_when_present(tmp_path):
+    # A line prefixed with a timestamp gives start_ns = that instant (naive time read as UTC): 2024-05-01
+    # 12:00:00.000123 = 1714564800 s + 123 µs.
+    line = ("[2024-05-01 12:00:00.000123] node1:10:11 [0] NCCL INFO AllReduce: opCount 0 sendbuff 0x1 recvbuff 0x2 "
+            "count 8 datatype 6 op 0 root 0 comm 0xabc [nranks=4] stream 0x5\n")
+    log = tmp_path / "ts.log"
+    log.write_text(line)
+    with pytest.warns(TraceWarning, match="no Init COMPLETE"):
+        row = load(log).events.iloc[0]
+    assert row["start_ns"] == 1714564800 * 10**9 + 123_000
+    assert row["msg_bytes"] == 8 * 2  # datatype 6 = half
