@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import warnings
 
 import pytest
 
@@ -215,3 +216,11 @@ def test_public_spelling_is_callable_after_submodule_import(tmp_path):
 
     assert len(public_load(path).events) == 2
     assert len(profiling_pkg.load(path, classify=False).events) == 2
+
+
+def test_whole_corpus_folder_is_several_jobs(traces_dir):
+    # The corpus root mixes dozens of unrelated jobs: load must refuse it and name the clashing files.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TraceWarning)
+        with pytest.raises(MixedJobsError, match=r"rank 0 is claimed by two files: .*alexnet.* and .*event_sync"):
+            load(traces_dir / "hta" / "critical_path")
