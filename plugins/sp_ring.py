@@ -34,6 +34,10 @@ from shardline.profiling.annotations import comm_name
 _KV_TAG, _GRAD_TAG = 11, 12  # distinct tags for the two streams (gloo matches by tag; NCCL by order)
 
 _ALL = slice(None)
+# Use aten's fused CPU flash-attention kernels per block where they apply (see _Blocks). Tests switch this off to
+# exercise the plain-matmul path, the one CUDA runs.
+_FUSED_CPU = True
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _visible(*, causal: bool, balanced: bool, rank: int, src: int, local: int):
@@ -96,10 +100,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, balanced):
         n, r = group_size(group), group_rank(group)
         ring = _Exchange(group)
-        cdt = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
-        qc = q.to(cdt)
-        kv = torch.stack([k, v])  # travels in the input dtype (bf16 halves the bytes); blocks upcast to compute
-        out = torch.zeros_like(qc)
+        blocks = _Blocks(q, scale)
+        cdt = blocks.cdt
+        kv = torch.stack([k, v])  # travels in the input dtype (bf16 halves the bytes); merging is in cdt
+        out = torch.zeros_like(q, dtype=cdt)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         local = q.shape[2]
         for t in range(n):
@@ -109,9 +113,7 @@ class _RingAttention(torch.autograd.Function):
             vis = _visible(causal=causal, balanced=balanced, rank=r, src=(r - t) % n, local=local)
             if vis is not None:
                 qs, ks, diag = vis
-                s = _scores(qc[:, :, qs], kv[0][:, :, ks].to(cdt), scale, diag)
-                lse_b = torch.logsumexp(s, dim=-1)
-                o_b = torch.matmul(torch.exp_(s.sub_(lse_b.unsqueeze(-1))), kv[1][:, :, ks].to(cdt))
+                o_b, lse_b = blocks.forward(qs, kv[0][:, :, ks], kv[1][:, :, ks], diag)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
                 out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new).unsqueeze(-1)
                                  + o_b * torch.exp(lse_b - new).unsqueeze(-1))
@@ -119,7 +121,7 @@ class _RingAttention(torch.autograd.Function):
             ring.wait(works)
             kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.balanced = group, causal, scale, balanced
+        ctx.group, ctx.causal, ctx.scale, ctx.balanced, ctx.fused = group, causal, scale, balanced, blocks.fused
         return out.to(q.dtype)
 
     @staticmethod
@@ -128,10 +130,9 @@ class _RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         n, r = group_size(group), group_rank(group)
         ring = _Exchange(group)
-        cdt = out.dtype
-        qc, do = q.to(cdt), dout.to(cdt)
-        delta = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
-        dq = torch.zeros_like(qc)
+        blocks = _Blocks(q, scale, fused=ctx.fused).for_backward(dout, out, lse)
+        cdt = blocks.cdt
+        dq = torch.zeros_like(q, dtype=cdt)
         kv = torch.stack([k, v])
         local = q.shape[2]
         finished = None  # dK/dV of the block this rank worked on last step, to pass on
@@ -149,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv, dtype=cdt)  # dK/dV accumulate in the compute dtype
             vis = _visible(causal=ctx.causal, balanced=ctx.balanced, rank=r, src=(r - t) % n, local=local)
             if vis is not None:
-                _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale)
+                blocks.backward(vis, kv, dq, dkv)
             ring.wait(works)
             if acc is not None:
                 dkv.add_(acc)
@@ -159,16 +160,64 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
 
 
-def _block_backward(qc, do, lse, delta, kv, dq, dkv, vis, scale):
-    """Add one visible block's contribution to ``dq`` (in place) and to its ``dkv = [dK, dV]`` accumulator."""
-    qs, ks, diag = vis
-    q_b, do_b = qc[:, :, qs], do[:, :, qs]
-    k_b, v_b = kv[0][:, :, ks].to(dq.dtype), kv[1][:, :, ks].to(dq.dtype)
-    p = torch.exp_(_scores(q_b, k_b, scale, diag).sub_(lse[:, :, qs].unsqueeze(-1)))
-    dkv[1][:, :, ks] += torch.matmul(p.transpose(-1, -2), do_b)
-    ds = p.mul_(torch.matmul(do_b, v_b.transpose(-1, -2)).sub_(delta[:, :, qs].unsqueeze(-1)))
-    dq[:, :, qs] += torch.matmul(ds, k_b).mul_(scale)
-    dkv[0][:, :, ks] += torch.matmul(ds.transpose(-1, -2), q_b).mul_(scale)
+class _Blocks:
+    """The attention math of one visiting block against this rank's queries ``q [b, h, s, d]``.
+
+    On the CPU (float32/float64/bf16) it calls aten's fused flash-attention kernels
+    (``_scaled_dot_product_flash_attention_for_cpu`` and its backward): they return the block's log-sum-exp, and
+    their backward given the *final* output and log-sum-exp yields exactly this block's share of dQ, dK, dV, so
+    they never materialise a score block. Elsewhere (CUDA, float16, a torch without those kernels) the same
+    formulas run as plain matmuls over one ``local x local`` score block. Merging is done in ``cdt`` (float32
+    for 16-bit inputs).
+    """
+
+    def __init__(self, q, scale: float, *, fused: bool | None = None):
+        self.q, self.scale = q, scale
+        self.cdt = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+        if fused is None:  # decided once in forward; backward reuses the decision
+            fused = (_FUSED_CPU and q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
+                     and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+        self.fused = fused
+
+    def forward(self, qs, k_b, v_b, diag):
+        """``(o_b, lse_b)`` in ``cdt`` for the query rows ``qs``."""
+        q_b = self.q[:, :, qs]
+        if self.fused:
+            o_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_b, k_b, v_b, 0.0, diag, scale=self.scale)
+            return o_b.to(self.cdt), lse_b.to(self.cdt)
+        s = _scores(q_b.to(self.cdt), k_b.to(self.cdt), self.scale, diag)
+        lse_b = torch.logsumexp(s, dim=-1)
+        return torch.matmul(torch.exp_(s.sub_(lse_b.unsqueeze(-1))), v_b.to(self.cdt)), lse_b
+
+    def for_backward(self, dout, out, lse):
+        self.lse = lse
+        if self.fused:  # the kernel wants grad/output in the input dtype (its lse is float32 for bf16)
+            self.do, self.out = dout.to(self.q.dtype), out.to(self.q.dtype)
+        else:
+            self.do = dout.to(self.cdt)
+            self.delta = (self.do * out).sum(dim=-1)  # D_i = dO_i . O_i
+        return self
+
+    def backward(self, vis, kv, dq, dkv):
+        """Add one visible block's share to ``dq`` and to its ``dkv = [dK, dV]`` accumulator (in place)."""
+        qs, ks, diag = vis
+        k_b, v_b = kv[0][:, :, ks], kv[1][:, :, ks]
+        if self.fused:
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                self.do[:, :, qs], self.q[:, :, qs], k_b, v_b, self.out[:, :, qs], self.lse[:, :, qs], 0.0, diag,
+                scale=self.scale)
+            dq[:, :, qs] += gq
+            dkv[0][:, :, ks] += gk
+            dkv[1][:, :, ks] += gv
+            return
+        q_b, do_b, cdt = self.q[:, :, qs].to(self.cdt), self.do[:, :, qs], self.cdt
+        k_b, v_b = k_b.to(cdt), v_b.to(cdt)
+        p = torch.exp_(_scores(q_b, k_b, self.scale, diag).sub_(self.lse[:, :, qs].unsqueeze(-1)))
+        dkv[1][:, :, ks] += torch.matmul(p.transpose(-1, -2), do_b)
+        ds = p.mul_(torch.matmul(do_b, v_b.transpose(-1, -2)).sub_(self.delta[:, :, qs].unsqueeze(-1)))
+        dq[:, :, qs] += torch.matmul(ds, k_b).mul_(self.scale)
+        dkv[0][:, :, ks] += torch.matmul(ds.transpose(-1, -2), q_b).mul_(self.scale)
 
 
 def ring_attention_impl(q, k, v, *, group, causal: bool, scale: float | None, balanced: bool):

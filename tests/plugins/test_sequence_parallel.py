@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shardline.plugins import sp_ring
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
 from shardline.plugins.sequence_parallel import (
@@ -29,7 +30,18 @@ from shardline.plugins.testing import run_ranks
 F64 = torch.float64
 B, H, S, D = 2, 4, 16, 8  # S divisible by 2*cp for cp in {2, 4}
 LAYOUTS = ("balanced", "contiguous")
-FNS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def ring_attention_matmul(q, k, v, **kw):
+    """ring_attention on its plain-matmul block path (the one CUDA runs) instead of aten's fused CPU kernels."""
+    saved, sp_ring._FUSED_CPU = sp_ring._FUSED_CPU, False
+    try:
+        return ring_attention(q, k, v, **kw)
+    finally:
+        sp_ring._FUSED_CPU = saved
+
+
+FNS = {"ring": ring_attention, "ring-matmul": ring_attention_matmul, "ulysses": ulysses_attention}
 
 
 def expected_positions(seq_len: int, n: int, rank: int, layout: str) -> list[int]:
@@ -159,12 +171,12 @@ def _measure(attend, q, k, v, do):
     return tracker.peak, tracker.largest, saved
 
 
-def _memory_worker(rank, world):
+def _memory_worker(rank, world, name):
     group = _cp_group(world)
     q, k, v, do = (shard_sequence(t, group=group, dim=2) for t in _qkv_do(seed=3, shape=MEM_SHAPE))
     for t in (q, k, v):
         t.requires_grad_()
-    return _measure(lambda a, b, c: ring_attention(a, b, c, group=group), q, k, v, do)
+    return _measure(lambda a, b, c: FNS[name](a, b, c, group=group), q, k, v, do)
 
 
 def _dense_attention(q, k, v):
@@ -174,24 +186,31 @@ def _dense_attention(q, k, v):
     return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
 
 
-def test_ring_attention_peak_bytes_per_rank_fall_as_one_over_cp():
+@pytest.mark.parametrize("name", ["ring", "ring-matmul"])
+def test_ring_attention_peak_bytes_per_rank_fall_as_one_over_cp(name):
     q, k, v, do = _qkv_do(seed=3, shape=MEM_SHAPE)
     for t in (q, k, v):
         t.requires_grad_()
-    dense_peak, dense_largest, dense_saved = _measure(_dense_attention, q, k, v, do)
+    dense_peak, dense_largest, _ = _measure(_dense_attention, q, k, v, do)
     b, h, s, d = MEM_SHAPE
     assert dense_largest >= b * h * s * s * 8  # the dense way holds the full s x s score matrix
-    by_cp = {cp: run_ranks(_memory_worker, cp) for cp in (2, 4)}
+    by_cp = {cp: run_ranks(_memory_worker, cp, name) for cp in (2, 4)}
     for cp, ranks in by_cp.items():
+        local_bytes = b * h * (s // cp) * d * 8  # one local q (or k, or v)
         for peak, largest, saved in ranks:
             assert peak * cp <= dense_peak  # per-rank peak at most 1/cp of the dense peak
             # no rank ever holds more than one local score block: never the full s x s matrix or full K/V
-            assert largest <= b * h * (s // cp) ** 2 * 8
+            assert largest <= max(b * h * (s // cp) ** 2 * 8, 2 * local_bytes)
             # saved for backward: local q, k, v, out (compute dtype) and the log-sum-exp rows, nothing global
-            assert saved == 4 * b * h * (s // cp) * d * 8 + b * h * (s // cp) * 8
+            assert saved == 4 * local_bytes + b * h * (s // cp) * 8
+            if name == "ring":  # fused kernels: no score block at all, only O(local) buffers in flight
+                assert peak <= 24 * local_bytes
     for (p2, _, s2), (p4, _, s4) in zip(by_cp[2], by_cp[4]):
-        assert p4 <= 0.5 * p2  # doubling cp at least halves the per-rank peak
         assert s4 * 2 == s2  # saved activations exactly halve
+        # The matmul path's peak is dominated by one local score block, (s/cp)^2: doubling cp at least halves
+        # it. The fused path's peak is a fixed number of O(s/cp) buffers, but one more is in flight at cp=4
+        # (dK/dV and K/V both travel in the middle steps) than at cp=2, hence the documented 0.65.
+        assert p4 <= (0.5 if name == "ring-matmul" else 0.65) * p2
 
 
 def test_live_tensor_bytes_counts_allocations_views_and_frees():
