@@ -3,7 +3,8 @@ sequence grows: forward + backward time and peak live tensor bytes per rank.
 
 Dense baselines: torch's ``scaled_dot_product_attention`` (a fused CPU kernel whose internal workspace our probe
 cannot see, so its peak is a lower bound) and the textbook ``softmax(q k^T) v`` (materialises the s x s scores).
-Peak bytes come from :class:`shardline.plugins.sp_memory.LiveTensorBytes` in a separate, untimed pass.
+Peak bytes come from :class:`shardline.plugins.sp_memory.LiveTensorBytes` in a separate, untimed pass. The ring
+uses aten's fused CPU flash-attention kernel per block (its workspace is likewise invisible to the probe).
 Writes bench/results/bench_ring_attention.md and prints it.
 
     python bench/bench_ring_attention.py
@@ -112,7 +113,8 @@ def main() -> str:
     lines += [
         "",
         "\\* SDPA's fused CPU kernel allocates its workspace internally; the probe sees only its inputs, outputs "
-        "and saved tensors, so that column is a lower bound.",
+        "and saved tensors, so that column is a lower bound. The ring calls the same fused kernel per block, so "
+        "its column excludes the same (small, tiled) workspace.",
         "",
     ]
     text = "\n".join(lines)
