@@ -7,8 +7,10 @@ live here because they are properties of the loss, not of the optimizer:
 * Megatron-SP: replicated parameters fed sequence-sharded activations get their gradient summed over TP by a
   tensor hook, i.e. during backward and before any ZeRO bucket sees it (ZeRO-2/3 reduce while backward runs,
   so summing after backward would be too late).
-* CP: ``GPT.loss`` is the global mean and each CP rank's gradient is its share of it; DeepSpeed averages over
-  ``dp x cp``, so the backward sees ``loss * cp`` (the logged loss is unscaled).
+* CP: ``GPT.loss`` is the global mean and each CP rank's gradient is its share of it, so the replica's gradient
+  is the sum over CP. DeepSpeed given ``mpu=grid.mpu`` divides the ``dp x cp`` reduction by ``dp x cp / cp``,
+  i.e. sums over CP and averages over DP: exactly that, with no loss scaling. (The parity tests use SGD, which,
+  unlike Adam, would expose a wrong constant factor.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 import torch
 
+from shardline.plugins.errors import ContractError
 from shardline.plugins.grid import SPMode
 from shardline.plugins.model import GPT, GPTConfig
 from shardline.plugins.strategy import HybridParallelStrategy
@@ -28,7 +31,8 @@ class GPTModule(pl.LightningModule):
 
     def __init__(self, vocab_size: int = 256, seq_len: int = 128, n_layer: int = 4, n_head: int = 4,
                  d_model: int = 128, d_ff: int | None = None, dropout: float = 0.0, tie_embeddings: bool = True,
-                 lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10, seed: int = 0):
+                 lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10, seed: int = 0,
+                 optimizer: str = "adamw"):
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
@@ -54,16 +58,12 @@ class GPTModule(pl.LightningModule):
             for param in sequence_parallel_parameters(self.gpt):
                 param.register_hook(lambda grad, group=group: all_reduce(grad, group=group))
 
-    def _cp(self) -> int:
-        grid = self.grid
-        return 1 if grid is None else grid.size("cp")
-
     def training_step(self, batch, batch_idx):
         ids, targets = batch
         loss = self.gpt(ids, targets)
         self.last_loss = loss.detach()
         self.log("train_loss", self.last_loss, prog_bar=True)
-        return loss * self._cp()
+        return loss
 
     def validation_step(self, batch, batch_idx):
         ids, targets = batch
@@ -72,8 +72,13 @@ class GPTModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
-                                      weight_decay=self.hparams.weight_decay, betas=(0.9, 0.95))
+        if self.hparams.optimizer == "sgd":  # scale-sensitive: what parity tests need
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        elif self.hparams.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
+                                          weight_decay=self.hparams.weight_decay, betas=(0.9, 0.95))
+        else:
+            raise ContractError(f"optimizer={self.hparams.optimizer!r} must be 'adamw' or 'sgd'")
         warmup = max(1, self.hparams.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

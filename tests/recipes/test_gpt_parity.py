@@ -1,5 +1,6 @@
 """The reference GPT under HybridParallelStrategy (real Trainer, real DeepSpeed, gloo ranks) against the same
-GPT dense in one process, same seed, same global batch, AdamW."""
+GPT dense in one process, same seed, same global batch. SGD, not Adam: Adam is invariant to a constant gradient
+factor, so it would hide a wrong TP/CP/DP gradient scale; SGD's losses move with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from shardline.plugins.testing import adopt_process_group_in_lightning, run_rank
 from shardline.recipes.lit_gpt import GPTModule
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 16, 64
-MODEL = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32, lr=3e-3, warmup_steps=1)
+MODEL = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32, lr=0.5, warmup_steps=1,
+             optimizer="sgd")
 
 
 def _dataset() -> TensorDataset:
@@ -45,14 +47,12 @@ def _fit(rank, world, kwargs):
 def _dense_losses() -> list[float]:
     module = GPTModule(**MODEL)
     module.configure_model()
-    optimizer = module.configure_optimizers()["optimizer"]
+    optimizer = module.configure_optimizers()["optimizer"]  # warm-up of 1 step: the full lr from step 0
     ids, targets = _dataset().tensors
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))  # DistributedSampler's order
     losses = []
     for step in range(STEPS):
         index = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
-        for group in optimizer.param_groups:  # the same linear warm-up as the module's LambdaLR (1 step)
-            group["lr"] = MODEL["lr"]
         loss = module.gpt(ids[index], targets[index])
         optimizer.zero_grad()
         loss.backward()
