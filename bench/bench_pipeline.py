@@ -36,7 +36,7 @@ from shardline.plugins.testing import run_ranks
 
 WORLD, D_MODEL, BLOCKS_PER_STAGE, MB_ROWS = 2, 256, 3, 32
 MICROBATCHES = (4, 8)
-WARMUP, BATCHES = 2, 10
+WARMUP, BATCHES = 3, 20
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_pipeline.md"
 
 

@@ -20,6 +20,9 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
   dims) on ``meta_group`` (default: the pp group with tag 1, which gloo keeps apart from the data; NCCL needs a
   gloo ``meta_group``), so the sequence length may change from batch to batch. Later micro-batches of the same
   batch reuse the header (micro-batches of one batch have one shape).
+- Data-parallel gradient reduction is not the engine's job: the strategy above does it once per batch, at
+  the ``last`` backward of each stage or in ``after_batch`` (see :class:`PipelineHooks`); tied weights are
+  synced with :class:`~shardline.plugins.pipeline.partition.TiedWeight`.
 - The batch loss (``mean`` or ``sum`` of the micro-batch losses) is broadcast from the rank holding the last
   stage over the pp group and returned on every rank as a float64 scalar.
 
