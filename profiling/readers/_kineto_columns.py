@@ -115,14 +115,14 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
     scaled, bad = decimal_texts_to_scaled(times[:2 * len(kept)], scale_digits=3)
     ts, dur = scaled[:len(kept)], scaled[len(kept):]
     external = _ints([a.external_id if a.external_id != -1 else a.external_id_legacy for a in args], overflow)
-    return {
-        "ph": _factorize([e.ph for e in kept]),
+    ph = _factorize([e.ph for e in kept])
+    columns = {
+        "ph": ph,
         "cat": _factorize(cats),
         "name": _factorize([e.name for e in kept]),
-        "lane": np.where(gpu, "gpu", "cpu"),
-        "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1),
+        "lane": pd.Categorical.from_codes(gpu.astype(np.int8), categories=["cpu", "gpu"]),
+        "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
         "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
-        "pid": pid,
         "ts": ts, "dur": dur, "bad_time": bad[:len(kept)] | bad[len(kept):],
         "correlation": _ints([a.correlation for a in args], overflow),
         "external_id": external,
@@ -130,15 +130,18 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
         "pg_name": _texts([a.pg_name for a in args]),
         "pg_desc": _texts([a.pg_desc for a in args]),
         "pg_ranks": _texts([a.pg_ranks for a in args]),
-        "pg_size": _ints([a.group_size for a in args], overflow),
-        "in_nelems": _ints([a.in_nelems for a in args], overflow),
-        "out_nelems": _ints([a.out_nelems for a in args], overflow),
-        "dtype": _texts([a.dtype for a in args]),
-        "nbytes": _ints([a.nbytes for a in args], overflow),
+        "pg_size": _ints([a.group_size for a in args], overflow).astype(np.int32),
+        "msg_bytes": _message_bytes(
+            in_nelems=_ints([a.in_nelems for a in args], overflow),
+            out_nelems=_ints([a.out_nelems for a in args], overflow),
+            dtype=_texts([a.dtype for a in args]), nbytes=_ints([a.nbytes for a in args], overflow)),
         "seq": _ints([a.seq for a in args], overflow),
-        "peer": _ints([a.dst_rank if a.dst_rank != -1 else a.src_rank for a in args], overflow),
+        "peer": _ints([a.dst_rank if a.dst_rank != -1 else a.src_rank for a in args], overflow).astype(np.int32),
         "overflow": len(overflow),
     }
+    # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
+    columns["pid"] = pid if (ph.categories != "X").any() else np.full(len(kept), -1, dtype=np.int64)
+    return columns
 
 
 class _NoArgs:
@@ -158,10 +161,16 @@ def _concat(batches: list[dict]) -> dict:
     for key, first in batches[0].items():
         if key == "overflow":
             out[key] = sum(b[key] for b in batches)
+        elif isinstance(first, pd.Categorical) and len(batches) > 1:
+            out[key] = union_categoricals([b[key] for b in batches])
+            for b in batches:
+                b[key] = None  # free each batch's part as soon as it is merged
         elif isinstance(first, pd.Categorical):
-            out[key] = union_categoricals([b[key] for b in batches]) if len(batches) > 1 else first
+            out[key] = first
         else:
-            out[key] = np.concatenate([b[key] for b in batches])
+            out[key] = np.concatenate([b[key] for b in batches]) if len(batches) > 1 else first
+            for b in batches:
+                b[key] = None
     return out
 
 
@@ -177,16 +186,23 @@ def finish_frame(path: Path, batches: list[dict], *, base_ns: int, rank: int, wa
     if keep.any() and base_ns and int(cols["ts"][keep].max()) > _INT64[1] - base_ns:
         warnings.append(f"{path}: ts + baseTimeNanoseconds overflows int64; times kept relative to the base")
         base_ns = 0
-    frame = pd.DataFrame({k: v for k, v in cols.items() if k not in ("overflow", "bad_time")})[keep]
-    frame["start_ns"] = frame.pop("ts") + base_ns
-    frame["dur_ns"] = frame.pop("dur")
+    cols["start_ns"] = cols.pop("ts")
+    if base_ns:
+        cols["start_ns"] += base_ns  # in place: no second copy of the biggest column
+    cols["dur_ns"] = cols.pop("dur")
+    bad = cols.pop("bad_time")
+    del cols["overflow"]
+    frame = pd.DataFrame(cols, copy=False)
+    del cols
+    if not keep.all():
+        frame = frame[keep].reset_index(drop=True)
     frame = _pair_begin_end(frame, warnings=warnings, path=path)
-    frame["rank"] = rank
-    frame["source"] = "kineto"
-    frame["msg_bytes"] = _message_bytes(frame)
+    frame = frame.drop(columns=["ph", "pid"])
+    frame["rank"] = np.int32(rank)
+    frame["source"] = pd.Categorical.from_codes(np.zeros(len(frame), dtype=np.int8), categories=["kineto"])
     frame["memory_kind"] = _memory_kind(frame["name"])
     frame["step"] = assign_steps(frame)
-    frame = frame.drop(columns=["ph", "pid", "in_nelems", "out_nelems", "dtype", "nbytes"])
+    del bad
     return frame.reset_index(drop=True)
 
 
@@ -214,13 +230,14 @@ def _pair_begin_end(frame: pd.DataFrame, *, warnings: list[str], path: Path) -> 
     return pd.concat([out, begins]) if len(begins) else out
 
 
-def _message_bytes(frame: pd.DataFrame) -> np.ndarray:
+def _message_bytes(*, in_nelems, out_nelems, dtype: pd.Categorical, nbytes) -> np.ndarray:
     """Collective payload: max(in, out) elements × dtype size (the output of gathers, the input otherwise);
     memcpy/memset rows take the ``bytes`` arg."""
-    size = frame["dtype"].map(DTYPE_BYTES).astype("float64").fillna(-1).to_numpy().astype(np.int64)
-    nelems = np.maximum(frame["in_nelems"].to_numpy(), frame["out_nelems"].to_numpy())
+    per_code = np.array([DTYPE_BYTES.get(str(c), -1) for c in dtype.categories], dtype=np.int64)
+    size = per_code[dtype.codes] if len(per_code) else np.full(len(dtype), -1, dtype=np.int64)
+    nelems = np.maximum(in_nelems, out_nelems)
     collective = np.where((nelems >= 0) & (size > 0), nelems * np.maximum(size, 0), -1)
-    return np.where(frame["nbytes"].to_numpy() >= 0, frame["nbytes"].to_numpy(), collective)
+    return np.where(nbytes >= 0, nbytes, collective)
 
 
 def _memory_kind(names: pd.Series) -> pd.Categorical:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import gzip
+import mmap
 import re
 import zlib
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult
@@ -93,6 +95,43 @@ def read_bytes(path: Path) -> bytes:
         raise TraceFormatError(f"{path}: corrupt or truncated gzip ({exc})") from exc
 
 
+#: Plain files at least this big are memory-mapped and their pages released as they are decoded.
+_MAP_MIN_BYTES = 32 << 20
+
+
+def trace_buffer(path: Path) -> bytes | mmap.mmap:
+    """The trace's bytes: a read-only memory map for big plain files (its pages can be released as they are
+    decoded, so the file never has to sit in memory whole), else the bytes, gunzipped when gzip."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            magic = handle.read(2)
+            if magic != b"\x1f\x8b" and size >= _MAP_MIN_BYTES:
+                return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
+    return read_bytes(path)
+
+
+class _PageReleaser:
+    """Drops the pages of a mapped trace that lie wholly before a decoded event (they are clean file pages:
+    the kernel re-reads them if touched again). A no-op for in-memory buffers."""
+
+    def __init__(self, buffer) -> None:
+        self.map = buffer if isinstance(buffer, mmap.mmap) else None
+        self.base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data if self.map is not None else 0
+        self.done = 0
+
+    def release(self, upto=None) -> None:
+        if self.map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = len(self.map) if upto is None else np.frombuffer(upto, dtype=np.uint8).ctypes.data - self.base
+        end -= end % mmap.PAGESIZE
+        if end > self.done:
+            self.map.madvise(mmap.MADV_DONTNEED, 0, end)
+            self.done = end if upto is not None else 0
+
+
 def rank_from_name(path: Path) -> int | None:
     """Rank written in a file name (``rank-3``, ``rank_3``, ``rank3``, ``worker3``); None when absent."""
     match = _RANK_IN_NAME.search(path.name)
@@ -107,7 +146,7 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     truncated or corrupted part-way gives a warning and the events before the damage.
     """
     path = Path(path)
-    data = read_bytes(path)
+    data = trace_buffer(path)
     warnings: list[str] = []
     top, events_raw = _split_top(path, data, warnings)
     if events_raw is None:
@@ -124,10 +163,12 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     raws = _event_slices(path, events_raw, warnings)
     if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
+    pages = _PageReleaser(data)
+    pages.release()  # the slicing pass touched every page; decoding re-touches them one batch at a time
     # Millions of short-lived objects would otherwise trigger full collections that rescan every live one.
     with _gc_paused():
-        batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings)
-    del raws
+        batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings, pages=pages)
+    del raws, events_raw, top, pages, data
     frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
                          warnings=warnings)
     metadata["rank_source"] = ("distributedInfo" if info.get("rank") == file_rank and file_rank is not None
@@ -146,12 +187,12 @@ def _decode_any(raw: msgspec.Raw) -> Any:
 
 def _split_top(path: Path, data: bytes, warnings: list[str]) -> tuple[dict, msgspec.Raw | bytes | None]:
     """Top-level keys as raw slices, and the raw ``traceEvents`` array (None when the file has none)."""
-    if not data.strip():
+    if not bytes(data[:65536]).strip() and not bytes(data).strip():
         raise TraceFormatError(f"{path}: empty file")
     try:
         top = _DECODE_TOP.decode(data)
     except msgspec.ValidationError:
-        if data.lstrip()[:1] == b"[":
+        if bytes(data[:65536]).lstrip()[:1] == b"[":
             # Chrome's bare-array form: the whole file is the events list.
             return {}, data
         raise TraceFormatError(f"{path}: top level is neither a JSON object nor an array") from None
@@ -160,8 +201,9 @@ def _split_top(path: Path, data: bytes, warnings: list[str]) -> tuple[dict, msgs
     return top, top.get("traceEvents")
 
 
-def _split_damaged(path: Path, data: bytes, exc: Exception, warnings: list[str]) -> tuple[dict, bytes]:
+def _split_damaged(path: Path, data, exc: Exception, warnings: list[str]) -> tuple[dict, bytes]:
     """For a file that is not valid JSON: the metadata before ``traceEvents`` and the events array text."""
+    data = bytes(data)  # a damaged file takes the slow, copying path
     key = data.find(b'"traceEvents"')
     if key < 0:
         raise TraceFormatError(f"{path}: invalid JSON ({exc}) and no traceEvents array to salvage") from exc
@@ -233,12 +275,14 @@ def _gc_paused():
             gc.enable()
 
 
-def _decode_all(path: Path, raws: list, *, keep_python: bool, warnings: list[str]) -> list[dict]:
+def _decode_all(path: Path, raws: list, *, keep_python: bool, warnings: list[str],
+                pages: _PageReleaser) -> list[dict]:
     batches = []
     for start in range(0, len(raws), BATCH):
         decoded = _decode_batch(path, raws[start:start + BATCH], warnings)
         batches.append(columns_from_events(decoded, keep_python=keep_python))
         del decoded
+        pages.release(raws[min(start + BATCH, len(raws)) - 1])
     return batches
 
 
