@@ -175,6 +175,10 @@ class PipelineEngine:
         self.meta_group = group if meta_group is None else meta_group
         self._meta_tag = _HEADER_TAG if meta_group is None else 0
         self._meta_device = torch.device("cpu") if dist.get_backend(self.meta_group) == "gloo" else None
+        if backend == "nccl":
+            # torch requires every rank of a group in its first batch_isend_irecv (the NCCL communicator is
+            # created there); a barrier creates it here instead, so construction is collective over the group.
+            dist.barrier(group=group)
         self.loss_reduction = _enum(LossReduction, loss_reduction, "loss_reduction")
         self.memory = _enum(MemoryAccounting, memory, "memory")
         self.hooks = hooks or PipelineHooks()
