@@ -20,12 +20,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
 from shardline.profiling.errors import MissingRankError, MixedJobsError, TraceFormatError, TraceWarning
 from shardline.profiling.readers import Format, ReadResult, sniff
-from shardline.profiling.schema import COLUMNS, check_events, conform, empty_events
+from shardline.profiling.schema import COLUMNS, check_events, empty_events
 
 #: Readers by format, imported on first use so a Kineto-only job never imports sqlite3 or the log parser.
 _READERS = {
@@ -83,11 +84,6 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     notes = [w for _, _, result in results for w in result.warnings]
     for note in notes:
         _warnings.warn(note, TraceWarning, stacklevel=2)
-    frames = [result.events for _, _, result in results if len(result.events)]
-    events = _concat(frames)
-    if classify:
-        events = _classify(events)
-    check_events(events)
     metadata: dict[int, dict] = {}
     file_ranks: dict[Path, tuple[int, ...]] = {}
     for file, _fmt, result in results:
@@ -95,6 +91,14 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
             metadata.setdefault(r, {}).update({**meta, "files": [*metadata.get(r, {}).get("files", []), file]})
         ranks_here = result.events["rank"].unique() if len(result.events) else list(result.metadata)
         file_ranks[file] = tuple(sorted(int(r) for r in ranks_here))
+    frames = [result.events for _, _, result in results if len(result.events)]
+    for _, _, result in results:
+        result.events = None  # the concatenation below is the only copy kept
+    events = _concat(frames)
+    del frames
+    if classify:
+        events = _classify(events)
+    check_events(events)
     ranks = tuple(sorted(int(r) for r in events["rank"].unique() if r >= 0)) if len(events) else tuple(
         sorted(r for r in metadata if r >= 0))
     skipped = {file: result.skipped for file, _, result in results if result.skipped}
@@ -205,18 +209,20 @@ def _job_key(meta: dict) -> tuple:
 
 
 def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """Concatenate event frames keeping categorical columns categorical (pandas would fall back to object)."""
+    """Concatenate event frames column by column, keeping categoricals categorical (pandas would fall back to
+    object) and making exactly one copy of the data."""
     if not frames:
         return empty_events()
     if len(frames) == 1:
         return frames[0].reset_index(drop=True)
     out = {}
     for column, dtype in COLUMNS.items():
+        parts = [f[column] for f in frames]
         if dtype == "category":
-            out[column] = union_categoricals([f[column].astype("category") for f in frames]).astype("category")
+            out[column] = union_categoricals([p if p.dtype == "category" else p.astype("category") for p in parts])
         else:
-            out[column] = pd.concat([f[column] for f in frames], ignore_index=True)
-    return conform(pd.DataFrame({c: pd.Series(v).reset_index(drop=True) for c, v in out.items()}))
+            out[column] = np.concatenate([p.to_numpy(dtype=dtype) for p in parts])
+    return pd.DataFrame(out, copy=False)
 
 
 def _classify(events: pd.DataFrame) -> pd.DataFrame:
