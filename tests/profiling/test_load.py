@@ -224,3 +224,11 @@ def test_whole_corpus_folder_is_several_jobs(traces_dir):
         warnings.simplefilter("ignore", TraceWarning)
         with pytest.raises(MixedJobsError, match=r"rank 0 is claimed by two files: .*alexnet.* and .*event_sync"):
             load(traces_dir / "hta" / "critical_path")
+
+
+def test_parallel_reading_gives_the_same_table(traces_dir):
+    folder = traces_dir / "param" / "dlrm_kineto"
+    one = load(folder, workers=1)
+    two = load(folder, workers=2)
+    assert two.files == one.files and two.ranks == one.ranks
+    assert two.events.astype(str).equals(one.events.astype(str))

@@ -1,0 +1,232 @@
+"""shardline.profiling vs Holistic Trace Analysis 0.5.0: load + analysis time, peak memory, MB/s per core.
+
+Ours: ``load(folder)`` + ``breakdown(traceset)`` (classification runs inside load). HTA: ``TraceAnalysis(trace_dir)``
++ ``get_temporal_breakdown`` + ``get_gpu_kernel_breakdown`` + ``get_comm_comp_overlap``. Same files, one run.
+
+Each side runs in its own fresh subprocess; the parent samples the RSS of that process *and its children*
+(HTA parses ranks in a worker pool) every 20 ms with psutil and keeps the peak of the sum. Time is the child's
+own measurement of load + analysis (imports excluded, reported apart); CPU seconds come from the child's
+``getrusage`` of itself plus its reaped workers, so "MB/s per core" = uncompressed JSON MB / CPU seconds.
+
+Data sets: the 8-rank DLRM traces (``param/dlrm_kineto``), HTA's own two-rank ``trace_filter`` set, and a large
+two-rank set built by repeating the events of a real trace (``hta/ns_resolution_trace``: every copy shifted in
+time past the previous one, correlation/External ids and ProfilerStep numbers offset so links stay unique)
+to ``--big-mb`` MB of JSON in total, written under ``bench/out/`` and deleted afterwards.
+
+HTA is installed in its own virtual environment (``--hta-python``, default ``bench/out/hta-venv/bin/python``):
+it needs pandas < 3, and it is never a dependency of shardline. Run::
+
+    python -m venv bench/out/hta-venv && bench/out/hta-venv/bin/pip install "pandas<3" numpy networkx \\
+        plotly pydot psutil pyyaml && bench/out/hta-venv/bin/pip install --no-deps HolisticTraceAnalysis==0.5.0
+    python bench/bench_profiling.py [--big-mb 1024] [--skip-hta]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TRACES = Path(os.environ.get("SHARDLINE_TRACES", REPO.parent / "shared" / "traces"))
+OUT = HERE / "out"
+RESULTS = HERE / "results" / "bench_profiling.md"
+BIG_SEED = "hta/ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
+
+# Child programs: print one JSON line {"seconds", "import_seconds", "cpu_seconds", "detail"}.
+OURS = r"""
+import json, resource, sys, time, warnings
+t0 = time.perf_counter()
+from shardline.profiling import breakdown, load
+from shardline.profiling.errors import TraceWarning
+t1 = time.perf_counter()
+warnings.simplefilter("ignore", TraceWarning)
+ts = load(sys.argv[1], workers=int(sys.argv[2]) if len(sys.argv) > 2 else None)
+t2 = time.perf_counter()
+table = breakdown(ts)
+t3 = time.perf_counter()
+ru, rc = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"seconds": t3 - t1, "import_seconds": t1 - t0, "load_seconds": t2 - t1,
+                  "cpu_seconds": ru.ru_utime + ru.ru_stime + rc.ru_utime + rc.ru_stime,
+                  "detail": f"{len(ts.events)} events, {len(table)} rank-step rows"}))
+"""
+HTA = r"""
+import json, resource, sys, time, warnings
+warnings.simplefilter("ignore")
+t0 = time.perf_counter()
+from hta.trace_analysis import TraceAnalysis
+t1 = time.perf_counter()
+analysis = TraceAnalysis(trace_dir=sys.argv[1])
+t2 = time.perf_counter()
+temporal = analysis.get_temporal_breakdown(visualize=False)
+kernels = analysis.get_gpu_kernel_breakdown(visualize=False)
+overlap = analysis.get_comm_comp_overlap(visualize=False)
+t3 = time.perf_counter()
+ru, rc = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"seconds": t3 - t1, "import_seconds": t1 - t0, "load_seconds": t2 - t1,
+                  "cpu_seconds": ru.ru_utime + ru.ru_stime + rc.ru_utime + rc.ru_stime,
+                  "detail": f"{len(temporal)} temporal rows, {len(overlap)} overlap rows"}))
+"""
+
+
+def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: tuple = ()) -> dict:
+    """Run one side in a fresh process, sampling the RSS of its whole process tree; returns its report."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([python, "-c", program, str(folder), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO)
+    parent = psutil.Process(proc.pid)
+    peak, start = 0, time.perf_counter()
+    while proc.poll() is None:
+        try:
+            tree = [parent, *parent.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        if time.perf_counter() - start > timeout:
+            proc.kill()
+            return {"error": f"timed out after {timeout:.0f} s", "peak_mb": peak / 2**20}
+        time.sleep(0.02)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        return {"error": err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}",
+                "peak_mb": peak / 2**20}
+    report = json.loads(out.strip().splitlines()[-1])
+    report["peak_mb"] = peak / 2**20
+    return report
+
+
+def json_megabytes(folder: Path) -> float:
+    """Uncompressed JSON size of every trace in the folder, in MB (10**6 bytes)."""
+    total = 0
+    for path in folder.iterdir():
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    total += len(chunk)
+        elif path.suffix == ".json":
+            total += path.stat().st_size
+    return total / 1e6
+
+
+def build_big(folder: Path, *, megabytes: int, ranks: int = 2) -> None:
+    """Per-rank traces of about ``megabytes / ranks`` MB each, by repeating the seed trace's events."""
+    import orjson
+
+    seed = json.loads(gzip.decompress((TRACES / BIG_SEED).read_bytes()))
+    events = [e for e in seed["traceEvents"] if e.get("ph") == "X"]
+    meta = [e for e in seed["traceEvents"] if e.get("ph") == "M"]
+    span = max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events) + 1000
+    ids = max(max(e.get("args", {}).get("correlation", 0), e.get("args", {}).get("External id", 0))
+              for e in events) + 1
+    one_copy = len(orjson.dumps(events))
+    copies = max(1, int(megabytes * 1e6 / ranks / one_copy))
+    for rank in range(ranks):
+        header = {k: v for k, v in seed.items() if k != "traceEvents"}
+        header["distributedInfo"] = {**seed.get("distributedInfo", {}), "rank": rank, "world_size": ranks}
+        with open(folder / f"rank-{rank}.trace.json", "wb") as handle:
+            handle.write(orjson.dumps(header)[:-1] + b', "traceEvents": [')
+            handle.write(orjson.dumps(meta)[1:-1] + b",")
+            for k in range(copies):
+                handle.write(orjson.dumps([_shifted(e, k, span=span, ids=ids) for e in events])[1:-1])
+                handle.write(b"," if k < copies - 1 else b"]}")
+
+
+def _shifted(event: dict, k: int, *, span: float, ids: int) -> dict:
+    out = dict(event, ts=event["ts"] + k * span)
+    args = event.get("args")
+    if args:
+        args = dict(args)
+        for key in ("correlation", "External id"):
+            if key in args:
+                args[key] = args[key] + k * ids
+        out["args"] = args
+    name = event.get("name", "")
+    if name.startswith("ProfilerStep#"):
+        out["name"] = f"ProfilerStep#{int(name[13:]) + k * 1000}"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--big-mb", type=int, default=1024, help="total JSON MB of the large set (0: skip it)")
+    parser.add_argument("--hta-python", default=str(OUT / "hta-venv" / "bin" / "python"))
+    parser.add_argument("--skip-hta", action="store_true")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per side and data set")
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    sets = [("param/dlrm_kineto (8 ranks)", TRACES / "param" / "dlrm_kineto"),
+            ("hta/trace_filter (2 ranks)", TRACES / "hta" / "trace_filter")]
+    scratch = Path(tempfile.mkdtemp(dir=OUT, prefix="big-"))
+    rows = []
+    try:
+        if args.big_mb:
+            build_big(scratch, megabytes=args.big_mb)
+            sets.append((f"repeated ns_resolution trace, 2 ranks, {args.big_mb} MB", scratch))
+        for label, folder in sets:
+            size = json_megabytes(folder)
+            ours = run_side(sys.executable, OURS, folder, timeout=args.timeout)
+            hta = ({"error": "skipped"} if args.skip_hta or not Path(args.hta_python).exists()
+                   else run_side(args.hta_python, HTA, folder, timeout=args.timeout))
+            rows.append((label, size, ours, hta))
+            print(f"{label}: ours {ours}  hta {hta}", file=sys.stderr)
+            if folder == scratch:
+                # The same set read in one process (no reader pool): the memory-lean, single-core figure.
+                single = run_side(sys.executable, OURS, folder, timeout=args.timeout, extra=("1",))
+                rows.append((f"{label}, ours in 1 process", size, single, hta))
+                print(f"{label} (1 process): ours {single}", file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report = render(rows)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(report)
+    print(report)
+
+
+def _cell(side: dict, key: str, fmt: str) -> str:
+    return "—" if key not in side else format(side[key], fmt)
+
+
+def render(rows: list) -> str:
+    cpu = psutil.cpu_count(logical=True)
+    lines = [
+        "# shardline.profiling vs HTA 0.5.0 — load + analysis",
+        "",
+        f"Machine: {cpu} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
+        f"Python {sys.version.split()[0]}; generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by "
+        "`python bench/bench_profiling.py`.",
+        "Ours = `load(folder)` + `breakdown(ts)`; HTA = `TraceAnalysis(trace_dir)` + temporal breakdown + kernel "
+        "breakdown + comm/comp overlap. Time excludes imports; peak RSS is the whole process tree; MB/s per core "
+        "= uncompressed JSON MB / CPU seconds (self + workers). Ours reads the files of a big multi-rank set in "
+        "forked workers by default (HTA uses a pool too); the '1 process' row reads them one after the other.",
+        "",
+        "| data set | JSON MB | ours s (load s) | HTA s (load s) | speed-up | ours peak MB | HTA peak MB | "
+        "memory ratio | ours MB/s/core | HTA MB/s/core |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, size, ours, hta in rows:
+        speed = (f"{hta['seconds'] / ours['seconds']:.1f}×" if "seconds" in hta and "seconds" in ours else "—")
+        memory = (f"{ours['peak_mb'] / hta['peak_mb']:.2f}" if "seconds" in hta and "seconds" in ours else "—")
+        rate = {side: (f"{size / s['cpu_seconds']:.1f}" if "cpu_seconds" in s else "—") for side, s in
+                (("ours", ours), ("hta", hta))}
+        lines.append(
+            f"| {label} | {size:.1f} | {_cell(ours, 'seconds', '.2f')} ({_cell(ours, 'load_seconds', '.2f')}) | "
+            f"{_cell(hta, 'seconds', '.2f')} ({_cell(hta, 'load_seconds', '.2f')}) | {speed} | "
+            f"{_cell(ours, 'peak_mb', '.0f')} | {_cell(hta, 'peak_mb', '.0f')} | {memory} | {rate['ours']} | "
+            f"{rate['hta']} |")
+    notes = [f"- {label}: ours: {o.get('detail', o.get('error'))}; HTA: {h.get('detail', h.get('error'))}"
+             for label, _, o, h in rows]
+    return "\n".join(lines + ["", "Targets: ≥ 10× faster, ≤ 1/3 of HTA's peak memory.", "", *notes, ""])
+
+
+if __name__ == "__main__":
+    main()
