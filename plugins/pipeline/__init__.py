@@ -1,5 +1,20 @@
 """Pipeline parallelism: schedules as data, partitioning into stages, and the engine that runs them.
 
+A typical rank (``grid`` from :class:`~shardline.plugins.grid.Grid`, ``model`` exposing ``pipeline_layers()``)::
+
+    from shardline.plugins.pipeline import PipelineEngine, TiedWeight, build_stages, partition_layers
+    from shardline.plugins.pipeline.schedule import interleaved_one_f_one_b
+
+    p, v = grid.size("pp"), 2
+    layers = model.pipeline_layers()
+    stages = build_stages(layers, partition_layers(layers, p * v, method="parameters"))
+    schedule = interleaved_one_f_one_b(p, 8, v)          # validated again by the engine
+    engine = PipelineEngine(stages[grid.rank("pp")::p], schedule=schedule, pp_rank=grid.rank("pp"),
+                            loss_fn=model.loss, group=grid.group("pp"))
+    loss = engine.run_batch(ids, targets)                # same float on every pp rank
+    TiedWeight(tied_param_or_None, grid.group("embed")).sync_grads()
+    optimizer.step()
+
 ``shardline.plugins.pipeline.schedule`` is pure Python; the torch-using parts (``PipelineEngine``, partitioning
 helpers) are loaded on first attribute access so importing the schedule layer never pulls in torch.
 """
