@@ -103,3 +103,17 @@ def test_ci_runs_exactly_the_readme_test_line():
     test_line = section.split("```bash", 1)[1].split("```", 1)[0].strip()
     ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     assert test_line in ci_lines
+
+
+def test_plugins_import_is_light_and_registers_strategies_once_lightning_loads():
+    code = """
+import sys
+import shardline.plugins.grid, shardline.plugins.pipeline.schedule
+assert "torch" not in sys.modules and "pytorch_lightning" not in sys.modules, sorted(sys.modules)
+import pytorch_lightning
+from pytorch_lightning.strategies import StrategyRegistry
+assert "shardline_tp2_pp2_zero2" in StrategyRegistry and "shardline" in StrategyRegistry
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
