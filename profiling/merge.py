@@ -1,0 +1,300 @@
+"""``merged_trace(traceset, path=...)``: every rank of a job in one Chrome-trace JSON file.
+
+Layout of the file (loadable by chrome://tracing, Perfetto UI and XProf's trace viewer)::
+
+    {"displayTimeUnit": "ns", "baseTimeNanoseconds": T0, "traceName": ..., "traceEvents": [...]}
+
+- one process per rank: ``pid`` = rank, named ``"rank N"`` (``process_name`` / ``process_sort_index``);
+- per rank, one thread per original track, numbered 1, 2, ... in (lane, device, stream) order and named
+  ``"gpu D stream S"`` / ``"cpu thread T"``; every row of the events table is one complete (``"X"``) event with
+  its ``name``, its source ``cat`` (the reader's name when the source gave none) and args: our ``sl_category``
+  and ``sl_dim``, GPU ``device``/``stream``, and the collective fields in Kineto's spelling;
+- three added threads per rank: ``sl: steps`` (one slice per step window), ``sl: categories`` (the exclusive
+  attribution as a timeline: each ns of a step window under the label that wins it, by ``attribution``'s priority
+  over ``attribution.label_sets``, so its per-window totals are the ``breakdown`` columns exactly) and
+  ``sl: pipeline bubbles`` (``bubbles.bubble_set``);
+- flow arrows (``"ph": "s"`` -> ``"ph": "f"``, ``"bp": "e"``) from the last-arriving rank of every matched
+  collective instance (``match_collectives``) to each other member: the arrow points from the rank that was
+  waited for to the ranks that waited.
+
+Times: ``ts = (start_ns - T0) / 1000`` and ``dur = dur_ns / 1000`` in µs written as decimal text with exactly three
+decimals (``"ts": 1234.567``), so no ns is lost to floating point however large the absolute clock; each rank keeps
+its recorded clock (no alignment is applied). T0 is the earliest start of any rank.
+
+Reading it back. ``load`` reads any Chrome trace as *one* rank (Kineto writes one file per rank), so
+``load(merged, rank=0)`` returns every original row with exact ``start_ns``/``dur_ns``, names, lanes, GPU devices
+and streams and collective args -- all under rank 0, CPU thread ids replaced by track numbers, plus the added
+tracks' rows (``cat`` ``sl_step``, ``sl_category``, ``sl_bubble``). The file is for viewers; analysis should load
+the per-rank traces.
+
+Memory: events are formatted and written in chunks of ``CHUNK_ROWS`` rows, one string per row, never a dict per
+event, so the writer holds the events table plus one chunk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from shardline.profiling import intervals as iv
+from shardline.profiling.errors import AttributionError, TraceFormatError
+
+CHUNK_ROWS = 200_000
+ADDED_TRACKS = ("sl: steps", "sl: categories", "sl: pipeline bubbles")
+_ADDED_CATS = {"sl: steps": "sl_step", "sl: categories": "sl_category", "sl: pipeline bubbles": "sl_bubble"}
+#: events-table column -> Kineto arg name (the ones ``readers.kineto`` reads back).
+_ARG_NAMES = {"collective": "Collective name", "pg_name": "Process Group Name",
+              "pg_desc": "Process Group Description", "pg_ranks": "Process Group Ranks", "pg_size": "Group size",
+              "seq": "Seq", "correlation": "correlation", "external_id": "External id"}
+
+
+def merged_trace(traceset, *, path: str | Path, progress: bool = False) -> Path:
+    """Write the merged trace of ``traceset`` (a ``TraceSet`` or an events table) to ``path`` and return it.
+
+    ``path`` ending in ``.gz`` is gzip-compressed. ``progress`` shows a bar over the event chunks (tqdm).
+    Raises ``TraceFormatError`` when ``path`` cannot be written.
+    """
+    events = getattr(traceset, "events", traceset)
+    path = Path(path)
+    base = int(events["start_ns"].min()) if len(events) else 0
+    tracks = _tracks(events)
+    try:
+        handle = gzip.open(path, "wt", compresslevel=5) if path.suffix == ".gz" else open(path, "w")
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot write the merged trace ({exc})") from exc
+    with handle:
+        # (a zero base is left out: the Kineto reader takes a 0 base for a missing one and says so)
+        handle.write('{"displayTimeUnit": "ns", %s"traceName": "shardline merged trace",\n"traceEvents": [\n'
+                     % (f'"baseTimeNanoseconds": {base}, ' if base else ""))
+        first = True
+        for line in _metadata_lines(tracks):
+            handle.write(("" if first else ",\n") + line)
+            first = False
+        for chunk in _progress(range(0, len(events), CHUNK_ROWS), enabled=progress, what="merged trace"):
+            lines = _event_lines(events.iloc[chunk:chunk + CHUNK_ROWS], tracks=tracks, base=base)
+            if len(lines):
+                handle.write(",\n" + ",\n".join(lines.tolist()))
+        for line in _added_lines(events, tracks=tracks, base=base):
+            handle.write(",\n" + line)
+        for line in _flow_lines(events, tracks=tracks, base=base):
+            handle.write(",\n" + line)
+        handle.write("\n]}\n")
+    return path
+
+
+def _progress(iterable, *, enabled: bool, what: str):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=what, unit="chunk", leave=False)
+
+
+def _tracks(events: pd.DataFrame) -> pd.DataFrame:
+    """One row per (rank, lane, device, stream) with its thread number ``tid`` (1.. per rank) and name; the
+    added tracks follow each rank's own."""
+    keys = events[["rank", "lane", "device", "stream"]].astype({"lane": str}).drop_duplicates()
+    keys = keys.sort_values(["rank", "lane", "device", "stream"]).reset_index(drop=True)
+    keys["tid"] = keys.groupby("rank").cumcount() + 1
+    keys["label"] = np.where(keys["lane"] == "gpu",
+                             "gpu " + keys["device"].astype(str) + " stream " + keys["stream"].astype(str),
+                             "cpu thread " + keys["stream"].astype(str))
+    added = []
+    for rank, last in keys.groupby("rank")["tid"].max().items():
+        for k, name in enumerate(ADDED_TRACKS):
+            added.append({"rank": rank, "lane": "sl", "device": -1, "stream": -1, "tid": last + 1 + k,
+                          "label": name})
+    return pd.concat([keys, pd.DataFrame(added)], ignore_index=True) if added else keys
+
+
+def _metadata_lines(tracks: pd.DataFrame) -> list[str]:
+    lines = []
+    for rank in tracks["rank"].unique():
+        rank = int(rank)
+        lines.append(json.dumps({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}))
+        lines.append(json.dumps({"ph": "M", "name": "process_sort_index", "pid": rank,
+                                 "args": {"sort_index": rank}}))
+    for row in tracks.itertuples(index=False):  # one line per track, not per event
+        where = {"pid": int(row.rank), "tid": int(row.tid)}
+        lines.append(json.dumps({"ph": "M", "name": "thread_name", **where, "args": {"name": row.label}}))
+        lines.append(json.dumps({"ph": "M", "name": "thread_sort_index", **where,
+                                 "args": {"sort_index": int(row.tid)}}))
+    return lines
+
+
+def us_text(ns: np.ndarray) -> np.ndarray:
+    """Integer ns -> µs as decimal text with exactly three decimals (exact for any int64)."""
+    ns = np.asarray(ns, dtype=np.int64)
+    sign = np.where(ns < 0, "-", "")
+    mag = np.abs(ns)
+    whole = (mag // 1000).astype(str).astype(object)
+    frac = pd.Series((mag % 1000).astype(str)).str.zfill(3).to_numpy(dtype=object)
+    return sign.astype(object) + whole + "." + frac
+
+
+def _json_texts(column: pd.Series) -> np.ndarray:
+    """JSON string literals of a categorical/string column, escaped once per distinct value."""
+    cat = column.astype("category")
+    texts = np.array([json.dumps(str(c)) for c in cat.cat.categories] + ['""'], dtype=object)
+    codes = cat.cat.codes.to_numpy()
+    return texts[np.where(codes < 0, len(texts) - 1, codes)]
+
+
+def _event_lines(chunk: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> np.ndarray:
+    if chunk.empty:
+        return np.empty(0, dtype=object)
+    keyed = chunk[["rank", "lane", "device", "stream"]].astype({"lane": str})
+    tid = keyed.merge(tracks[["rank", "lane", "device", "stream", "tid"]], how="left",
+                      on=["rank", "lane", "device", "stream"])["tid"].to_numpy()
+    cat = chunk["cat"].astype(str)
+    cat = cat.where(cat != "", chunk["source"].astype(str))
+    gpu = (chunk["lane"].astype(str) == "gpu").to_numpy()
+    args = ('"sl_category": ' + _json_texts(chunk["category"]) + ', "sl_dim": ' + _json_texts(chunk["dim"]))
+    args = args + np.where(gpu, ', "device": ' + chunk["device"].astype(str).to_numpy(dtype=object)
+                           + ', "stream": ' + chunk["stream"].astype(str).to_numpy(dtype=object), "")
+    for column, key in _ARG_NAMES.items():
+        values = chunk[column]
+        if values.dtype == "category":
+            present = (values.astype(str) != "").to_numpy()
+            text = _json_texts(values)
+        else:
+            present = (values != -1).to_numpy()
+            text = values.astype(str).to_numpy(dtype=object)
+        if present.any():
+            args = args + np.where(present, f', "{key}": ' + text, "")
+    nbytes = chunk["msg_bytes"].to_numpy()
+    memcpy = chunk["category"].astype(str).str.startswith(("memcpy", "memset")).to_numpy() & (nbytes >= 0)
+    args = args + np.where(memcpy, ', "bytes": ' + chunk["msg_bytes"].astype(str).to_numpy(dtype=object), "")
+    return ('{"ph": "X", "pid": ' + chunk["rank"].astype(str).to_numpy(dtype=object) + ', "tid": '
+            + tid.astype(str).astype(object) + ', "ts": ' + us_text(chunk["start_ns"].to_numpy() - base)
+            + ', "dur": ' + us_text(chunk["dur_ns"].to_numpy()) + ', "name": ' + _json_texts(chunk["name"])
+            + ', "cat": ' + _json_texts(cat) + ', "args": {' + args + "}}")
+
+
+def category_segments(events: pd.DataFrame) -> pd.DataFrame:
+    """The exclusive attribution of one rank's step windows as a timeline: rows step, label, start_ns, end_ns.
+
+    Each elementary segment inside a window goes to the first ``LABELS`` entry whose set covers it (idle when
+    none), as in ``attribution.partition``; adjacent segments with one label are joined. Summing a window's
+    segments per label gives that window's ``breakdown`` columns exactly.
+    """
+    from shardline.profiling.attribution import LABELS, label_sets, step_windows, work_rows
+
+    work, lanes = work_rows(events)
+    if work.empty:
+        return pd.DataFrame({"step": [], "label": [], "start_ns": [], "end_ns": []}).astype(
+            {"step": "int64", "start_ns": "int64", "end_ns": "int64"})
+    windows = step_windows(events, lanes=lanes, work=work)
+    if windows.empty:
+        end = int((work["start_ns"] + work["dur_ns"]).max())
+        windows = pd.DataFrame({"step": [-1], "start_ns": [int(work["start_ns"].min())], "end_ns": [end]})
+    sets = label_sets(events, work, lanes)
+    points = np.unique(np.concatenate([windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()]
+                                      + [a for s in sets.values() for a in s]))
+    seg_s, seg_e = points[:-1], points[1:]
+    label = np.full(len(seg_s), len(LABELS) - 1)  # idle unless a label covers the segment
+    for k in range(len(LABELS) - 2, -1, -1):  # lowest priority first, so the highest one is written last
+        if LABELS[k] in sets:
+            label[iv.covers(sets[LABELS[k]], seg_s)] = k
+    frames = []
+    for w in windows.itertuples(index=False):  # a few windows per rank
+        inside = (seg_s >= w.start_ns) & (seg_e <= w.end_ns)
+        s, e, lab = seg_s[inside], seg_e[inside], label[inside]
+        if not len(s):
+            continue
+        new = np.concatenate([[True], (lab[1:] != lab[:-1]) | (s[1:] != e[:-1])])
+        run = np.cumsum(new) - 1
+        run_end = np.zeros(run[-1] + 1, dtype=np.int64)
+        np.maximum.at(run_end, run, e)
+        frames.append(pd.DataFrame({"step": int(w.step), "label": np.asarray(LABELS)[lab[new]],
+                                    "start_ns": s[new], "end_ns": run_end}))
+    if not frames:
+        return pd.DataFrame({"step": pd.Series(dtype="int64"), "label": pd.Series(dtype="str"),
+                             "start_ns": pd.Series(dtype="int64"), "end_ns": pd.Series(dtype="int64")})
+    return pd.concat(frames, ignore_index=True)
+
+
+def _slice_lines(*, rank: int, tid: int, cat: str, names, start, end, base: int) -> list[str]:
+    start = np.asarray(start, dtype=np.int64)
+    end = np.asarray(end, dtype=np.int64)
+    if not len(start):
+        return []
+    names = np.array([json.dumps(str(n)) for n in names], dtype=object)
+    lines = (f'{{"ph": "X", "pid": {rank}, "tid": {tid}, "ts": ' + us_text(start - base) + ', "dur": '
+             + us_text(end - start) + ', "name": ' + names + f', "cat": "{cat}"}}')
+    return lines.tolist()
+
+
+def _added_lines(events: pd.DataFrame, *, tracks: pd.DataFrame, base: int):
+    from shardline.profiling.attribution import step_windows, work_rows
+    from shardline.profiling.bubbles import bubble_set
+
+    tid_of = {(r.rank, r.label): r.tid for r in tracks[tracks["lane"] == "sl"].itertuples(index=False)}
+    for rank, grp in events.groupby("rank", observed=True, sort=True):
+        rank = int(rank)
+        work, lanes = work_rows(grp)
+        if work.empty:
+            continue
+        windows = step_windows(grp, lanes=lanes, work=work)
+        yield from _slice_lines(rank=rank, tid=tid_of[(rank, "sl: steps")], cat="sl_step",
+                                names=[f"step {s}" for s in windows["step"]], start=windows["start_ns"],
+                                end=windows["end_ns"], base=base)
+        segments = category_segments(grp)
+        yield from _slice_lines(rank=rank, tid=tid_of[(rank, "sl: categories")], cat="sl_category",
+                                names=segments["label"], start=segments["start_ns"], end=segments["end_ns"],
+                                base=base)
+        bubble_s, bubble_e = bubble_set(grp, lanes=lanes)
+        yield from _slice_lines(rank=rank, tid=tid_of[(rank, "sl: pipeline bubbles")], cat="sl_bubble",
+                                names=["bubble"] * len(bubble_s), start=bubble_s, end=bubble_e, base=base)
+
+
+def collective_flows(events: pd.DataFrame) -> pd.DataFrame:
+    """Flow arrows of the merged trace: one row per (instance, waiting member) with the source (last arriver)
+    and target calls' rank, lane, device, stream and recorded start_ns. Empty when nothing matches."""
+    from shardline.profiling.collectives import match_collectives
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # uneven call counts: matched as far as possible, said by the core
+            matched = match_collectives(events)
+    except AttributionError:
+        return pd.DataFrame()
+    matched = matched[matched["members"] > 1].copy()
+    if matched.empty:
+        return pd.DataFrame()
+    matched["start_ns"] = matched["start_ns"] + matched["offset_ns"]  # back to the rank's recorded clock
+    calls = events[["rank", "lane", "device", "stream", "start_ns", "dur_ns", "category"]].astype(
+        {"lane": str, "category": str, "rank": np.int64}).drop_duplicates(["rank", "start_ns", "dur_ns", "category"])
+    located = matched.merge(calls, how="inner", on=["rank", "start_ns", "dur_ns", "category"])
+    key = ["group", "category", "instance"]
+    src = located[located["is_last"]][key + ["rank", "lane", "device", "stream", "start_ns"]]
+    dst = located[~located["is_last"]][key + ["rank", "lane", "device", "stream", "start_ns"]]
+    return src.merge(dst, on=key, suffixes=("_src", "_dst")).reset_index(drop=True)
+
+
+def _flow_lines(events: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> list[str]:
+    flows = collective_flows(events)
+    if flows.empty:
+        return []
+    key = ["rank", "lane", "device", "stream"]
+    lookup = tracks[key + ["tid"]]
+    out = []
+    for end in ("src", "dst"):
+        cols = {f"{k}_{end}": k for k in key}
+        tid = flows[list(cols)].rename(columns=cols).merge(lookup, how="left", on=key)["tid"].to_numpy()
+        flows[f"tid_{end}"] = tid
+    names = _json_texts((flows["category"].astype(str) + " " + flows["group"].astype(str) + "#"
+                         + flows["instance"].astype(str)).astype("category"))
+    ids = np.arange(1, len(flows) + 1).astype(str).astype(object)
+    for phase, end, extra in (("s", "src", ""), ("f", "dst", ', "bp": "e"')):
+        lines = (f'{{"ph": "{phase}", "id": ' + ids + ', "pid": ' + flows[f"rank_{end}"].astype(str).to_numpy(
+            dtype=object) + ', "tid": ' + flows[f"tid_{end}"].astype(str).to_numpy(dtype=object) + ', "ts": '
+            + us_text(flows[f"start_ns_{end}"].to_numpy() - base) + ', "name": ' + names
+            + ', "cat": "sl_collective"' + extra + "}")
+        out.extend(lines.tolist())
+    return out
