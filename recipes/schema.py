@@ -1,0 +1,261 @@
+"""Recipe files: what a ``shardline fit`` recipe may contain, and the checks that run before anything is built.
+
+A recipe is LightningCLI's ``fit`` configuration as YAML, with four sections (all optional):
+``seed_everything``, ``trainer`` (``pytorch_lightning.Trainer`` arguments; ``trainer.strategy`` is a registered
+name such as ``shardline_tp2_zero1`` or ``{class_path: shardline.plugins.strategy.HybridParallelStrategy,
+init_args: {...}}``), ``model`` (:class:`~shardline.recipes.lit_gpt.GPTModule` arguments) and ``data``
+(:class:`~shardline.recipes.data.TextDataModule` arguments; ``data.seq_len`` is not a recipe field: the fit
+command links it to ``model.seq_len``). ``ckpt_path`` resumes a run.
+
+Validation has two layers, both raising :class:`RecipeError` with the file and every offending field:
+
+1. :func:`load_recipe` reads the file as written: YAML syntax (with the line), unknown sections and keys (with
+   the nearest valid name), and the type of every field whose annotation is made of plain types (int, float,
+   bool, str, None, Literal, list, dict and unions of them). Fields of richer types (a logger, callbacks) are
+   left to jsonargparse, which LightningCLI runs next.
+2. :func:`check_recipe` checks what no single field shows: the parallel layout against the world
+   (``ParallelDims``: ``tp*pp*cp`` must divide ``devices*num_nodes``), the model shape (``GPTConfig``), the model
+   against the layout (heads and FFN divisible by tp, ...) and the byte vocabulary. The fit command runs it on
+   the file alone and again on the configuration LightningCLI parsed, command-line overrides included.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from shardline.plugins.errors import ShardlineError
+
+SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
+LINKED = {"data.seq_len": "model.seq_len"}  # fields the fit command sets from another; not recipe fields
+HYBRID_CLASS = "shardline.plugins.strategy.HybridParallelStrategy"
+_SIMPLE = (int, float, bool, str, type(None), list, dict)
+
+
+class RecipeError(ShardlineError, ValueError):
+    """A recipe (file or command-line override) that cannot work; names the file and every bad field."""
+
+
+def _fail(source: str, problems: list[str]) -> None:
+    if problems:
+        raise RecipeError(f"recipe {source}: " + "; ".join(problems))
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe at ``path`` as a dict, after both validation layers (see the module docstring)."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise RecipeError(f"recipe {source}: cannot be read ({error.strerror})") from None
+    try:
+        recipe = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"recipe {source}: not valid YAML{where}: {getattr(error, 'problem', error)}") from None
+    if recipe is None:
+        recipe = {}
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"recipe {source}: must be a mapping of sections {SECTIONS}, "
+                          f"got {type(recipe).__name__}")
+    _fail(source, structure_problems(recipe))
+    check_recipe(recipe, source=source)
+    return recipe
+
+
+# --- layer 1: keys and types -----------------------------------------------------------------------------------
+
+def _signature_hints(cls: type) -> dict[str, Any]:
+    """Parameter name -> annotation of ``cls.__init__`` (``Any`` where unresolvable), without ``self``/``**``."""
+    params = inspect.signature(cls.__init__).parameters
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not resolve here: leave that type to jsonargparse
+        hints = {}
+    return {name: hints.get(name, Any) for name, p in params.items()
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def section_fields() -> dict[str, dict[str, Any]]:
+    """Field annotations per section: ``model``, ``data``, ``trainer`` and ``strategy`` (HybridParallelStrategy
+    init_args: its own arguments plus the DeepSpeedStrategy ones its ``**lightning_kwargs`` forwards)."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DeepSpeedStrategy
+
+    from shardline.plugins.strategy import HybridParallelStrategy
+    from shardline.recipes.data import TextDataModule
+    from shardline.recipes.lit_gpt import GPTModule
+
+    data = _signature_hints(TextDataModule)
+    for field in LINKED:
+        data.pop(field.split(".", 1)[1])
+    strategy = {k: v for k, v in _signature_hints(DeepSpeedStrategy).items() if k != "config"}
+    strategy.update(_signature_hints(HybridParallelStrategy))
+    return {"model": _signature_hints(GPTModule), "data": data, "trainer": _signature_hints(pl.Trainer),
+            "strategy": strategy}
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    """False only when ``value`` certainly does not fit ``annotation``; richer types are not judged here."""
+    if annotation is Any or annotation is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        members = typing.get_args(annotation)
+        if any(_type_ok(value, m) for m in members if _is_simple(m)):
+            return True
+        return not all(_is_simple(m) for m in members)
+    if origin is Literal:
+        return value in typing.get_args(annotation) and type(value) in {type(a) for a in typing.get_args(annotation)}
+    if origin is not None:
+        annotation = origin
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in _SIMPLE:
+        return isinstance(value, annotation)
+    return True
+
+
+def _is_simple(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return all(_is_simple(m) for m in typing.get_args(annotation))
+    return origin is Literal or (origin or annotation) in _SIMPLE
+
+
+def _describe(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "")
+    return annotation.__name__ if isinstance(annotation, type) else text
+
+
+def _field_problems(prefix: str, values: Any, fields: dict[str, Any], *, what: str) -> list[str]:
+    if values is None:
+        return []
+    if not isinstance(values, dict):
+        return [f"{prefix} must be a mapping of {what} arguments, got {type(values).__name__} {values!r}"]
+    problems = []
+    for key, value in values.items():
+        name = f"{prefix}.{key}"
+        if name in LINKED:
+            problems.append(f"{name} is not a recipe field: it follows {LINKED[name]}")
+        elif key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {prefix}.{near[0]}?)" if near else ""
+            problems.append(f"{name} is not a {what} argument{hint}")
+        elif not _type_ok(value, fields[key]):
+            problems.append(f"{name}={value!r} is a {type(value).__name__}, expected {_describe(fields[key])}")
+    return problems
+
+
+def structure_problems(recipe: dict[str, Any]) -> list[str]:
+    """Unknown sections and keys, and simple-typed fields of the wrong type, each naming the field."""
+    problems = []
+    for key in recipe:
+        if key not in SECTIONS:
+            near = difflib.get_close_matches(str(key), SECTIONS, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            problems.append(f"{key!r} is not a recipe section; sections are {SECTIONS}{hint}")
+    fields = section_fields()
+    problems += _field_problems("model", recipe.get("model"), fields["model"], what="GPTModule")
+    problems += _field_problems("data", recipe.get("data"), fields["data"], what="TextDataModule")
+    trainer = recipe.get("trainer")
+    problems += _field_problems("trainer", trainer, fields["trainer"], what="Trainer")
+    strategy = trainer.get("strategy") if isinstance(trainer, dict) else None
+    if isinstance(strategy, dict):
+        problems += _strategy_problems(strategy, fields["strategy"])
+    return problems
+
+
+def _strategy_problems(strategy: dict[str, Any], fields: dict[str, Any]) -> list[str]:
+    extra = sorted(set(strategy) - {"class_path", "init_args"})
+    if extra:
+        return [f"trainer.strategy has keys {extra}; a strategy is class_path plus init_args"]
+    if _is_hybrid(strategy.get("class_path")):
+        return _field_problems("trainer.strategy.init_args", strategy.get("init_args") or {}, fields,
+                               what="HybridParallelStrategy")
+    return []
+
+
+def _is_hybrid(class_path: Any) -> bool:
+    return class_path in (HYBRID_CLASS, "shardline.plugins.HybridParallelStrategy", "HybridParallelStrategy")
+
+
+# --- layer 2: fields together ------------------------------------------------------------------------------------
+
+def strategy_degrees(strategy: Any) -> dict[str, Any] | None:
+    """``tp, pp, cp, sp, gpus_per_node`` of a shardline strategy given as a registered name or class_path dict;
+    None for any other strategy."""
+    from shardline.plugins.registry import parse_strategy_name
+
+    if isinstance(strategy, str) and strategy.startswith("shardline"):
+        parsed = parse_strategy_name(strategy)
+        return {"tp": parsed["tp"], "pp": parsed["pp"], "cp": 1, "sp": "none", "gpus_per_node": None}
+    if isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
+        args = strategy.get("init_args") or {}
+        return {"tp": args.get("tp", 1), "pp": args.get("pp", 1), "cp": args.get("cp", 1),
+                "sp": args.get("sp", "none"), "gpus_per_node": args.get("gpus_per_node")}
+    return None
+
+
+class _LayoutProbe:
+    """Stands in for a Grid when checking a model against a layout before any process group exists."""
+
+    def __init__(self, dims):
+        self.dims = dims
+
+    def group(self, axis: str):
+        return None
+
+    def rank(self, axis: str) -> int:
+        return 0
+
+
+def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
+    """Cross-field checks (layout vs world, model shape, model vs layout, byte vocabulary); RecipeError naming
+    ``source`` and the fields. Reuses ParallelDims and GPTConfig, whose messages name every value."""
+    from shardline.plugins.errors import ContractError, LayoutError
+    from shardline.plugins.grid import ParallelDims
+    from shardline.plugins.model import GPTConfig, _sp_context
+    from shardline.recipes.data import VOCAB_SIZE
+    from shardline.recipes.lit_gpt import GPTModule
+
+    trainer = recipe.get("trainer") or {}
+    defaults = {name: p.default for name, p in inspect.signature(GPTModule.__init__).parameters.items()
+                if p.default is not p.empty}
+    model = {**defaults, **(recipe.get("model") or {})}
+    problems, dims, config = [], None, None
+    try:
+        degrees = strategy_degrees(trainer.get("strategy"))
+    except ContractError as error:
+        degrees, problems = None, [f"trainer.strategy: {error}"]
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    if degrees is not None and isinstance(devices, int) and isinstance(nodes, int):
+        gpus_per_node = degrees.pop("gpus_per_node")
+        try:
+            dims = ParallelDims(devices * nodes, gpus_per_node=gpus_per_node, **degrees)
+        except LayoutError as error:
+            problems.append(f"trainer.devices={devices} x trainer.num_nodes={nodes} with trainer.strategy "
+                            f"{degrees}: {error}")
+    config_fields = set(inspect.signature(GPTConfig).parameters)
+    try:
+        config = GPTConfig(**{k: v for k, v in model.items() if k in config_fields})
+    except ContractError as error:
+        problems.append(f"model: {error}")
+    if config is not None and config.vocab_size < VOCAB_SIZE:
+        problems.append(f"model.vocab_size={config.vocab_size} is below the byte vocabulary ({VOCAB_SIZE})")
+    if config is not None and dims is not None:
+        try:
+            _sp_context(config, _LayoutProbe(dims))
+        except LayoutError as error:
+            problems.append(f"model vs trainer.strategy: {error}")
+    _fail(source, problems)
