@@ -1,9 +1,18 @@
-"""``shardline profile report <path>``: the per-(rank, step) breakdown on the terminal, or as CSV / JSON.
+"""``shardline profile report | diff | merge``: breakdowns, reports, run-to-run diffs and the merged trace.
 
 ``add_commands(subparsers)`` registers ``profile`` on the ``shardline`` console script (each leaf parser sets
 ``func(args) -> int``); ``main(argv)`` runs the same parser standalone, for tests and ``python -m``.
-Presentation only: the numbers come from ``breakdown`` unchanged (CSV/JSON keep integer ns; the table shows
-ms and shares of the step, and hides columns that are zero on every row).
+
+- ``profile report PATH [-o FILE] [--format F]``: ``table`` (terminal, default), ``csv`` / ``json`` /
+  ``parquet`` (the breakdown, integer ns, for machines), ``md`` / ``html`` (every report section; the HTML is one
+  self-contained file), ``tensorboard`` (``-o LOGDIR``, written by ``shardline.profiling.tensorboard``). Without
+  ``--format`` the format follows the suffix of ``-o`` (``.html``, ``.md``, ``.csv``, ``.json``, ``.parquet``).
+- ``profile diff BEFORE AFTER``: per rank and category, the mean-step time before, after and the delta; the deltas
+  sum to the step-time delta exactly (``diff.diff_breakdowns``).
+- ``profile merge PATH -o FILE``: all ranks in one Chrome trace (``merge.merged_trace``).
+
+Presentation only: the numbers come from the analyses unchanged. Our errors become one line on stderr and exit
+status 2. A progress bar (tqdm, on stderr) shows when stderr is a terminal or with ``--progress``.
 """
 
 from __future__ import annotations
@@ -11,7 +20,9 @@ from __future__ import annotations
 import argparse
 import enum
 import sys
+import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -23,41 +34,175 @@ class ReportFormat(str, enum.Enum):
     TABLE = "table"
     CSV = "csv"
     JSON = "json"
+    MD = "md"
+    PARQUET = "parquet"
+    HTML = "html"
+    TENSORBOARD = "tensorboard"
+
+
+class DiffFormat(str, enum.Enum):
+    TABLE = "table"
+    CSV = "csv"
+    JSON = "json"
+    MD = "md"
+
+
+_SUFFIX_FORMATS = {".html": ReportFormat.HTML, ".htm": ReportFormat.HTML, ".md": ReportFormat.MD,
+                   ".csv": ReportFormat.CSV, ".json": ReportFormat.JSON, ".parquet": ReportFormat.PARQUET}
+#: Formats rendered from every report section rather than the breakdown alone.
+_SECTION_FORMATS = (ReportFormat.MD, ReportFormat.HTML)
+
+
+class UsageError(ProfilingError):
+    """A combination of options that cannot work (e.g. ``--format parquet`` without ``-o``)."""
 
 
 def add_commands(subparsers) -> None:
-    """Add ``profile report`` to an ``argparse`` subparsers object."""
+    """Add ``profile report``, ``profile diff`` and ``profile merge`` to an ``argparse`` subparsers object."""
     profile = subparsers.add_parser("profile", help="analyse profiler traces")
     commands = profile.add_subparsers(dest="profile_command", metavar="COMMAND")
     commands.required = True
-    report = commands.add_parser("report", help="per-rank, per-step time breakdown of a trace")
+    report = commands.add_parser("report", help="per-rank, per-step time breakdown and report of a trace")
     report.add_argument("path", type=Path, help="trace file, folder of per-rank traces, or run folder")
-    report.add_argument("--format", choices=[f.value for f in ReportFormat], default=ReportFormat.TABLE.value,
-                        help="table (terminal), csv or json (integer ns, for machines)")
+    report.add_argument("--format", choices=[f.value for f in ReportFormat], default=None,
+                        help="table (terminal); csv, json, parquet (the breakdown, integer ns); md, html (the full "
+                             "report); tensorboard (-o LOGDIR). Default: from the -o suffix, else table")
     report.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    _progress_flag(report)
     report.set_defaults(func=run_report)
+
+    diff = commands.add_parser("diff", help="what changed between two runs, per rank and category")
+    diff.add_argument("before", type=Path)
+    diff.add_argument("after", type=Path)
+    diff.add_argument("--format", choices=[f.value for f in DiffFormat], default=DiffFormat.TABLE.value)
+    diff.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    _progress_flag(diff)
+    diff.set_defaults(func=run_diff)
+
+    merge = commands.add_parser("merge", help="all ranks in one Chrome-trace JSON (Perfetto, chrome://tracing)")
+    merge.add_argument("path", type=Path)
+    merge.add_argument("-o", "--output", type=Path, required=True, help="the merged trace (.json or .json.gz)")
+    _progress_flag(merge)
+    merge.set_defaults(func=run_merge)
+
+
+def _progress_flag(parser) -> None:
+    parser.add_argument("--progress", action="store_true", default=None,
+                        help="show a progress bar (default: when stderr is a terminal)")
+
+
+def _wants_progress(args) -> bool:
+    return bool(args.progress) if args.progress is not None else sys.stderr.isatty()
+
+
+@contextmanager
+def _stages(names: Sequence[str], *, enabled: bool):
+    """A progress bar over named stages; ``advance(name)`` moves to the next one."""
+    if not enabled:
+        yield lambda name: None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(names), unit="stage", leave=False, file=sys.stderr)
+
+    def advance(name: str) -> None:
+        bar.set_description(name)
+        bar.update()
+
+    try:
+        yield advance
+    finally:
+        bar.close()
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    print(f"shardline profile {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def report_format(args: argparse.Namespace) -> ReportFormat:
+    """The explicit ``--format``, else the one the ``-o`` suffix names, else the terminal table."""
+    if args.format is not None:
+        return ReportFormat(args.format)
+    if args.output is not None:
+        return _SUFFIX_FORMATS.get(args.output.suffix.lower(), ReportFormat.TABLE)
+    return ReportFormat.TABLE
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Load, attribute, render; our errors become one line on stderr and exit status 2."""
-    from shardline.profiling.attribution import breakdown
+    """Load, attribute, render."""
     from shardline.profiling.load import load
 
+    fmt = report_format(args)
     try:
-        table = breakdown(load(args.path))
+        if fmt in (ReportFormat.PARQUET, ReportFormat.TENSORBOARD) and args.output is None:
+            raise UsageError(f"--format {fmt.value} needs -o " + ("FILE" if fmt is ReportFormat.PARQUET else
+                                                                   "LOGDIR"))
+        with _stages(["load", "analyse", "write"], enabled=_wants_progress(args)) as advance:
+            traceset = load(args.path)
+            advance("load")
+            if fmt is ReportFormat.TENSORBOARD:
+                return _write_tensorboard(traceset, logdir=args.output)
+            text = _render_report(traceset, fmt=fmt, source=str(args.path), progress=_wants_progress(args))
+            advance("analyse")
+            if fmt is ReportFormat.PARQUET:
+                _write_parquet(text, args.output)
+            else:
+                _emit(text, args.output)
+            advance("write")
     except (ProfilingError, OSError) as exc:
-        print(f"shardline profile report: error: {exc}", file=sys.stderr)
-        return 2
-    text = render(table, fmt=ReportFormat(args.format))
-    if args.output is None:
+        return _fail("report", exc)
+    return 0
+
+
+def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
+    """Text of the report in ``fmt``; for parquet, the breakdown frame itself."""
+    if fmt in _SECTION_FORMATS:
+        from shardline.profiling.report_sections import report_sections
+
+        sections = report_sections(traceset, progress=progress)
+        if fmt is ReportFormat.HTML:
+            from shardline.profiling.report_html import render_html
+
+            return render_html(sections, events=traceset.events, sources=(source,))
+        from shardline.profiling.report_md import render_markdown
+
+        return render_markdown(sections)
+    from shardline.profiling.attribution import breakdown
+
+    table = breakdown(traceset)
+    return table if fmt is ReportFormat.PARQUET else render(table, fmt=fmt)
+
+
+def _emit(text: str, output: Path | None) -> None:
+    if output is None:
         sys.stdout.write(text)
     else:
-        args.output.write_text(text)
+        output.write_text(text, encoding="utf-8")
+
+
+def _write_parquet(table: pd.DataFrame, output: Path) -> None:
+    try:
+        import pyarrow  # noqa: F401  (pandas' parquet engine; checked here for a clear message)
+    except ImportError:
+        raise UsageError("--format parquet needs pyarrow, which is not installed: pip install pyarrow") from None
+    table.to_parquet(output, index=False)
+
+
+def _write_tensorboard(traceset, *, logdir: Path) -> int:
+    try:
+        from shardline.profiling.tensorboard import write_tensorboard
+    except ModuleNotFoundError as exc:
+        if exc.name != "shardline.profiling.tensorboard":
+            raise
+        raise UsageError("--format tensorboard: shardline.profiling.tensorboard is not available in this "
+                         "install") from None
+    write_tensorboard(traceset, logdir=logdir)
     return 0
 
 
 def render(table: pd.DataFrame, *, fmt: ReportFormat) -> str:
-    """The breakdown as text in ``fmt``."""
+    """The breakdown as text in ``fmt`` (table, csv or json)."""
     fmt = ReportFormat(fmt)
     if fmt is ReportFormat.CSV:
         return table.to_csv(index=False)
@@ -81,6 +226,68 @@ def render_table(table: pd.DataFrame) -> str:
     header = ("exclusive parts (exposed communication) sum to step_ms; overlap_% = time(compute ∩ comm) / "
               "time(comm)\n")
     return header + shown.to_string(index=False, float_format=lambda v: f"{v:.3f}") + "\n"
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    """Load both runs, attribute both, compare."""
+    from shardline.profiling.attribution import breakdown
+    from shardline.profiling.diff import diff_breakdowns
+    from shardline.profiling.load import load
+
+    try:
+        with _stages(["before", "after", "compare"], enabled=_wants_progress(args)) as advance:
+            tables = []
+            for path, name in ((args.before, "before"), (args.after, "after")):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # an empty breakdown is refused by the diff, by name
+                    tables.append(breakdown(load(path)))
+                advance(name)
+            result = diff_breakdowns(*tables)
+            _emit(render_diff(result, fmt=DiffFormat(args.format)), args.output)
+            advance("compare")
+    except (ProfilingError, OSError) as exc:
+        return _fail("diff", exc)
+    return 0
+
+
+def render_diff(result, *, fmt: DiffFormat) -> str:
+    """The diff table as csv / json (integer ns), markdown or a terminal table (ms, non-zero rows only)."""
+    from shardline.profiling.diff import ALL_RANKS, explain
+
+    fmt = DiffFormat(fmt)
+    table = result.table
+    if fmt is DiffFormat.CSV:
+        return table.to_csv(index=False)
+    if fmt is DiffFormat.JSON:
+        return table.to_json(orient="records", indent=1, double_precision=15) + "\n"
+    shown = table[(table["before_ns"] != 0) | (table["after_ns"] != 0)]
+    display = pd.DataFrame({"rank": shown["rank"].map(lambda r: "all" if r == ALL_RANKS else str(r)),
+                            "column": shown["column"],
+                            "before_ms": shown["before_ns"] / 1e6, "after_ms": shown["after_ns"] / 1e6,
+                            "delta_ms": shown["delta_ns"] / 1e6,
+                            "share_of_delta_%": (100 * shown["share_of_delta"]).round(1)})
+    lines = [explain(result, rank=r) for r in [ALL_RANKS, *sorted(set(table["rank"]) - {ALL_RANKS})]]
+    notes = [f"note: {n}" for n in result.notes]
+    if fmt is DiffFormat.MD:
+        from shardline.profiling.report_md import markdown_table
+        from shardline.profiling.report_sections import ms_text
+
+        exact = display.assign(**{f"{c}_ms": ms_text(shown[f"{c}_ns"]) for c in ("before", "after", "delta")})
+        return "\n".join(["# shardline profile diff", "", *[f"- {line}" for line in lines + notes], "",
+                          markdown_table(exact.astype(str)), ""])
+    return "\n".join(lines + notes + ["", display.to_string(index=False, float_format=lambda v: f"{v:.3f}"), ""])
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from shardline.profiling.load import load
+    from shardline.profiling.merge import merged_trace
+
+    try:
+        traceset = load(args.path)
+        merged_trace(traceset, path=args.output, progress=_wants_progress(args))
+    except (ProfilingError, OSError) as exc:
+        return _fail("merge", exc)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,257 @@
+"""The sections of a post-hoc report, as DataFrames, and their display tables (shared by HTML and markdown).
+
+``report_sections(traceset)`` runs each analysis once -- ``breakdown``, ``comm_by_dim``, ``match_collectives``
+(-> ``wait_transfer``, ``stragglers``), ``pipeline_bubbles`` -- and two summaries of the events table that no
+analysis gives: the top kernels (or ops) per category and the offload traffic. The renderers format these frames
+and never recompute them, so a number in a report is a number of a frame here.
+
+Offload traffic, per rank and direction (host->device, device->host), over the attributed work rows of the whole
+trace::
+
+    achieved GB/s = bytes / busy ns        (1 byte/ns = 1 GB/s; copies without a recorded size are left out)
+    of_limit      = achieved / 64 GB/s     (PCIe Gen5 x16, per direction)
+
+``exposed_ns`` is the sum of the breakdown's ``memcpy_h2d`` / ``memcpy_d2h`` column (inside step windows) and
+``pageable_copies`` counts copies from/to pageable host memory (they stage through a bounce buffer and block).
+
+Display numbers: durations are ms written exactly (``ms_text``: six decimals, so a value times 10^6 is the
+frame's integer ns); ratios and bandwidths are rounded to the stated decimals.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+#: PCIe Gen5 x16 bandwidth per direction, GB/s (32 GT/s x 16 lanes, 128b/130b), the offload ceiling.
+PCIE_GEN5_X16_GBPS = 64.0
+TOP_KERNELS = 5
+
+
+class Section(str, enum.Enum):
+    """Report sections, in order; the value is the HTML id and the markdown anchor."""
+
+    BREAKDOWN = "breakdown"
+    COMM_BY_DIM = "comm-by-dim"
+    COLLECTIVES = "collectives"
+    PIPELINE = "pipeline"
+    TOP_KERNELS = "top-kernels"
+    OFFLOAD = "offload"
+
+
+TITLES = {
+    Section.BREAKDOWN: "Step time per rank and step (exclusive, ms)",
+    Section.COMM_BY_DIM: "Communication per parallel dimension (ms)",
+    Section.COLLECTIVES: "Collectives: wait vs transfer, stragglers",
+    Section.PIPELINE: "Pipeline timeline and bubble vs the (p-1)/(m+p-1) ideal",
+    Section.TOP_KERNELS: "Top kernels per category",
+    Section.OFFLOAD: "Offload traffic (H2D / D2H) vs the PCIe Gen5 x16 limit",
+}
+
+
+@dataclass(frozen=True)
+class ReportSections:
+    """The frames a report shows; ``notes[section]`` says why a section is empty or how to read it."""
+
+    breakdown: pd.DataFrame
+    comm_by_dim: pd.DataFrame
+    wait_transfer: pd.DataFrame
+    stragglers: pd.DataFrame
+    bubbles: pd.DataFrame
+    top_kernels: pd.DataFrame
+    offload: pd.DataFrame
+    notes: dict[Section, str] = field(default_factory=dict)
+
+
+def report_sections(traceset, *, progress: bool = False, top: int = TOP_KERNELS) -> ReportSections:
+    """Every section's frame for ``traceset`` (a ``TraceSet`` or an events table); each analysis runs once."""
+    from shardline.profiling.attribution import breakdown, comm_by_dim
+    from shardline.profiling.bubbles import pipeline_bubbles
+    from shardline.profiling.classify import match_names
+    from shardline.profiling.collectives import match_collectives, stragglers, wait_transfer
+    from shardline.profiling.errors import AttributionError
+
+    events = getattr(traceset, "events", traceset)
+    notes: dict[Section, str] = {}
+    bar = _bar(6, enabled=progress)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bd = breakdown(events)
+        bar.update()
+        cbd = comm_by_dim(events)
+        bar.update()
+        try:
+            matched = match_collectives(events)
+            wt, sg = wait_transfer(matched), stragglers(matched)
+        except AttributionError as exc:
+            wt, sg = pd.DataFrame(), pd.DataFrame()
+            notes[Section.COLLECTIVES] = str(exc)
+        bar.update()
+        # Without sl:pp annotations pipeline_bubbles would re-run the breakdown for its p2p estimate; the
+        # breakdown's p2p_recv column already says that, so the section points there instead.
+        if match_names(events["name"], "^sl:pp:batch:").any():
+            bubbles = pipeline_bubbles(events)
+        else:
+            bubbles = pd.DataFrame()
+            notes[Section.PIPELINE] = ("no pipeline annotations (sl:pp:*) in this trace; the time ranks spent "
+                                       "in receives is the breakdown's p2p_recv column")
+        bar.update()
+        kernels = top_kernels(events, top=top)
+        bar.update()
+        offload = offload_traffic(events, bd)
+        bar.update()
+    bar.close()
+    if caught:
+        notes.setdefault(Section.BREAKDOWN, "; ".join(sorted({str(w.message) for w in caught})))
+    if cbd.empty:
+        notes[Section.COMM_BY_DIM] = "no communication in this trace"
+    if offload.empty:
+        notes[Section.OFFLOAD] = "no host<->device copies in this trace"
+    elif offload["pageable_copies"].sum() > 0:
+        flagged = offload[offload["pageable_copies"] > 0]
+        notes[Section.OFFLOAD] = (f"pageable host memory in {int(flagged['pageable_copies'].sum())} copies on ranks "
+                                  f"{sorted(set(flagged['rank'].tolist()))}: they stage through a bounce buffer and "
+                                  "block the host; pin the offload buffers")
+    return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
+                          top_kernels=kernels, offload=offload, notes=notes)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, *, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="analysing", unit="section", leave=False)
+
+
+def _all_work(events: pd.DataFrame) -> pd.DataFrame:
+    from shardline.profiling.attribution import work_rows
+
+    frames = [work_rows(grp)[0] for _, grp in events.groupby("rank", observed=True, sort=True)]
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames) if frames else events.iloc[:0]
+
+
+def top_kernels(events: pd.DataFrame, *, top: int = TOP_KERNELS) -> pd.DataFrame:
+    """The ``top`` names by total time in each category, over the attributed work rows of all ranks: category,
+    name, calls, total_ns, mean_ns, share (of the category's total)."""
+    work = _all_work(events)
+    work = work[work["category"].astype(str) != ""]
+    if work.empty:
+        return pd.DataFrame(columns=["category", "name", "calls", "total_ns", "mean_ns", "share"])
+    per = work.groupby([work["category"].astype(str), work["name"].astype(str)]).agg(
+        calls=("dur_ns", "size"), total_ns=("dur_ns", "sum")).reset_index()
+    per.columns = ["category", "name", "calls", "total_ns"]
+    per["mean_ns"] = per["total_ns"] / per["calls"]
+    per["share"] = per["total_ns"] / per.groupby("category")["total_ns"].transform("sum").where(
+        lambda s: s > 0)
+    per = per.sort_values(["category", "total_ns", "name"], ascending=[True, False, True])
+    return per.groupby("category").head(top).reset_index(drop=True)
+
+
+def offload_traffic(events: pd.DataFrame, bd: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, direction): copies, bytes, busy_ns, achieved_gbps, of_limit, pageable_copies, exposed_ns."""
+    work = _all_work(events)
+    copies = work[work["category"].astype(str).isin(["memcpy_h2d", "memcpy_d2h"])]
+    if copies.empty:
+        return pd.DataFrame(columns=["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps",
+                                     "of_limit", "pageable_copies", "exposed_ns"])
+    sized = copies["msg_bytes"].to_numpy() >= 0
+    frame = pd.DataFrame({"rank": copies["rank"].to_numpy().astype(np.int64),
+                          "direction": copies["category"].astype(str).to_numpy(),
+                          "bytes": np.where(sized, copies["msg_bytes"].to_numpy(), 0),
+                          "sized_ns": np.where(sized, copies["dur_ns"].to_numpy(), 0),
+                          "busy_ns": copies["dur_ns"].to_numpy(),
+                          "pageable": (copies["memory_kind"].astype(str) == "Pageable").to_numpy()})
+    out = frame.groupby(["rank", "direction"], as_index=False).agg(
+        copies=("busy_ns", "size"), bytes=("bytes", "sum"), busy_ns=("busy_ns", "sum"),
+        sized_ns=("sized_ns", "sum"), pageable_copies=("pageable", "sum"))
+    out["achieved_gbps"] = out["bytes"] / out["sized_ns"].where(out["sized_ns"] > 0)
+    out["of_limit"] = out["achieved_gbps"] / PCIE_GEN5_X16_GBPS
+    exposed = bd.groupby("rank")[["memcpy_h2d", "memcpy_d2h"]].sum() if len(bd) else None
+    out["exposed_ns"] = [int(exposed.loc[r, d]) if exposed is not None and r in exposed.index else 0
+                         for r, d in zip(out["rank"], out["direction"])]  # one per (rank, direction)
+    out["direction"] = out["direction"].map({"memcpy_h2d": "H2D", "memcpy_d2h": "D2H"})
+    return out[["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps", "of_limit",
+                "pageable_copies", "exposed_ns"]]
+
+
+# --- display tables ---------------------------------------------------------------------------------------------
+
+def ms_text(ns) -> np.ndarray:
+    """Integer ns -> ms as exact decimal text with six decimals (``1234567`` -> ``"1.234567"``)."""
+    ns = np.asarray(ns, dtype=np.int64)
+    sign = np.where(ns < 0, "-", "").astype(object)
+    mag = np.abs(ns)
+    frac = pd.Series((mag % 1_000_000).astype(str)).str.zfill(6).to_numpy(dtype=object)
+    return sign + (mag // 1_000_000).astype(str).astype(object) + "." + frac
+
+
+def _fixed(values, digits: int) -> list[str]:
+    return ["" if pd.isna(v) else f"{v:.{digits}f}" for v in values]
+
+
+def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.DataFrame]]]:
+    """Per section, its (table id, table of display strings) pairs; empty list where the section has no data."""
+    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
+
+    out: dict[Section, list[tuple[str, pd.DataFrame]]] = {s: [] for s in Section}
+    bd = sec.breakdown
+    if len(bd):
+        parts = [c for c in EXCLUSIVE_COLUMNS if (bd[c] != 0).any()]
+        table = pd.DataFrame({"rank": bd["rank"].astype(str), "step": bd["step"].astype(str),
+                              "lanes": bd["lanes"].astype(str), "step_ms": ms_text(bd["step_ns"])})
+        for column in parts:
+            table[f"{column}_ms"] = ms_text(bd[column])
+        table["comm_ms"] = ms_text(bd["comm_ns"])
+        table["overlap_%"] = _fixed(100 * bd["overlap_ratio"], 2)
+        out[Section.BREAKDOWN].append(("breakdown-table", table))
+    if len(sec.comm_by_dim):
+        c = sec.comm_by_dim
+        out[Section.COMM_BY_DIM].append(("comm-by-dim-table", pd.DataFrame({
+            "rank": c["rank"].astype(str), "step": c["step"].astype(str), "dim": c["dim"].astype(str),
+            "comm_ms": ms_text(c["comm_ns"]), "exposed_ms": ms_text(c["exposed_ns"]),
+            "overlapped_ms": ms_text(c["overlapped_ns"])})))
+    if len(sec.wait_transfer):
+        w = sec.wait_transfer
+        out[Section.COLLECTIVES].append(("wait-transfer-table", pd.DataFrame({
+            "rank": w["rank"].astype(str), "category": w["category"].astype(str), "calls": w["calls"].astype(str),
+            "time_ms": ms_text(w["dur_ns"]), "wait_ms": ms_text(w["wait_ns"]),
+            "transfer_ms": ms_text(w["transfer_ns"]), "wait_%": _fixed(100 * w["wait_fraction"], 2)})))
+    if len(sec.stragglers):
+        s = sec.stragglers
+        out[Section.COLLECTIVES].append(("stragglers-table", pd.DataFrame({
+            "step": s["step"].astype(str), "straggler_rank": s["straggler_rank"].astype(str),
+            "caused_wait_ms": ms_text(s["caused_wait_ns"]), "times_last": s["times_last"].astype(str)})))
+    if len(sec.bubbles):
+        b = sec.bubbles
+        out[Section.PIPELINE].append(("bubbles-table", pd.DataFrame({
+            "rank": b["rank"].astype(str), "step": b["step"].astype(str), "schedule": b["schedule"].astype(str),
+            "p": b["p"].astype(str), "m": b["m"].astype(str), "batch_ms": ms_text(b["batch_ns"]),
+            "bubble_ms": ms_text(b["bubble_ns"]), "bubble_%": _fixed(100 * b["bubble_fraction"], 2),
+            "ideal_%": _fixed(100 * b["ideal_fraction"], 2)})))
+    if len(sec.top_kernels):
+        k = sec.top_kernels
+        out[Section.TOP_KERNELS].append(("top-kernels-table", pd.DataFrame({
+            "category": k["category"], "name": k["name"], "calls": k["calls"].astype(str),
+            "total_ms": ms_text(k["total_ns"]), "share_%": _fixed(100 * k["share"], 2)})))
+    if len(sec.offload):
+        o = sec.offload
+        out[Section.OFFLOAD].append(("offload-table", pd.DataFrame({
+            "rank": o["rank"].astype(str), "direction": o["direction"], "copies": o["copies"].astype(str),
+            "bytes": o["bytes"].astype(str), "busy_ms": ms_text(o["busy_ns"]),
+            "achieved_GB/s": _fixed(o["achieved_gbps"], 3), "of_64_GB/s_%": _fixed(100 * o["of_limit"], 2),
+            "pageable_copies": o["pageable_copies"].astype(str), "exposed_ms": ms_text(o["exposed_ns"])})))
+    return out
