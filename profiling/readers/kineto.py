@@ -33,6 +33,7 @@ import numpy as np
 from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult
 from shardline.profiling.readers._kineto_columns import BATCH, columns_from_events, finish_frame
+from shardline.profiling.readers._kineto_stream import stream_mapped
 from shardline.profiling.schema import conform, empty_events
 
 
@@ -148,9 +149,18 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     path = Path(path)
     data = trace_buffer(path)
     warnings: list[str] = []
-    top, events_raw = _split_top(path, data, warnings)
-    if events_raw is None:
-        return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
+    streamed = None
+    if isinstance(data, mmap.mmap):
+        with _gc_paused():
+            streamed = stream_mapped(path, data, decode_batch=_decode_batch, warnings=warnings,
+                                     to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
+    if streamed is None:
+        loaded = _batches_in_memory(path, data, keep_python=keep_python, warnings=warnings)
+        if isinstance(loaded, ReadResult):
+            return loaded
+        streamed = loaded
+    top, batches = streamed
+    del data, streamed
     metadata = {key: _decode_any(top[key]) for key in _META_KEYS if key in top}
     info = metadata.get("distributedInfo") if isinstance(metadata.get("distributedInfo"), dict) else {}
     file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
@@ -160,6 +170,21 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     base_ns = base if isinstance(base, int) and not isinstance(base, bool) else 0
     if base is not None and not base_ns:
         warnings.append(f"{path}: baseTimeNanoseconds {base!r} is not an integer; times kept as written")
+    frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
+                         warnings=warnings)
+    metadata["rank_source"] = ("distributedInfo" if info.get("rank") == file_rank and file_rank is not None
+                               else "argument" if rank is not None and rank == file_rank
+                               else "file name" if file_rank is not None else "none")
+    return ReadResult(conform(frame), metadata={-1 if file_rank is None else file_rank: metadata},
+                      warnings=warnings)
+
+
+def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[str]):
+    """``(top-level raw keys, column batches)`` of a whole in-memory (or mapped) buffer, salvaging damage;
+    a ReadResult instead when the JSON is not a trace (execution trace, memory timeline)."""
+    top, events_raw = _split_top(path, data, warnings)
+    if events_raw is None:
+        return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
     raws = _event_slices(path, events_raw, warnings)
     if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
@@ -168,14 +193,7 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     # Millions of short-lived objects would otherwise trigger full collections that rescan every live one.
     with _gc_paused():
         batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings, pages=pages)
-    del raws, events_raw, top, pages, data
-    frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
-                         warnings=warnings)
-    metadata["rank_source"] = ("distributedInfo" if info.get("rank") == file_rank and file_rank is not None
-                               else "argument" if rank is not None and rank == file_rank
-                               else "file name" if file_rank is not None else "none")
-    return ReadResult(conform(frame), metadata={-1 if file_rank is None else file_rank: metadata},
-                      warnings=warnings)
+    return {k: v for k, v in top.items() if k != "traceEvents"}, batches
 
 
 def _decode_any(raw: msgspec.Raw) -> Any:

@@ -229,6 +229,7 @@ def test_memory_mapped_read_matches_in_memory_read(tmp_path, monkeypatch, traces
     # Big plain files are memory-mapped and released page by page; force that path on a real trace (decompressed
     # into tmp_path) with tiny batches and compare every column with the ordinary in-memory read.
     import shardline.profiling.readers._kineto_columns as columns
+    import shardline.profiling.readers._kineto_stream as stream
     import shardline.profiling.readers.kineto as kineto
 
     source = traces_dir / "hta" / "trace_filter" / "sampled_rank-1.json.gz"
@@ -238,6 +239,25 @@ def test_memory_mapped_read_matches_in_memory_read(tmp_path, monkeypatch, traces
     monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
     monkeypatch.setattr(kineto, "BATCH", 333)
     monkeypatch.setattr(columns, "BATCH", 333)
+    monkeypatch.setattr(stream, "CHUNK", 50_000)  # many chunks, cut at event boundaries
     assert isinstance(kineto.trace_buffer(plain), __import__("mmap").mmap)
     got = load(plain, classify=False).events
     assert got.astype(str).equals(expected.astype(str))
+
+
+def test_streamed_read_falls_back_when_a_cut_lands_in_a_string(tmp_path, monkeypatch):
+    # Names containing "}, {" offer false event boundaries; the streamed read must then fall back to the
+    # whole-file read and still give every event exactly.
+    import shardline.profiling.readers._kineto_stream as stream
+    import shardline.profiling.readers.kineto as kineto
+
+    events = [_EVENT_TEXT.format(name="lambda}, {x" * 20, ts=10 * i + 0.125) for i in range(400)]
+    path = _write(tmp_path, "t.json", _trace(events))
+    monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(stream, "CHUNK", 2_000)
+    ev = load(path, classify=False).events
+    assert ev["start_ns"].tolist() == [BASE + 10_000 * i + 125 for i in range(400)]
+    assert set(ev["name"]) == {"lambda}, {x" * 20}
+
+
+_EVENT_TEXT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1}}'

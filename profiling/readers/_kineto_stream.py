@@ -1,0 +1,114 @@
+"""Streaming read of a big memory-mapped Kineto trace: the events array is cut into chunks at event
+boundaries and each chunk is decoded, turned into columns and its file pages released before the next one,
+so memory holds one chunk of text and its structs at a time, never the whole file.
+
+Boundaries: a chunk ends at a ``}`` followed by ``,`` and ``{`` (whitespace allowed), found by a regular
+expression near the target size. Such a pattern can also occur inside a string literal; cutting there leaves
+an unterminated string, so the chunk fails to decode and the whole file is read the ordinary way instead
+(correct, only slower). The metadata keys are
+read from the text before ``"traceEvents"`` and from the tail after the array (current Kineto writes
+``baseTimeNanoseconds`` there). Anything unexpected returns None and the caller reads the file the ordinary
+way (which also handles damaged files).
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+#: Bytes of event text per chunk.
+CHUNK = 24 << 20
+_BOUNDARY = re.compile(rb"\}\s*,\s*\{")
+_DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
+#: How far into the file the ``traceEvents`` key may start, and how much tail may follow the array.
+_HEAD_LIMIT = 64 << 20
+_TAIL_LIMIT = 1 << 20
+
+
+class _Fallback(Exception):
+    """The file does not have the regular shape this path needs."""
+
+
+def release_pages(buffer: mmap.mmap, upto: int) -> None:
+    """Drop the mapped (clean, file-backed) pages before ``upto``; the kernel re-reads them if touched."""
+    upto -= upto % mmap.PAGESIZE
+    if upto > 0 and hasattr(mmap, "MADV_DONTNEED"):
+        buffer.madvise(mmap.MADV_DONTNEED, 0, upto)
+
+
+def stream_mapped(path: Path, buffer: mmap.mmap, *, decode_batch: Callable, to_columns: Callable,
+                  warnings: list[str]) -> tuple[dict, list[dict]] | None:
+    """``(top-level keys as raw JSON, column batches)`` of a mapped trace, or None to read it another way.
+
+    ``decode_batch(path, raws, warnings)`` turns raw event slices into structs; ``to_columns(structs)`` turns
+    those into a column batch.
+    """
+    try:
+        top, start, close = _bounds(buffer)
+        batches = []
+        for chunk_start, chunk_end in _chunks(buffer, start, close):
+            text = b"[" + buffer[chunk_start:chunk_end] + b"]"
+            release_pages(buffer, chunk_end)
+            try:
+                raws = _DECODE_RAWS.decode(text)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _Fallback(str(exc)) from exc
+            batches.append(to_columns(decode_batch(path, raws, warnings)))
+            del raws, text
+        return top, batches
+    except _Fallback:
+        release_pages(buffer, len(buffer))
+        return None
+
+
+def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
+    """Top-level metadata (head and tail keys) and the byte range of the events array's contents."""
+    key = buffer.find(b'"traceEvents"', 0, _HEAD_LIMIT)
+    if key < 0 or buffer[:key].lstrip()[:1] != b"{":
+        raise _Fallback("no traceEvents key near the start")
+    bracket = buffer.find(b"[", key, key + 4096)
+    if bracket < 0 or buffer[key + len(b'"traceEvents"'):bracket].strip() != b":":
+        raise _Fallback("traceEvents is not followed by an array")
+    head = buffer[:key].rstrip().rstrip(b",").rstrip()
+    try:
+        top = _DECODE_TOP.decode(head + b"}") if head != b"{" else {}
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _Fallback("unreadable metadata before traceEvents") from exc
+    tail_from = max(bracket, len(buffer) - _TAIL_LIMIT)
+    tail = buffer[tail_from:]
+    close = tail.rfind(b"]")
+    while close >= 0:
+        rest = tail[close + 1:].strip()
+        if rest == b"}":
+            return top, bracket + 1, tail_from + close
+        if rest.startswith(b","):
+            try:
+                top.update(_DECODE_TOP.decode(b"{" + rest[1:]))
+                return top, bracket + 1, tail_from + close
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        close = tail.rfind(b"]", 0, close)
+    raise _Fallback("no end of the events array")
+
+
+def _chunks(buffer: mmap.mmap, start: int, close: int):
+    """``(begin, end)`` byte ranges of whole events, about ``CHUNK`` bytes each, covering ``[start, close)``."""
+    while start < close:
+        match = _BOUNDARY.search(buffer, start + CHUNK, close) if close - start > CHUNK * 3 // 2 else None
+        if match is None:
+            yield start, _last_brace(buffer, start, close)
+            return
+        yield start, match.start() + 1
+        start = match.end() - 1
+
+
+def _last_brace(buffer, start: int, close: int) -> int:
+    end = buffer.rfind(b"}", start, close)
+    if end < 0:
+        raise _Fallback("events array without an object")
+    return end + 1
