@@ -17,6 +17,8 @@ Nothing is random here: shuffling is the sampler's business (Lightning's distrib
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import sysconfig
 from pathlib import Path
 
@@ -39,8 +41,8 @@ def corpus_files(path: str | Path | None = None, *, pattern: str | None = None) 
     """The files of the corpus, in corpus order.
 
     ``path=None``: the standard library's ``*.py`` files (third-party package folders excluded). A file: that
-    file alone. A folder: every file under it matching ``pattern`` (default: every file), skipping hidden
-    files and folders. RecipeError (naming ``data.path``) when the path does not exist or holds no file.
+    file alone. A folder: every file under it whose name matches ``pattern`` (default: every file), skipping
+    hidden files and folders. RecipeError (naming ``data.path``) when the path does not exist or holds no file.
     """
     if path is None:
         root, pattern, skip = stdlib_root(), pattern or "*.py", _NOT_STDLIB
@@ -51,10 +53,10 @@ def corpus_files(path: str | Path | None = None, *, pattern: str | None = None) 
         if not root.is_dir():
             raise RecipeError(f"data.path={str(path)!r} is neither a file nor a folder")
     files = []
-    for file in root.rglob(pattern):
-        parts = file.relative_to(root).parts
-        if file.is_file() and not any(p.startswith(".") or p in skip for p in parts):
-            files.append(file)
+    for folder, subfolders, names in os.walk(root):
+        # Pruned while walking: the stdlib root can hold a large site-packages.
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in skip]
+        files += [Path(folder, n) for n in names if not n.startswith(".") and fnmatch.fnmatch(n, pattern)]
     if not files:
         raise RecipeError(f"data.path={str(root)!r} holds no file matching data.pattern={pattern!r}")
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())

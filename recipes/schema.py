@@ -207,6 +207,11 @@ def strategy_degrees(strategy: Any) -> dict[str, Any] | None:
     return None
 
 
+def _as_int(value: Any) -> Any:
+    """``"4"`` (how the command line may deliver ``--trainer.devices 4``) as 4; anything else unchanged."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
 class _LayoutProbe:
     """Stands in for a Grid when checking a model against a layout before any process group exists."""
 
@@ -238,7 +243,7 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
         degrees = strategy_degrees(trainer.get("strategy"))
     except ContractError as error:
         degrees, problems = None, [f"trainer.strategy: {error}"]
-    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    devices, nodes = (_as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
     if degrees is not None and isinstance(devices, int) and isinstance(nodes, int):
         gpus_per_node = degrees.pop("gpus_per_node")
         try:
