@@ -48,6 +48,7 @@ def stream_mapped(path: Path, buffer: mmap.mmap, *, decode_batch: Callable, to_c
     ``decode_batch(path, raws, warnings)`` turns raw event slices into structs; ``to_columns(structs)`` turns
     those into a column batch.
     """
+    noted = len(warnings)
     try:
         top, start, close = _bounds(buffer)
         batches = []
@@ -62,6 +63,7 @@ def stream_mapped(path: Path, buffer: mmap.mmap, *, decode_batch: Callable, to_c
             del raws, text
         return top, batches
     except _Fallback:
+        del warnings[noted:]  # the whole-file read will say the same again
         release_pages(buffer, len(buffer))
         return None
 

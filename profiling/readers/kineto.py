@@ -11,9 +11,11 @@ Times: ``start_ns = baseTimeNanoseconds + ts·1000`` and ``dur_ns = dur·1000``,
 ``stream`` is the thread id. Kept: complete events (``ph`` X) and B/E pairs; dropped: metadata, flows,
 instant events, the profiler's own ``Trace`` span, and ``python_function`` stacks unless ``keep_python``.
 
-Decoding is columnar: msgspec first splits ``traceEvents`` into raw per-event slices, then decodes batches
-of them into typed structs holding only the fields used here, turns each batch into numpy columns and drops
-the structs, so no Python object per event outlives its batch.
+Decoding is columnar: events are decoded in batches into typed msgspec structs holding only the fields used
+here, each batch becomes numpy columns and its structs are dropped, so no Python object per event outlives
+its batch. Big plain files are memory-mapped and streamed chunk by chunk (``_kineto_stream``), releasing
+each chunk's pages once decoded; gzip files and damaged files are decoded from memory, where msgspec first
+splits ``traceEvents`` into raw per-event slices (and damage keeps the events before it, with a warning).
 """
 
 from __future__ import annotations
