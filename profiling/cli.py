@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
+from importlib.util import find_spec
 from pathlib import Path
 
 import pandas as pd
@@ -182,11 +183,9 @@ def _emit(text: str, output: Path | None) -> None:
 
 
 def _write_parquet(table: pd.DataFrame, output: Path) -> None:
-    try:
-        import pyarrow  # noqa: F401  (pandas' parquet engine; checked here for a clear message)
-    except ImportError:
-        raise UsageError("--format parquet needs pyarrow, which is not installed: pip install pyarrow") from None
-    table.to_parquet(output, index=False)
+    if find_spec("pyarrow") is None:  # pandas' parquet engine; checked here for a message that says what to do
+        raise UsageError("--format parquet needs pyarrow, which is not installed: pip install pyarrow")
+    table.to_parquet(output, index=False, engine="pyarrow")
 
 
 def _write_tensorboard(traceset, *, logdir: Path) -> int:

@@ -73,3 +73,52 @@ def test_unknown_format_is_rejected_by_the_parser(trace_folder):
     with pytest.raises(SystemExit) as info:
         main(["profile", "report", str(trace_folder), "--format", "xml"])
     assert info.value.code == 2
+
+
+def test_format_follows_the_output_suffix(trace_folder, tmp_path):
+    out = tmp_path / "b.csv"
+    assert main(["profile", "report", str(trace_folder), "-o", str(out)]) == 0
+    assert pd.read_csv(out)["step_ns"].tolist() == [650, 650]
+    md = tmp_path / "r.md"
+    assert main(["profile", "report", str(trace_folder), "-o", str(md)]) == 0
+    assert md.read_text().startswith("# shardline profile report")
+    txt = tmp_path / "r.txt"  # no format for .txt: the terminal table
+    assert main(["profile", "report", str(trace_folder), "-o", str(txt)]) == 0
+    assert txt.read_text().startswith("exclusive parts")
+    explicit = tmp_path / "x.html"  # an explicit --format wins over the suffix
+    assert main(["profile", "report", str(trace_folder), "--format", "json", "-o", str(explicit)]) == 0
+    assert json.loads(explicit.read_text())[0]["step_ns"] == 650
+
+
+def test_merge_command_writes_the_merged_trace(trace_folder, tmp_path):
+    import gzip
+
+    out = tmp_path / "merged.json.gz"
+    assert main(["profile", "merge", str(trace_folder), "-o", str(out)]) == 0
+    doc = json.loads(gzip.decompress(out.read_bytes()))
+    names = sorted(e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name")
+    assert names == ["rank 0", "rank 1"]
+
+
+def test_merge_command_errors_are_one_line(tmp_path, capsys):
+    assert main(["profile", "merge", str(tmp_path / "nope"), "-o", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardline profile merge: error:") and len(err.splitlines()) == 1
+
+
+def test_tensorboard_without_its_module_is_a_clear_error(trace_folder, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "shardline.profiling.tensorboard", None)  # as if part C were absent
+    assert main(["profile", "report", str(trace_folder), "--format", "tensorboard", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "shardline.profiling.tensorboard is not available" in err and len(err.splitlines()) == 1
+
+
+def test_parquet_without_pyarrow_names_the_dependency(trace_folder, tmp_path, monkeypatch, capsys):
+    import shardline.profiling.cli as cli
+
+    real = cli.find_spec
+    monkeypatch.setattr(cli, "find_spec", lambda name: None if name == "pyarrow" else real(name))
+    assert main(["profile", "report", str(trace_folder), "-o", str(tmp_path / "b.parquet")]) == 2
+    assert "pip install pyarrow" in capsys.readouterr().err
