@@ -36,6 +36,13 @@ SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
 LINKED = {"data.seq_len": "model.seq_len"}  # fields the fit command sets from another; not recipe fields
 HYBRID_CLASS = "shardline.plugins.strategy.HybridParallelStrategy"
 _SIMPLE = (int, float, bool, str, type(None), list, dict)
+# DeepSpeedStrategy arguments that take effect whatever its DeepSpeed config is. Its others only build a default
+# config, which HybridParallelStrategy replaces by one derived from zero_stage/offload_* (+ deepspeed_config):
+# there they would be silently ignored, so a recipe may not set them.
+DEEPSPEED_ARGS_KEPT = frozenset({
+    "accelerator", "parallel_devices", "cluster_environment", "precision_plugin", "process_group_backend",
+    "timeout", "logging_level", "remote_device", "load_full_weights", "exclude_frozen_parameters", "loss_scale",
+    "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"})
 
 
 class RecipeError(ShardlineError, ValueError):
@@ -97,7 +104,7 @@ def section_fields() -> dict[str, dict[str, Any]]:
     data = _signature_hints(TextDataModule)
     for field in LINKED:
         data.pop(field.split(".", 1)[1])
-    strategy = {k: v for k, v in _signature_hints(DeepSpeedStrategy).items() if k != "config"}
+    strategy = {k: v for k, v in _signature_hints(DeepSpeedStrategy).items() if k in DEEPSPEED_ARGS_KEPT}
     strategy.update(_signature_hints(HybridParallelStrategy))
     return {"model": _signature_hints(GPTModule), "data": data, "trainer": _signature_hints(pl.Trainer),
             "strategy": strategy}
@@ -181,9 +188,29 @@ def _strategy_problems(strategy: dict[str, Any], fields: dict[str, Any]) -> list
     if extra:
         return [f"trainer.strategy has keys {extra}; a strategy is class_path plus init_args"]
     if _is_hybrid(strategy.get("class_path")):
-        return _field_problems("trainer.strategy.init_args", strategy.get("init_args") or {}, fields,
-                               what="HybridParallelStrategy")
+        init_args = strategy.get("init_args") or {}
+        ignored = ignored_deepspeed_args(init_args)
+        problems = [f"trainer.strategy.init_args.{key} is a DeepSpeedStrategy argument that "
+                    "HybridParallelStrategy ignores (ZeRO comes from zero_stage and offload_*; other DeepSpeed "
+                    "options go in deepspeed_config)" for key in ignored]
+        rest = {k: v for k, v in init_args.items() if k not in ignored}
+        return problems + _field_problems("trainer.strategy.init_args", rest, fields,
+                                          what="HybridParallelStrategy")
     return []
+
+
+def ignored_deepspeed_args(init_args: dict[str, Any], *, only_changed: bool = False) -> list[str]:
+    """Keys of ``init_args`` that HybridParallelStrategy passes to DeepSpeedStrategy where they have no effect;
+    with ``only_changed``, only those set to something other than DeepSpeedStrategy's default."""
+    from pytorch_lightning.strategies import DeepSpeedStrategy
+
+    from shardline.plugins.strategy import HybridParallelStrategy
+
+    own = set(inspect.signature(HybridParallelStrategy.__init__).parameters)
+    params = inspect.signature(DeepSpeedStrategy.__init__).parameters
+    return [key for key, value in init_args.items()
+            if key in params and key not in own and key not in DEEPSPEED_ARGS_KEPT and key != "self"
+            and not (only_changed and value == params[key].default)]
 
 
 def _is_hybrid(class_path: Any) -> bool:
@@ -243,6 +270,11 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
         degrees = strategy_degrees(trainer.get("strategy"))
     except ContractError as error:
         degrees, problems = None, [f"trainer.strategy: {error}"]
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
+        problems += [f"trainer.strategy.init_args.{key} has no effect under HybridParallelStrategy (ZeRO comes "
+                     "from zero_stage and offload_*; other DeepSpeed options go in deepspeed_config)"
+                     for key in ignored_deepspeed_args(strategy.get("init_args") or {}, only_changed=True)]
     devices, nodes = (_as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
     if degrees is not None and isinstance(devices, int) and isinstance(nodes, int):
         gpus_per_node = degrees.pop("gpus_per_node")

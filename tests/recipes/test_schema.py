@@ -52,6 +52,8 @@ def test_packaged_tiny_recipe_is_valid_and_resolvable():
       "trainer.strategy.init_args.zero_stag is not a HybridParallelStrategy argument (did you mean "
       "trainer.strategy.init_args.zero_stage?)"]),
     (dict(modle={}), ["'modle' is not a recipe section", "(did you mean model?)"]),
+    (dict(trainer={"strategy": {"class_path": HYBRID, "init_args": {"tp": 2, "stage": 3}}}),
+     ["trainer.strategy.init_args.stage is a DeepSpeedStrategy argument that HybridParallelStrategy ignores"]),
 ])
 def test_keys_and_types_are_named_with_the_file(tmp_path, sections, fragments):
     path = _write(tmp_path, _tiny_with(**sections))
@@ -108,6 +110,7 @@ def test_command_line_overrides_reach_the_built_objects():
     (["--model.n_head", "3", "--model.d_model", "96"], "n_head=3 is not divisible by tp=2"),
     (["--model.n_layer", "two"], "model.n_layer"),
     (["--trainer.strategy.init_args.tpp", "2"], "tpp"),
+    (["--trainer.strategy.init_args.stage", "3"], "trainer.strategy.init_args.stage has no effect"),
 ])
 def test_bad_overrides_are_recipe_errors_naming_file_and_field(overrides, fragment):
     with pytest.raises(RecipeError) as info:
