@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import warnings
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
@@ -31,6 +33,10 @@ from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.zero import Offload, derive_config, load_user_config, parse_offload
 
 log = logging.getLogger(__name__)
+
+
+def _keep_pipeline_gradients(*args: Any, **kwargs: Any) -> None:
+    """Stands in for LightningModule.optimizer_zero_grad when pp > 1 (see HybridParallelStrategy.setup)."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -76,6 +82,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         super().__init__(config=config, **lightning_kwargs)
         self.grid: Grid | None = None
         self.dims: ParallelDims | None = None
+        self.pipeline = None  # a PipelineDriver when pp > 1, built at setup
+        self.pipeline_meta_group = None
 
     # --- layout ------------------------------------------------------------------------------------------------
 
@@ -96,12 +104,16 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self.dims = self.layout_for(self.world_size)
-        if self.degrees["pp"] > 1:
-            raise ContractError(
-                f"pp={self.degrees['pp']}: the pipeline engine is not yet driven by HybridParallelStrategy; "
-                "use pp=1 with tp/cp/dp for now")
         self._init_deepspeed_distributed()
         self.grid = Grid.build(self.dims)
+        if self.dims.pp > 1 and self.grid.backend != "gloo":
+            # NCCL ignores message tags: the pipeline's shape headers travel on a gloo twin of the pp group.
+            import torch.distributed as dist
+
+            for ranks in self.dims.group_ranks("pp"):
+                group = dist.new_group(ranks, backend="gloo")
+                if self.global_rank in ranks:
+                    self.pipeline_meta_group = group
         if self.global_rank == 0:
             log.info("shardline layout:\n%s", self.dims.describe())
 
@@ -113,6 +125,23 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             coords = dims.coords(self.global_rank)
             return {"num_replicas": dims.dp, "rank": coords["dp"]}
         return {"num_replicas": self.grid.size("dp"), "rank": self.grid.rank("dp")}
+
+    def setup(self, trainer) -> None:
+        if self.degrees["pp"] > 1:
+            from shardline.plugins.pipeline_driver import PipelineDriver
+
+            # Backward only accumulates; Lightning's one optimizer step per batch is DeepSpeed's boundary.
+            self.config["managed_gradient_accumulation"] = False
+            module = self.lightning_module
+            self.pipeline = PipelineDriver(self, module)
+            # Lightning zeroes gradients between training_step and backward; with pp > 1 the backward already ran
+            # inside training_step, so that zeroing would erase it. DeepSpeed zeroes after every optimizer step.
+            if type(module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad:
+                warnings.warn(f"{type(module).__name__}.optimizer_zero_grad is not called with pp > 1: the pipeline "
+                              "runs backward inside training_step and DeepSpeed zeroes gradients after each step",
+                              stacklevel=2)
+            module.optimizer_zero_grad = _keep_pipeline_gradients
+        super().setup(trainer)
 
     # --- DeepSpeed --------------------------------------------------------------------------------------------
 
@@ -158,12 +187,35 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
-        return super().training_step(*args, **kwargs)
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        inputs, targets = self._pipeline_batch(args[0])
+        loss = self.pipeline.train_batch(inputs, targets)
+        self.lightning_module.log("train_loss", loss.float(), prog_bar=True)
+        return loss
 
     def validation_step(self, *args: Any, **kwargs: Any):
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
-        return super().validation_step(*args, **kwargs)
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        inputs, targets = self._pipeline_batch(args[0])
+        loss = self.pipeline.eval_batch(inputs, targets)
+        self.lightning_module.log("val_loss", loss.float(), prog_bar=True, sync_dist=True)
+        return loss
+
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        # With pp > 1 the pipeline engine already ran every micro-batch's backward inside training_step.
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return closure_loss
+
+    @staticmethod
+    def _pipeline_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+            raise ContractError(f"with pp > 1 a batch must be an (inputs, targets) pair, got "
+                                f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}")
+        return batch[0], batch[1]
 
     def describe(self) -> dict[str, Any]:
         """The layout as plain values (for hparams, checkpoints and logs)."""

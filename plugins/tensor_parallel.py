@@ -129,7 +129,8 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp(y, group=self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+        # From the configured sizes, not the weight: ZeRO-3 replaces a partitioned weight by an empty placeholder.
+        return (f"in={self.in_features}, out={self.out_features} (local {self.out_features // group_size(self.group)}), "
                 f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")
 
 
@@ -177,7 +178,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+        return (f"in={self.in_features} (local {self.in_features // group_size(self.group)}), out={self.out_features}, "
                 f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")
 
 

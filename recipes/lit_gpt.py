@@ -58,6 +58,13 @@ class GPTModule(pl.LightningModule):
             for param in sequence_parallel_parameters(self.gpt):
                 param.register_hook(lambda grad, group=group: all_reduce(grad, group=group))
 
+    # The pipeline contract (pp > 1): the layers in order and the loss of one micro-batch.
+    def pipeline_layers(self):
+        return self.gpt.pipeline_layers()
+
+    def pipeline_loss(self, output, targets):
+        return self.gpt.loss(output, targets)
+
     def training_step(self, batch, batch_idx):
         ids, targets = batch
         loss = self.gpt(ids, targets)

@@ -38,6 +38,7 @@ _LAZY = {
     "PartitionMethod": "partition",
     "build_stages": "partition",
     "TiedWeight": "partition",
+    "forward_only": "forward_only",
     "sync_tied_grads": "partition",
 }
 

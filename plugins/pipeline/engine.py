@@ -152,7 +152,8 @@ class PipelineEngine:
                  group: dist.ProcessGroup | None = None, meta_group: dist.ProcessGroup | None = None,
                  loss_reduction: LossReduction | str = LossReduction.MEAN,
                  memory: MemoryAccounting | str = MemoryAccounting.OFF, hooks: PipelineHooks | None = None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0,
+                 backward: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None):
         validate(schedule)
         if not isinstance(pp_rank, int) or not 0 <= pp_rank < schedule.n_ranks:
             raise LayoutError(f"pp_rank={pp_rank!r} outside 0..{schedule.n_ranks - 1} of schedule "
@@ -182,6 +183,9 @@ class PipelineEngine:
         self.loss_reduction = _enum(LossReduction, loss_reduction, "loss_reduction")
         self.memory = _enum(MemoryAccounting, memory, "memory")
         self.hooks = hooks or PipelineHooks()
+        # How a stage's output is back-propagated: ``backward(output, grad)``, grad None for the last stage's
+        # (scaled) loss. The default is plain autograd; a ZeRO strategy passes its engine's backward instead.
+        self._backward_fn = backward or _autograd_backward
         if not timeout_s > 0:
             raise ContractError(f"timeout_s={timeout_s!r} must be > 0")
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -287,7 +291,7 @@ class PipelineEngine:
         else:
             grad = st["recv"].pop((s, mb))
         self.hooks.before_backward(stage=s, microbatch=mb, last=last)
-        torch.autograd.backward(out, grad_tensors=grad)
+        self._backward_fn(out, grad)
         del out  # the graph and its saved activations go now, not at the end of the batch
         if s > 0:  # an input the output does not depend on gets a zero gradient, not None
             st["grad"][(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -383,6 +387,10 @@ class PipelineEngine:
         if self.schedule.n_ranks > 1:
             dist.broadcast(loss, group=self.group, group_src=self.schedule.rank_of_stage(self._last_stage))
         return loss
+
+
+def _autograd_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    torch.autograd.backward(output, grad_tensors=grad)
 
 
 def _encode_header(tensor: torch.Tensor, *, device) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""How :class:`~shardline.plugins.strategy.HybridParallelStrategy` runs pp > 1 under DeepSpeed and Lightning.
+
+The LightningModule contract for pp > 1 (checked at setup, with an error that says what to add):
+
+* ``pipeline_layers() -> list[nn.Module]``: the model as a sequence of one-tensor-in, one-tensor-out layers, in
+  order (for the reference GPT: ``self.gpt.pipeline_layers()``), built in ``configure_model()``;
+* ``pipeline_loss(output, targets) -> Tensor``: the mean loss of one micro-batch from the last layer's output;
+* batches are ``(inputs, targets)`` pairs.
+
+At setup the layers are cut into ``pp * chunks`` stages (uniform by layer count); stage ``c * pp + r`` goes to
+pipeline rank ``r``. Every layer this rank does not host is replaced by an empty placeholder in the module, so the
+optimizer, DeepSpeed and checkpoints see exactly this rank's parameters. A parameter shared by two layers on
+different pipeline ranks (tied input/output embeddings) keeps one copy on each; its gradients are summed over
+the grid's ``embed`` group after the batch's last backward.
+
+Per batch (Lightning's ``training_step``): the batch is split into ``m`` micro-batches and
+:class:`~shardline.plugins.pipeline.PipelineEngine` runs the validated schedule. Each stage's forward goes through
+the DeepSpeed engine (so ZeRO-3 gathers parameters and DeepSpeed's backward hooks attach), and each backward is
+``deepspeed_engine.backward``: the last stage's micro-batch loss (already ``/ m``) scaled by DeepSpeed for
+gradient accumulation, every other stage ``(output * received_grad).sum()``, whose gradient with respect to the
+stage's parameters and input is exactly ``output.backward(received_grad)``. DeepSpeed runs with
+``managed_gradient_accumulation=False``: backward only accumulates, and the optimizer step that Lightning calls
+once per batch is the one reduction boundary. That is how ZeRO-2 and ZeRO-3 (and offload) compose with
+pipelining, which DeepSpeed's own PipelineEngine forbids.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.pipeline.engine import PipelineEngine, PipelineHooks
+from shardline.plugins.pipeline.forward_only import forward_only
+from shardline.plugins.pipeline.partition import build_stages, partition_layers, sync_tied_grads
+from shardline.plugins.pipeline.schedule import build_schedule
+from shardline.profiling.annotations import comm_name
+
+#: ``micro_batches=None`` picks the smallest m dividing the batch with a bubble (p-1)/(v*m+p-1) under this.
+TARGET_BUBBLE = 0.2
+
+
+class _Placeholder(nn.Module):
+    """Stands where a layer hosted by another pipeline rank was; calling it is a bug."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise ContractError(f"pipeline layer {self.index} lives on another pipeline rank")
+
+
+class _StageCall(nn.Module):
+    """A parameter-free handle the engine calls: runs one local stage through the DeepSpeed engine."""
+
+    def __init__(self, driver: PipelineDriver, stage: int):
+        super().__init__()
+        object.__setattr__(self, "_driver", driver)
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._driver.run_stage(x, self.stage)
+
+
+def default_microbatches(batch_size: int, *, p: int, v: int) -> int:
+    """Smallest m dividing ``batch_size`` (a multiple of p when v > 1) with bubble (p-1)/(v*m+p-1) < 20%;
+    else the largest valid m, with a warning naming the bubble it gives."""
+    valid = [m for m in range(1, batch_size + 1) if batch_size % m == 0 and (v == 1 or m % p == 0)]
+    if not valid:
+        raise LayoutError(f"batch size {batch_size} cannot be split into micro-batches for the interleaved "
+                          f"schedule (m must divide the batch and be a multiple of pp={p})")
+    for m in valid:
+        if (p - 1) / (v * m + p - 1) < TARGET_BUBBLE:
+            return m
+    m = valid[-1]
+    warnings.warn(f"batch size {batch_size} allows at most m={m} micro-batches at pp={p}, chunks={v}: the bubble "
+                  f"(p-1)/(v*m+p-1) = {(p - 1) / (v * m + p - 1):.2f} stays above {TARGET_BUBBLE}; use a batch "
+                  f"size of at least {4 * (p - 1) + 1} per replica", stacklevel=3)
+    return m
+
+
+def _require(module: Any) -> None:
+    missing = [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
+    if missing:
+        raise ContractError(
+            f"{type(module).__name__} cannot run with pp > 1: add {', '.join(missing)} to it — "
+            "pipeline_layers() -> list[nn.Module] (the model's layers in order, each one tensor in and out) and "
+            "pipeline_loss(output, targets) -> Tensor (mean loss of a micro-batch); see "
+            "shardline.plugins.pipeline_driver")
+
+
+def _replace_layers(module: nn.Module, keep: set[int], layers: list[nn.Module]) -> None:
+    """Swap every layer not in ``keep`` (indices into ``layers``) for a placeholder, wherever it sits."""
+    drop = {id(layer): i for i, layer in enumerate(layers) if i not in keep}
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in drop:
+                setattr(parent, name, _Placeholder(drop[id(child)]))
+
+
+class PipelineDriver:
+    """This rank's stages, their schedule engines (one per micro-batch count) and the tied-weight sync."""
+
+    def __init__(self, strategy, module: nn.Module):
+        _require(module)
+        grid = strategy.grid
+        self.strategy, self.module = strategy, module
+        self.p, self.v, self.rank = grid.size("pp"), strategy.chunks, grid.rank("pp")
+        self.n_stages = self.p * self.v
+        layers = list(module.pipeline_layers())
+        if len(layers) < self.n_stages:
+            raise LayoutError(f"{len(layers)} pipeline layers cannot fill pp*chunks = {self.p}*{self.v} = "
+                              f"{self.n_stages} stages")
+        bounds = partition_layers(layers, self.n_stages, method="uniform").bounds
+        stages = build_stages(layers, partition_layers(layers, self.n_stages, method="uniform"))
+        self.local = {s: stages[s] for s in range(self.rank, self.n_stages, self.p)}
+        keep = {i for s in self.local for i in range(*bounds[s])}
+        self.tied = self._tied_parameters(layers, bounds, keep)
+        _replace_layers(module, keep, layers)
+        object.__setattr__(module, "_shardline_run_stage", lambda x, s: self.local[s](x))
+        self._engines: dict[int, PipelineEngine] = {}
+
+    def _tied_parameters(self, layers, bounds, keep) -> list[nn.Parameter]:
+        """Parameters used by layers on two different pipeline ranks (must be first and last rank)."""
+        owner_of_layer = {i: s % self.p for s, (a, b) in enumerate(bounds) for i in range(a, b)}
+        ranks_of: dict[int, set[int]] = {}
+        params: dict[int, nn.Parameter] = {}
+        for i, layer in enumerate(layers):
+            for param in layer.parameters():
+                ranks_of.setdefault(id(param), set()).add(owner_of_layer[i])
+                params[id(param)] = param
+        shared = [pid for pid, ranks in ranks_of.items() if len(ranks) > 1]
+        bad = [sorted(ranks_of[pid]) for pid in shared if ranks_of[pid] != {0, self.p - 1}]
+        if bad:
+            raise ContractError(f"parameters shared across pipeline ranks {bad}: only a weight tied between the "
+                                f"first and the last stage (ranks 0 and {self.p - 1}) is supported")
+        if shared and self.strategy.zero_stage >= 2:
+            raise ContractError(
+                f"zero_stage={self.strategy.zero_stage} with pp={self.p}: a weight tied across the first and last "
+                "pipeline stage (e.g. tie_embeddings=True) needs its gradients summed before ZeRO reduces them, "
+                "which ZeRO-2/3 do during backward; untie it (tie_embeddings=False) or use zero_stage <= 1")
+        mine = {id(p) for layer_index in keep for p in layers[layer_index].parameters()}
+        return [params[pid] for pid in shared if pid in mine]
+
+    # --- per stage ------------------------------------------------------------------------------------------
+
+    def run_stage(self, x: torch.Tensor, stage: int) -> torch.Tensor:
+        strategy = self.strategy
+        # Through DeepSpeed's engine: ZeRO-3 gathers, and the backward hooks attach to the output.
+        return strategy._forward_redirection(strategy.model, self.module, "_shardline_run_stage", x, stage)
+
+    def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        engine = self.strategy.deepspeed_engine
+        if grad is None:  # the last stage's micro-batch loss, already divided by m
+            engine.backward(output, scale_wrt_gas=True)
+        else:
+            engine.backward((output * grad).sum(), scale_wrt_gas=False)
+
+    # --- per batch ------------------------------------------------------------------------------------------
+
+    def engine_for(self, batch_size: int) -> PipelineEngine:
+        m = self.strategy.micro_batches or default_microbatches(batch_size, p=self.p, v=self.v)
+        if m not in self._engines:
+            schedule = build_schedule(self.strategy.schedule, n_ranks=self.p, n_microbatches=m, n_chunks=self.v)
+            grid = self.strategy.grid
+            self._engines[m] = PipelineEngine(
+                {s: _StageCall(self, s) for s in self.local}, schedule=schedule, pp_rank=self.rank,
+                loss_fn=self.module.pipeline_loss, group=grid.group("pp"),
+                meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
+                hooks=_TiedSync(self), backward=self.backward)
+        return self._engines[m]
+
+    def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.engine_for(inputs.shape[0]).run_batch(inputs, targets)
+
+    def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return forward_only(self.local, n_stages=self.n_stages, pp_rank=self.rank,
+                            group=self.strategy.grid.group("pp"), loss_fn=self.module.pipeline_loss,
+                            inputs=inputs, targets=targets, device=self.strategy.root_device)
+
+
+class _TiedSync(PipelineHooks):
+    def __init__(self, driver: PipelineDriver):
+        self.driver = driver
+
+    def after_batch(self, *, loss: torch.Tensor) -> None:
+        group = self.driver.strategy.grid.group("embed")
+        if group is None or not self.driver.tied:
+            return
+        for param in self.driver.tied:
+            # ZeRO-1 moves each backward's gradient into ``grad_accum`` (its accumulation buffer); sum that one.
+            accum = getattr(param, "grad_accum", None)
+            if accum is not None:
+                with torch.profiler.record_function(comm_name("embed", "all_reduce")):
+                    dist.all_reduce(accum, op=dist.ReduceOp.SUM, group=group)
+            else:
+                sync_tied_grads([param], group=group)
