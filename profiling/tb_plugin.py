@@ -1,0 +1,232 @@
+"""shardline's TensorBoard plugin: the step-time breakdown view and a trace viewer, offline.
+
+Registered through the ``tensorboard_plugins`` entry point (``shardline = shardline.profiling.tb_plugin:
+ShardlineLoader``). It reads what ``write_tensorboard`` wrote: every ``<run>/plugins/shardline/manifest.json``
+under TensorBoard's ``--logdir`` lists the run's profiled windows (``window_<s>.json``) and the traces of each.
+
+Routes, under ``/data/plugin/shardline``:
+
+=====================  ===============================================================================
+``/index.js``          the frontend (an ES module; TensorBoard calls its ``render()`` in the plugin iframe)
+``/static/<name>``     the other frontend assets (files of ``tb_static/``, listed once at start)
+``/runs``              JSON: runs -> windows -> traces (labels and kinds) and whether the viewer is installed
+``/window``            ``?run=&window=``: the window's JSON (breakdown, comm by dim, wait/transfer, bubbles)
+``/trace``             ``?run=&window=&index=``: one listed trace (gzip files sent with Content-Encoding)
+``/viewer/<name>``     the trace viewer of the ``xprof`` package (``trace_viewer_index.html`` and ``.js``),
+                       when it is installed; 404 otherwise
+=====================  ===============================================================================
+
+Serving rule: a request names files only by keys of listings the plugin built itself (asset names, run /
+window / index). No part of a request is ever joined to a filesystem path, and every listed trace must resolve
+to a regular file inside its run folder (so a manifest cannot point outside the log directory either).
+Everything is served from this process; the pages' Content-Security-Policy allows only this origin.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+from tensorboard.plugins import base_plugin
+from werkzeug import wrappers
+
+PLUGIN_NAME = "shardline"
+MANIFEST = "manifest.json"
+STATIC_DIR = Path(__file__).with_name("tb_static")
+#: The files of xprof's viewer that a non-streaming Chrome-trace view needs.
+VIEWER_FILES = ("trace_viewer_index.html", "trace_viewer_index.js")
+INSTALL_HINT = "pip install shardline[tensorboard]"
+#: Same-origin only: scripts, styles, frames, fetches and images never leave this server.
+CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
+       "img-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; frame-src 'self'; "
+       "object-src 'none'; base-uri 'self'")
+
+log = logging.getLogger(__name__)
+
+
+class TraceKind(str, enum.Enum):
+    MERGED = "merged"
+    RAW = "raw"
+
+
+_MIME = {".js": "application/javascript", ".css": "text/css", ".html": "text/html", ".json": "application/json",
+         ".svg": "image/svg+xml", ".png": "image/png"}
+
+
+def _listed(folder: Path, names=None) -> dict[str, Path]:
+    """Regular files directly in ``folder`` (only ``names`` when given), by name; no links, no subfolders."""
+    if not folder.is_dir():
+        return {}
+    files = {p.name: p for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
+    return files if names is None else {n: files[n] for n in names if n in files}
+
+
+def viewer_dir() -> Path | None:
+    """xprof's ``static`` folder when the package is installed (found without importing it), else None."""
+    try:
+        spec = importlib.util.find_spec("xprof")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "static"
+    return folder if all((folder / name).is_file() for name in VIEWER_FILES) else None
+
+
+def viewer_version() -> str | None:
+    try:
+        return importlib.metadata.version("xprof")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _respond(body: bytes | str, content_type: str, *, code: int = 200, encoding: str | None = None):
+    headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+               "Cache-Control": "no-cache, must-revalidate"}
+    if encoding:
+        headers["Content-Encoding"] = encoding
+    if content_type.startswith("text/") or content_type.endswith(("javascript", "json")):
+        content_type += "; charset=utf-8"
+    return wrappers.Response(body, status=code, content_type=content_type, headers=headers)
+
+
+def _not_found(what: str):
+    return _respond(json.dumps({"error": f"not found: {what}"}), "application/json", code=404)
+
+
+class ShardlinePlugin(base_plugin.TBPlugin):
+    """The plugin object TensorBoard holds (one per server)."""
+
+    plugin_name = PLUGIN_NAME
+
+    def __init__(self, context: base_plugin.TBContext):
+        self._logdir = Path(context.logdir).resolve() if context.logdir else None
+        self._static = _listed(STATIC_DIR)
+        viewer = viewer_dir()
+        self._viewer = _listed(viewer, VIEWER_FILES) if viewer else {}
+
+    # --- TensorBoard's interface ---------------------------------------------------------------------------------
+
+    def get_plugin_apps(self):
+        return {"/index.js": self._serve_index, "/static/*": self._serve_static, "/runs": self._serve_runs,
+                "/window": self._serve_window, "/trace": self._serve_trace, "/viewer/*": self._serve_viewer}
+
+    def is_active(self) -> bool:
+        return bool(self._manifests())
+
+    def frontend_metadata(self):
+        return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Shardline", disable_reload=True)
+
+    # --- the listing ------------------------------------------------------------------------------------------
+
+    def _manifests(self) -> dict[str, Path]:
+        """Run name (relative to the logdir, "." for the logdir itself) -> its plugin folder."""
+        if self._logdir is None or not self._logdir.is_dir():
+            return {}
+        out = {}
+        for manifest in sorted(self._logdir.rglob(MANIFEST)):
+            folder = manifest.parent
+            if folder.name != PLUGIN_NAME or folder.parent.name != "plugins" or manifest.is_symlink():
+                continue
+            run = folder.parent.parent
+            out[run.relative_to(self._logdir).as_posix()] = folder
+        return out
+
+    def listing(self) -> dict[str, dict]:
+        """run -> window name -> {"data": Path, "first_step": int, "traces": [(label, kind, Path)]}, keeping
+        only entries that resolve to regular files inside their run folder."""
+        runs: dict[str, dict] = {}
+        for run, folder in self._manifests().items():
+            run_dir = folder.parent.parent.resolve()
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text())
+                windows = manifest["windows"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("shardline plugin: skipping %s: unreadable manifest (%s)", folder / MANIFEST, exc)
+                continue
+            entries = {}
+            for window in windows:
+                data = self._inside(run_dir, Path("plugins", PLUGIN_NAME, str(window.get("data", ""))))
+                if data is None:
+                    continue
+                traces = []
+                for trace in window.get("traces", []):
+                    path = self._inside(run_dir, Path(str(trace.get("path", ""))))
+                    if path is not None:
+                        traces.append((str(trace.get("label", path.name)), str(trace.get("kind", "raw")), path))
+                entries[str(window.get("name"))] = {"data": data, "first_step": window.get("first_step"),
+                                                    "traces": traces}
+            runs[run] = entries
+        return runs
+
+    @staticmethod
+    def _inside(run_dir: Path, relative: Path) -> Path | None:
+        if relative.is_absolute():
+            return None
+        path = (run_dir / relative).resolve()
+        if not path.is_relative_to(run_dir) or not path.is_file():
+            return None
+        return path
+
+    # --- routes -----------------------------------------------------------------------------------------------
+
+    @wrappers.Request.application
+    def _serve_index(self, request):
+        return self._asset(self._static, "index.js")
+
+    @wrappers.Request.application
+    def _serve_static(self, request):
+        return self._asset(self._static, request.path.rsplit("/static/", 1)[-1])
+
+    @wrappers.Request.application
+    def _serve_viewer(self, request):
+        return self._asset(self._viewer, request.path.rsplit("/viewer/", 1)[-1])
+
+    def _asset(self, files: dict[str, Path], name: str):
+        path = files.get(name)
+        if path is None:
+            return _not_found(name)
+        return _respond(path.read_bytes(), _MIME.get(path.suffix, "application/octet-stream"))
+
+    @wrappers.Request.application
+    def _serve_runs(self, request):
+        body = {"viewer": {"available": bool(self._viewer), "version": viewer_version() if self._viewer else None,
+                           "install": INSTALL_HINT},
+                "runs": {run: [{"name": name, "first_step": w["first_step"],
+                                "traces": [{"index": i, "label": label, "kind": kind, "file": path.name}
+                                           for i, (label, kind, path) in enumerate(w["traces"])]}
+                               for name, w in windows.items()]
+                         for run, windows in self.listing().items()}}
+        return _respond(json.dumps(body), "application/json")
+
+    def _window(self, request):
+        run, name = request.args.get("run", ""), request.args.get("window", "")
+        return self.listing().get(run, {}).get(name), f"run={run!r} window={name!r}"
+
+    @wrappers.Request.application
+    def _serve_window(self, request):
+        window, what = self._window(request)
+        if window is None:
+            return _not_found(what)
+        return _respond(window["data"].read_bytes(), "application/json")
+
+    @wrappers.Request.application
+    def _serve_trace(self, request):
+        window, what = self._window(request)
+        index = request.args.get("index", "")
+        if window is None or not index.isdigit() or int(index) >= len(window["traces"]):
+            return _not_found(f"{what} index={index!r}")
+        _, _, path = window["traces"][int(index)]
+        gzipped = path.suffix == ".gz"
+        return _respond(path.read_bytes(), "application/json", encoding="gzip" if gzipped else None)
+
+
+class ShardlineLoader(base_plugin.TBLoader):
+    """The ``tensorboard_plugins`` entry point."""
+
+    def load(self, context: base_plugin.TBContext) -> ShardlinePlugin:
+        return ShardlinePlugin(context)
