@@ -15,7 +15,8 @@ profiling core (``shardline.profiling.load`` + ``breakdown``) on each window and
   logger's own scalars; a run of their own, so the layout hparams do not collide with the hparams Lightning
   logs for the module). Steps are the trainer's batch indices; hparams carry ``strategy.describe()`` when the
   strategy has it. With the default ``output_dir`` the traces already lie there and are not copied;
-* a report file ``<dir>/shardline_profile/report.md`` (the breakdown tables, the summary);
+* report files: ``<dir>/shardline_profile/report.md`` (the summary and each window's breakdown table) and a
+  self-contained HTML report per window, ``report_window{k}.html`` (``shardline.profiling.report_html``);
 * a one-screen summary printed to stdout at the end of ``fit``: per rank, the mean step time and its largest
   parts, and the overhead of profiling (mean wall time of the recorded steps vs the steps run without the
   profiler, the first step excluded as warm-up).
@@ -137,6 +138,10 @@ class StepProfiler(pl.Callback):
         profiler.export_chrome_trace(str(folder / f"rank{self._rank}.pt.trace.json.gz"))
         self.trace_dirs.append(folder)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Training failed: release the profiler; no barrier (peers may be gone) and no analysis.
+        self._stop()
+
     def _stop(self) -> None:
         profiler, self._profiler = self._profiler, None
         if profiler is not None:
@@ -162,6 +167,7 @@ class StepProfiler(pl.Callback):
                 warnings.simplefilter("ignore", TraceWarning)
                 traceset = load(folder)
                 table = breakdown(traceset, layout=dims or None)
+                self._write_html(traceset, name=folder.name)
             self.tables.append(table)
             for logger in loggers:
                 from shardline.profiling.tensorboard import write_tensorboard
@@ -197,6 +203,14 @@ class StepProfiler(pl.Callback):
             lines.append(f"profiling overhead: not measured (profiled steps n={n_rec}, unprofiled steps "
                          f"n={n_plain}, first step excluded); run more steps than wait+warmup+active+1")
         return "\n".join(lines)
+
+    def _write_html(self, traceset, *, name: str) -> None:
+        from shardline.profiling.report_html import render_html
+        from shardline.profiling.report_sections import report_sections
+
+        text = render_html(report_sections(traceset), events=traceset.events, title=f"shardline step profile: {name}",
+                           sources=tuple(str(f) for f in sorted(traceset.files)))
+        (self.root / f"report_{name}.html").write_text(text)
 
     def _write_report(self) -> None:
         from shardline.profiling.cli import render_table

@@ -15,6 +15,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins.errors import ContractError
@@ -22,26 +23,28 @@ from shardline.plugins.profiler_callback import REPORT_NAME, TRACE_DIR, StepProf
 from shardline.plugins.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
 from shardline.profiling.load import load
 from shardline.recipes.lit_gpt import GPTModule
 
 STEPS, BATCH, SEQ, VOCAB = 7, 4, 16, 64
+MICRO_BATCHES = 2
 MODEL = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=1, n_head=2, d_model=16, optimizer="sgd", lr=0.1)
 
 
-def _fit(rank, world, save_dir):
+def _fit(rank, world, save_dir, strategy_kwargs, model_overrides):
     adopt_process_group_in_lightning()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH * world * STEPS, SEQ + 1), generator=g)
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     profiler = StepProfiler(wait=1, warmup=1, active=2)
     logger = pl.loggers.TensorBoardLogger(save_dir=str(save_dir), name="run", version=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(zero_stage=2),
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**strategy_kwargs),
                          max_steps=STEPS, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[profiler])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        trainer.fit(GPTModule(**MODEL), DataLoader(data, batch_size=BATCH))
+        trainer.fit(GPTModule(**{**MODEL, **model_overrides}), DataLoader(data, batch_size=BATCH))
     return {"stdout": out.getvalue(), "summary": profiler.summary, "trace_dirs": profiler.trace_dirs,
             "log_dir": logger.log_dir, "tables": profiler.tables}
 
@@ -49,7 +52,14 @@ def _fit(rank, world, save_dir):
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("profiled")
-    return run_ranks(_fit, 2, save_dir, timeout=240)
+    return run_ranks(_fit, 2, save_dir, dict(zero_stage=2), {}, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("profiled_pp")
+    return run_ranks(_fit, 2, save_dir, dict(pp=2, zero_stage=1, micro_batches=MICRO_BATCHES), {"n_layer": 2},
+                     timeout=240)
 
 
 def test_every_rank_wrote_its_gzipped_trace_with_distributed_info(profiled_run):
@@ -107,6 +117,34 @@ def test_summary_is_printed_with_overhead_and_report_written(profiled_run):
     assert len(overhead) == 1 and "(n=2)" in overhead[0] and "(n=3)" in overhead[0]
     report = (Path(rank0["log_dir"]) / TRACE_DIR / REPORT_NAME).read_text()
     assert summary in report and "window0" in report
+    html = (Path(rank0["log_dir"]) / TRACE_DIR / "report_window0.html").read_text()
+    assert '<section id="breakdown">' in html
+
+
+def test_pipeline_run_publishes_bubbles_and_timeline(pipeline_run):
+    rank0 = pipeline_run[0]
+    (folder,) = rank0["trace_dirs"]
+    traceset = load(folder)
+    bubbles = pipeline_bubbles(traceset)  # the strategy's pipeline engine annotated every batch
+    assert (bubbles["method"] == BubbleMethod.ANNOTATIONS.value).all() and sorted(bubbles["stage"]) == [0, 0, 1, 1]
+    assert set(bubbles["p"]) == {2} and set(bubbles["m"]) == {MICRO_BATCHES}
+    table = breakdown(traceset, layout={"pp": 2})
+    assert (table["bubble"] > 0).all()
+    logdir = Path(rank0["log_dir"]) / TRACE_DIR
+    for rank in (0, 1):
+        acc = EventAccumulator(str(logdir / f"rank{rank}"), size_guidance={"scalars": 0})
+        acc.Reload()
+        expected = table[table["rank"] == rank].sort_values("step")["bubble"] / 1e6
+        assert [e.value for e in acc.Scalars("step_time_ms/bubble")] == pytest.approx(expected.tolist(), rel=1e-6)
+    root = EventAccumulator(str(logdir), size_guidance={"images": 0})
+    root.Reload()
+    (image,) = root.Images("breakdown/pipeline_timeline")
+    assert image.encoded_image_string[:4] == b"\x89PNG"
+    content = root.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert start.hparams["pp"].number_value == 2 and start.hparams["micro_batches"].number_value == MICRO_BATCHES
+    window = json.loads((logdir / "plugins" / "shardline" / "window_2.json").read_text())
+    assert len(window["bubbles"]) == len(bubbles)
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [
