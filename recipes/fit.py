@@ -27,6 +27,7 @@ from pathlib import Path
 from shardline.recipes.schema import RecipeError, check_recipe, load_recipe
 
 RECIPES_DIR = Path(__file__).resolve().parent
+HELP_FLAGS = frozenset({"-h", "--help", "--print_config", "--print-config"})
 
 
 def add_commands(subparsers) -> None:
@@ -89,6 +90,10 @@ def run_fit(argv: list[str], *, run: bool = True):
     ``run``, train. Returns the LightningCLI object (with ``run=False``: parsed and instantiated, not fitted)."""
     typed = list(argv)
     argv, paths = resolve_config_args(typed)
+    if not paths and not HELP_FLAGS & set(typed):
+        names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        raise RecipeError(f"no recipe: shardline fit needs --config RECIPE (a YAML file, or a packaged recipe: "
+                          f"{names}); --help lists every field")
     for path in paths:
         load_recipe(path)
     source = " + ".join(paths) if paths else "(no --config)"

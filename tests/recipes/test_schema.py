@@ -126,6 +126,15 @@ def test_the_command_prints_one_error_line_and_exits_2(tmp_path, capsys):
     assert err.startswith("shardline fit: error: recipe ") and "model.n_layr" in err and str(path) in err
 
 
+def test_fit_without_a_recipe_is_refused_and_help_is_lightning_clis(capsys):
+    assert main(["fit", "--trainer.max_steps", "1"]) == 2
+    assert "shardline fit needs --config RECIPE" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "--model.n_layer" in out and "--data.batch_size" in out
+
+
 def test_in_process_call_that_would_relaunch_workers_is_refused():
     # Lightning re-runs sys.argv (here: pytest's) to start ranks 1..3; refuse before any worker starts.
     with pytest.raises(RecipeError, match="re-running this command line"):
