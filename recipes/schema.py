@@ -15,8 +15,9 @@ Validation has two layers, both raising :class:`RecipeError` with the file and e
    left to jsonargparse, which LightningCLI runs next.
 2. :func:`check_recipe` checks what no single field shows: the parallel layout against the world
    (``ParallelDims``: ``tp*pp*cp`` must divide ``devices*num_nodes``), the model shape (``GPTConfig``), the model
-   against the layout (heads and FFN divisible by tp, ...) and the byte vocabulary. The fit command runs it on
-   the file alone and again on the configuration LightningCLI parsed, command-line overrides included.
+   against the layout (heads and FFN divisible by tp, ...), the byte vocabulary, and that ``data.path``
+   exists. The fit command runs it on the file alone and again on the configuration LightningCLI parsed,
+   command-line overrides included (jsonargparse's own errors become RecipeError there too).
 """
 
 from __future__ import annotations
@@ -275,6 +276,9 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
         problems += [f"trainer.strategy.init_args.{key} has no effect under HybridParallelStrategy (ZeRO comes "
                      "from zero_stage and offload_*; other DeepSpeed options go in deepspeed_config)"
                      for key in ignored_deepspeed_args(strategy.get("init_args") or {}, only_changed=True)]
+    data_path = (recipe.get("data") or {}).get("path")
+    if isinstance(data_path, str) and not Path(data_path).expanduser().exists():
+        problems.append(f"data.path={data_path!r} does not exist (relative paths are from the working folder)")
     devices, nodes = (_as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
     if degrees is not None and isinstance(devices, int) and isinstance(nodes, int):
         gpus_per_node = degrees.pop("gpus_per_node")

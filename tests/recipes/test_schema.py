@@ -75,6 +75,7 @@ def test_keys_and_types_are_named_with_the_file(tmp_path, sections, fragments):
     (dict(model={"n_head": 3, "d_model": 96}), "n_head=3 is not divisible by tp=2"),
     (dict(model={"n_head": 3}), "model: invalid GPTConfig: d_model=128 is not divisible by n_head=3"),
     (dict(model={"vocab_size": 100}), "model.vocab_size=100 is below the byte vocabulary (256)"),
+    (dict(data={"path": "/no/such/corpus"}), "data.path='/no/such/corpus' does not exist"),
 ])
 def test_impossible_layouts_and_shapes_name_the_values(tmp_path, sections, fragment):
     path = _write(tmp_path, _tiny_with(**sections))
