@@ -32,9 +32,8 @@ HELP_FLAGS = frozenset({"-h", "--help", "--print_config", "--print-config"})
 
 def add_commands(subparsers) -> None:
     parser = subparsers.add_parser(
-        # No option of its own: prefix_chars that no LightningCLI argument starts with make argparse hand every
-        # argument, --help included, to the REMAINDER positional untouched.
-        # (NUL cannot occur in a command-line argument).
+        # No option of its own: with a prefix character no argument can start with (NUL cannot occur in argv),
+        # argparse hands every argument, --help included, to the REMAINDER positional untouched.
         "fit", add_help=False, prefix_chars="\x00",
         help="train a GPT from a recipe (LightningCLI; try: shardline fit --config tiny)",
         description="LightningCLI fit over shardline's GPT, byte-level text data and HybridParallelStrategy.")

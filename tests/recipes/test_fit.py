@@ -52,6 +52,7 @@ def _command() -> tuple[list[str], str]:
     return [sys.executable, "-m", "shardline.recipes.cli"], "python -m"
 
 
+@pytest.mark.slow
 def test_shardline_fit_tiny_end_to_end(tmp_path):
     head, _ = _command()
     command = [*head, "fit", "--config", str(RECIPES_DIR / "tiny.yaml"),
