@@ -236,12 +236,13 @@ def _text(tag: str, markdown: str):
 def markdown_table(table: pd.DataFrame) -> str:
     """The window as a markdown table: step time and each non-zero part in ms, overlap in %."""
     labels = _shown_labels(table)
+    decimals = 3 if table["step_ns"].min() >= 1_000_000 else 6  # sub-ms steps keep their ns
     header = ["rank", "step", "step ms", *[f"{label} ms" for label in labels], "overlap %"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in table.sort_values(["rank", "tb_step"]).itertuples(index=False):
         ratio = "" if math.isnan(row.overlap_ratio) else f"{100 * row.overlap_ratio:.1f}"
-        cells = [str(int(row.rank)), str(int(row.tb_step)), f"{row.step_ns / 1e6:.3f}",
-                 *[f"{getattr(row, label) / 1e6:.3f}" for label in labels], ratio]
+        cells = [str(int(row.rank)), str(int(row.tb_step)), f"{row.step_ns / 1e6:.{decimals}f}",
+                 *[f"{getattr(row, label) / 1e6:.{decimals}f}" for label in labels], ratio]
         lines.append("| " + " | ".join(cells) + " |")
     return "Exclusive parts (exposed communication) sum to the step time.\n\n" + "\n".join(lines) + "\n"
 

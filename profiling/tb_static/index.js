@@ -21,7 +21,10 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-const ms = (ns) => (ns / 1e6).toFixed(3);
+const ms = (ns) => {  // three decimals; short spans (synthetic or tiny steps) keep three significant digits
+  const value = ns / 1e6;
+  return value === 0 || Math.abs(value) >= 1 ? value.toFixed(3) : value.toPrecision(3);
+};
 const pct = (x) => (x === null || x === undefined || Number.isNaN(x) ? '' : (100 * x).toFixed(1) + '%');
 
 async function getJSON(route, params = {}) {

@@ -343,6 +343,20 @@ def test_trace_viewer_holds_every_slice_of_the_raw_trace(server, browser, logdir
     assert any("trace_viewer_index.js" in u for u in browser.requests)
 
 
+# Stock dashboards over the same logdir: each fetches our data (the request named here) and renders offline.
+DASHBOARD_DATA = {"custom_scalars": "/data/plugin/custom_scalars/scalars?", "images": "/data/plugin/images/individualImage?",
+                  "text": "/data/plugin/text/text?", "hparams": "/data/plugin/hparams/session_groups"}
+
+
+def test_stock_dashboards_render_our_views_offline(server, browser, tmp_path):
+    for dashboard, route in DASHBOARD_DATA.items():
+        browser.call("Page.navigate", session=True, url=f"http://127.0.0.1:{server}/#{dashboard}")
+        browser.wait_for(f"performance.getEntriesByType('resource').some(e => e.name.includes({route!r}))",
+                         what=f"the {dashboard} dashboard's data")
+        browser.screenshot(tmp_path / f"{dashboard}.png")
+    assert browser.errors == []
+
+
 def test_viewer_absent_shows_the_install_notice(logdir, tmp_path, browser):
     # A TensorBoard whose "xprof" is an empty package shadowing the real one (no viewer files): the plugin
     # says the viewer is missing and offers the traces for download. xprof's own plugin is not loaded.

@@ -85,7 +85,7 @@ def test_root_run_has_layout_table_hparams_and_spread(zero_tp_traces, tmp_path):
 
     markdown = acc.Tensors("breakdown/table")[0].tensor_proto.string_val[0].decode()
     assert markdown.count("\n| 0 |") == 1 and markdown.count("\n| 1 |") == 1
-    assert f"{truth['step_ns'] / 1e6:.3f}" in markdown and "all_gather ms" in markdown
+    assert f"| {truth['step_ns'] / 1e6:.6f} |" in markdown and "all_gather ms" in markdown  # 650 ns: 6 decimals
 
     start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["tp"].number_value == 2 and start.hparams["zero_stage"].number_value == 2
