@@ -173,6 +173,9 @@ def structure_problems(recipe: dict[str, Any]) -> list[str]:
             near = difflib.get_close_matches(str(key), SECTIONS, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             problems.append(f"{key!r} is not a recipe section; sections are {SECTIONS}{hint}")
+    for key, annotation in (("seed_everything", int | bool), ("ckpt_path", str | None)):
+        if key in recipe and not _type_ok(recipe[key], annotation):
+            problems.append(f"{key}={recipe[key]!r} is a {type(recipe[key]).__name__}, expected {annotation}")
     fields = section_fields()
     problems += _field_problems("model", recipe.get("model"), fields["model"], what="GPTModule")
     problems += _field_problems("data", recipe.get("data"), fields["data"], what="TextDataModule")

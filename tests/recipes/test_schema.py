@@ -26,7 +26,10 @@ def _write(tmp_path: Path, recipe: dict | str) -> Path:
 def _tiny_with(**sections) -> dict:
     recipe = yaml.safe_load(TINY.read_text())
     for section, fields in sections.items():
-        recipe.setdefault(section, {}).update(fields)
+        if isinstance(fields, dict):
+            recipe.setdefault(section, {}).update(fields)
+        else:
+            recipe[section] = fields
     return recipe
 
 
@@ -52,6 +55,7 @@ def test_packaged_tiny_recipe_is_valid_and_resolvable():
       "trainer.strategy.init_args.zero_stag is not a HybridParallelStrategy argument (did you mean "
       "trainer.strategy.init_args.zero_stage?)"]),
     (dict(modle={}), ["'modle' is not a recipe section", "(did you mean model?)"]),
+    (dict(seed_everything="abc"), ["seed_everything='abc' is a str, expected int | bool"]),
     (dict(trainer={"strategy": {"class_path": HYBRID, "init_args": {"tp": 2, "stage": 3}}}),
      ["trainer.strategy.init_args.stage is a DeepSpeedStrategy argument that HybridParallelStrategy ignores"]),
 ])
