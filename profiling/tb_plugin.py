@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
+from werkzeug.wsgi import wrap_file
 
 PLUGIN_NAME = "shardline"
 MANIFEST = "manifest.json"
@@ -84,14 +85,19 @@ def viewer_version() -> str | None:
         return None
 
 
-def _respond(body: bytes | str, content_type: str, *, code: int = 200, encoding: str | None = None):
+def _respond(body, content_type: str, *, code: int = 200, encoding: str | None = None,
+             length: int | None = None):
+    """A response with our headers; ``body`` is bytes/str, or a WSGI file wrapper streamed as it is read."""
     headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
                "Cache-Control": "no-cache, must-revalidate"}
     if encoding:
         headers["Content-Encoding"] = encoding
+    if length is not None:
+        headers["Content-Length"] = str(length)
     if content_type.startswith("text/") or content_type.endswith(("javascript", "json")):
         content_type += "; charset=utf-8"
-    return wrappers.Response(body, status=code, content_type=content_type, headers=headers)
+    return wrappers.Response(body, status=code, content_type=content_type, headers=headers,
+                             direct_passthrough=length is not None)
 
 
 def _not_found(what: str):
@@ -221,8 +227,10 @@ class ShardlinePlugin(base_plugin.TBPlugin):
         if window is None or not index.isdigit() or int(index) >= len(window["traces"]):
             return _not_found(f"{what} index={index!r}")
         _, _, path = window["traces"][int(index)]
-        gzipped = path.suffix == ".gz"
-        return _respond(path.read_bytes(), "application/json", encoding="gzip" if gzipped else None)
+        # Streamed: a trace can be hundreds of MB. A gzip file goes out as is; the browser inflates it.
+        handle = path.open("rb")
+        return _respond(wrap_file(request.environ, handle), "application/json", length=path.stat().st_size,
+                        encoding="gzip" if path.suffix == ".gz" else None)
 
 
 class ShardlineLoader(base_plugin.TBLoader):
