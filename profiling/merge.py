@@ -64,7 +64,8 @@ def merged_trace(traceset, *, path: str | Path, progress: bool = False) -> Path:
     base = int(events["start_ns"].min()) if len(events) else 0
     tracks = _tracks(events)
     try:
-        handle = gzip.open(path, "wt", compresslevel=5) if path.suffix == ".gz" else open(path, "w")
+        # level 1: the text is repetitive, so it already shrinks ~20x; higher levels triple the write time
+        handle = gzip.open(path, "wt", compresslevel=1) if path.suffix == ".gz" else open(path, "w")
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot write the merged trace ({exc})") from exc
     with handle:
@@ -127,14 +128,22 @@ def _metadata_lines(tracks: pd.DataFrame) -> list[str]:
     return lines
 
 
+_FRACTIONS = np.array([f".{i:03d}" for i in range(1000)], dtype=object)
+
+
+def _int_text(values) -> np.ndarray:
+    """Decimal text of integers as a numpy object array (numpy's conversion; pandas' string dtypes are slower)."""
+    return np.asarray(values).astype(np.int64).astype(str).astype(object)
+
+
 def us_text(ns: np.ndarray) -> np.ndarray:
     """Integer ns -> µs as decimal text with exactly three decimals (exact for any int64)."""
     ns = np.asarray(ns, dtype=np.int64)
-    sign = np.where(ns < 0, "-", "")
-    mag = np.abs(ns)
-    whole = (mag // 1000).astype(str).astype(object)
-    frac = pd.Series((mag % 1000).astype(str)).str.zfill(3).to_numpy(dtype=object)
-    return sign.astype(object) + whole + "." + frac
+    negative = ns < 0
+    # |ns| as unsigned, so the most negative int64 has a magnitude too
+    mag = np.where(negative, (~ns).astype(np.uint64) + np.uint64(1), ns.astype(np.uint64))
+    text = (mag // np.uint64(1000)).astype(str).astype(object) + _FRACTIONS[(mag % np.uint64(1000)).astype(np.int64)]
+    return np.where(negative, "-" + text, text)
 
 
 def _json_texts(column: pd.Series) -> np.ndarray:
@@ -151,29 +160,29 @@ def _event_lines(chunk: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> np.
     keyed = chunk[["rank", "lane", "device", "stream"]].astype({"lane": str})
     tid = keyed.merge(tracks[["rank", "lane", "device", "stream", "tid"]], how="left",
                       on=["rank", "lane", "device", "stream"])["tid"].to_numpy()
-    cat = chunk["cat"].astype(str)
-    cat = cat.where(cat != "", chunk["source"].astype(str))
-    gpu = (chunk["lane"].astype(str) == "gpu").to_numpy()
+    # comparisons on the categoricals themselves: converting 10^5 rows to strings costs more than writing them
+    cat = np.where((chunk["cat"] == "").to_numpy(), _json_texts(chunk["source"]), _json_texts(chunk["cat"]))
+    gpu = (chunk["lane"] == "gpu").to_numpy()
     args = ('"sl_category": ' + _json_texts(chunk["category"]) + ', "sl_dim": ' + _json_texts(chunk["dim"]))
-    args = args + np.where(gpu, ', "device": ' + chunk["device"].astype(str).to_numpy(dtype=object)
-                           + ', "stream": ' + chunk["stream"].astype(str).to_numpy(dtype=object), "")
+    args = args + np.where(gpu, ', "device": ' + _int_text(chunk["device"]) + ', "stream": '
+                           + _int_text(chunk["stream"]), "")
     for column, key in _ARG_NAMES.items():
         values = chunk[column]
         if values.dtype == "category":
-            present = (values.astype(str) != "").to_numpy()
+            present = (values != "").to_numpy()
             text = _json_texts(values)
         else:
             present = (values != -1).to_numpy()
-            text = values.astype(str).to_numpy(dtype=object)
+            text = _int_text(values)
         if present.any():
             args = args + np.where(present, f', "{key}": ' + text, "")
     nbytes = chunk["msg_bytes"].to_numpy()
-    memcpy = chunk["category"].astype(str).str.startswith(("memcpy", "memset")).to_numpy() & (nbytes >= 0)
-    args = args + np.where(memcpy, ', "bytes": ' + chunk["msg_bytes"].astype(str).to_numpy(dtype=object), "")
-    return ('{"ph": "X", "pid": ' + chunk["rank"].astype(str).to_numpy(dtype=object) + ', "tid": '
-            + tid.astype(str).astype(object) + ', "ts": ' + us_text(chunk["start_ns"].to_numpy() - base)
+    memcpy = chunk["category"].isin(("memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset")).to_numpy() & (nbytes >= 0)
+    args = args + np.where(memcpy, ', "bytes": ' + _int_text(nbytes), "")
+    return ('{"ph": "X", "pid": ' + _int_text(chunk["rank"]) + ', "tid": '
+            + _int_text(tid) + ', "ts": ' + us_text(chunk["start_ns"].to_numpy() - base)
             + ', "dur": ' + us_text(chunk["dur_ns"].to_numpy()) + ', "name": ' + _json_texts(chunk["name"])
-            + ', "cat": ' + _json_texts(cat) + ', "args": {' + args + "}}")
+            + ', "cat": ' + cat + ', "args": {' + args + "}}")
 
 
 def category_segments(events: pd.DataFrame) -> pd.DataFrame:
@@ -219,15 +228,16 @@ def category_segments(events: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _slice_lines(*, rank: int, tid: int, cat: str, names, start, end, base: int) -> list[str]:
+def _slice_lines(*, rank: int, tid: int, cat: str, names, start, end, base: int):
+    """Complete events of one added track, yielded in chunks of ``CHUNK_ROWS`` lines."""
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
-    if not len(start):
-        return []
-    names = np.array([json.dumps(str(n)) for n in names], dtype=object)
-    lines = (f'{{"ph": "X", "pid": {rank}, "tid": {tid}, "ts": ' + us_text(start - base) + ', "dur": '
-             + us_text(end - start) + ', "name": ' + names + f', "cat": "{cat}"}}')
-    return lines.tolist()
+    names = _json_texts(pd.Series(names, dtype="category"))
+    for lo in range(0, len(start), CHUNK_ROWS):
+        part = slice(lo, lo + CHUNK_ROWS)
+        yield "\n,".join((f'{{"ph": "X", "pid": {rank}, "tid": {tid}, "ts": ' + us_text(start[part] - base)
+                           + ', "dur": ' + us_text(end[part] - start[part]) + ', "name": ' + names[part]
+                           + f', "cat": "{cat}"}}').tolist())
 
 
 def _added_lines(events: pd.DataFrame, *, tracks: pd.DataFrame, base: int):
@@ -288,12 +298,13 @@ def _flow_lines(events: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> lis
         cols = {f"{k}_{end}": k for k in key}
         tid = flows[list(cols)].rename(columns=cols).merge(lookup, how="left", on=key)["tid"].to_numpy()
         flows[f"tid_{end}"] = tid
-    names = _json_texts((flows["category"].astype(str) + " " + flows["group"].astype(str) + "#"
-                         + flows["instance"].astype(str)).astype("category"))
-    ids = np.arange(1, len(flows) + 1).astype(str).astype(object)
+    names = ('"' + flows["category"].to_numpy().astype(str).astype(object) + " "
+             + np.array([json.dumps(str(g))[1:-1] for g in flows["group"]], dtype=object) + "#"
+             + _int_text(flows["instance"]) + '"')
+    ids = _int_text(np.arange(1, len(flows) + 1))
     for phase, end, extra in (("s", "src", ""), ("f", "dst", ', "bp": "e"')):
-        lines = (f'{{"ph": "{phase}", "id": ' + ids + ', "pid": ' + flows[f"rank_{end}"].astype(str).to_numpy(
-            dtype=object) + ', "tid": ' + flows[f"tid_{end}"].astype(str).to_numpy(dtype=object) + ', "ts": '
+        lines = (f'{{"ph": "{phase}", "id": ' + ids + ', "pid": ' + _int_text(flows[f"rank_{end}"])
+                 + ', "tid": ' + _int_text(flows[f"tid_{end}"]) + ', "ts": '
             + us_text(flows[f"start_ns_{end}"].to_numpy() - base) + ', "name": ' + names
             + ', "cat": "sl_collective"' + extra + "}")
         out.extend(lines.tolist())

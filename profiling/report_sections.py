@@ -136,23 +136,29 @@ def _bar(total: int, *, enabled: bool):
     return tqdm(total=total, desc="analysing", unit="section", leave=False)
 
 
-def _all_work(events: pd.DataFrame) -> pd.DataFrame:
+def _per_rank_work(events: pd.DataFrame, keep):
+    """``keep(work)`` of each rank's attributed work rows, concatenated: one rank's rows are materialised at a
+    time, so a large trace set costs its events table plus one rank, never a second copy of everything."""
     from shardline.profiling.attribution import work_rows
 
-    frames = [work_rows(grp)[0] for _, grp in events.groupby("rank", observed=True, sort=True)]
+    frames = [keep(work_rows(grp)[0]) for _, grp in events.groupby("rank", observed=True, sort=True)]
     frames = [f for f in frames if len(f)]
-    return pd.concat(frames) if frames else events.iloc[:0]
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def _kernel_totals(work: pd.DataFrame) -> pd.DataFrame:
+    work = work[work["category"].astype(str) != ""]
+    per = work.groupby([work["category"].astype(str).rename("category"), work["name"].astype(str).rename("name")])
+    return per["dur_ns"].agg(["size", "sum"]).reset_index()
 
 
 def top_kernels(events: pd.DataFrame, *, top: int = TOP_KERNELS) -> pd.DataFrame:
     """The ``top`` names by total time in each category, over the attributed work rows of all ranks: category,
     name, calls, total_ns, mean_ns, share (of the category's total)."""
-    work = _all_work(events)
-    work = work[work["category"].astype(str) != ""]
-    if work.empty:
+    per_rank = _per_rank_work(events, _kernel_totals)
+    if per_rank is None or per_rank.empty:
         return pd.DataFrame(columns=["category", "name", "calls", "total_ns", "mean_ns", "share"])
-    per = work.groupby([work["category"].astype(str), work["name"].astype(str)]).agg(
-        calls=("dur_ns", "size"), total_ns=("dur_ns", "sum")).reset_index()
+    per = per_rank.groupby(["category", "name"], as_index=False)[["size", "sum"]].sum()
     per.columns = ["category", "name", "calls", "total_ns"]
     per["mean_ns"] = per["total_ns"] / per["calls"]
     per["share"] = per["total_ns"] / per.groupby("category")["total_ns"].transform("sum").where(
@@ -163,9 +169,8 @@ def top_kernels(events: pd.DataFrame, *, top: int = TOP_KERNELS) -> pd.DataFrame
 
 def offload_traffic(events: pd.DataFrame, bd: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, direction): copies, bytes, busy_ns, achieved_gbps, of_limit, pageable_copies, exposed_ns."""
-    work = _all_work(events)
-    copies = work[work["category"].astype(str).isin(["memcpy_h2d", "memcpy_d2h"])]
-    if copies.empty:
+    copies = _per_rank_work(events, lambda w: w[w["category"].astype(str).isin(["memcpy_h2d", "memcpy_d2h"])])
+    if copies is None or copies.empty:
         return pd.DataFrame(columns=["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps",
                                      "of_limit", "pageable_copies", "exposed_ns"])
     sized = copies["msg_bytes"].to_numpy() >= 0
