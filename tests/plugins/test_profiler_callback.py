@@ -153,3 +153,9 @@ def test_pipeline_run_publishes_bubbles_and_timeline(pipeline_run):
 def test_bad_schedule_is_named(kwargs, fragment):
     with pytest.raises(ContractError, match=fragment):
         StepProfiler(**kwargs)
+
+
+def test_exported_under_its_contract_name():
+    import shardline.plugins
+
+    assert shardline.plugins.StepProfiler is StepProfiler
