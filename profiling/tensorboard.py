@@ -401,7 +401,7 @@ def _window_traces(logdir: Path, folder: Path, traceset, *, name: str) -> list[d
             raise
         merge = None
     if merge is not None:
-        merged = merge.merged_trace(traceset, path=folder / f"{name}.merged.trace.json")
+        merged = merge.merged_trace(traceset, path=folder / f"{name}.merged.trace.json.gz")
         out.append({"label": "all ranks (merged)", "kind": "merged",
                     "path": Path(merged).resolve().relative_to(logdir.resolve()).as_posix()})
     root = logdir.resolve()

@@ -342,8 +342,8 @@ def test_trace_viewer_holds_every_slice_of_the_raw_trace(server, browser, logdir
     # The merged trace (all ranks in one file): every complete event is a slice of the viewer's model too.
     browser.evaluate(f"{PLUGIN_DOC}.querySelectorAll('[data-role=open-trace]')[{labels.index('all ranks (merged)')}]"
                      ".click()")
-    merged = next((logdir / "logs" / run / "plugins" / PLUGIN_NAME).glob("*.merged.trace.json"))
-    expected = sum(e.get("ph") == "X" for e in json.loads(merged.read_text())["traceEvents"])
+    merged = next((logdir / "logs" / run / "plugins" / PLUGIN_NAME).glob("*.merged.trace.json.gz"))
+    expected = sum(e.get("ph") == "X" for e in json.loads(gzip.decompress(merged.read_bytes()))["traceEvents"])
     # The raw trace of rank 0 has one process (its device); the merged one has the ranks as processes.
     browser.wait_for(f"Object.keys({VIEWER}?._traceViewer?.model?.processes ?? {{}}).length >= 2",
                      what="the merged trace in the viewer")

@@ -5,6 +5,7 @@ the real ``load``; tier 0 (no torch)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -114,7 +115,7 @@ def test_plugin_data_lists_window_and_traces(zero_tp_traces, tmp_path):
         assert all(record[c] == row[c] for c in EXCLUSIVE_COLUMNS)  # integer ns, exact
         assert (record["overlap_ratio"] is None) == math.isnan(row["overlap_ratio"])
     merged = [t for t in manifest["windows"][0]["traces"] if t["kind"] == "merged"]
-    assert len(merged) == 1 and json.loads((logdir / merged[0]["path"]).read_text())["traceEvents"]
+    assert len(merged) == 1 and json.loads(gzip.decompress((logdir / merged[0]["path"]).read_bytes()))["traceEvents"]
     raw = [t for t in manifest["windows"][0]["traces"] if t["kind"] == "raw"]
     assert sorted(t["label"] for t in raw) == ["rank 0", "rank 1"]
     for trace in raw:  # traces outside the logdir are copied in; the manifest path is logdir-relative
