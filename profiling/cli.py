@@ -98,20 +98,22 @@ def _wants_progress(args) -> bool:
 
 @contextmanager
 def _stages(names: Sequence[str], *, enabled: bool):
-    """A progress bar over named stages; ``advance(name)`` moves to the next one."""
+    """A progress bar over named stages: it names the stage under way; ``done()`` completes it and names the
+    next one."""
     if not enabled:
-        yield lambda name: None
+        yield lambda: None
         return
     from tqdm import tqdm
 
-    bar = tqdm(total=len(names), unit="stage", leave=False, file=sys.stderr)
+    bar = tqdm(total=len(names), unit="stage", leave=False, file=sys.stderr, desc=names[0])
 
-    def advance(name: str) -> None:
-        bar.set_description(name)
+    def done() -> None:
         bar.update()
+        if bar.n < len(names):
+            bar.set_description(names[bar.n])
 
     try:
-        yield advance
+        yield done
     finally:
         bar.close()
 
@@ -139,18 +141,18 @@ def run_report(args: argparse.Namespace) -> int:
         if fmt in (ReportFormat.PARQUET, ReportFormat.TENSORBOARD) and args.output is None:
             raise UsageError(f"--format {fmt.value} needs -o " + ("FILE" if fmt is ReportFormat.PARQUET else
                                                                    "LOGDIR"))
-        with _stages(["load", "analyse", "write"], enabled=_wants_progress(args)) as advance:
+        with _stages(["loading", "analysing", "writing"], enabled=_wants_progress(args)) as done:
             traceset = load(args.path)
-            advance("load")
+            done()
             if fmt is ReportFormat.TENSORBOARD:
                 return _write_tensorboard(traceset, logdir=args.output)
             text = _render_report(traceset, fmt=fmt, source=str(args.path), progress=_wants_progress(args))
-            advance("analyse")
+            done()
             if fmt is ReportFormat.PARQUET:
                 _write_parquet(text, args.output)
             else:
                 _emit(text, args.output)
-            advance("write")
+            done()
     except (ProfilingError, OSError) as exc:
         return _fail("report", exc)
     return 0
@@ -234,16 +236,16 @@ def run_diff(args: argparse.Namespace) -> int:
     from shardline.profiling.load import load
 
     try:
-        with _stages(["before", "after", "compare"], enabled=_wants_progress(args)) as advance:
+        with _stages(["before", "after", "comparing"], enabled=_wants_progress(args)) as done:
             tables = []
-            for path, name in ((args.before, "before"), (args.after, "after")):
+            for path in (args.before, args.after):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # an empty breakdown is refused by the diff, by name
                     tables.append(breakdown(load(path)))
-                advance(name)
+                done()
             result = diff_breakdowns(*tables)
             _emit(render_diff(result, fmt=DiffFormat(args.format)), args.output)
-            advance("compare")
+            done()
     except (ProfilingError, OSError) as exc:
         return _fail("diff", exc)
     return 0

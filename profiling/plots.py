@@ -57,6 +57,8 @@ def breakdown_figure(bd: pd.DataFrame, *, title: str = "") -> bytes:
     if bd is None or bd.empty:
         return _empty("no work events to attribute", title=title)
     parts = [c for c in EXCLUSIVE_COLUMNS if (bd[c] != 0).any()]
+    if not parts:  # e.g. an NCCL log: instantaneous lines, every step 0 ns long
+        return _empty("every attributed step is 0 ns long", title=title)
     labels = [f"r{r} s{s}" for r, s in zip(bd["rank"], bd["step"])]
     x = np.arange(len(bd))
     fig = Figure(figsize=(min(4 + 0.35 * len(bd), 24), 4.5), layout="constrained")

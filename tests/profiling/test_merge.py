@@ -128,8 +128,7 @@ def test_bubble_track_holds_the_pipeline_bubbles(job, tmp_path):
     assert per_rank == {r: (3 - 1) * (100 + 200) for r in range(3)}  # (p-1)(f+b) on every stage
 
 
-@pytest.mark.parametrize("corpus_path", ["param/dlrm_kineto", "tracelens/b200/eager_trace.json.gz",
-                                         "hta/trace_filter"])
+@pytest.mark.parametrize("corpus_path", ["tracelens/b200/eager_trace.json.gz", "hta/trace_filter"])
 def test_corpus_traces_merge_and_reread(traces_dir, tmp_path, corpus_path):
     ts = load(traces_dir / corpus_path)
     path = merged_trace(ts, path=tmp_path / "m.json.gz")
@@ -142,11 +141,20 @@ def test_corpus_traces_merge_and_reread(traces_dir, tmp_path, corpus_path):
                                                                              ts.events["dur_ns"]))
 
 
-def test_dlrm_flows_join_the_eight_ranks(traces_dir, tmp_path):
+def test_dlrm_merges_rereads_and_flows_join_the_eight_ranks(traces_dir, tmp_path):
+    from shardline.profiling.collectives import match_collectives
+
     ts = load(traces_dir / "param" / "dlrm_kineto")
-    doc = _doc(merged_trace(ts, path=tmp_path / "m.json"))
-    flows = [e for e in doc["traceEvents"] if e["ph"] == "s"]
-    assert flows and {e["pid"] for e in doc["traceEvents"] if e["ph"] in "sf"} == set(range(8))
+    path = merged_trace(ts, path=tmp_path / "m.json.gz")
+    doc = _doc(path)
+    starts = [e for e in doc["traceEvents"] if e["ph"] == "s"]
+    assert {e["pid"] for e in doc["traceEvents"] if e["ph"] in "sf"} == set(range(8))
+    matched = match_collectives(ts)
+    # one arrow per waiting member of every matched instance
+    assert len(starts) == int((matched.groupby(["group", "category", "instance"])["rank"].size() - 1).sum())
+    back = load(path, rank=0).events
+    original = back[~back["cat"].astype(str).str.startswith("sl_")]
+    assert _key(original) == _key(ts.events)
 
 
 def test_unwritable_path_is_our_error(job, tmp_path):

@@ -64,11 +64,19 @@ def test_pipeline_timeline_figure_colours_and_empty_state(synth):
     assert empty.shape[0] < pixels.shape[0] + 200  # a small message figure, not an empty axes grid
 
 
-def test_empty_inputs_give_a_figure_not_an_error():
+def test_empty_inputs_give_a_figure_not_an_error(synth):
+    import warnings
+
     from shardline.profiling.attribution import empty_breakdown
 
-    for png in (breakdown_figure(empty_breakdown()), comm_by_dim_figure(None)):
-        assert _pixels(png).shape[0] > 0
+    rows, _ = synth.zero_tp_offload()
+    zero = breakdown(synth.to_frame(rows)).head(1)
+    zero[list(zero.columns[zero.dtypes == "int64"])] = 0  # a step of 0 ns: nothing to stack
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even a matplotlib "no artists" warning
+        for png in (breakdown_figure(empty_breakdown()), comm_by_dim_figure(None), breakdown_figure(zero)):
+            pixels = _pixels(png)
+            assert not _has_colour(pixels, COLOURS["compute"])
 
 
 def test_comm_by_dim_figure_on_a_real_trace(traces_dir):
