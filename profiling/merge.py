@@ -4,7 +4,8 @@ Layout of the file (loadable by chrome://tracing, Perfetto UI and XProf's trace 
 
     {"displayTimeUnit": "ns", "baseTimeNanoseconds": T0, "traceName": ..., "traceEvents": [...]}
 
-- one process per rank: ``pid`` = rank, named ``"rank N"`` (``process_name`` / ``process_sort_index``);
+- one process per rank: ``pid`` = rank, named ``"rank N"`` (``process_name`` / ``process_sort_index``); rows
+  whose rank is unknown (-1: NCCL-log lines of a communicator whose init the log lacks) form ``"rank unknown"``;
 - per rank, one thread per original track, numbered 1, 2, ... in (lane, device, stream) order and named
   ``"gpu D stream S"`` / ``"cpu thread T"``; every row of the events table is one complete (``"X"``) event with
   its ``name``, its source ``cat`` (the reader's name when the source gave none) and args: our ``sl_category``
@@ -117,7 +118,8 @@ def _metadata_lines(tracks: pd.DataFrame) -> list[str]:
     lines = []
     for rank in tracks["rank"].unique():
         rank = int(rank)
-        lines.append(json.dumps({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}))
+        label = f"rank {rank}" if rank >= 0 else "rank unknown"  # NCCL-log rows whose rank the log never said
+        lines.append(json.dumps({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}}))
         lines.append(json.dumps({"ph": "M", "name": "process_sort_index", "pid": rank,
                                  "args": {"sort_index": rank}}))
     for row in tracks.itertuples(index=False):  # one line per track, not per event

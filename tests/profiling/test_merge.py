@@ -157,6 +157,18 @@ def test_dlrm_merges_rereads_and_flows_join_the_eight_ranks(traces_dir, tmp_path
     assert _key(original) == _key(ts.events)
 
 
+def test_nccl_log_rows_of_unknown_rank_get_their_own_process(traces_dir, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the log lacks its init lines; the reader says so
+        ts = load(traces_dir / "nccl_debug_logs" / "pytorch_torchtitan_issue1369_tp2_ag_rs.log")
+    doc = _doc(merged_trace(ts, path=tmp_path / "m.json"))
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
+    assert names[-1] == "rank unknown" and set(names) == set(ts.events["rank"].unique().tolist())
+    assert sum(e["ph"] == "X" for e in doc["traceEvents"]) >= len(ts.events)
+
+
 def test_unwritable_path_is_our_error(job, tmp_path):
     ts, _ = job
     with pytest.raises(TraceFormatError, match="no_such_dir"):
