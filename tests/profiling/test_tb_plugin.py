@@ -18,6 +18,7 @@ import select
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -54,36 +55,35 @@ def tensorboard(logdir: Path, *, entry_points: bool = True, env: dict | None = N
     else:
         plugins = "get_plugins" if entry_points else "get_static_plugins"
         command = [sys.executable, "-c", _LAUNCH.format(plugins=plugins), *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})})
-    try:
-        yield _port_from(proc)
-    finally:
-        proc.terminate()
+    # stderr goes to a file, not a pipe: a pipe nobody drains after start-up could fill and block the server.
+    with tempfile.TemporaryDirectory(prefix="shardline-tb-") as scratch:
+        log_path = Path(scratch) / "stderr.txt"
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file,
+                                    env={**os.environ, **(env or {})})
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            yield _port_from(proc, log_path)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
-def _port_from(proc: subprocess.Popen) -> int:
-    """The port from TensorBoard's "TensorBoard x at http://127.0.0.1:PORT/" line, read under a deadline."""
+def _port_from(proc: subprocess.Popen, log_path: Path) -> int:
+    """The port from TensorBoard's "TensorBoard x at http://127.0.0.1:PORT/" line, polled under a deadline."""
     deadline = time.monotonic() + SERVER_START_S
-    seen = b""
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], 1.0)
-        if ready:
-            chunk = os.read(proc.stderr.fileno(), 65536)
-            if not chunk:
-                break
-            seen += chunk
-            match = re.search(rb"at http://127\.0\.0\.1:(\d+)/", seen)
-            if match:
-                return int(match.group(1))
+        match = re.search(rb"at http://127\.0\.0\.1:(\d+)/", log_path.read_bytes())
+        if match:
+            return int(match.group(1))
         if proc.poll() is not None:
             break
-    raise AssertionError(f"TensorBoard did not report its port (exit {proc.poll()}): {seen.decode()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"TensorBoard did not report its port (exit {proc.poll()}): "
+                         f"{log_path.read_text(errors='replace')[-2000:]}")
 
 
 def _get(port: int, path: str) -> tuple[int, dict, bytes]:
