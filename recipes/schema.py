@@ -15,8 +15,8 @@ Validation has two layers, both raising :class:`RecipeError` with the file and e
    left to jsonargparse, which LightningCLI runs next.
 2. :func:`check_recipe` checks what no single field shows: the parallel layout against the world
    (``ParallelDims``: ``tp*pp*cp`` must divide ``devices*num_nodes``), the model shape (``GPTConfig``), the model
-   against the layout (heads and FFN divisible by tp, ...), the byte vocabulary, and that ``data.path``
-   exists. The fit command runs it on the file alone and again on the configuration LightningCLI parsed,
+   against the layout (heads and FFN divisible by tp, ...), the pipeline (a layer per stage, micro-batches
+   dividing ``data.batch_size``), the byte vocabulary, and that ``data.path`` exists. The fit command runs it on the file alone and again on the configuration LightningCLI parsed,
    command-line overrides included (jsonargparse's own errors become RecipeError there too).
 """
 
@@ -238,6 +238,31 @@ def strategy_degrees(strategy: Any) -> dict[str, Any] | None:
     return None
 
 
+def _with_defaults(cls: type, section: Any) -> dict[str, Any]:
+    """``cls.__init__``'s defaults updated with the recipe section's values."""
+    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                if p.default is not p.empty}
+    return {**defaults, **(section if isinstance(section, dict) else {})}
+
+
+def _pipeline_problems(strategy: Any, model: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """With pp > 1: every stage needs a layer, and the micro-batches must divide the per-replica batch."""
+    if not (isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path"))):
+        return []
+    args = strategy.get("init_args") or {}
+    pp, chunks, m = args.get("pp", 1), args.get("chunks", 1), args.get("micro_batches")
+    if not (isinstance(pp, int) and pp > 1 and isinstance(chunks, int)):
+        return []
+    problems = []
+    n_layer, batch = model.get("n_layer"), data.get("batch_size")
+    if isinstance(n_layer, int) and n_layer + 2 < pp * chunks:
+        problems.append(f"model.n_layer={n_layer}: the pipeline cuts its n_layer + 2 = {n_layer + 2} layers "
+                        f"(embedding, blocks, head) into pp*chunks = {pp}*{chunks} = {pp * chunks} non-empty stages")
+    if isinstance(m, int) and isinstance(batch, int) and m > 0 and batch % m:
+        problems.append(f"data.batch_size={batch} is not divisible by trainer.strategy.init_args.micro_batches={m}")
+    return problems
+
+
 def _as_int(value: Any) -> Any:
     """``"4"`` (how the command line may deliver ``--trainer.devices 4``) as 4; anything else unchanged."""
     return int(value) if isinstance(value, str) and value.isdigit() else value
@@ -262,13 +287,11 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     from shardline.plugins.errors import ContractError, LayoutError
     from shardline.plugins.grid import ParallelDims
     from shardline.plugins.model import GPTConfig, _sp_context
-    from shardline.recipes.data import VOCAB_SIZE
+    from shardline.recipes.data import VOCAB_SIZE, TextDataModule
     from shardline.recipes.lit_gpt import GPTModule
 
     trainer = recipe.get("trainer") or {}
-    defaults = {name: p.default for name, p in inspect.signature(GPTModule.__init__).parameters.items()
-                if p.default is not p.empty}
-    model = {**defaults, **(recipe.get("model") or {})}
+    model = _with_defaults(GPTModule, recipe.get("model"))
     problems, dims, config = [], None, None
     try:
         degrees = strategy_degrees(trainer.get("strategy"))
@@ -295,6 +318,7 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
         config = GPTConfig(**{k: v for k, v in model.items() if k in config_fields})
     except ContractError as error:
         problems.append(f"model: {error}")
+    problems += _pipeline_problems(trainer.get("strategy"), model, _with_defaults(TextDataModule, recipe.get("data")))
     if config is not None and config.vocab_size < VOCAB_SIZE:
         problems.append(f"model.vocab_size={config.vocab_size} is below the byte vocabulary ({VOCAB_SIZE})")
     if config is not None and dims is not None:

@@ -1,6 +1,6 @@
 """``shardline fit --config recipes/tiny.yaml`` end to end, as a user runs it: a real subprocess that launches
-its own 4 workers (Lightning re-runs the command line), real DeepSpeed ZeRO-1 with tp=2 x dp=2 on gloo, a
-TensorBoard event file read back."""
+its own 4 workers (Lightning re-runs the command line), tp=2 x pp=2 (1F1B) with real DeepSpeed ZeRO-1 on gloo,
+a TensorBoard event file read back."""
 
 from __future__ import annotations
 
@@ -77,5 +77,6 @@ def test_shardline_fit_tiny_end_to_end(tmp_path):
 
     # The saved configuration is the recipe plus the command-line overrides.
     saved = yaml.safe_load(next((tmp_path / "runs" / "tiny").rglob("config.yaml")).read_text())
-    assert saved["trainer"]["max_steps"] == STEPS and saved["trainer"]["strategy"]["init_args"]["tp"] == 2
+    layout = saved["trainer"]["strategy"]["init_args"]
+    assert saved["trainer"]["max_steps"] == STEPS and (layout["tp"], layout["pp"], layout["zero_stage"]) == (2, 2, 1)
     assert "seq_len" not in saved["data"] and saved["model"]["seq_len"] == 128  # data.seq_len follows the model

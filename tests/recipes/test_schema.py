@@ -70,9 +70,9 @@ def test_keys_and_types_are_named_with_the_file(tmp_path, sections, fragments):
 
 
 @pytest.mark.parametrize(("sections", "fragment"), [
-    (dict(trainer={"devices": 3}),
-     "trainer.devices=3 x trainer.num_nodes=1 with trainer.strategy {'tp': 2, 'pp': 1, 'cp': 1, 'sp': 'none'}: "
-     "invalid parallel layout: world_size=3 is not divisible by tp*cp*pp = 2*1*1 = 2"),
+    (dict(trainer={"devices": 6}),
+     "trainer.devices=6 x trainer.num_nodes=1 with trainer.strategy {'tp': 2, 'pp': 2, 'cp': 1, 'sp': 'none'}: "
+     "invalid parallel layout: world_size=6 is not divisible by tp*cp*pp = 2*1*2 = 4"),
     (dict(trainer={"devices": 2, "num_nodes": 2, "strategy": "shardline_tp8_zero1"}),
      "world_size=4 is not divisible by tp*cp*pp = 8*1*1 = 8"),
     (dict(trainer={"strategy": "shardline_tp3"}), "trainer.strategy: strategy name 'shardline_tp3': tp=3 not in"),
@@ -80,6 +80,12 @@ def test_keys_and_types_are_named_with_the_file(tmp_path, sections, fragments):
     (dict(model={"n_head": 3}), "model: invalid GPTConfig: d_model=128 is not divisible by n_head=3"),
     (dict(model={"vocab_size": 100}), "model.vocab_size=100 is below the byte vocabulary (256)"),
     (dict(data={"path": "/no/such/corpus"}), "data.path='/no/such/corpus' does not exist"),
+    (dict(data={"batch_size": 12}),
+     "data.batch_size=12 is not divisible by trainer.strategy.init_args.micro_batches=8"),
+    (dict(model={"n_layer": 1}, trainer={"devices": 8, "strategy": {
+        "class_path": HYBRID, "init_args": {"tp": 2, "pp": 4, "zero_stage": 1}}}),
+     "model.n_layer=1: the pipeline cuts its n_layer + 2 = 3 layers (embedding, blocks, head) into "
+     "pp*chunks = 4*1 = 4 non-empty stages"),
 ])
 def test_impossible_layouts_and_shapes_name_the_values(tmp_path, sections, fragment):
     path = _write(tmp_path, _tiny_with(**sections))
@@ -101,12 +107,12 @@ def test_yaml_syntax_and_shape_errors(tmp_path):
 def test_command_line_overrides_reach_the_built_objects():
     cli = run_fit(["--config", "tiny", "--model.n_layer", "3", "--model.seq_len", "64",
                    "--trainer.strategy.init_args.tp", "1", "--trainer.strategy.init_args.zero_stage", "2",
-                   "--data.batch_size", "5", "--trainer.max_steps", "7"], run=False)
+                   "--data.batch_size", "24", "--trainer.max_steps", "7"], run=False)
     assert cli.model.hparams.n_layer == 3 and cli.model.config.seq_len == 64
-    assert cli.datamodule.seq_len == 64 and cli.datamodule.batch_size == 5  # data.seq_len follows the model
+    assert cli.datamodule.seq_len == 64 and cli.datamodule.batch_size == 24  # data.seq_len follows the model
     strategy = cli.trainer.strategy
-    assert strategy.degrees == {"tp": 1, "pp": 1, "cp": 1} and strategy.zero_stage == 2
-    assert strategy.layout_for(4).dp == 4 and cli.trainer.max_steps == 7
+    assert strategy.degrees == {"tp": 1, "pp": 2, "cp": 1} and strategy.zero_stage == 2
+    assert strategy.layout_for(4).dp == 2 and cli.trainer.max_steps == 7
     assert cli.model.hparams.d_model == 128  # untouched fields keep the recipe's value
 
 
