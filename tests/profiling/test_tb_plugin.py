@@ -318,6 +318,16 @@ def test_plugin_page_renders_the_breakdown_offline(server, browser, tmp_path):
     assert rows == 2
     totals = browser.evaluate(f"[...{PLUGIN_DOC}.querySelectorAll('.bar-total')].map(e => e.textContent)")
     assert totals and all(t.endswith(" ms") for t in totals)
+    # The bubble table shows the window's numbers: measured fraction vs the (p-1)/(m+p-1) ideal, per rank.
+    run = browser.evaluate(f"{PLUGIN_DOC}.querySelector('[data-role=run-select]').value")
+    runs = json.loads(_get(server, f"{PREFIX}/runs")[2])["runs"]
+    data = json.loads(_get(server, f"{PREFIX}/window?run={run}&window={runs[run][0]['name']}")[2])
+    cells = browser.evaluate(f"[...{PLUGIN_DOC}.querySelectorAll('[data-role=bubble-row]')]"
+                             ".map(r => [...r.cells].map(c => c.textContent))")
+    assert [(c[0], c[7], c[8]) for c in cells] == [
+        (str(b["rank"]), f"{100 * b['bubble_fraction']:.1f}%", f"{100 * b['ideal_fraction']:.1f}%")
+        for b in data["bubbles"]]
+    assert len(cells) == 2 and cells[0][8] == "20.0%"  # p=2, m=4: 1/5
     browser.screenshot(tmp_path / "plugin_breakdown.png")
     assert (tmp_path / "plugin_breakdown.png").stat().st_size > 1000
     assert browser.errors == []
