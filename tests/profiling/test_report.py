@@ -177,6 +177,14 @@ def _check_corpus_report(ts, sec) -> None:
     bd = breakdown(ts)
     pd.testing.assert_frame_equal(sec.breakdown, bd)
     check_breakdown_table(frame(doc.tables["breakdown-table"]), bd)
+    if len(sec.comm_by_dim):
+        shown = frame(doc.tables["comm-by-dim-table"])
+        for column in ("comm", "exposed", "overlapped"):
+            assert [ns(v) for v in shown[f"{column}_ms"]] == sec.comm_by_dim[f"{column}_ns"].tolist()
+    if len(sec.top_kernels):
+        shown = frame(doc.tables["top-kernels-table"])
+        assert shown["name"].tolist() == sec.top_kernels["name"].tolist()
+        assert [ns(v) for v in shown["total_ms"]] == sec.top_kernels["total_ns"].tolist()
     if len(sec.wait_transfer):
         shown = frame(doc.tables["wait-transfer-table"])
         assert [ns(v) for v in shown["wait_ms"]] == sec.wait_transfer["wait_ns"].astype(np.int64).tolist()
