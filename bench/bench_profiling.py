@@ -225,7 +225,10 @@ def render(rows: list) -> str:
             f"{rate['hta']} |")
     notes = [f"- {label}: ours: {o.get('detail', o.get('error'))}; HTA: {h.get('detail', h.get('error'))}"
              for label, _, o, h in rows]
-    return "\n".join(lines + ["", "Targets: ≥ 10× faster, ≤ 1/3 of HTA's peak memory.", "", *notes, ""])
+    load1, load5, _ = os.getloadavg()
+    context = (f"Load average at the end of the run: {load1:.1f} (1 min), {load5:.1f} (5 min) on {cpu} cores; "
+               "other jobs on the machine slow both sides alike but make absolute times noisy.")
+    return "\n".join(lines + ["", "Targets: ≥ 10× faster, ≤ 1/3 of HTA's peak memory.", context, "", *notes, ""])
 
 
 if __name__ == "__main__":
