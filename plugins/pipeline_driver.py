@@ -176,12 +176,39 @@ class PipelineDriver:
         return self._engines[m]
 
     def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.engine_for(inputs.shape[0]).run_batch(inputs, targets)
+        self._adapt_zero3()
+        loss = self.engine_for(inputs.shape[0]).run_batch(inputs, targets)
+        self._end_zero3_step()
+        return loss
 
     def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return forward_only(self.local, n_stages=self.n_stages, pp_rank=self.rank,
+        self._adapt_zero3()
+        loss = forward_only(self.local, n_stages=self.n_stages, pp_rank=self.rank,
                             group=self.strategy.grid.group("pp"), loss_fn=self.module.pipeline_loss,
                             inputs=inputs, targets=targets, device=self.strategy.root_device)
+        self._end_zero3_step()
+        return loss
+
+    # ZeRO-3's parameter coordinator assumes one forward of the whole model per step, the same on every rank:
+    # a pre-hook on the top module closes the step and checks, by a world-wide broadcast, that every rank
+    # recorded the same module order. Under a pipeline each micro-batch runs one stage's forward, at different
+    # times on different ranks, with different modules: that check deadlocks. We drop the hook, keep the
+    # coordinator in its no-trace mode (it fetches each module's parameters on demand, without prefetch), and
+    # close its step ourselves once per batch, on every rank at the same point.
+    def _adapt_zero3(self) -> None:
+        if self.strategy.zero_stage != 3 or getattr(self, "_z3", None) is not None:
+            return
+        offload = self.strategy.deepspeed_engine.optimizer.parameter_offload
+        offload.fwd_pre_hook.remove()
+        self._z3 = offload.get_param_coordinator()
+
+    def _end_zero3_step(self) -> None:
+        coordinator = getattr(self, "_z3", None)
+        if coordinator is None:
+            return
+        coordinator.reset_step()
+        if not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()
 
 
 class _TiedSync(PipelineHooks):

@@ -19,6 +19,7 @@ loss from ``training_step``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import warnings
 from typing import Any
@@ -142,6 +143,21 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                               stacklevel=2)
             module.optimizer_zero_grad = _keep_pipeline_gradients
         super().setup(trainer)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        """ZeRO-3 partitions parameters as ``configure_model`` creates them: over ``dp x cp`` only.
+
+        Lightning's DeepSpeedStrategy opens ``deepspeed.zero.Init`` without a group, i.e. over the whole world,
+        which would split a TP shard or a pipeline stage across ranks holding different parameters.
+        """
+        import deepspeed
+
+        self._init_config_if_needed()
+        group = self.grid.group("dp_cp") if self.grid is not None else None
+        with deepspeed.zero.Init(enabled=self.zero_stage_3, remote_device=self.remote_device,
+                                 config_dict_or_path=self.config, data_parallel_group=group):
+            yield
 
     # --- DeepSpeed --------------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -43,6 +44,8 @@ def _die_with_parent() -> None:
 def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: str, timeout: float,
             backend: str, conn) -> None:
     _die_with_parent()
+    faulthandler.enable()  # a worker killed by a C++ abort (gloo, NCCL) still prints its Python stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a hung one prints it when the caller asks
     status = 0
     try:
         import torch
@@ -143,6 +146,10 @@ def _collect(procs: list, conns: list, timeout: float) -> list[Any]:
         raise min(failures, key=lambda item: item[0])[1]
     if pending:
         hung = sorted(pending)
+        for rank in hung:  # where each hung rank is stuck goes to stderr before it is killed
+            with contextlib.suppress(OSError):
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+        time.sleep(0.5)
         raise RankFailedError(hung[0], f"timed out after {timeout:g} s; ranks still running: {hung}")
     return results
 

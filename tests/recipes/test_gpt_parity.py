@@ -77,7 +77,8 @@ def dense_losses_untied():
     (4, dict(tp=2, zero_stage=2)),
     (4, dict(tp=2, sp="megatron", zero_stage=2)),
     (2, dict(cp=2, sp="ring", zero_stage=1)),
-], ids=["tp2-dp2-zero2", "tp2-megatron-dp2-zero2", "cp2-ring-zero1"])
+    (4, dict(tp=2, zero_stage=3)),
+], ids=["tp2-dp2-zero2", "tp2-megatron-dp2-zero2", "cp2-ring-zero1", "tp2-dp2-zero3"])
 def test_gpt_loss_parity(world, kwargs, dense_losses):
     results = run_ranks(_fit, world, kwargs, timeout=300)
     dp = HybridParallelStrategy(**kwargs).layout_for(world).dp
@@ -95,8 +96,11 @@ def test_gpt_loss_parity(world, kwargs, dense_losses):
     (2, dict(pp=2, zero_stage=1), True),
     (4, dict(tp=2, pp=2, zero_stage=1), True),
     (4, dict(pp=2, zero_stage=2), False),
+    (4, dict(pp=2, zero_stage=3), False),
+    (4, dict(pp=2, zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), False),
     (4, dict(pp=2, zero_stage=1, schedule="gpipe"), True),
-], ids=["pp2-zero1-tied", "tp2-pp2-1f1b-zero1", "pp2-dp2-zero2", "pp2-dp2-gpipe"])
+], ids=["pp2-zero1-tied", "tp2-pp2-1f1b-zero1", "pp2-dp2-zero2", "pp2-dp2-zero3", "pp2-dp2-zero3-offload",
+        "pp2-dp2-gpipe"])
 def test_gpt_pipeline_loss_parity(world, kwargs, tied, dense_losses, dense_losses_untied):
     # ZeRO-2 and ZeRO-3 under our pipeline: the combination DeepSpeed's own PipelineEngine refuses.
     expected = dense_losses if tied else dense_losses_untied
