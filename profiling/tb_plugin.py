@@ -112,6 +112,9 @@ class ShardlinePlugin(base_plugin.TBPlugin):
     def __init__(self, context: base_plugin.TBContext):
         self._logdir = Path(context.logdir).resolve() if context.logdir else None
         self._static = _listed(STATIC_DIR)
+        if "index.js" not in self._static:  # a wheel built without the package data: say so, do not crash TB
+            log.error("shardline TensorBoard plugin: its frontend files are missing from %s; reinstall shardline "
+                      "(the wheel must include shardline/profiling/tb_static/*)", STATIC_DIR)
         viewer = viewer_dir()
         self._viewer = _listed(viewer, VIEWER_FILES) if viewer else {}
 
