@@ -122,3 +122,20 @@ def test_parquet_without_pyarrow_names_the_dependency(trace_folder, tmp_path, mo
     monkeypatch.setattr(cli, "find_spec", lambda name: None if name == "pyarrow" else real(name))
     assert main(["profile", "report", str(trace_folder), "-o", str(tmp_path / "b.parquet")]) == 2
     assert "pip install pyarrow" in capsys.readouterr().err
+
+
+def test_reports_diff_and_merge_run_without_torch(trace_folder, tmp_path):
+    """A fresh interpreter where importing torch fails: every profile command still works."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['shardline.plugins'] = None\n"
+            "from shardline.profiling.cli import main\n"
+            f"folder, out = {str(trace_folder)!r}, {str(tmp_path)!r}\n"
+            "assert main(['profile', 'report', folder, '-o', out + '/r.html']) == 0\n"
+            "assert main(['profile', 'diff', folder, folder, '-o', out + '/d.md', '--format', 'md']) == 0\n"
+            "assert main(['profile', 'merge', folder, '-o', out + '/m.json']) == 0\n"
+            "assert not [m for m in sys.modules if m.startswith('torch') and sys.modules[m] is not None]\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"r.html", "d.md", "m.json"}
