@@ -159,3 +159,19 @@ def test_exported_under_its_contract_name():
     import shardline.plugins
 
     assert shardline.plugins.StepProfiler is StepProfiler
+
+
+def test_tensorboard_plugin_lists_the_window_with_the_traces_in_place(profiled_run):
+    from tensorboard.plugins.base_plugin import TBContext
+
+    from shardline.profiling.tb_plugin import ShardlinePlugin, TraceKind
+
+    rank0 = profiled_run[0]
+    (folder,) = rank0["trace_dirs"]
+    log_dir = Path(rank0["log_dir"])  # <save_dir>/run/version_0; TensorBoard pointed at <save_dir>/run
+    listing = ShardlinePlugin(TBContext(logdir=str(log_dir.parent))).listing()
+    (window,) = listing[f"{log_dir.name}/{TRACE_DIR}"].values()
+    raw = sorted(path for _, kind, path in window["traces"] if kind == TraceKind.RAW.value)
+    # The callback's traces already lie inside the TensorBoard run: listed where they are, not copied.
+    assert raw == sorted((folder / f"rank{r}.pt.trace.json.gz").resolve() for r in (0, 1))
+    assert [kind for _, kind, _ in window["traces"]].count(TraceKind.MERGED.value) == 1
