@@ -116,8 +116,9 @@ function traceViewer(state, window) {
   }
   if (!state.viewer.available) {
     section.append(el('div', {class: 'notice', 'data-role': 'viewer-missing'},
-      'The trace viewer ships with the xprof package, which is not installed here. Install it with ',
-      el('code', {}, state.viewer.install),
+      'The trace viewer ships with the ',
+      el('a', {href: 'https://pypi.org/project/xprof/', target: '_blank', rel: 'noopener noreferrer'}, 'xprof'),
+      ' package, which is not installed here. Install it with ', el('code', {}, state.viewer.install),
       ' and restart TensorBoard; meanwhile download a trace above and open it in Perfetto UI or chrome://tracing.'));
   }
   section.append(frameHolder);
