@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -29,7 +31,7 @@ import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
-from shardline.plugins.errors import ContractError
+from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.zero import Offload, derive_config, load_user_config, parse_offload
 
@@ -177,6 +179,36 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         # A CPU device has no index; DeepSpeed's CPU accelerator only needs a number.
         index = self.root_device.index
         return self.local_rank if index is None else index
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+
+    LAYOUT_FILE = "shardline_layout.json"
+
+    def layout_record(self) -> dict[str, Any]:
+        """What must match for a sharded checkpoint to load: the degrees, the world and the ZeRO stage."""
+        record = self.describe()
+        record["world_size"] = self.world_size
+        return {k: record[k] for k in ("world_size", "tp", "pp", "cp", "dp", "sp", "zero_stage", "chunks")}
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
+        """DeepSpeed's sharded checkpoint (one directory, a file per rank), with the layout recorded in it."""
+        checkpoint = {**checkpoint, "shardline_layout": self.layout_record()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero:
+            path = Path(filepath) / self.LAYOUT_FILE
+            path.write_text(json.dumps(self.layout_record(), indent=1, sort_keys=True))
+        self.barrier("shardline_layout_written")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path) / self.LAYOUT_FILE
+        if path.is_file():
+            saved, now = json.loads(path.read_text()), self.layout_record()
+            if saved != now:
+                diff = ", ".join(f"{k}: saved {saved.get(k)!r} vs now {now.get(k)!r}" for k in sorted(now)
+                                 if saved.get(k) != now.get(k))
+                raise LayoutError(f"checkpoint {str(checkpoint_path)!r} was written by a different layout ({diff}); "
+                                  "resharding a checkpoint into another layout is not supported yet")
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     # --- the batch --------------------------------------------------------------------------------------------
 
