@@ -21,6 +21,10 @@ _EXPORTS = {
     "match_collectives": "shardline.profiling.collectives",
     "stragglers": "shardline.profiling.collectives",
     "clock_offsets": "shardline.profiling.collectives",
+    "merged_trace": "shardline.profiling.merge",
+    "diff_breakdowns": "shardline.profiling.diff",
+    "report_sections": "shardline.profiling.report_sections",
+    "write_tensorboard": "shardline.profiling.tensorboard",
 }
 
 __all__ = sorted(_EXPORTS)
