@@ -96,6 +96,13 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
         result.events = None  # the concatenation below is the only copy kept
     events = _concat(frames)
     del frames
+    if (events["source"] == "nccl_log").any() and (events["source"] == "kineto").any():
+        from shardline.profiling.readers.join import join_nccl_log
+
+        events, joined_notes = join_nccl_log(events)
+        for note in joined_notes:
+            _warnings.warn(note, TraceWarning, stacklevel=2)
+        notes += joined_notes
     if classify:
         events = _classify(events)
     check_events(events)
@@ -219,10 +226,23 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
     for column, dtype in COLUMNS.items():
         parts = [f[column] for f in frames]
         if dtype == "category":
-            out[column] = union_categoricals([p if p.dtype == "category" else p.astype("category") for p in parts])
+            out[column] = union_categoricals([_text_categorical(p) for p in parts])
         else:
             out[column] = np.concatenate([p.to_numpy(dtype=dtype) for p in parts])
     return pd.DataFrame(out, copy=False)
+
+
+def _text_categorical(column: pd.Series) -> pd.Categorical:
+    """The column as a categorical whose categories have pandas' default string dtype (readers may differ:
+    object vs str categories cannot be unioned)."""
+    values = column.array if column.dtype == "category" else pd.Categorical(column.astype(str))
+    categories = values.categories
+    if categories.dtype != _STR_DTYPE:
+        values = pd.Categorical.from_codes(values.codes, categories=categories.astype(str).astype(_STR_DTYPE))
+    return values
+
+
+_STR_DTYPE = pd.Index(["x"]).dtype
 
 
 def _classify(events: pd.DataFrame) -> pd.DataFrame:

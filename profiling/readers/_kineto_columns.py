@@ -35,6 +35,8 @@ _MEMCPY_NAME = re.compile(r"^Memcpy (?P<kind>\w+) \((?P<src>\w+) -> (?P<dst>\w+)
 _STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 _STREAM_TEXT = re.compile(r"(\d+)\s*$")
 _INT64 = (-(2**63), 2**63 - 1)
+#: The dtype pandas gives string categories by default; every reader uses it so categoricals concatenate.
+_STR = pd.Index(["x"]).dtype
 
 
 def _int(value, overflow: list) -> int:
@@ -95,7 +97,7 @@ def _factorize(values: list) -> pd.Categorical:
     """Categorical from many repeated strings: a dict assigns codes (cheaper than pandas' object factorize)."""
     index: dict = {}
     codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int32, count=len(values))
-    return pd.Categorical.from_codes(codes, categories=pd.Index(list(index), dtype=object))
+    return pd.Categorical.from_codes(codes, categories=pd.Index(list(index), dtype=_STR))
 
 
 def columns_from_events(events: list, *, keep_python: bool) -> dict:

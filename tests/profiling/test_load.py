@@ -232,3 +232,43 @@ def test_parallel_reading_gives_the_same_table(traces_dir):
     two = load(folder, workers=2)
     assert two.files == one.files and two.ranks == one.ranks
     assert two.events.astype(str).equals(one.events.astype(str))
+
+
+def _nccl_kernel(name: str, ts: float) -> str:
+    args = '{"device": 0, "stream": 7}'
+    return f'{{"ph": "X", "cat": "kernel", "name": "{name}", "pid": 0, "tid": 7, "ts": {ts}, "dur": 5, "args": {args}}}'
+
+
+
+def test_nccl_log_joins_trace_kernels_by_order(tmp_path):
+    # Rank 0's trace: AllReduce at 10 µs and 30 µs, AllGather at 20 µs. Its log (comm 0xa is rank 0 after the
+    # Init line): AllReduce opCount 5 and 7, AllGather opCount 6 with count 3 fp32 × 2 ranks = 24 bytes.
+    events = [_nccl_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 10),
+              _nccl_kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 20),
+              _nccl_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 30)]
+    info = '{"backend": "nccl", "rank": 0, "world_size": 2}'
+    (tmp_path / "rank0.json").write_text(f'{{"distributedInfo": {info}, "traceEvents": [{",".join(events)}]}}')
+    prefix = "h:1:2 [0] NCCL INFO "
+    coll = prefix + "{op}: opCount {n} sendbuff 0x1 recvbuff 0x2 count 3 datatype 7 op 0 root 0 comm 0xa " \
+                    "[nranks=2] stream 0x9\n"
+    (tmp_path / "nccl.log").write_text(
+        prefix + "comm 0xa rank 0 nranks 2 cudaDev 0 nvmlDev 0 busId 1 commId 0xc0 - Init COMPLETE\n"
+        + coll.format(op="AllReduce", n=5) + coll.format(op="AllGather", n=6) + coll.format(op="AllReduce", n=7))
+    ev = load(tmp_path).events
+    kern = ev[ev["source"] == "kineto"].sort_values("start_ns")
+    assert kern["seq"].tolist() == [5, 6, 7]
+    assert kern["msg_bytes"].tolist() == [12, 24, 12] and kern["pg_size"].tolist() == [2, 2, 2]
+
+
+def test_nccl_log_join_refuses_count_mismatch(tmp_path):
+    events = [_nccl_kernel("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", 10)]
+    info = '{"backend": "nccl", "rank": 0, "world_size": 2}'
+    (tmp_path / "rank0.json").write_text(f'{{"distributedInfo": {info}, "traceEvents": [{",".join(events)}]}}')
+    prefix = "h:1:2 [0] NCCL INFO "
+    coll = prefix + "AllReduce: opCount {n} sendbuff 0x1 recvbuff 0x2 count 3 datatype 7 op 0 root 0 comm 0xa " \
+                    "[nranks=2] stream 0x9\n"
+    (tmp_path / "nccl.log").write_text(prefix + "comm 0xa rank 0 nranks 2 cudaDev 0 nvmlDev 0 - Init COMPLETE\n"
+                                       + coll.format(n=1) + coll.format(n=2))
+    with pytest.warns(TraceWarning, match="rank 0: 2 AllReduce lines in the NCCL log but 1 AllReduce kernels"):
+        ev = load(tmp_path).events
+    assert ev.loc[ev["source"] == "kineto", "seq"].tolist() == [-1]
