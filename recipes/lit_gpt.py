@@ -69,7 +69,7 @@ class GPTModule(pl.LightningModule):
         ids, targets = batch
         loss = self.gpt(ids, targets)
         self.last_loss = loss.detach()
-        self.log("train_loss", self.last_loss, prog_bar=True)
+        self.log("train_loss", self.last_loss, prog_bar=True, sync_dist=True)  # the mean over replicas
         return loss
 
     def validation_step(self, batch, batch_idx):
