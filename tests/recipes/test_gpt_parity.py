@@ -33,20 +33,20 @@ class _Recorder(pl.Callback):
         self.losses.append(loss.item())
 
 
-def _fit(rank, world, kwargs, model_overrides=None):
+def _fit(rank, world, kwargs, model_overrides=None, trainer_kwargs=None):
     adopt_process_group_in_lightning()
     recorder = _Recorder()
     strategy = HybridParallelStrategy(**kwargs)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[recorder])
+                         callbacks=[recorder], **(trainer_kwargs or {}))
     dp = strategy.layout_for(world).dp
     module = GPTModule(**{**MODEL, **(model_overrides or {})})
     trainer.fit(module, DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp))
     return {"losses": recorder.losses, "dp_rank": strategy.grid.rank("dp")}
 
 
-def _dense_losses(**model_overrides) -> list[float]:
+def _dense_losses(clip: float | None = None, **model_overrides) -> list[float]:
     module = GPTModule(**{**MODEL, **model_overrides})
     module.configure_model()
     optimizer = module.configure_optimizers()["optimizer"]  # warm-up of 1 step: the full lr from step 0
@@ -58,6 +58,8 @@ def _dense_losses(**model_overrides) -> list[float]:
         loss = module.gpt(ids[index], targets[index])
         optimizer.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     return losses
@@ -120,3 +122,21 @@ def test_pipeline_refuses_tied_weights_with_zero2():
     with pytest.raises(Exception) as info:
         run_ranks(_fit, 2, dict(pp=2, zero_stage=2), {"tie_embeddings": True}, timeout=120)
     assert "zero_stage=2 with pp=2" in str(info.value) and "tie_embeddings=False" in str(info.value)
+
+
+@pytest.mark.parametrize(("world", "kwargs"), [
+    (4, dict(tp=2, pp=2, zero_stage=1)),
+    (4, dict(tp=2, zero_stage=2)),
+], ids=["tp2-pp2-zero1", "tp2-dp2-zero2"])
+def test_gradient_clipping_uses_the_global_norm(world, kwargs):
+    # The clipping norm must be the norm of the whole model's gradient: summed over TP shards and pipeline stages
+    # (DeepSpeed's model-parallel group = grid "mp"), replicated parameters counted once. A clip far below the
+    # gradient norm makes every step depend on that norm.
+    clip = 0.05
+    expected = _dense_losses(clip=clip, tie_embeddings=False)
+    results = run_ranks(_fit, world, kwargs, {"tie_embeddings": False}, {"gradient_clip_val": clip}, timeout=300)
+    dp = HybridParallelStrategy(**kwargs).layout_for(world).dp
+    per_replica = {res["dp_rank"]: res["losses"] for res in results}
+    mean = [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+    assert mean == pytest.approx(expected, rel=1e-4)  # float32 behind TP/PP/DP reductions
+    assert expected != pytest.approx(_dense_losses(tie_embeddings=False), rel=1e-4)  # the clip really bites
