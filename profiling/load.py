@@ -124,12 +124,21 @@ def _discover(root: Path) -> list[tuple[Path, Format]]:
         return [(root, fmt)]
     found = []
     for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        if _derived_by_shardline(file.relative_to(root)):
+            continue
         fmt = sniff(file)
         if fmt is not None:
             found.append((file, fmt))
     if not found:
         raise TraceFormatError(f"{root}: no trace, log or export found in this folder")
     return found
+
+
+def _derived_by_shardline(relative: Path) -> bool:
+    """Files shardline derived from the traces (the TensorBoard plugin's merged trace and trace copies under
+    ``plugins/shardline/``) would count every rank twice: a folder search skips them."""
+    parts = relative.parts
+    return any(parts[i:i + 2] == ("plugins", "shardline") for i in range(len(parts) - 1))
 
 
 def _rank_for(file: Path, rank) -> int | None:
