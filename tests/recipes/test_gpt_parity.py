@@ -43,7 +43,26 @@ def _fit(rank, world, kwargs, model_overrides=None, trainer_kwargs=None):
     dp = strategy.layout_for(world).dp
     module = GPTModule(**{**MODEL, **(model_overrides or {})})
     trainer.fit(module, DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp))
-    return {"losses": recorder.losses, "dp_rank": strategy.grid.rank("dp")}
+    optimizer = strategy.deepspeed_engine.optimizer
+    local = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
+    if strategy.zero_stage in (1, 2):
+        held = sum(t.numel() for t in optimizer.single_partition_of_fp32_groups)
+    elif strategy.zero_stage == 3:
+        held = sum(t.numel() for t in optimizer.fp32_partitioned_groups_flat)
+    else:
+        held = None
+    return {"losses": recorder.losses, "dp_rank": strategy.grid.rank("dp"), "local_params": local,
+            "fp32_partition": held, "dp": strategy.grid.size("dp_cp")}
+
+
+def _assert_zero_shards_over_dp_only(results) -> None:
+    """Each rank's fp32 master partition is its own (TP shard / pipeline stage) parameters divided by the
+    data-parallel degree (dp x cp), up to DeepSpeed's alignment padding: never divided by the TP or PP degree."""
+    for res in results:
+        if res["fp32_partition"] is None:
+            continue
+        n, dp = res["local_params"], res["dp"]
+        assert n / dp <= res["fp32_partition"] <= n / dp + 2 * dp * 8, res  # padding: a few elements per rank
 
 
 def _dense_losses(clip: float | None = None, **model_overrides) -> list[float]:
@@ -90,6 +109,7 @@ def test_gpt_loss_parity(world, kwargs, dense_losses):
         # Every TP/CP rank of one replica reports the same loss (it is reduced across TP and CP). float32.
         assert res["losses"] == pytest.approx(per_replica[res["dp_rank"]], rel=1e-6)
     mean = [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+    _assert_zero_shards_over_dp_only(results)
     # float32 behind TP/CP/DP reductions of a 2-layer GPT: rtol 1e-4.
     assert mean == pytest.approx(dense_losses, rel=1e-4)
 
@@ -114,6 +134,7 @@ def test_gpt_pipeline_loss_parity(world, kwargs, tied, dense_losses, dense_losse
         # The pipeline broadcasts the batch loss from the last stage: every rank of a replica logs the same value.
         assert res["losses"] == pytest.approx(per_replica[res["dp_rank"]], rel=1e-6)
     mean = [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+    _assert_zero_shards_over_dp_only(results)
     # float32, micro-batched (mean of equal micro-batch means) behind DP/TP reductions: rtol 1e-4.
     assert mean == pytest.approx(expected, rel=1e-4)
 
