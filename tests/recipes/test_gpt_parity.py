@@ -121,8 +121,9 @@ def test_gpt_loss_parity(world, kwargs, dense_losses):
     (4, dict(pp=2, zero_stage=3), False),
     (4, dict(pp=2, zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), False),
     (4, dict(pp=2, zero_stage=1, schedule="gpipe"), True),
+    (2, dict(pp=2, zero_stage=1, schedule="interleaved", chunks=2), True),
 ], ids=["pp2-zero1-tied", "tp2-pp2-1f1b-zero1", "pp2-dp2-zero2", "pp2-dp2-zero3", "pp2-dp2-zero3-offload",
-        "pp2-dp2-gpipe"])
+        "pp2-dp2-gpipe", "pp2-interleaved-v2"])
 def test_gpt_pipeline_loss_parity(world, kwargs, tied, dense_losses, dense_losses_untied):
     # ZeRO-2 and ZeRO-3 under our pipeline: the combination DeepSpeed's own PipelineEngine refuses.
     expected = dense_losses if tied else dense_losses_untied
