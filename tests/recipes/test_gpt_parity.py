@@ -55,6 +55,18 @@ def _fit(rank, world, kwargs, model_overrides=None, trainer_kwargs=None):
             "fp32_partition": held, "dp": strategy.grid.size("dp_cp")}
 
 
+def _replica_mean(results, *, dp: int) -> list[float]:
+    """Per step, the mean over data-parallel replicas of the loss each replica reports.
+
+    Every TP/CP/PP rank of one replica must report the same loss: TP and CP reduce it, the pipeline broadcasts it
+    from the last stage (float32, rtol 1e-6)."""
+    per_replica = {}
+    for res in results:
+        per_replica.setdefault(res["dp_rank"], res["losses"])
+        assert res["losses"] == pytest.approx(per_replica[res["dp_rank"]], rel=1e-6)
+    return [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+
+
 def _assert_zero_shards_over_dp_only(results) -> None:
     """Each rank's fp32 master partition is its own (TP shard / pipeline stage) parameters divided by the
     data-parallel degree (dp x cp), up to DeepSpeed's alignment padding: never divided by the TP or PP degree."""
@@ -102,13 +114,7 @@ def dense_losses_untied():
 ], ids=["tp2-dp2-zero2", "tp2-megatron-dp2-zero2", "cp2-ring-zero1", "tp2-dp2-zero3"])
 def test_gpt_loss_parity(world, kwargs, dense_losses):
     results = run_ranks(_fit, world, kwargs, timeout=300)
-    dp = HybridParallelStrategy(**kwargs).layout_for(world).dp
-    per_replica = {}
-    for res in results:
-        per_replica.setdefault(res["dp_rank"], res["losses"])
-        # Every TP/CP rank of one replica reports the same loss (it is reduced across TP and CP). float32.
-        assert res["losses"] == pytest.approx(per_replica[res["dp_rank"]], rel=1e-6)
-    mean = [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+    mean = _replica_mean(results, dp=HybridParallelStrategy(**kwargs).layout_for(world).dp)
     _assert_zero_shards_over_dp_only(results)
     # float32 behind TP/CP/DP reductions of a 2-layer GPT: rtol 1e-4.
     assert mean == pytest.approx(dense_losses, rel=1e-4)
@@ -128,13 +134,7 @@ def test_gpt_pipeline_loss_parity(world, kwargs, tied, dense_losses, dense_losse
     # ZeRO-2 and ZeRO-3 under our pipeline: the combination DeepSpeed's own PipelineEngine refuses.
     expected = dense_losses if tied else dense_losses_untied
     results = run_ranks(_fit, world, kwargs, {"tie_embeddings": tied}, timeout=300)
-    dp = HybridParallelStrategy(**kwargs).layout_for(world).dp
-    per_replica = {}
-    for res in results:
-        per_replica.setdefault(res["dp_rank"], res["losses"])
-        # The pipeline broadcasts the batch loss from the last stage: every rank of a replica logs the same value.
-        assert res["losses"] == pytest.approx(per_replica[res["dp_rank"]], rel=1e-6)
-    mean = [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+    mean = _replica_mean(results, dp=HybridParallelStrategy(**kwargs).layout_for(world).dp)
     _assert_zero_shards_over_dp_only(results)
     # float32, micro-batched (mean of equal micro-batch means) behind DP/TP reductions: rtol 1e-4.
     assert mean == pytest.approx(expected, rel=1e-4)
@@ -157,8 +157,6 @@ def test_gradient_clipping_uses_the_global_norm(world, kwargs):
     clip = 0.05
     expected = _dense_losses(clip=clip, tie_embeddings=False)
     results = run_ranks(_fit, world, kwargs, {"tie_embeddings": False}, {"gradient_clip_val": clip}, timeout=300)
-    dp = HybridParallelStrategy(**kwargs).layout_for(world).dp
-    per_replica = {res["dp_rank"]: res["losses"] for res in results}
-    mean = [sum(per_replica[r][i] for r in range(dp)) / dp for i in range(STEPS)]
+    mean = _replica_mean(results, dp=HybridParallelStrategy(**kwargs).layout_for(world).dp)
     assert mean == pytest.approx(expected, rel=1e-4)  # float32 behind TP/PP/DP reductions
     assert expected != pytest.approx(_dense_losses(tie_embeddings=False), rel=1e-4)  # the clip really bites
