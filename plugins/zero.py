@@ -76,6 +76,10 @@ def derive_config(*, zero_stage: int, offload_optimizer: Offload = Offload.NONE,
         problems.append(f"offload_optimizer={offload_optimizer.value!r} needs zero_stage >= 1 (zero_stage=0)")
     if offload_params is not Offload.NONE and zero_stage != 3:
         problems.append(f"offload_params={offload_params.value!r} needs zero_stage=3 (zero_stage={zero_stage})")
+    if offload_optimizer is Offload.NVME and zero_stage != 3:
+        # DeepSpeed swaps optimizer states to NVMe only under ZeRO-3 (ZeRO-Infinity); at stage 1/2 it would
+        # silently keep them in CPU memory instead.
+        problems.append(f"offload_optimizer='nvme' needs zero_stage=3 (zero_stage={zero_stage}); use 'cpu'")
     if Offload.NVME in (offload_optimizer, offload_params) and not nvme_path:
         problems.append("offload to 'nvme' needs nvme_path (a directory on a fast local disk)")
     if problems:

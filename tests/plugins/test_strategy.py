@@ -147,6 +147,7 @@ def test_impossible_layout_fails_at_trainer_construction():
     (dict(zero_stage=5), ContractError, "zero_stage=5"),
     (dict(zero_stage=2, offload_params="cpu"), ContractError, "offload_params='cpu' needs zero_stage=3"),
     (dict(zero_stage=3, offload_params="nvme"), ContractError, "needs nvme_path"),
+    (dict(zero_stage=2, offload_optimizer="nvme", nvme_path="/tmp"), ContractError, "'nvme' needs zero_stage=3"),
     (dict(offload_optimizer="disk"), ContractError, "offload_optimizer='disk'"),
     (dict(schedule="zigzag"), ContractError, "schedule='zigzag'"),
     (dict(chunks=2), ContractError, "chunks=2"),
@@ -165,3 +166,4 @@ def test_user_deepspeed_config_is_merged_over_the_derived_one(tmp_path):
     zero = strategy.config["zero_optimization"]
     assert zero["stage"] == 2 and zero["reduce_bucket_size"] == 1000 and zero["overlap_comm"] is True
     assert strategy.config["prescale_gradients"] is True
+
