@@ -242,6 +242,25 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
     A communication kernel linked to its CPU op also receives the op's ``collective`` / ``pg_*`` / ``seq`` /
     ``msg_bytes`` where its own are missing, so cross-rank matching can work on kernels.
     """
+    _check_input(events, layout)
+    out = events.copy()
+    if out.empty:
+        return out
+    _label(out, rules=DEFAULT_RULES if rules is None else tuple(rules), layout=layout)
+    return out
+
+
+def classify_in_place(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = None,
+                      layout: Mapping[str, int] | None = None) -> pd.DataFrame:
+    """``classify_events`` without the copy: fills ``category``/``dim`` (and the linked kernels' group
+    columns) of ``events`` itself and returns it. For a table nobody else holds, e.g. inside ``load``."""
+    _check_input(events, layout)
+    if len(events):
+        _label(events, rules=DEFAULT_RULES if rules is None else tuple(rules), layout=layout)
+    return events
+
+
+def _check_input(events, layout) -> None:
     if not isinstance(events, pd.DataFrame):
         raise ClassificationError(f"classify_events expects an events DataFrame, got {type(events).__name__}")
     try:
@@ -252,27 +271,69 @@ def classify_events(events: pd.DataFrame, *, rules: Sequence[CommRule] | None = 
         bad = {k: v for k, v in layout.items() if k not in ("tp", "cp", "dp", "pp") or int(v) < 1}
         if bad:
             raise ClassificationError(f"layout entries {bad} are invalid: keys tp/cp/dp/pp, degrees >= 1")
-    rules = DEFAULT_RULES if rules is None else tuple(rules)
-    out = events.copy()
-    if out.empty:
-        return out
-    labels = _mapped(out["name"], lambda n: name_category(n, rules=rules))  # (category, comm-kernel name)
-    category = np.array([c for c, _ in labels], dtype=object)
-    is_comm_kernel = np.array([k for _, k in labels], dtype=bool) & (out["lane"] == Lane.GPU.value).to_numpy()
+
+
+#: Category strings by code; the per-row work runs on these small int codes, never on per-row strings.
+_CAT_NAMES = tuple(c.value for c in Category)
+_CAT_CODE = {name: i for i, name in enumerate(_CAT_NAMES)}
+_NO_CAT = len(_CAT_NAMES)  # "": no category from this evidence
+_COMM_CODES = np.array([name in COMM_CATEGORIES for name in _CAT_NAMES] + [False], dtype=bool)
+
+
+def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
+    """Fill ``category`` and ``dim`` of a non-empty, schema-checked table in place."""
+    names = _per_category(out["name"], lambda n: name_category(n, rules=rules))
+    name_cat = np.array([_CAT_CODE[c] for c, _ in names], dtype=np.int8)
+    name_kernel = np.array([k for _, k in names], dtype=bool)
+    name_codes = _codes(out["name"])
+    category = name_cat[name_codes]
+    is_comm_kernel = name_kernel[name_codes] & (out["lane"] == Lane.GPU.value).to_numpy()
+    del name_codes
 
     # Evidence 1: the row's own collective arg.
-    own = _mapped(out["collective"], op_category)
-    has_own = own != ""
+    own_table = np.array([_CAT_CODE.get(c, _NO_CAT) for c in _per_category(out["collective"], op_category)],
+                         dtype=np.int8)
+    own = own_table[_codes(out["collective"])]
+    has_own = own != _NO_CAT
     category[has_own] = own[has_own]
+    del own
 
     # Evidence 2: the CPU op of a communication kernel.
     linked, link_idx = _link_kernels_to_ops(out, category, is_comm_kernel & ~has_own)
-    take = linked != ""
+    take = linked != _NO_CAT
     category[take] = linked[take]
-    out["category"] = pd.Categorical(category)
+    del linked, take, is_comm_kernel, has_own
+    out["category"] = _sorted_categorical(category, _CAT_NAMES)
     _fill_from_ops(out, link_idx)
-    out["dim"] = pd.Categorical(_dims(out, layout))
-    return out
+    del link_idx
+    out["dim"] = _dims(out, category, layout)
+
+
+def _codes(column: pd.Series) -> np.ndarray:
+    """Category codes of a categorical column, a missing value mapped to one past the last category."""
+    codes = column.cat.codes.to_numpy()
+    if (codes < 0).any():
+        codes = np.where(codes < 0, len(column.cat.categories), codes)
+    return codes
+
+
+def _per_category(column: pd.Series, fn) -> list:
+    """``fn`` of every category of a categorical column, then of "" (the slot a missing value maps to)."""
+    return [fn(str(value)) for value in [*column.cat.categories, ""]]
+
+
+def _sorted_categorical(codes: np.ndarray, vocabulary) -> pd.Categorical:
+    """Categorical of ``vocabulary[codes]`` whose categories are the values used, sorted (what
+    ``pd.Categorical`` of the strings would give), built from the codes without a string per row."""
+    used = np.flatnonzero(np.bincount(codes, minlength=len(vocabulary)))
+    order = sorted(used.tolist(), key=lambda i: vocabulary[i])
+    remap = np.zeros(len(vocabulary), dtype=np.int32)
+    remap[order] = np.arange(len(order), dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([vocabulary[i] for i in order],
+                                                                        dtype=_STR))
+
+
+_STR = pd.Index(["x"]).dtype
 
 
 def match_names(column: pd.Series, pattern: str) -> np.ndarray:
@@ -286,26 +347,16 @@ def match_names(column: pd.Series, pattern: str) -> np.ndarray:
     return table[codes]
 
 
-def _mapped(column: pd.Series, fn) -> np.ndarray:
-    """Apply ``fn`` to the unique values of a categorical column and broadcast (a missing value counts as "")."""
-    cats = column.cat.categories
-    table = np.empty(len(cats) + 1, dtype=object)
-    for i, value in enumerate([*cats, ""]):  # one call per unique value; element-wise so tuples stay whole
-        table[i] = fn(str(value))
-    codes = column.cat.codes.to_numpy().copy()
-    codes[codes < 0] = len(cats)
-    return table[codes]
-
-
 def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarray):
-    """For rows in ``want``: (category of the linked CPU comm op or "", index of that op row or -1)."""
+    """For rows in ``want``: (category code of the linked CPU comm op or ``_NO_CAT``, index of that op row
+    or -1). ``category`` holds the rows' category codes."""
     n = len(ev)
-    result = np.full(n, "", dtype=object)
+    result = np.full(n, _NO_CAT, dtype=np.int8)
     link = np.full(n, -1, dtype=np.int64)
     if not want.any():
         return result, link
     lane_cpu = (ev["lane"] == Lane.CPU.value).to_numpy()
-    is_op = lane_cpu & np.isin(category, list(_COMM))
+    is_op = lane_cpu & _COMM_CODES[category]
     rank = ev["rank"].to_numpy()
     ext = ev["external_id"].to_numpy()
     corr = ev["correlation"].to_numpy()
@@ -332,7 +383,7 @@ def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarra
         lh = by_corr.reindex(pd.MultiIndex.from_arrays([rank[rest], corr[rest]])).to_numpy().astype(float)
         ok = ~np.isnan(lh)
         rest, launch = rest[ok], lh[ok].astype(np.int64)
-        specific = category != Category.OTHER_COMM.value
+        specific = category != _CAT_CODE[Category.OTHER_COMM.value]
         link[rest] = _innermost_container(op_idx, launch, rank=rank, stream=stream, start=start, end=end,
                                           specific=specific)
     linked = link >= 0
@@ -382,10 +433,13 @@ def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
     for column in _FILL_COLUMNS:
         values = out[column]
         if isinstance(values.dtype, pd.CategoricalDtype):
-            current = values.astype(str).to_numpy(dtype=object)
-            missing = current[rows] == ""
-            current[rows[missing]] = current[src[missing]]
-            out[column] = pd.Categorical(current)
+            # On the codes: "" is a category like any other; the result keeps the used values, sorted.
+            vocabulary = [str(c) for c in values.cat.categories] + [""]
+            codes = _codes(values).astype(np.int32)  # a copy: the column itself is replaced below
+            _dedupe(vocabulary, codes)
+            missing = codes[rows] == vocabulary.index("")
+            codes[rows[missing]] = codes[src[missing]]
+            out[column] = _sorted_categorical(codes, vocabulary)
         else:
             current = values.to_numpy().copy()
             missing = current[rows] < 0
@@ -393,23 +447,40 @@ def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
             out[column] = current.astype(values.dtype)
 
 
-def _dims(out: pd.DataFrame, layout: Mapping[str, int] | None) -> np.ndarray:
-    comm = np.isin(out["category"].to_numpy(dtype=object), list(_COMM))
-    dims = np.full(len(out), "", dtype=object)
-    if not comm.any():
-        return dims
-    from_desc = _mapped(out["pg_desc"], desc_dim)
-    dims[comm] = np.where(from_desc[comm] != "", from_desc[comm], UNKNOWN_DIM)
-    ann = _mapped(out["name"], lambda n: (m.group("dim") if (m := contract.COMM_RE.match(n)) else ""))
-    use_ann = comm & (dims == UNKNOWN_DIM) & (ann != "")
+def _dedupe(vocabulary: list, codes: np.ndarray) -> None:
+    """Rewrite ``codes`` so repeated texts in ``vocabulary`` (a "" category and the missing slot; 0 and "0")
+    use the first code: equal texts become one category."""
+    first: dict = {}
+    remap = np.array([first.setdefault(text, i) for i, text in enumerate(vocabulary)], dtype=np.int32)
+    if (remap != np.arange(len(vocabulary))).any():
+        codes[:] = remap[codes]
+
+
+def _dims(out: pd.DataFrame, category: np.ndarray, layout: Mapping[str, int] | None) -> pd.Categorical:
+    """Parallel dimension of every communication row ("" elsewhere), from the category codes."""
+    comm = _COMM_CODES[category]
+    idx = np.flatnonzero(comm)
+    if not len(idx):
+        return pd.Categorical.from_codes(np.zeros(len(out), dtype=np.int8), categories=pd.Index([""], dtype=_STR))
+    from_desc = np.array(_per_category(out["pg_desc"], desc_dim), dtype=object)[_codes(out["pg_desc"])[idx]]
+    dims = np.where(from_desc != "", from_desc, UNKNOWN_DIM)
+    ann_table = np.array(_per_category(out["name"], lambda n: (m.group("dim") if (m := contract.COMM_RE.match(n))
+                                                                else "")), dtype=object)
+    ann = ann_table[_codes(out["name"])[idx]]
+    use_ann = (dims == UNKNOWN_DIM) & (ann != "")
     dims[use_ann] = ann[use_ann]
     if layout is not None:
-        todo = comm & (dims == UNKNOWN_DIM)
+        todo = dims == UNKNOWN_DIM
         if todo.any():
-            keys = pd.DataFrame({"r": out["pg_ranks"].astype(str).to_numpy()[todo],
-                                 "s": out["pg_size"].to_numpy()[todo]})
+            keys = pd.DataFrame({"r": out["pg_ranks"].astype(str).to_numpy()[idx[todo]],
+                                 "s": out["pg_size"].to_numpy()[idx[todo]]})
             uniq = keys.drop_duplicates()
             uniq_dim = [layout_dim(r, size=int(s), layout=layout) for r, s in zip(uniq["r"], uniq["s"])]
             lookup = pd.Series(uniq_dim, index=pd.MultiIndex.from_frame(uniq))
             dims[todo] = lookup.reindex(pd.MultiIndex.from_frame(keys)).to_numpy()
-    return dims
+    row_codes, uniques = pd.factorize(dims)
+    vocabulary = ["", *(d for d in uniques if d != "")]
+    position = {d: i for i, d in enumerate(vocabulary)}
+    codes = np.zeros(len(out), dtype=np.int32)
+    codes[idx] = np.array([position[d] for d in uniques], dtype=np.int32)[row_codes]
+    return _sorted_categorical(codes, vocabulary)

@@ -7,6 +7,8 @@ exact ns times, lanes, message sizes, memcpy host-memory kind, B/E pairing and `
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from pathlib import Path
 
@@ -78,72 +80,135 @@ def _ints(values: list, overflow: list) -> np.ndarray:
 
 
 def _texts(values: list) -> pd.Categorical:
-    """Categorical column from arg texts, most of them empty: only the non-empty ones are factorised."""
-    n = len(values)
-    if not any(values):
-        return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[""])
-    where = [i for i, v in enumerate(values) if v]
+    """Categorical column from arg texts, most of them empty: sorted categories, ``""`` always among them.
+
+    Factorised in C over the objects (first-appearance codes), then the few unique values are converted to
+    text (a list or a number arg becomes its text; two spellings of one text share one category) and sorted.
+    """
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
     try:
-        present = pd.Categorical([values[i] for i in where])
-    except TypeError:
-        present = pd.Categorical([_text(values[i]) for i in where])
-    categories = present.categories.insert(0, "") if "" not in present.categories else present.categories
-    codes = np.full(n, categories.get_loc(""), dtype=np.int32)
-    codes[where] = categories.get_indexer(present.categories)[present.codes]
-    return pd.Categorical.from_codes(codes, categories=categories)
+        codes, uniques = pd.factorize(array)
+    except TypeError:  # an unhashable value (a list of ranks): convert every value first
+        array[:] = [_text(v) for v in values]
+        codes, uniques = pd.factorize(array)
+    texts = [u if type(u) is str else _text(u) for u in uniques]
+    categories = sorted(set(texts) | {""})
+    position = {text: i for i, text in enumerate(categories)}
+    remap = np.array([position[t] for t in texts] or [0], dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes] if len(codes) else codes.astype(np.int32),
+                                     categories=pd.Index(categories, dtype=_STR))
 
 
-def _factorize(values: list) -> pd.Categorical:
-    """Categorical from many repeated strings: a dict assigns codes (cheaper than pandas' object factorize)."""
-    index: dict = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int32, count=len(values))
-    return pd.Categorical.from_codes(codes, categories=pd.Index(list(index), dtype=_STR))
+def _factorize(values) -> pd.Categorical:
+    """Categorical from many repeated strings, categories in order of first appearance (C-level hashing)."""
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    codes, uniques = pd.factorize(array)
+    return pd.Categorical.from_codes(codes.astype(np.int32), categories=pd.Index(uniques, dtype=_STR))
 
 
 def columns_from_events(events: list, *, keep_python: bool) -> dict:
-    """One batch of decoded events -> dict of numpy arrays (times still as parsed ns, not yet offset)."""
+    """One batch of decoded events -> dict of numpy arrays (times still as parsed ns, not yet offset).
+
+    Every field is pulled out with ``operator.attrgetter`` over the whole batch (a C loop, no Python frame
+    per event) and converted to an array in one call; per-value Python runs only for mixed-type fields.
+    """
     drop = DROP_CATS if keep_python else DROP_CATS | PYTHON_CATS
-    kept = [e for e in events if e.ph in _PHASES and e.cat not in drop]
+    n_all = len(events)
+    ph_all = _factorize(list(map(_get("ph"), events)))
+    cat_all = _factorize(list(map(_get("cat"), events)))
+    keep_ph = np.isin(ph_all.categories.to_numpy(dtype=object), list(_PHASES))
+    keep_cat = ~np.isin(cat_all.categories.to_numpy(dtype=object), list(drop))
+    mask = (keep_ph[ph_all.codes] & keep_cat[cat_all.codes]) if n_all else np.zeros(0, dtype=bool)
+    if mask.all():
+        kept = events
+    else:
+        kept = list(itertools.compress(events, mask.tolist()))
+    ph = _subset(ph_all, mask)
+    cat = _subset(cat_all, mask)
+    del ph_all, cat_all
+    n = len(kept)
     overflow: list = []
     none = _NO_ARGS
-    args = [e.args if e.args is not None else none for e in kept]
-    cats = [e.cat for e in kept]
-    gpu = np.fromiter((c in GPU_CATS for c in cats), dtype=bool, count=len(kept))
-    pid = _ints([e.pid for e in kept], overflow)
-    tid = _ints([e.tid for e in kept], overflow)
-    arg_device = _ints([a.device for a in args], overflow)
-    arg_stream = _ints([a.stream for a in args], overflow)
-    times = np.array([bytes(e.ts) for e in kept] + [bytes(e.dur) for e in kept] or [b"0"], dtype="S")
-    scaled, bad = decimal_texts_to_scaled(times[:2 * len(kept)], scale_digits=3)
-    ts, dur = scaled[:len(kept)], scaled[len(kept):]
-    external = _ints([a.external_id if a.external_id != -1 else a.external_id_legacy for a in args], overflow)
-    ph = _factorize([e.ph for e in kept])
+    args = [none if a is None else a for a in map(_get("args"), kept)]
+    gpu_cat = np.isin(cat.categories.to_numpy(dtype=object), list(GPU_CATS))
+    gpu = gpu_cat[cat.codes] if n else np.zeros(0, dtype=bool)
+    pid = _field(kept, "pid", overflow)
+    tid = _field(kept, "tid", overflow)
+    arg_device = _field(args, "device", overflow)
+    arg_stream = _field(args, "stream", overflow)
+    times = np.array([*map(bytes, map(_get("ts"), kept)), *map(bytes, map(_get("dur"), kept))] or [b"0"],
+                     dtype="S")
+    scaled, bad = decimal_texts_to_scaled(times[:2 * n], scale_digits=3)
+    del times
+    ts, dur = scaled[:n], scaled[n:]
+    external = _ints_or_else(args, "external_id", "external_id_legacy", overflow)
+    dst = _ints_or_else(args, "dst_rank", "src_rank", overflow)
     columns = {
         "ph": ph,
-        "cat": _factorize(cats),
-        "name": _factorize([e.name for e in kept]),
+        "cat": cat,
+        "name": _factorize(list(map(_get("name"), kept))),
         "lane": pd.Categorical.from_codes(gpu.astype(np.int8), categories=["cpu", "gpu"]),
         "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
         "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
-        "ts": ts, "dur": dur, "bad_time": bad[:len(kept)] | bad[len(kept):],
-        "correlation": _ints([a.correlation for a in args], overflow),
+        "ts": ts, "dur": dur, "bad_time": bad[:n] | bad[n:],
+        "correlation": _field(args, "correlation", overflow),
         "external_id": external,
-        "collective": _texts([a.collective for a in args]),
-        "pg_name": _texts([a.pg_name for a in args]),
-        "pg_desc": _texts([a.pg_desc for a in args]),
-        "pg_ranks": _texts([a.pg_ranks for a in args]),
-        "pg_size": _ints([a.group_size for a in args], overflow).astype(np.int32),
+        "collective": _texts(list(map(_get("collective"), args))),
+        "pg_name": _texts(list(map(_get("pg_name"), args))),
+        "pg_desc": _texts(list(map(_get("pg_desc"), args))),
+        "pg_ranks": _texts(list(map(_get("pg_ranks"), args))),
+        "pg_size": _field(args, "group_size", overflow).astype(np.int32),
         "msg_bytes": _message_bytes(
-            in_nelems=_ints([a.in_nelems for a in args], overflow),
-            out_nelems=_ints([a.out_nelems for a in args], overflow),
-            dtype=_texts([a.dtype for a in args]), nbytes=_ints([a.nbytes for a in args], overflow)),
-        "seq": _ints([a.seq for a in args], overflow),
-        "peer": _ints([a.dst_rank if a.dst_rank != -1 else a.src_rank for a in args], overflow).astype(np.int32),
+            in_nelems=_field(args, "in_nelems", overflow),
+            out_nelems=_field(args, "out_nelems", overflow),
+            dtype=_texts(list(map(_get("dtype"), args))), nbytes=_field(args, "nbytes", overflow)),
+        "seq": _field(args, "seq", overflow),
+        "peer": dst.astype(np.int32),
         "overflow": len(overflow),
     }
     # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
-    columns["pid"] = pid if (ph.categories != "X").any() else np.full(len(kept), -1, dtype=np.int64)
+    columns["pid"] = pid if (ph.categories != "X").any() else np.full(n, -1, dtype=np.int64)
     return columns
+
+
+_get = operator.attrgetter
+
+
+def _field(items: list, field: str, overflow: list) -> np.ndarray:
+    """int64 column of one attribute of every item, converted without an intermediate list when it can."""
+    try:
+        return np.fromiter(map(_get(field), items), dtype=np.int64, count=len(items))
+    except (TypeError, ValueError, OverflowError):
+        return _ints(list(map(_get(field), items)), overflow)
+
+
+def _ints_or_else(args: list, field: str, fallback: str, overflow: list) -> np.ndarray:
+    """int64 column of ``field``, taking ``fallback`` where ``field`` is -1 (only those rows read it)."""
+    values = list(map(_get(field), args))
+    try:
+        out = np.array(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        second = _get(fallback)
+        return _ints([v if v != -1 else second(a) for v, a in zip(values, args)], overflow)
+    missing = np.flatnonzero(out == -1)
+    if len(missing):
+        second = _get(fallback)
+        out[missing] = _ints([second(args[i]) for i in missing.tolist()] or [-1], overflow)[:len(missing)]
+    return out
+
+
+def _subset(values: pd.Categorical, mask: np.ndarray) -> pd.Categorical:
+    """The kept rows of a batch categorical, its categories trimmed to those still used, in order of first
+    appearance among the kept rows (as if only they had been factorised)."""
+    codes = values.codes[mask] if not mask.all() else values.codes
+    order = pd.unique(codes)  # the codes still used, in order of first appearance among the kept rows
+    if len(order) == len(values.categories) and (order == np.arange(len(order))).all():
+        return pd.Categorical.from_codes(codes, categories=values.categories)
+    remap = np.zeros(len(values.categories), dtype=np.int32)
+    remap[order] = np.arange(len(order), dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes], categories=values.categories[order])
 
 
 class _NoArgs:
