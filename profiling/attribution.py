@@ -44,6 +44,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
+import shardline.profiling.annotations as contract
 from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import bubble_set
 from shardline.profiling.classify import Lane, classify_events, match_names
@@ -64,6 +65,7 @@ ANNOTATION_CATS = frozenset({"user_annotation", "gpu_user_annotation", "python_f
                              "cpu_instant_event", "async", "flow"})
 _ANNOTATION_NAME_RE = r"^(ProfilerStep#\d+|sl:pp:|nccl:|gloo:|ucc:|mpi:|sl:comm:)"
 _CPU_OP_CATS = frozenset({"cpu_op", "Operator", "user_annotation"})
+_PP_PREFIX = f"{contract.PREFIX}:pp:"  # the pattern bubbles selects its rows with
 
 
 def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
@@ -73,7 +75,7 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
     empty) is classified first. See the module docstring for lanes, windows and the priority order.
     """
     events = checked_events(traceset_or_events, caller="breakdown", layout=layout)
-    rows = [_rank_breakdown(grp) for _, grp in events.groupby("rank", observed=True, sort=True)]
+    rows = [_rank_breakdown(grp) for _, grp in per_rank(events, _USED_COLUMNS)]
     rows = [r for r in rows if r is not None]
     if not rows:
         # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
@@ -98,7 +100,7 @@ def checked_events(traceset_or_events, *, caller: str, layout=None) -> pd.DataFr
     if negative.any():
         names = events.loc[negative, "name"].astype(str).unique()[:5].tolist()
         raise AttributionError(f"{caller}: {int(negative.sum())} events have a negative duration (e.g. {names})")
-    if layout is not None or (len(events) and (events["category"].astype(str) == "").all()):
+    if layout is not None or (len(events) and is_in(events["category"], ("",)).all()):
         events = classify_events(events, layout=layout)
     return events
 
@@ -113,33 +115,54 @@ def empty_breakdown() -> pd.DataFrame:
     return frame
 
 
+def is_in(column: pd.Series, values) -> np.ndarray:
+    """Boolean mask: is each value of a categorical column (as text) in ``values``; computed on the
+    categories and broadcast through the codes, never on a string per row. A missing value is in nothing."""
+    categories = column.cat.categories
+    table = np.append(np.isin(np.array([str(c) for c in categories], dtype=object), list(values)), False)
+    codes = column.cat.codes.to_numpy()
+    return table[np.where(codes < 0, len(categories), codes)]
+
+
+#: The columns attribution reads; the per-rank copies hold only these.
+_USED_COLUMNS = ("rank", "lane", "stream", "name", "cat", "category", "dim", "start_ns", "dur_ns", "step",
+                 "memory_kind")
+
+
+def per_rank(events: pd.DataFrame, columns=None):
+    """``(rank, rows of that rank)`` in rank order, like ``groupby("rank")``, but copying one rank at a time
+    and, when ``columns`` is given, only those columns."""
+    rank = events["rank"].to_numpy()
+    keep = list(events.columns) if columns is None else [c for c in events.columns if c in columns]
+    for r in np.unique(rank):
+        yield r, events.loc[rank == r, keep]
+
+
 def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """The rows attributed for one rank and the lane kind used (``Lane.GPU`` or ``Lane.CPU``)."""
     named_annotation = match_names(events["name"], _ANNOTATION_NAME_RE)
-    cat = events["cat"].astype(str).to_numpy()
-    lane = events["lane"].astype(str).to_numpy()
-    gpu = (lane == Lane.GPU.value) & ~np.isin(cat, list(ANNOTATION_CATS)) & ~named_annotation
+    lane_gpu = (events["lane"] == Lane.GPU.value).to_numpy()
+    gpu = lane_gpu & ~is_in(events["cat"], ANNOTATION_CATS) & ~named_annotation
     if gpu.any():
         return events[gpu], Lane.GPU.value
-    is_comm = np.isin(events["category"].astype(str).to_numpy(), COMM_CATEGORIES)
+    is_comm = is_in(events["category"], COMM_CATEGORIES)
     step_marker = match_names(events["name"], r"^(ProfilerStep#\d+|sl:pp:)")
     # CPU ops are work; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*) are.
-    cpu = (lane == Lane.CPU.value) & ~step_marker & (np.isin(cat, ["cpu_op", "Operator"])
-                                           | (is_comm & np.isin(cat, list(_CPU_OP_CATS))))
+    cpu = (events["lane"] == Lane.CPU.value).to_numpy() & ~step_marker & (
+        is_in(events["cat"], ["cpu_op", "Operator"]) | (is_comm & is_in(events["cat"], _CPU_OP_CATS)))
     return events[cpu], Lane.CPU.value
 
 
 def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None = None) -> pd.DataFrame:
     """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
     marked = match_names(events["name"], STEP_RE.pattern)
-    lane = events["lane"].astype(str).to_numpy()
     gpu, cpu = Lane.GPU.value, Lane.CPU.value
     for lane_kind in ((lanes, cpu) if lanes == gpu else (cpu,)):
         if lane_kind == cpu and lanes == gpu:
             from_work = _gpu_work_steps(work_rows(events)[0] if work is None else work)
             if len(from_work):
                 return from_work
-        sel = marked & (lane == lane_kind)
+        sel = marked & (events["lane"] == lane_kind).to_numpy()
         if sel.any():
             sub = events[sel]
             steps = sub["name"].astype(str).str.extract(STEP_RE, expand=False)  # only the step markers
@@ -170,28 +193,28 @@ def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str
     """Interval set of every non-idle label for one rank (before the priority partition)."""
     start = work["start_ns"].to_numpy()
     end = start + work["dur_ns"].to_numpy()
-    category = work["category"].astype(str).to_numpy()
+    category = work["category"]
     sets: dict[str, iv.IntervalSet] = {}
     if lanes == Lane.CPU.value:
         # Per thread, comm time leaves the thread's compute (comm ops nest inside framework ops).
         stream = work["stream"].to_numpy()
         compute_parts = []
+        comm = is_in(category, COMM_CATEGORIES)
         for thread in np.unique(stream):
             on = stream == thread
-            comm_t = iv.union(start[on & np.isin(category, COMM_CATEGORIES)],
-                              end[on & np.isin(category, COMM_CATEGORIES)])
-            busy_t = iv.union(start[on & ~np.isin(category, COMM_CATEGORIES)],
-                              end[on & ~np.isin(category, COMM_CATEGORIES)])
+            comm_t = iv.union(start[on & comm], end[on & comm])
+            busy_t = iv.union(start[on & ~comm], end[on & ~comm])
             compute_parts.append(iv.subtract(busy_t, comm_t))
         sets["compute"] = iv.merge(*compute_parts)
     for label in LABELS:
         if label in ("idle", "bubble") or (label == "compute" and lanes == Lane.CPU.value):
             continue
-        on = category == label
+        on = is_in(category, (label,))
         sets[label] = iv.union(start[on], end[on])
-    sets["bubble"] = bubble_set(events, lanes=lanes)
+    # Only the pipeline annotations matter to bubbles: hand over just those rows (in order), not the rank.
+    sets["bubble"] = bubble_set(events[match_names(events["name"], _PP_PREFIX)], lanes=lanes)
     # Not a partition label: time with a copy from/to pageable host memory running (a PCIe offload smell).
-    pageable = np.isin(category, ("memcpy_h2d", "memcpy_d2h")) & (work["memory_kind"].astype(str) == "Pageable")
+    pageable = is_in(category, ("memcpy_h2d", "memcpy_d2h")) & is_in(work["memory_kind"], ("Pageable",))
     sets["pageable_memcpy"] = iv.union(start[pageable], end[pageable])
     return sets
 
