@@ -77,6 +77,7 @@ class Event(msgspec.Struct, gc=False):
 _META_KEYS = ("distributedInfo", "baseTimeNanoseconds", "deviceProperties", "schemaVersion", "traceName",
               "displayTimeUnit", "cupti_version", "cuda_runtime_version", "cuda_driver_version", "record_shapes")
 _DECODE_EVENT = msgspec.json.Decoder(Event)
+_DECODE_EVENTS = msgspec.json.Decoder(list[Event])
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
 _BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
@@ -154,7 +155,8 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     streamed = None
     if isinstance(data, mmap.mmap):
         with _gc_paused():
-            streamed = stream_mapped(path, data, decode_batch=_decode_batch, warnings=warnings,
+            streamed = stream_mapped(path, data, decode_events=_DECODE_EVENTS.decode, decode_batch=_decode_batch,
+                                     warnings=warnings,
                                      to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
     if streamed is None:
         loaded = _batches_in_memory(path, data, keep_python=keep_python, warnings=warnings)
