@@ -121,6 +121,11 @@ class PipelineDriver:
         self.local = {s: stages[s] for s in range(self.rank, self.n_stages, self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
         self.tied = self._tied_parameters(layers, bounds, keep)
+        if self.rank == self.p - 1:
+            # The tied weight's (summed) gradient lives on both ends; DeepSpeed's gradient norm (clipping) must
+            # count it once, so the last stage's copy is marked as a pipeline replica, which the norm skips.
+            for param in self.tied:
+                param.ds_pipe_replicated = True
         _replace_layers(module, keep, layers)
         object.__setattr__(module, "_shardline_run_stage", lambda x, s: self.local[s](x))
         self._engines: dict[int, PipelineEngine] = {}

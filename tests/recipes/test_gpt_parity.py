@@ -146,17 +146,19 @@ def test_pipeline_refuses_tied_weights_with_zero2():
     assert "zero_stage=2 with pp=2" in str(info.value) and "tie_embeddings=False" in str(info.value)
 
 
-@pytest.mark.parametrize(("world", "kwargs"), [
-    (4, dict(tp=2, pp=2, zero_stage=1)),
-    (4, dict(tp=2, zero_stage=2)),
-], ids=["tp2-pp2-zero1", "tp2-dp2-zero2"])
-def test_gradient_clipping_uses_the_global_norm(world, kwargs):
+@pytest.mark.parametrize(("world", "kwargs", "tied"), [
+    (4, dict(tp=2, pp=2, zero_stage=1), False),
+    (4, dict(tp=2, pp=2, zero_stage=1), True),
+    (4, dict(tp=2, zero_stage=2), False),
+], ids=["tp2-pp2-zero1", "tp2-pp2-zero1-tied", "tp2-dp2-zero2"])
+def test_gradient_clipping_uses_the_global_norm(world, kwargs, tied):
     # The clipping norm must be the norm of the whole model's gradient: summed over TP shards and pipeline stages
     # (DeepSpeed's model-parallel group = grid "mp"), replicated parameters counted once. A clip far below the
     # gradient norm makes every step depend on that norm.
+    # A weight tied across the first and last stage has a copy on each: the norm must count it once.
     clip = 0.05
-    expected = _dense_losses(clip=clip, tie_embeddings=False)
-    results = run_ranks(_fit, world, kwargs, {"tie_embeddings": False}, {"gradient_clip_val": clip}, timeout=300)
+    expected = _dense_losses(clip=clip, tie_embeddings=tied)
+    results = run_ranks(_fit, world, kwargs, {"tie_embeddings": tied}, {"gradient_clip_val": clip}, timeout=300)
     mean = _replica_mean(results, dp=HybridParallelStrategy(**kwargs).layout_for(world).dp)
     assert mean == pytest.approx(expected, rel=1e-4)  # float32 behind TP/PP/DP reductions
-    assert expected != pytest.approx(_dense_losses(tie_embeddings=False), rel=1e-4)  # the clip really bites
+    assert expected != pytest.approx(_dense_losses(tie_embeddings=tied), rel=1e-4)  # the clip really bites
