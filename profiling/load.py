@@ -13,6 +13,7 @@ import importlib
 import multiprocessing
 import os
 import sys
+import tempfile
 import types
 import warnings as _warnings
 from collections.abc import Mapping
@@ -167,14 +168,47 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
         return [_read_job(job) for job in jobs]
     # Largest files first, so one huge file does not start last.
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].stat().st_size)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        done = dict(zip(order, pool.map(_read_job, [jobs[i] for i in order])))
-    return [done[i] for i in range(len(jobs))]
+    with tempfile.TemporaryDirectory(prefix="shardline-load-") as spill:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            done = dict(zip(order, pool.map(_read_job_spilled, [(jobs[i], Path(spill) / str(i)) for i in order])))
+        # The workers have exited; their columns are files, mapped here and copied once by the concatenation.
+        return [_unspill(done[i]) for i in range(len(jobs))]
 
 
 def _read_job(job: tuple) -> ReadResult:
     file, fmt, rank, keep_python = job
     return _read(file, fmt, rank=rank, keep_python=keep_python)
+
+
+def _read_job_spilled(task: tuple) -> ReadResult:
+    """A worker's read, its events written column by column to ``.npy`` files instead of being pickled
+    back: a pickled frame would be a second copy in the worker and a third in the parent's pipe buffer."""
+    job, folder = task
+    result = _read_job(job)
+    folder.mkdir()
+    frame, columns = result.events, {}
+    for column in frame.columns:
+        values = frame[column]
+        if isinstance(values.dtype, pd.CategoricalDtype):
+            np.save(folder / f"{column}.npy", values.cat.codes.to_numpy())
+            columns[column] = [str(c) for c in values.cat.categories]
+        else:
+            np.save(folder / f"{column}.npy", values.to_numpy())
+            columns[column] = None
+    result.events = (folder, columns)
+    return result
+
+
+def _unspill(result: ReadResult) -> ReadResult:
+    """The frame of a spilled worker result, its columns memory-mapped from the files (read-only)."""
+    folder, columns = result.events
+    out = {}
+    for column, categories in columns.items():
+        values = np.load(folder / f"{column}.npy", mmap_mode="r")
+        out[column] = values if categories is None else pd.Categorical.from_codes(
+            values, categories=pd.Index(categories, dtype=_STR_DTYPE))
+    result.events = pd.DataFrame(out, copy=False)
+    return result
 
 
 def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool) -> ReadResult:
@@ -226,11 +260,17 @@ def _job_key(meta: dict) -> tuple:
 
 def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
     """Concatenate event frames column by column, keeping categoricals categorical (pandas would fall back to
-    object) and making exactly one copy of the data."""
+    object) and making exactly one copy of the data. The frames are consumed: each column is deleted from
+    them once joined, so the peak is one copy plus one column, not two copies."""
     if not frames:
         return empty_events()
     if len(frames) == 1:
-        return frames[0].reset_index(drop=True)
+        frame = frames[0].reset_index(drop=True)
+        for column in frame.columns:  # a spilled worker's columns are maps of files: own them
+            values = frame[column]
+            if not isinstance(values.dtype, pd.CategoricalDtype) and _is_mapped(values.to_numpy()):
+                frame[column] = np.array(values.to_numpy())
+        return frame
     out = {}
     for column, dtype in COLUMNS.items():
         parts = [f[column] for f in frames]
@@ -238,7 +278,18 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
             out[column] = union_categoricals([_text_categorical(p) for p in parts])
         else:
             out[column] = np.concatenate([p.to_numpy(dtype=dtype) for p in parts])
+        del parts
+        for frame in frames:  # the caller's frames are spent: free each column once it is joined
+            del frame[column]
     return pd.DataFrame(out, copy=False)
+
+
+def _is_mapped(array: np.ndarray) -> bool:
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return True
+        array = array.base if isinstance(array, np.ndarray) else None
+    return False
 
 
 def _text_categorical(column: pd.Series) -> pd.Categorical:

@@ -97,7 +97,7 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
         else:
             out[column] = (pd.Series(np.full(n, -1, dtype=dtype), index=frame.index) if dtype != "category"
                            else pd.Series(pd.Categorical([""] * n), index=frame.index))
-    return pd.DataFrame(out, index=frame.index)
+    return pd.DataFrame(out, index=frame.index, copy=False)  # columns already right are shared, not copied
 
 
 def check_events(frame: pd.DataFrame) -> None:
