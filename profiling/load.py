@@ -184,6 +184,7 @@ def _read_job_spilled(task: tuple) -> ReadResult:
     """A worker's read, its events written column by column to ``.npy`` files instead of being pickled
     back: a pickled frame would be a second copy in the worker and a third in the parent's pipe buffer."""
     job, folder = task
+    _worker_malloc()
     result = _read_job(job)
     folder.mkdir()
     frame, columns = result.events, {}
@@ -197,6 +198,24 @@ def _read_job_spilled(task: tuple) -> ReadResult:
             columns[column] = None
     result.events = (folder, columns)
     return result
+
+
+def _worker_malloc() -> None:
+    """In a reader worker (a forked process of ours, gone after the read): big blocks straight from mmap.
+
+    glibc raises its mmap threshold after the first big free, after which the decoder's ~MB temporaries
+    land on the heap, fragment it and stay resident; a fixed threshold returns each one to the OS when it
+    is freed. Only the worker is affected, never the caller's process.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 256 << 10)
+    except (OSError, AttributeError):
+        pass
+
+
+_M_MMAP_THRESHOLD = -3
 
 
 def _unspill(result: ReadResult) -> ReadResult:
