@@ -52,6 +52,8 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: st
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend == "nccl":  # one GPU per rank; the parent must not have initialised CUDA before forking
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
