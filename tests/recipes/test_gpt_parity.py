@@ -191,3 +191,20 @@ def test_gpt_parity_on_cuda_nccl(kwargs):
     mean = _replica_mean(results, dp=HybridParallelStrategy(**kwargs).layout_for(4).dp)
     # float32 on GPU (TF32 off by default for matmul in torch) behind NCCL reductions: rtol 1e-4.
     assert mean == pytest.approx(_dense_losses(tie_embeddings=False), rel=1e-4)
+
+
+def _fit_by_name(rank, world, name):
+    adopt_process_group_in_lightning()
+    recorder = _Recorder()
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[recorder])
+    dp = trainer.strategy.layout_for(world).dp
+    trainer.fit(GPTModule(**{**MODEL, "tie_embeddings": False}), DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp))
+    return {"losses": recorder.losses, "dp_rank": trainer.strategy.grid.rank("dp")}
+
+
+def test_registered_name_on_eight_ranks_tp2_pp2_dp2_zero2():
+    # Trainer(strategy="shardline_tp2_pp2_zero2", accelerator="cpu", devices=8) just works: all three at once.
+    results = run_ranks(_fit_by_name, 8, "shardline_tp2_pp2_zero2", timeout=600)
+    assert _replica_mean(results, dp=2) == pytest.approx(_dense_losses(tie_embeddings=False), rel=1e-4)
