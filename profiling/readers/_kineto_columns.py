@@ -83,16 +83,20 @@ def _texts(values: list) -> pd.Categorical:
     """Categorical column from arg texts, most of them empty: sorted categories, ``""`` always among them.
 
     Factorised in C over the objects (first-appearance codes), then the few unique values are converted to
-    text (a list or a number arg becomes its text; two spellings of one text share one category) and sorted.
+    text (a list or a number arg becomes its text, a falsy one ""; two spellings of one text share one
+    category) and sorted.
     """
+    if not any(values):  # the usual case for most args: nothing to factorise
+        return pd.Categorical.from_codes(np.zeros(len(values), dtype=np.int8), categories=pd.Index([""], dtype=_STR))
     array = np.empty(len(values), dtype=object)
     array[:] = values
     try:
         codes, uniques = pd.factorize(array)
     except TypeError:  # an unhashable value (a list of ranks): convert every value first
-        array[:] = [_text(v) for v in values]
+        array[:] = [_text(v) if v else "" for v in values]
         codes, uniques = pd.factorize(array)
-    texts = [u if type(u) is str else _text(u) for u in uniques]
+    # A falsy value (0, an empty list) counts as absent, as a missing arg does.
+    texts = [u if type(u) is str else _text(u) if u else "" for u in uniques]
     categories = sorted(set(texts) | {""})
     position = {text: i for i, text in enumerate(categories)}
     remap = np.array([position[t] for t in texts] or [0], dtype=np.int32)
