@@ -86,6 +86,7 @@ def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: 
                             text=True, env=env, cwd=REPO)
     parent = psutil.Process(proc.pid)
     peak, start = 0, time.perf_counter()
+    loads = [os.getloadavg()[0]]
     while proc.poll() is None:
         try:
             tree = [parent, *parent.children(recursive=True)]
@@ -96,12 +97,16 @@ def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: 
             proc.kill()
             return {"error": f"timed out after {timeout:.0f} s", "peak_mb": peak / 2**20}
         time.sleep(0.02)
+        if len(loads) < (time.perf_counter() - start) / 5:  # the 1-minute load average every 5 s
+            loads.append(os.getloadavg()[0])
+    loads.append(os.getloadavg()[0])
     out, err = proc.communicate()
     if proc.returncode != 0:
         return {"error": err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}",
                 "peak_mb": peak / 2**20}
     report = json.loads(out.strip().splitlines()[-1])
     report["peak_mb"] = peak / 2**20
+    report["load_avg"] = (min(loads), max(loads))
     return report
 
 
@@ -196,6 +201,13 @@ def _cell(side: dict, key: str, fmt: str) -> str:
     return "—" if key not in side else format(side[key], fmt)
 
 
+def _load_note(side: dict) -> str:
+    if "load_avg" not in side:
+        return ""
+    low, high = side["load_avg"]
+    return f" (1-min load average {low:.1f}-{high:.1f} while it ran)"
+
+
 def render(rows: list) -> str:
     cpu = psutil.cpu_count(logical=True)
     lines = [
@@ -223,8 +235,8 @@ def render(rows: list) -> str:
             f"{_cell(hta, 'seconds', '.2f')} ({_cell(hta, 'load_seconds', '.2f')}) | {speed} | "
             f"{_cell(ours, 'peak_mb', '.0f')} | {_cell(hta, 'peak_mb', '.0f')} | {memory} | {rate['ours']} | "
             f"{rate['hta']} |")
-    notes = [f"- {label}: ours: {o.get('detail', o.get('error'))}; HTA: {h.get('detail', h.get('error'))}"
-             for label, _, o, h in rows]
+    notes = [f"- {label}: ours: {o.get('detail', o.get('error'))}{_load_note(o)}; HTA: "
+             f"{h.get('detail', h.get('error'))}{_load_note(h)}" for label, _, o, h in rows]
     load1, load5, _ = os.getloadavg()
     context = (f"Load average at the end of the run: {load1:.1f} (1 min), {load5:.1f} (5 min) on {cpu} cores; "
                "other jobs on the machine slow both sides alike but make absolute times noisy.")
