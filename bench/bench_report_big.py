@@ -1,0 +1,72 @@
+"""`shardline profile report -o report.html` on a large trace set: wall time and peak memory.
+
+Builds a >= 1 GB multi-rank Kineto set by repeating a real trace (bench_profiling.build_big), runs the report
+command in a child process, and records its wall time and peak RSS (the child's and its workers', via
+RUSAGE_CHILDREN), so the claim "a 1 GB trace set reports without exhausting memory" is measured, not assumed.
+Writes bench/results/bench_report_big.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _bench_profiling():
+    spec = importlib.util.spec_from_file_location("bench_profiling", HERE / "bench_profiling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megabytes", type=int, default=1024, help="total JSON MB of the generated set")
+    args = parser.parse_args()
+    bp = _bench_profiling()
+    work = Path(tempfile.mkdtemp(prefix="shardline-big-"))
+    try:
+        traces = work / "traces"
+        traces.mkdir()
+        bp.build_big(traces, megabytes=args.megabytes)
+        size_mb = bp.json_megabytes(traces)
+        report = work / "report.html"
+        load_before = os.getloadavg()[0]
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "shardline.recipes.cli", "profile", "report", str(traces),
+                               "-o", str(report)], capture_output=True, text=True, timeout=3600)
+        wall = time.perf_counter() - start
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        if done.returncode != 0:
+            raise SystemExit(f"report failed ({done.returncode}): {done.stderr[-2000:]}")
+        sections = report.read_text().count("<h2>")
+        table = "\n".join([
+            "# bench_report_big: `shardline profile report -o report.html` on a large trace set",
+            "",
+            f"Machine: 2 cores, 24 GiB; load average {load_before:.1f} at start.",
+            "",
+            "Peak RSS is the largest single process (the command, or one of its forked reader workers).",
+            "",
+            "| JSON MB | ranks | wall s | peak RSS MB (largest process) | peak / JSON size | HTML sections |",
+            "|---:|---:|---:|---:|---:|---:|",
+            f"| {size_mb:.0f} | 2 | {wall:.1f} | {peak_mb:.0f} | {peak_mb / size_mb:.2f} | {sections} |",
+        ])
+        out = HERE / "results" / "bench_report_big.md"
+        out.write_text(table + "\n")
+        print(table)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
