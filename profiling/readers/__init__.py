@@ -89,12 +89,3 @@ def sniff(path: Path) -> Format | None:
     if name.endswith(_JSON_SUFFIXES) or name.endswith(".raw.gz"):
         return Format.KINETO
     return None
-    if stripped[:1] == b"[":
-        if b"GROUP_API" in head or b"KERNEL_LAUNCH" in head or b"COLL" in head and b"CommHash" in head:
-            return Format.NCCL_PROFILER
-        return Format.KINETO if name.endswith(_JSON_SUFFIXES) else None
-    if b'"pg_config"' in head and b'"entries"' in head or b'"pg_status"' in head:
-        return Format.FLIGHT_RECORDER
-    if name.endswith(_JSON_SUFFIXES) or name.endswith(".raw.gz"):
-        return Format.KINETO
-    return None
