@@ -62,6 +62,8 @@ class _StageCall(nn.Module):
         super().__init__()
         object.__setattr__(self, "_driver", driver)
         self.stage = stage
+        # It holds no parameters, so the engine cannot infer the device: received activations go here.
+        self.pipeline_device = driver.strategy.root_device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._driver.run_stage(x, self.stage)

@@ -375,6 +375,11 @@ class PipelineEngine:
                 st["meta_in"][a.stage] = (*_decode_header(header), self._device_of(a.stage))
 
     def _device_of(self, stage: int) -> torch.device:
+        # A stage module may declare where its activations live (a parameter-free wrapper, as the strategy's);
+        # otherwise its first parameter tells.
+        declared = getattr(self.stages[stage], "pipeline_device", None)
+        if declared is not None:
+            return torch.device(declared)
         param = next(self.stages[stage].parameters(), None)
         return param.device if param is not None else torch.device("cpu")
 

@@ -365,3 +365,19 @@ def test_reference_gpt_pipeline_layers_run_on_the_engine():
             torch.testing.assert_close(grad, expected[name], msg=lambda s, n=name: f"{n}: {s}")
             seen.add(name)
     assert seen == set(expected)
+
+
+def test_a_parameter_free_stage_declares_its_device():
+    # The strategy's stage wrappers hold no parameters; the engine must not assume CPU for them.
+    from shardline.plugins.pipeline.engine import PipelineEngine
+
+    class Wrapper(torch.nn.Module):
+        pipeline_device = torch.device("meta")
+
+        def forward(self, x):
+            return x
+
+    engine = PipelineEngine.__new__(PipelineEngine)
+    engine.stages = {0: Wrapper(), 1: torch.nn.Linear(2, 2)}
+    assert engine._device_of(0) == torch.device("meta")
+    assert engine._device_of(1) == torch.device("cpu")
