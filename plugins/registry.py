@@ -60,12 +60,17 @@ def register_strategies(registry=None) -> list[str]:
     """Register every family name with Lightning's StrategyRegistry (idempotent); returns the names."""
     from pytorch_lightning.strategies import StrategyRegistry
 
-    from shardline.plugins.strategy import HybridParallelStrategy
-
     registry = StrategyRegistry if registry is None else registry
     names = registered_names()
     for name in names:
         kwargs = parse_strategy_name(name)
-        registry.register(name, HybridParallelStrategy, description=f"shardline {kwargs}", override=True,
-                          **kwargs)
+        registry.register(name, make_strategy, description=f"shardline {kwargs}", override=True, **kwargs)
     return names
+
+
+def make_strategy(**kwargs):
+    """The registry's factory. It imports the strategy module only when a name is used: registration runs while
+    Lightning itself is being imported, possibly from inside ``shardline.plugins.strategy``'s own imports."""
+    from shardline.plugins.strategy import HybridParallelStrategy
+
+    return HybridParallelStrategy(**kwargs)

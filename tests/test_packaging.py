@@ -117,3 +117,22 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("statement", [
+    "from shardline.plugins import HybridParallelStrategy",
+    "import shardline.plugins.strategy",
+    "import shardline.plugins.registry as r; r.register_strategies()",
+])
+def test_strategy_imports_first_in_a_fresh_interpreter(statement):
+    # Importing the strategy imports Lightning, whose import registers our names: no cycle may break that.
+    code = f"""
+{statement}
+from pytorch_lightning.strategies import StrategyRegistry
+from shardline.plugins.strategy import HybridParallelStrategy
+assert isinstance(StrategyRegistry.get("shardline_tp2_zero3"), HybridParallelStrategy)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd="/")
+    # (DeepSpeed prints its accelerator choice to stdout: the last line is ours.)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "ok", out.stderr[-2000:]
