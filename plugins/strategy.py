@@ -134,6 +134,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             from shardline.plugins.pipeline_driver import PipelineDriver
 
             # Backward only accumulates; Lightning's one optimizer step per batch is DeepSpeed's boundary.
+            self._check_pipeline_training(trainer)
             self.config["managed_gradient_accumulation"] = False
             module = self.lightning_module
             self.pipeline = PipelineDriver(self, module)
@@ -160,6 +161,17 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         with deepspeed.zero.Init(enabled=self.zero_stage_3, remote_device=self.remote_device,
                                  config_dict_or_path=self.config, data_parallel_group=group):
             yield
+
+    def _check_pipeline_training(self, trainer) -> None:
+        p = self.degrees["pp"]
+        if trainer.accumulate_grad_batches > 1:
+            # Every optimizer step is DeepSpeed's reduction boundary under the pipeline (unmanaged accumulation).
+            raise ContractError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} with pp={p}: the "
+                                "pipeline already accumulates over its micro-batches; raise micro_batches or the "
+                                "batch size instead")
+        if str(self.precision_plugin.precision).startswith("16"):
+            raise ContractError(f"precision={self.precision_plugin.precision!r} with pp={p}: fp16 loss scaling "
+                                "would apply twice on every stage but the last; use precision='bf16-mixed'")
 
     # --- DeepSpeed --------------------------------------------------------------------------------------------
 

@@ -105,4 +105,22 @@ def derive_config(*, zero_stage: int, offload_optimizer: Offload = Offload.NONE,
         if forbidden in user:
             raise ContractError(f"deepspeed_config sets {forbidden!r}={user[forbidden]!r}: the Trainer owns it "
                                 "(use Trainer(accumulate_grad_batches=...) and the DataLoader's batch_size)")
-    return merge(config, user)
+    merged = merge(config, user)
+    _check_user_agrees(merged["zero_optimization"], zero=zero)
+    return merged
+
+
+def _check_user_agrees(merged: dict, *, zero: dict) -> None:
+    """The user's config may add DeepSpeed options, not contradict the strategy's own arguments: the strategy
+    acts on its ``zero_stage`` and offload targets (pipeline handling, checks, the checkpoint's layout record)."""
+    clashes = []
+    if merged.get("stage") != zero["stage"]:
+        clashes.append(f"zero_optimization.stage={merged.get('stage')!r} vs zero_stage={zero['stage']}")
+    for key, arg in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
+        mine = zero.get(key, {}).get("device", "none")
+        theirs = (merged.get(key) or {}).get("device", "none")
+        if theirs != mine:
+            clashes.append(f"zero_optimization.{key}.device={theirs!r} vs {arg}={mine!r}")
+    if clashes:
+        raise ContractError("deepspeed_config contradicts the strategy's arguments (set them on the strategy "
+                            "instead): " + "; ".join(clashes))

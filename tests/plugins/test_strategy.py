@@ -159,6 +159,10 @@ def test_impossible_layout_fails_at_trainer_construction():
     (dict(chunks=2), ContractError, "chunks=2"),
     (dict(deepspeed_config={"gradient_accumulation_steps": 4}), ContractError, "accumulate_grad_batches"),
     (dict(deepspeed_config="/nonexistent/ds.json"), ContractError, "does not exist"),
+    (dict(zero_stage=1, deepspeed_config={"zero_optimization": {"stage": 3}}), ContractError,
+     "zero_optimization.stage=3 vs zero_stage=1"),
+    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}),
+     ContractError, "offload_optimizer.device='cpu' vs offload_optimizer='none'"),
 ])
 def test_bad_arguments_fail_at_construction(kwargs, error, fragment):
     with pytest.raises(error, match=fragment.replace("(", r"\(").replace("*", r"\*")):

@@ -208,3 +208,11 @@ def test_registered_name_on_eight_ranks_tp2_pp2_dp2_zero2():
     # Trainer(strategy="shardline_tp2_pp2_zero2", accelerator="cpu", devices=8) just works: all three at once.
     results = run_ranks(_fit_by_name, 8, "shardline_tp2_pp2_zero2", timeout=600)
     assert _replica_mean(results, dp=2) == pytest.approx(_dense_losses(tie_embeddings=False), rel=1e-4)
+
+
+def test_pipeline_refuses_lightning_gradient_accumulation():
+    # Each optimizer step is the pipeline's reduction boundary: accumulation across batches would step too often.
+    with pytest.raises(Exception) as info:
+        run_ranks(_fit, 2, dict(pp=2, zero_stage=1), {"tie_embeddings": False}, {"accumulate_grad_batches": 2},
+                  timeout=120)
+    assert "accumulate_grad_batches=2 with pp=2" in str(info.value) and "micro_batches" in str(info.value)
