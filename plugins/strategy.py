@@ -162,6 +162,24 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                                  config_dict_or_path=self.config, data_parallel_group=group):
             yield
 
+    def _initialize_deepspeed_inference(self, model) -> None:
+        """validate/test/predict outside ``fit``: Lightning's version passes no ``mpu`` (so DeepSpeed would
+        broadcast rank 0's parameters, TP shards included, over the whole world) and a CPU device has no index."""
+        import deepspeed
+        from pytorch_lightning.strategies.deepspeed import remove_module_hooks
+
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                config[key] = self.config[key]
+        if self.zero_stage_3:
+            config["zero_allow_untested_optimizer"] = True
+            config["zero_optimization"] = self.config["zero_optimization"]
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model, optimizer=None,
+            lr_scheduler=None, model_parameters=[], dist_init_required=False, mpu=self.grid.mpu)
+
     def _check_pipeline_training(self, trainer) -> None:
         p = self.degrees["pp"]
         if trainer.accumulate_grad_batches > 1:

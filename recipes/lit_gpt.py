@@ -75,7 +75,7 @@ class GPTModule(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         ids, targets = batch
         loss = self.gpt(ids, targets)
-        self.log("val_loss", loss.detach(), prog_bar=True)
+        self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True)  # the mean over replicas
         return loss
 
     def configure_optimizers(self):

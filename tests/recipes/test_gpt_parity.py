@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from shardline.plugins.model import GPT
 from shardline.plugins.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_gpt import GPTModule
@@ -216,3 +217,32 @@ def test_pipeline_refuses_lightning_gradient_accumulation():
         run_ranks(_fit, 2, dict(pp=2, zero_stage=1), {"tie_embeddings": False}, {"accumulate_grad_batches": 2},
                   timeout=120)
     assert "accumulate_grad_batches=2 with pp=2" in str(info.value) and "micro_batches" in str(info.value)
+
+
+def _validate(rank, world, kwargs):
+    adopt_process_group_in_lightning()
+    strategy = HybridParallelStrategy(**kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    module = GPTModule(**{**MODEL, "tie_embeddings": False})
+    dp = strategy.layout_for(world).dp
+    ids, targets = _dataset().tensors
+    data = TensorDataset(ids[:GLOBAL_BATCH], targets[:GLOBAL_BATCH])
+    (metrics,) = trainer.validate(module, DataLoader(data, batch_size=GLOBAL_BATCH // dp))
+    fresh = GPT(module.config, grid=strategy.grid, seed=MODEL.get("seed", 0)).state_dict()
+    kept = all(torch.equal(fresh[k], v) for k, v in module.gpt.state_dict().items())
+    return {"val_loss": metrics["val_loss"], "weights_are_this_ranks_shards": kept}
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2, zero_stage=2), dict(tp=2, pp=2, zero_stage=1)], ids=["tp2", "tp2-pp2"])
+def test_validate_outside_fit_keeps_every_ranks_shards(kwargs):
+    # trainer.validate() initialises DeepSpeed for inference: it must not broadcast rank 0's TP shard to all.
+    results = run_ranks(_validate, 4, kwargs, timeout=300)
+    assert all(res["weights_are_this_ranks_shards"] for res in results if "pp" not in kwargs)
+    module = GPTModule(**{**MODEL, "tie_embeddings": False})
+    module.configure_model()
+    ids, targets = _dataset().tensors
+    with torch.no_grad():
+        dense = module.gpt(ids[:GLOBAL_BATCH], targets[:GLOBAL_BATCH]).item()
+    for res in results:  # float32 behind TP (and PP) reductions: rtol 1e-5
+        assert res["val_loss"] == pytest.approx(dense, rel=1e-5)
