@@ -128,9 +128,21 @@ class PipelineDriver:
             # count it once, so the last stage's copy is marked as a pipeline replica, which the norm skips.
             for param in self.tied:
                 param.ds_pipe_replicated = True
+        self._count_replicated_in_norm(strategy.grid, keep, layers)
         _replace_layers(module, keep, layers)
         object.__setattr__(module, "_shardline_run_stage", lambda x, s: self.local[s](x))
         self._engines: dict[int, PipelineEngine] = {}
+
+    def _count_replicated_in_norm(self, grid, keep, layers) -> None:
+        """ZeRO-0 and ZeRO-3 count a parameter that is not TP-sharded only on model-parallel rank 0 (tp x pp), i.e.
+        only on the first stage. On the later stages, TP rank 0's copies of such parameters are marked
+        ``model_parallel`` so the norm counts every stage's replicated parameters exactly once."""
+        if self.rank == 0 or grid.rank("tp") != 0:
+            return
+        for index in keep:
+            for param in layers[index].parameters():
+                if not getattr(param, "tensor_model_parallel", False):
+                    param.model_parallel = True
 
     def _tied_parameters(self, layers, bounds, keep) -> list[nn.Parameter]:
         """Parameters used by layers on two different pipeline ranks (must be first and last rank)."""

@@ -27,11 +27,13 @@ def _dataset() -> TensorDataset:
 
 class _Recorder(pl.Callback):
     def __init__(self):
-        self.losses = []
+        self.losses, self.grad_norms = [], []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         loss = outputs["loss"] if trainer.strategy.pipeline is not None else module.last_loss
         self.losses.append(loss.item())
+        norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()
+        self.grad_norms.append(None if norm is None else float(norm))
 
 
 def _fit(rank, world, kwargs, model_overrides=None, trainer_kwargs=None):
@@ -52,7 +54,8 @@ def _fit(rank, world, kwargs, model_overrides=None, trainer_kwargs=None):
         held = sum(t.numel() for t in optimizer.fp32_partitioned_groups_flat)
     else:
         held = None
-    return {"losses": recorder.losses, "dp_rank": strategy.grid.rank("dp"), "local_params": local,
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "dp_rank": strategy.grid.rank("dp"),
+            "local_params": local,
             "fp32_partition": held, "dp": strategy.grid.size("dp_cp")}
 
 
@@ -246,3 +249,23 @@ def test_validate_outside_fit_keeps_every_ranks_shards(kwargs):
         dense = module.gpt(ids[:GLOBAL_BATCH], targets[:GLOBAL_BATCH]).item()
     for res in results:  # float32 behind TP (and PP) reductions: rtol 1e-5
         assert res["val_loss"] == pytest.approx(dense, rel=1e-5)
+
+
+def _dense_first_grad_norm() -> float:
+    module = GPTModule(**{**MODEL, "tie_embeddings": False})
+    module.configure_model()
+    ids, targets = _dataset().tensors
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))[:GLOBAL_BATCH]
+    module.gpt(ids[order], targets[order]).backward()
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()])).item()
+
+
+@pytest.mark.parametrize("zero", [1, 3])  # ZeRO-0 does not expose its norm (get_global_grad_norm is None)
+def test_global_grad_norm_counts_every_stage_once(zero):
+    # DeepSpeed's norm (clipping, overflow) over tp2 x pp2: TP shards summed, replicated parameters of every stage
+    # counted once. A huge clip value makes DeepSpeed compute the norm without changing the step.
+    results = run_ranks(_fit, 4, dict(tp=2, pp=2, zero_stage=zero), {"tie_embeddings": False},
+                        {"gradient_clip_val": 1e6}, timeout=300)
+    expected = _dense_first_grad_norm()
+    for res in results:  # float32 sums of squares across ranks: rtol 1e-5
+        assert res["grad_norms"][0] == pytest.approx(expected, rel=1e-5)
