@@ -67,7 +67,8 @@ def _fit(rank, world, strategy_kwargs, extra_callbacks=(), hidden=16):
     engine = trainer.strategy.deepspeed_engine
     return {"losses": recorder.losses, "layout": strategy.describe(),
             "sampler": trainer.strategy.distributed_sampler_kwargs,
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "cpu_offload": bool(engine.zero_cpu_offload()),
+            "zero_stage": engine.zero_optimization_stage()}
 
 
 def _dense_losses(hidden: int = 16) -> list[float]:
@@ -104,6 +105,10 @@ def test_dp2_loss_parity_with_dense(strategy_kwargs, dense_losses):
     results = run_ranks(_fit, 2, strategy_kwargs, timeout=240)
     for rank, res in enumerate(results):
         assert res["sampler"] == {"num_replicas": 2, "rank": rank}
+        # DeepSpeed really runs the requested stage and offload (not silently another one).
+        assert res["zero_stage"] == strategy_kwargs["zero_stage"]
+        assert res["cpu_offload"] == (strategy_kwargs.get("offload_optimizer") == "cpu")
+        assert (res["optimizer"] == "DeepSpeedZeroOptimizer") == (strategy_kwargs["zero_stage"] in (1, 2))
         assert res["layout"]["dp"] == 2 and res["layout"]["zero_stage"] == strategy_kwargs["zero_stage"]
         assert len(res["losses"]) == STEPS
     # Each rank's loss is the mean over its half of the global batch; both halves are equal-sized, so their
