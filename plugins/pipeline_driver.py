@@ -118,8 +118,9 @@ class PipelineDriver:
         if len(layers) < self.n_stages:
             raise LayoutError(f"{len(layers)} pipeline layers cannot fill pp*chunks = {self.p}*{self.v} = "
                               f"{self.n_stages} stages")
-        bounds = partition_layers(layers, self.n_stages, method="uniform").bounds
-        stages = build_stages(layers, partition_layers(layers, self.n_stages, method="uniform"))
+        partition = partition_layers(layers, self.n_stages, method="uniform")
+        bounds = partition.bounds
+        stages = build_stages(layers, partition)
         self.local = {s: stages[s] for s in range(self.rank, self.n_stages, self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
         self.tied = self._tied_parameters(layers, bounds, keep)
