@@ -33,7 +33,7 @@ _HEAD_LIMIT = 64 << 20
 _TAIL_LIMIT = 1 << 20
 
 
-class _Fallback(Exception):
+class Fallback(Exception):
     """The file does not have the regular shape this path needs."""
 
 
@@ -45,30 +45,46 @@ def release_pages(buffer: mmap.mmap, upto: int) -> None:
 
 
 def stream_mapped(path: Path, buffer: mmap.mmap, *, decode_events: Callable, decode_batch: Callable,
-                  to_columns: Callable, warnings: list[str]) -> tuple[dict, list[dict]] | None:
+                  to_columns: Callable, warnings: list[str], fast: Callable | None = None
+                  ) -> tuple[dict, list[dict]] | None:
     """``(top-level keys as raw JSON, column batches)`` of a mapped trace, or None to read it another way.
 
-    ``decode_events(text)`` decodes a whole chunk (a JSON array) into structs in one call; when it refuses
-    the chunk, ``decode_batch(path, raws, warnings)`` decodes its raw event slices one by one, salvaging what
-    it can. ``to_columns(structs)`` turns the structs into a column batch.
+    ``fast(events_text)`` (optional) turns a chunk of event text into a column batch directly, or returns
+    None; then ``decode_events(text)`` decodes the chunk (a JSON array) into structs in one call; when it
+    refuses the chunk, ``decode_batch(path, raws, warnings)`` decodes its raw event slices one by one,
+    salvaging what it can. ``to_columns(structs)`` turns the structs into a column batch.
     """
     noted = len(warnings)
     try:
         top, start, close = _bounds(buffer)
-        batches = []
-        with memoryview(buffer) as view:
-            for chunk_start, chunk_end in _chunks(buffer, start, close):
-                with view[chunk_start:chunk_end] as events_text:
-                    text = _bracketed(events_text)
-                release_pages(buffer, chunk_end)
-                batches.append(to_columns(_decode_chunk(path, text, decode_events, decode_batch, warnings)))
-                del text
-                trim_heap()
+        batches = read_chunks(path, buffer, start, close, fast=fast, decode_events=decode_events,
+                              decode_batch=decode_batch, to_columns=to_columns, warnings=warnings)
         return top, batches
-    except _Fallback:
+    except Fallback:
         del warnings[noted:]  # the whole-file read will say the same again
         release_pages(buffer, len(buffer))
         return None
+
+
+def read_chunks(path: Path, buffer, start: int, close: int, *, fast: Callable | None, decode_events: Callable,
+                decode_batch: Callable, to_columns: Callable, warnings: list[str]) -> list[dict]:
+    """Column batches of the events text ``buffer[start:close]`` (between the array's brackets), one chunk
+    at a time; raises ``Fallback`` when the chunks cannot be cut at event boundaries."""
+    batches = []
+    mapped = isinstance(buffer, mmap.mmap)
+    with memoryview(buffer) as view:
+        for chunk_start, chunk_end in _chunks(buffer, start, close):
+            with view[chunk_start:chunk_end] as events_text:
+                batch = fast(events_text) if fast is not None else None
+                text = _bracketed(events_text) if batch is None else None
+            if mapped:
+                release_pages(buffer, chunk_end)
+            if batch is None:
+                batch = to_columns(_decode_chunk(path, text, decode_events, decode_batch, warnings))
+                del text
+            batches.append(batch)
+            trim_heap()
+    return batches
 
 
 def _load_trim():
@@ -110,7 +126,7 @@ def _decode_chunk(path: Path, text: bytearray, decode_events: Callable, decode_b
     try:
         raws = _DECODE_RAWS.decode(text)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise _Fallback(str(exc)) from exc
+        raise Fallback(str(exc)) from exc
     return decode_batch(path, raws, warnings)
 
 
@@ -118,15 +134,15 @@ def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
     """Top-level metadata (head and tail keys) and the byte range of the events array's contents."""
     key = buffer.find(b'"traceEvents"', 0, _HEAD_LIMIT)
     if key < 0 or buffer[:key].lstrip()[:1] != b"{":
-        raise _Fallback("no traceEvents key near the start")
+        raise Fallback("no traceEvents key near the start")
     bracket = buffer.find(b"[", key, key + 4096)
     if bracket < 0 or buffer[key + len(b'"traceEvents"'):bracket].strip() != b":":
-        raise _Fallback("traceEvents is not followed by an array")
+        raise Fallback("traceEvents is not followed by an array")
     head = buffer[:key].rstrip().rstrip(b",").rstrip()
     try:
         top = _DECODE_TOP.decode(head + b"}") if head != b"{" else {}
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise _Fallback("unreadable metadata before traceEvents") from exc
+        raise Fallback("unreadable metadata before traceEvents") from exc
     tail_from = max(bracket, len(buffer) - _TAIL_LIMIT)
     tail = buffer[tail_from:]
     close = tail.rfind(b"]")
@@ -141,7 +157,7 @@ def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
         close = tail.rfind(b"]", 0, close)
-    raise _Fallback("no end of the events array")
+    raise Fallback("no end of the events array")
 
 
 def _chunks(buffer: mmap.mmap, start: int, close: int):
@@ -158,5 +174,5 @@ def _chunks(buffer: mmap.mmap, start: int, close: int):
 def _last_brace(buffer, start: int, close: int) -> int:
     end = buffer.rfind(b"}", start, close)
     if end < 0:
-        raise _Fallback("events array without an object")
+        raise Fallback("events array without an object")
     return end + 1

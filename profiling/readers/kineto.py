@@ -11,7 +11,10 @@ Times: ``start_ns = baseTimeNanoseconds + ts·1000`` and ``dur_ns = dur·1000``,
 ``stream`` is the thread id. Kept: complete events (``ph`` X) and B/E pairs; dropped: metadata, flows,
 instant events, the profiler's own ``Trace`` span, and ``python_function`` stacks unless ``keep_python``.
 
-Decoding is columnar: events are decoded in batches into typed msgspec structs holding only the fields used
+Decoding is columnar. Each chunk of event text is first parsed by Arrow's JSON reader straight into typed
+columns (``_kineto_arrow``: no Python object per event, several threads); a chunk that path cannot read
+exactly (type conflicts, damage, invalid UTF-8, ...) is decoded the ordinary way, which gives the same
+columns: events are decoded in batches into typed msgspec structs holding only the fields used
 here, each batch becomes numpy columns and its structs are dropped, so no Python object per event outlives
 its batch. Big plain files are memory-mapped and streamed chunk by chunk (``_kineto_stream``), releasing
 each chunk's pages once decoded; gzip files and damaged files are decoded from memory, where msgspec first
@@ -33,9 +36,9 @@ import msgspec
 import numpy as np
 
 from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult
+from shardline.profiling.readers import ReadResult, _kineto_arrow
 from shardline.profiling.readers._kineto_columns import BATCH, columns_from_events, finish_frame
-from shardline.profiling.readers._kineto_stream import stream_mapped
+from shardline.profiling.readers._kineto_stream import Fallback, read_chunks, stream_mapped
 from shardline.profiling.schema import conform, empty_events
 
 
@@ -156,7 +159,7 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     if isinstance(data, mmap.mmap):
         with _gc_paused():
             streamed = stream_mapped(path, data, decode_events=_DECODE_EVENTS.decode, decode_batch=_decode_batch,
-                                     warnings=warnings,
+                                     warnings=warnings, fast=_fast_columns(keep_python),
                                      to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
     if streamed is None:
         loaded = _batches_in_memory(path, data, keep_python=keep_python, warnings=warnings)
@@ -189,6 +192,12 @@ def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[st
     top, events_raw = _split_top(path, data, warnings)
     if events_raw is None:
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
+    fast = _fast_columns(keep_python)
+    if fast is not None and isinstance(events_raw, msgspec.Raw) and events_raw is not data:
+        batches = _chunked_in_memory(path, data, events_raw, fast=fast, keep_python=keep_python,
+                                     warnings=warnings)
+        if batches is not None:
+            return {k: v for k, v in top.items() if k != "traceEvents"}, batches
     raws = _event_slices(path, events_raw, warnings)
     if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
@@ -198,6 +207,37 @@ def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[st
     with _gc_paused():
         batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings, pages=pages)
     return {k: v for k, v in top.items() if k != "traceEvents"}, batches
+
+
+def _fast_columns(keep_python: bool):
+    """The Arrow fast path for a chunk of event text (None when it is unavailable or turned off)."""
+    if not _kineto_arrow.available():
+        return None
+    return lambda text: _kineto_arrow.columns_from_text(text, keep_python=keep_python)
+
+
+def _chunked_in_memory(path: Path, data, events_raw: msgspec.Raw, *, fast, keep_python: bool,
+                       warnings: list[str]) -> list[dict] | None:
+    """Column batches of a valid in-memory events array read chunk by chunk through the fast path (a chunk
+    it refuses is decoded the ordinary way); None when the array cannot be cut into chunks."""
+    with memoryview(events_raw) as raw_view:
+        size = len(raw_view)
+        offset = (np.frombuffer(raw_view, dtype=np.uint8).ctypes.data
+                  - np.frombuffer(data, dtype=np.uint8).ctypes.data) if size else -1
+    if size < 2 or not 0 <= offset <= len(data) - size or data[offset:offset + 1] != b"[" \
+            or data[offset + size - 1:offset + size] != b"]":
+        return None
+    start, close = offset + 1, offset + size - 1
+    if not bytes(data[start:min(close, start + 4096)]).strip():
+        return [columns_from_events([], keep_python=keep_python)]
+    noted = len(warnings)
+    try:
+        return read_chunks(path, data, start, close, fast=fast, decode_events=_DECODE_EVENTS.decode,
+                           decode_batch=_decode_batch, warnings=warnings,
+                           to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
+    except Fallback:
+        del warnings[noted:]
+        return None
 
 
 def _decode_any(raw: msgspec.Raw) -> Any:

@@ -1,0 +1,243 @@
+"""Fast path of the Kineto reader: a chunk of event text parsed by Arrow's C++ JSON reader into columns.
+
+The ordinary path decodes every event into a msgspec struct and then pulls each field out of every struct;
+that Python-level column building is most of its time. Here Arrow parses the text straight into typed
+columns (in several threads), so no Python object exists per event at all. The output is the same column
+dict as :func:`columns_from_events`, value for value (the reader's tests compare the two on every shared
+trace), and anything this path cannot read *exactly* returns None so the caller decodes the chunk the
+ordinary way. How the text is prepared, and why each step is safe:
+
+- Arrow reads a sequence of objects, not a JSON array, so the ``,`` between events must go. The separator
+  (``}`` ``,`` whitespace ``{``) is taken from the chunk's first boundary and every occurrence is replaced by
+  ``}`` newline ``{``. An occurrence inside a string literal becomes a raw newline there, which is invalid
+  JSON; one between nested objects leaves an object without its ``,``, also invalid. So a wrong replacement
+  can only make Arrow fail (and the chunk go the ordinary way), never change a value. A different separator
+  left unreplaced fails the same way.
+- Arrow columns have one type. ``pid``/``tid`` are numbers except for a few events (the profiler's own
+  span writes ``"pid": "Spans"``); those keys, found by a literal search for ``id":"`` (a ``"`` right after
+  ``id`` can only close a key, never sit inside a string), are renamed ``pid_text``/``tid_text`` and read as
+  text. Any other type conflict (ROCm's text streams, ranks as lists, numbers beyond int64, floats where
+  ints belong, duplicate keys) makes Arrow fail: ordinary path.
+- Times are read as ``decimal(38, 3)``: Arrow converts the number text exactly (no double in between, so
+  the ns of a 17-digit absolute µs time survive), and the unscaled integer is the time in ns. A time with
+  more than 3 decimals makes Arrow refuse the chunk; one beyond int64 ns is refused here.
+- Arrow does not check UTF-8: the dictionary (unique values) of every kept text column is validated.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pandas as pd
+
+from shardline.profiling.readers._kineto_columns import (
+    _STR,
+    DROP_CATS,
+    GPU_CATS,
+    PYTHON_CATS,
+    _int,
+    _message_bytes,
+)
+
+try:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+except ImportError:  # pragma: no cover - pyarrow is a dependency; the ordinary path still works without it
+    pa = None
+
+#: ``SHARDLINE_KINETO_ARROW=0`` turns the fast path off (every chunk is decoded the ordinary way).
+ENABLED = os.environ.get("SHARDLINE_KINETO_ARROW", "1") not in ("0", "false", "no", "off")
+
+_SEPARATOR = re.compile(rb"\}\s*,\s*\{")
+_TEXT_ID = re.compile(rb'id": ?"')
+_EXPLICIT_NULL = {key: re.compile(rb'"' + key + rb'"\s*:\s*null') for key in (b"ts", b"dur")}
+_PHASES = ("X", "B", "E")
+
+if pa is not None:
+    _I, _S = pa.int64(), pa.string()
+    #: µs with 3 decimals, parsed exactly from the number text: the unscaled integer is the time in ns.
+    _DECIMAL = pa.decimal128(38, 3)
+    _ARGS = pa.struct([
+        ("correlation", _I), ("External id", _I), ("external id", _I), ("device", _I), ("stream", _I),
+        ("bytes", _I), ("Collective name", _S), ("Process Group Name", _S), ("Process Group Description", _S),
+        ("Process Group Ranks", _S), ("Group size", _I), ("In msg nelems", _I), ("Out msg nelems", _I),
+        ("dtype", _S), ("Seq", _I), ("Src Rank", _I), ("Dst Rank", _I),
+        # Renamed text values of int keys (see _rename_text_ids): present means "ordinary path".
+        ("External id_text", _S), ("external id_text", _S)])
+    _SCHEMA = pa.schema([("ph", _S), ("cat", _S), ("name", _S), ("pid", _I), ("tid", _I), ("pid_text", _S),
+                         ("tid_text", _S), ("ts", _DECIMAL), ("dur", _DECIMAL), ("args", _ARGS)])
+    _OPTIONS = pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore")
+    _FAILURES = (pa.ArrowException, UnicodeDecodeError, ValueError, TypeError, OverflowError)
+
+
+def available() -> bool:
+    return pa is not None and ENABLED
+
+
+def columns_from_text(text, *, keep_python: bool, threads: bool = True) -> dict | None:
+    """Column dict of a chunk of comma-separated event objects (no brackets), or None to decode it the
+    ordinary way (see the module docstring for when)."""
+    if not available():
+        return None
+    body = bytes(text).strip()
+    if not body.startswith(b"{") or not body.endswith(b"}"):
+        return None
+    body = _rename_text_ids(body)
+    if b"\n" in body:  # pretty-printed: one object per line, so Arrow's blocks can be cut at newlines
+        body = body.replace(b"\n", b"")
+    separator = _SEPARATOR.search(body)
+    lines = body.replace(separator.group(), b"}\n{") if separator else body
+    del body
+    try:
+        table = pj.read_json(pa.BufferReader(lines), parse_options=_OPTIONS,
+                             read_options=pj.ReadOptions(use_threads=threads, block_size=4 << 20))
+        return _columns(table, lines, keep_python=keep_python)
+    except _FAILURES:
+        return None
+
+
+def _rename_text_ids(body: bytes) -> bytes:
+    """Keys ending in ``id`` whose value is text renamed ``..id_text`` (``"pid": "Spans"`` -> ``"pid_text":
+    "Spans"``); a no-op scan when there are none. Of the renamed keys the schema reads ``pid_text`` and
+    ``tid_text``; the others are either unread or (``External id`` as text) refuse the chunk."""
+    found = []
+    for match in _TEXT_ID.finditer(body):
+        found.append(match.start() + 2)
+        if len(found) > 64:  # many (legacy traces write every tid as text): one C-level substitution
+            return _TEXT_ID.sub(b'id_text": "', body)
+    if not found:
+        return body
+    pieces, last = [], 0
+    for cut in found:
+        pieces += [body[last:cut], b"_text"]
+        last = cut
+    pieces.append(body[last:])
+    return b"".join(pieces)
+
+
+def _columns(table, lines: bytes, *, keep_python: bool) -> dict | None:
+    drop = DROP_CATS if keep_python else DROP_CATS | PYTHON_CATS
+    n_all = table.num_rows
+    ph_all = pc.fill_null(table["ph"], "")
+    cat_all = pc.fill_null(table["cat"], "")
+    mask = pc.and_(pc.is_in(ph_all, value_set=pa.array(_PHASES)),
+                   pc.invert(pc.is_in(cat_all, value_set=pa.array(sorted(drop)))))
+    keep = mask.to_numpy(zero_copy_only=False) if n_all else np.zeros(0, dtype=bool)
+    ts = _exact_ns(table["ts"], b"ts", lines)
+    dur = _exact_ns(table["dur"], b"dur", lines)
+    if ts is None or dur is None:
+        return None
+    everything = bool(keep.all())
+    if not everything:
+        table = table.filter(pa.array(keep))
+        ts, dur = ts[keep], dur[keep]
+    table = table.combine_chunks()
+    n = table.num_rows
+    ph = _first_seen(pc.fill_null(table["ph"], ""))
+    cat = _first_seen(pc.fill_null(table["cat"], ""))
+    name = _first_seen(pc.fill_null(table["name"], ""))
+    args = table["args"].chunk(0) if table["args"].num_chunks else pa.nulls(0, _ARGS)
+    if args.field("External id_text").null_count != n or args.field("external id_text").null_count != n:
+        return None
+    field = _fields(args, n)
+    gpu_cat = np.isin(cat.categories.to_numpy(dtype=object), list(GPU_CATS))
+    gpu = gpu_cat[cat.codes] if n else np.zeros(0, dtype=bool)
+    pid = _id_column(table, "pid")
+    tid = _id_column(table, "tid")
+    arg_device, arg_stream = field("device"), field("stream")
+    external = field("External id")
+    external = np.where(external == -1, field("external id"), external)
+    dst = field("Dst Rank")
+    dst = np.where(dst == -1, field("Src Rank"), dst)
+    columns = {
+        "ph": ph,
+        "cat": cat,
+        "name": name,
+        "lane": pd.Categorical.from_codes(gpu.astype(np.int8), categories=["cpu", "gpu"]),
+        "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
+        "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
+        "ts": ts, "dur": dur, "bad_time": np.zeros(n, dtype=bool),
+        "correlation": field("correlation"),
+        "external_id": external,
+        "collective": _sorted_texts(args.field("Collective name")),
+        "pg_name": _sorted_texts(args.field("Process Group Name")),
+        "pg_desc": _sorted_texts(args.field("Process Group Description")),
+        "pg_ranks": _sorted_texts(args.field("Process Group Ranks")),
+        "pg_size": field("Group size").astype(np.int32),
+        "msg_bytes": _message_bytes(in_nelems=field("In msg nelems"), out_nelems=field("Out msg nelems"),
+                                    dtype=_sorted_texts(args.field("dtype")), nbytes=field("bytes")),
+        "seq": field("Seq"),
+        "peer": dst.astype(np.int32),
+        "overflow": 0,
+    }
+    columns["pid"] = pid if (ph.categories != "X").any() else np.full(n, -1, dtype=np.int64)
+    return columns
+
+
+def _fields(args, n: int):
+    """Getter of one int64 args field, -1 where the event has no args or no such key."""
+    present = args.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
+
+    def get(key: str) -> np.ndarray:
+        values = pc.fill_null(args.field(key), -1).to_numpy()
+        return values if present.all() else np.where(present, values, -1)
+    return get
+
+
+def _id_column(table, key: str) -> np.ndarray:
+    """``pid``/``tid`` as int64: the number, else the integer read from its text (``_int`` rules), else -1."""
+    values = pc.fill_null(table[key], -1).to_numpy()
+    texts = table[f"{key}_text"]
+    if texts.null_count == len(texts):
+        return values
+    present = texts.is_valid().to_numpy(zero_copy_only=False)
+    codes, uniques = _dictionary(pc.fill_null(texts, ""))
+    parsed = np.array([_int(text, []) for text in uniques], dtype=np.int64)
+    return np.where(present, parsed[codes], values)
+
+
+def _exact_ns(column, key: bytes, lines: bytes) -> np.ndarray | None:
+    """int64 ns of a µs time column read as decimal(38, 3): its unscaled integer, exactly; None when a value
+    is beyond int64 ns or explicitly null (more than 3 decimals already made Arrow refuse the chunk)."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if len(column) == 0:
+        return np.zeros(0, dtype=np.int64)
+    words = np.frombuffer(column.buffers()[1], dtype=np.int64, count=2 * (len(column) + column.offset))
+    low, high = words[2 * column.offset::2], words[2 * column.offset + 1::2]
+    valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
+    if valid is not None:
+        # A missing key means 0 (as in the ordinary path); an explicit null there is a bad time: ordinary path.
+        if _EXPLICIT_NULL[key].search(lines):
+            return None
+        low, high = np.where(valid, low, 0), np.where(valid, high, 0)
+    if (high != (low >> 63)).any():  # the 128-bit value does not fit int64
+        return None
+    return low.copy()
+
+
+def _dictionary(column) -> tuple[np.ndarray, list]:
+    """Codes (int32) and unique values (in order of first appearance) of a text column, UTF-8 checked."""
+    encoded = pc.dictionary_encode(column)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks() if encoded.num_chunks != 1 else encoded.chunk(0)
+    encoded.dictionary.validate(full=True)
+    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32, copy=False), \
+        encoded.dictionary.to_pylist()
+
+
+def _first_seen(column) -> pd.Categorical:
+    codes, uniques = _dictionary(column)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(uniques, dtype=_STR))
+
+
+def _sorted_texts(column) -> pd.Categorical:
+    """Categorical of an args text, ``""`` where absent, categories sorted with ``""`` among them."""
+    codes, uniques = _dictionary(pc.fill_null(column, ""))
+    categories = sorted(set(uniques) | {""})
+    position = {text: i for i, text in enumerate(categories)}
+    remap = np.array([position[t] for t in uniques] or [0], dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes] if len(codes) else codes,
+                                     categories=pd.Index(categories, dtype=_STR))
