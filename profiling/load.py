@@ -158,8 +158,9 @@ _PARALLEL_MIN_BYTES = 64 << 20
 def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
     """Read every file, in a pool of forked processes when there are several big ones and several cores.
 
-    Each reader is single-threaded and CPU-bound (JSON decoding), so files are the natural unit of
-    parallelism; a worker returns its columnar frame (pickled categoricals, cheap) and drops its structs.
+    Reading is CPU-bound (JSON decoding), so files are the natural unit of parallelism. A worker writes its
+    columns to files (see ``_read_job_spilled``); when the workers already fill every core, each parses in
+    one thread (Arrow's pool would only oversubscribe the cores).
     """
     total = sum(file.stat().st_size for file, *_ in jobs)
     if workers is None:
@@ -170,7 +171,9 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].stat().st_size)
     with tempfile.TemporaryDirectory(prefix="shardline-load-") as spill:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            done = dict(zip(order, pool.map(_read_job_spilled, [(jobs[i], Path(spill) / str(i)) for i in order])))
+            threads = None if workers < (os.cpu_count() or 1) else False
+            tasks = [(jobs[i], Path(spill) / str(i), threads) for i in order]
+            done = dict(zip(order, pool.map(_read_job_spilled, tasks)))
         # The workers have exited; their columns are files, mapped here and copied once by the concatenation.
         return [_unspill(done[i]) for i in range(len(jobs))]
 
@@ -183,8 +186,11 @@ def _read_job(job: tuple) -> ReadResult:
 def _read_job_spilled(task: tuple) -> ReadResult:
     """A worker's read, its events written column by column to ``.npy`` files instead of being pickled
     back: a pickled frame would be a second copy in the worker and a third in the parent's pipe buffer."""
-    job, folder = task
+    job, folder, threads = task
     _worker_malloc()
+    from shardline.profiling.readers import _kineto_arrow
+
+    _kineto_arrow.THREADS = threads  # this process is ours alone and exits after the read
     result = _read_job(job)
     folder.mkdir()
     frame, columns = result.events, {}

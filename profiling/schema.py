@@ -92,6 +92,8 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
             if dtype == "category":
                 values = values.fillna("").astype(str) if values.dtype != "category" else values
                 out[column] = values.astype("category")
+            elif str(values.dtype) == dtype:
+                out[column] = values  # an integer column cannot hold a missing value: nothing to fill
             else:
                 out[column] = values.fillna(-1).astype(dtype)
         else:

@@ -77,7 +77,14 @@ def available() -> bool:
     return pa is not None and ENABLED
 
 
-def columns_from_text(text, *, keep_python: bool, threads: bool = True) -> dict | None:
+#: Below this many bytes a chunk is parsed in the calling thread (the pool's hand-off costs more than it saves).
+_THREADED_MIN_BYTES = 4 << 20
+#: Whether Arrow may parse in its thread pool (None: when the chunk is big enough). ``load``'s reader
+#: workers, one per core already, set it False.
+THREADS: bool | None = None
+
+
+def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -> dict | None:
     """Column dict of a chunk of comma-separated event objects (no brackets), or None to decode it the
     ordinary way (see the module docstring for when)."""
     if not available():
@@ -92,6 +99,8 @@ def columns_from_text(text, *, keep_python: bool, threads: bool = True) -> dict 
     lines = body.replace(separator.group(), b"}\n{") if separator else body
     del body
     try:
+        if threads is None:
+            threads = THREADS if THREADS is not None else len(lines) >= _THREADED_MIN_BYTES
         table = pj.read_json(pa.BufferReader(lines), parse_options=_OPTIONS,
                              read_options=pj.ReadOptions(use_threads=threads, block_size=4 << 20))
         return _columns(table, lines, keep_python=keep_python)
