@@ -13,11 +13,14 @@ ordinary way. How the text is prepared, and why each step is safe:
   JSON; one between nested objects leaves an object without its ``,``, also invalid. So a wrong replacement
   can only make Arrow fail (and the chunk go the ordinary way), never change a value. A different separator
   left unreplaced fails the same way.
+- Pretty-printed events span lines; Arrow is then told so (``newlines_in_values``) and finds object ends by
+  parsing. Arrow, like msgspec, refuses raw control characters inside strings.
 - Arrow columns have one type. ``pid``/``tid`` are numbers except for a few events (the profiler's own
-  span writes ``"pid": "Spans"``); those keys, found by a literal search for ``id":"`` (a ``"`` right after
-  ``id`` can only close a key, never sit inside a string), are renamed ``pid_text``/``tid_text`` and read as
-  text. Any other type conflict (ROCm's text streams, ranks as lists, numbers beyond int64, floats where
-  ints belong, duplicate keys) makes Arrow fail: ordinary path.
+  span writes ``"pid": "Spans"``; 2021 traces write every tid as text); keys ending in ``id`` with a text
+  value, found by a literal search for ``id":"`` (a ``"`` right after ``id`` can only close a key, never sit
+  inside a string), are renamed ``..id_text``; ``pid_text``/``tid_text`` are read as text, ``External
+  id_text`` refuses the chunk, the rest are unread. Any other type conflict (ROCm's text streams, ranks as
+  lists, numbers beyond int64, floats where ints belong, duplicate keys) makes Arrow fail: ordinary path.
 - Times are read as ``decimal(38, 3)``: Arrow converts the number text exactly (no double in between, so
   the ns of a 17-digit absolute µs time survive), and the unscaled integer is the time in ns. A time with
   more than 3 decimals makes Arrow refuse the chunk; one beyond int64 ns is refused here.
@@ -70,6 +73,8 @@ if pa is not None:
     _SCHEMA = pa.schema([("ph", _S), ("cat", _S), ("name", _S), ("pid", _I), ("tid", _I), ("pid_text", _S),
                          ("tid_text", _S), ("ts", _DECIMAL), ("dur", _DECIMAL), ("args", _ARGS)])
     _OPTIONS = pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore")
+    _OPTIONS_MULTILINE = pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore",
+                                         newlines_in_values=True)
     _FAILURES = (pa.ArrowException, UnicodeDecodeError, ValueError, TypeError, OverflowError)
 
 
@@ -93,15 +98,15 @@ def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -
     if not body.startswith(b"{") or not body.endswith(b"}"):
         return None
     body = _rename_text_ids(body)
-    if b"\n" in body:  # pretty-printed: one object per line, so Arrow's blocks can be cut at newlines
-        body = body.replace(b"\n", b"")
+    # Pretty-printed events span lines: Arrow must then find object ends by parsing, not at newlines.
+    options = _OPTIONS_MULTILINE if b"\n" in body else _OPTIONS
     separator = _SEPARATOR.search(body)
     lines = body.replace(separator.group(), b"}\n{") if separator else body
     del body
     try:
         if threads is None:
             threads = THREADS if THREADS is not None else len(lines) >= _THREADED_MIN_BYTES
-        table = pj.read_json(pa.BufferReader(lines), parse_options=_OPTIONS,
+        table = pj.read_json(pa.BufferReader(lines), parse_options=options,
                              read_options=pj.ReadOptions(use_threads=threads, block_size=4 << 20))
         return _columns(table, lines, keep_python=keep_python)
     except _FAILURES:

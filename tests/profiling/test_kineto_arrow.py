@@ -131,6 +131,7 @@ def test_absolute_microseconds_keep_every_nanosecond(tmp_path, monkeypatch):
     ("a duplicate key", [_op(extra=', "dur": 4'), _op()], ",\n  "),
     ("ranks as a list", [_op(args='"Process Group Ranks": [0, 1]'), _op()], ",\n  "),
     ("a float where an int belongs", [_op(args='"External id": 7.0'), _op()], ",\n  "),
+    ("a raw newline inside a name (invalid JSON)", [_op(name="two\nlines"), _op()], ", "),
 ])
 def test_refused_chunks_read_the_ordinary_way(tmp_path, monkeypatch, case, events, separator):
     if separator == "MIXED":
@@ -184,3 +185,16 @@ def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_
         events_frame, used = _read_both(path, monkeypatch)
         assert len(events_frame) > 4000
         assert used >= path.stat().st_size // 150_000, (indent, used)
+
+
+def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, monkeypatch, traces_dir):
+    # Arrow cuts its input into 4 MB blocks; pretty-printed events span lines, so the cut must not fall
+    # inside an event (one chunk of ~9 MB here, read in memory).
+    seed = json.loads(gzip.decompress(
+        (traces_dir / "hta" / "trace_filter" / "sampled_rank-0.json.gz").read_bytes()))
+    seed["traceEvents"] = seed["traceEvents"] * 4
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps(seed, indent=4))
+    assert path.stat().st_size > 2 * (4 << 20)
+    events_frame, used = _read_both(path, monkeypatch)
+    assert used == 1 and len(events_frame) > 16_000
