@@ -94,10 +94,12 @@ def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -
     ordinary way (see the module docstring for when)."""
     if not available():
         return None
-    body = bytes(text).strip()
-    if not body.startswith(b"{") or not body.endswith(b"}"):
-        return None
-    body = _rename_text_ids(body)
+    with memoryview(text) as view:
+        first, last = _ends(view)
+        if first < 0 or view[first] != ord("{") or view[last] != ord("}"):
+            return None
+        # One copy out of the caller's buffer (the renaming's join, else a plain copy), one for the separators.
+        body = _rename_text_ids(view[first:last + 1])
     # Pretty-printed events span lines: Arrow must then find object ends by parsing, not at newlines.
     options = _OPTIONS_MULTILINE if b"\n" in body else _OPTIONS
     separator = _SEPARATOR.search(body)
@@ -113,7 +115,18 @@ def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -
         return None
 
 
-def _rename_text_ids(body: bytes) -> bytes:
+def _ends(view: memoryview) -> tuple[int, int]:
+    """Positions of the first and last non-whitespace bytes of ``view`` ((-1, -1) when there are none)."""
+    n = len(view)
+    first = next((i for i in range(n) if view[i] not in _WHITESPACE), -1)
+    last = next((i for i in range(n - 1, first - 1, -1) if view[i] not in _WHITESPACE), -1) if first >= 0 else -1
+    return first, last
+
+
+_WHITESPACE = frozenset(b" \t\r\n")
+
+
+def _rename_text_ids(body: memoryview) -> bytes:
     """Keys ending in ``id`` whose value is text renamed ``..id_text`` (``"pid": "Spans"`` -> ``"pid_text":
     "Spans"``); a no-op scan when there are none. Of the renamed keys the schema reads ``pid_text`` and
     ``tid_text``; the others are either unread or (``External id`` as text) refuse the chunk."""
@@ -121,9 +134,9 @@ def _rename_text_ids(body: bytes) -> bytes:
     for match in _TEXT_ID.finditer(body):
         found.append(match.start() + 2)
         if len(found) > 64:  # many (legacy traces write every tid as text): one C-level substitution
-            return _TEXT_ID.sub(b'id_text": "', body)
+            return _TEXT_ID.sub(b'id_text": "', bytes(body))
     if not found:
-        return body
+        return bytes(body)
     pieces, last = [], 0
     for cut in found:
         pieces += [body[last:cut], b"_text"]
