@@ -2,7 +2,9 @@
 
 Same stage modules (identical weights), same micro-batches, one thread per rank, forked gloo ranks
 (``run_ranks``). Both sides run in the same processes, interleaved batch by batch so drift hits both alike; a
-batch's time is the slowest rank's, and the table shows medians. Also:
+batch's time is the slowest rank's, and the table shows medians, plus the median and quartiles of the per-batch
+ratio (each batch of ours against the torch batch run right next to it), which shows how much of the ratio is
+noise. Also:
 
 - the ideal pipeline time ``dense_mb / p * (m + p - 1) / m``, where ``dense_mb`` is one process running the
   whole model on the same ``m`` micro-batches one after another (small micro-batches are slower per sample than
@@ -36,7 +38,7 @@ from shardline.plugins.testing import run_ranks
 
 WORLD, D_MODEL, BLOCKS_PER_STAGE, MB_ROWS = 2, 256, 3, 32
 MICROBATCHES = (4, 8)
-WARMUP, BATCHES = 3, 20
+WARMUP, BATCHES = 3, 150  # the ratio of two 20-batch medians moved by +-0.05 between runs here, of 60-batch ones by +-0.03
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_pipeline.md"
 
 
@@ -107,7 +109,7 @@ def _bench_rank(rank: int, world: int, m: int):
     check = _compare_once(rank, run_ours, run_theirs, ours_module, theirs_module, m)
     t_comm = _one_way_latency(rank)
     times = {"ours": [], "theirs": []}
-    bubbles, f_ns, b_ns = [], [], []
+    bubbles, f_ns, b_ns, ratios = [], [], [], []
     for index in range(WARMUP + BATCHES):
         x, y = make_batch(m, index + 1)
         sides = [("ours", run_ours, ours_module), ("theirs", run_theirs, theirs_module)]
@@ -120,13 +122,15 @@ def _bench_rank(rank: int, world: int, m: int):
             if index >= WARMUP:
                 times[name].append(elapsed)
         if index >= WARMUP:
+            ratios.append(times["ours"][-1] / times["theirs"][-1])
             stats = engine.stats
             bubbles.append(stats.bubble_fraction)
             f_ns += [e - s for n, _, _, s, e in stats.records if n == "F"]
             b_ns += [e - s for n, _, _, s, e in stats.records if n == "B"]
     return {"ours": statistics.median(times["ours"]), "theirs": statistics.median(times["theirs"]),
             "bubble": statistics.mean(bubbles), "t_f": statistics.mean(f_ns) / 1e9,
-            "t_b": statistics.mean(b_ns) / 1e9, "check": check, "t_comm": t_comm}
+            "t_b": statistics.mean(b_ns) / 1e9, "check": check, "t_comm": t_comm,
+            "paired": statistics.quantiles(ratios, n=4)}
 
 
 def _compare_once(rank, run_ours, run_theirs, ours_module, theirs_module, m) -> float:
@@ -178,7 +182,9 @@ def main() -> str:
         predicted = simulate(one_f_one_b(p, m), t_forward=t_f, t_backward=t_b).bubble_fraction
         with_comm = simulate(one_f_one_b(p, m), t_forward=t_f, t_backward=t_b, t_comm=t_comm).bubble_fraction
         measured = statistics.mean(r["bubble"] for r in per_rank)
+        q1, med, q3 = per_rank[0]["paired"]
         rows.append(f"| {p} | {m} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | **{ours / theirs:.2f}** | "
+                    f"{med:.2f} [{q1:.2f}, {q3:.2f}] | "
                     f"{ideal * 1e3:.1f} | {ours / ideal:.2f} | {theirs / ideal:.2f} | {measured:.3f} | "
                     f"{predicted:.3f} | {with_comm:.3f} | {(p - 1) / (m + p - 1):.3f} | "
                     f"{t_f * 1e3:.2f} / {t_b * 1e3:.2f} / {t_comm * 1e3:.2f} | {check:.1e} |")
@@ -186,11 +192,12 @@ def main() -> str:
         f"# bench_pipeline: 1F1B, {p} CPU ranks (gloo, 1 thread each), {BLOCKS_PER_STAGE} MLP blocks "
         f"(d={D_MODEL}) per stage, {MB_ROWS} rows per micro-batch, float32; medians of {BATCHES} batches",
         "",
-        "| p | m | shardline ms/batch | torch Schedule1F1B ms/batch | shardline / torch | ideal ms "
+        "| p | m | shardline ms/batch | torch Schedule1F1B ms/batch | shardline / torch | per-batch ratio median "
+        "[quartiles] | ideal ms "
         "(dense_mb/p*(m+p-1)/m) | shardline / ideal | torch / ideal | bubble measured (engine timing) "
         "| bubble simulate(F,B) | bubble simulate(F,B,comm) | bubble (p-1)/(m+p-1) | measured F / B / comm ms "
         "| max rel. grad diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"Machine: {os.cpu_count()} cores, 1-minute load average {load_before:.1f} before the run and "
@@ -198,7 +205,7 @@ def main() -> str:
         "ideal, which runs alone, less).",
         "",
         "Target: shardline / torch <= 1.0. The measured bubble counts every moment of the batch window that is "
-        "not an F or B (waits, posting, the shape header, the final loss broadcast). simulate(F,B) takes "
+        "not an F or B (waits, posting, the shape header, the batch loss reaching every rank). simulate(F,B) takes "
         "communication as free and equals the closed form when F and B are uniform; simulate(F,B,comm) adds "
         "the measured one-way latency of an activation message (half a gloo ping-pong) to every transfer.",
     ])

@@ -28,6 +28,7 @@ _LAZY = {
     "PipelineHooks": "engine",
     "LossReduction": "engine",
     "EngineStats": "engine",
+    "Annotations": "engine",
     "MemoryAccounting": "engine",
     "SavedTensorMeter": "memory",
     "measure_layer_costs": "partition",

@@ -13,22 +13,32 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
   from the gradient received by ``RG``. The stage's input, output and graph are dropped right after, so the
   activations held are exactly those in flight. Parameter gradients accumulate in ``.grad`` across micro-batches
   (the caller zeroes them between batches), so after the batch they equal the full-batch gradient.
-- A run of consecutive send/recv actions is posted as one ``batch_isend_irecv`` (a NCCL group), then its
-  receives are waited on; sends are waited on at the end of the batch. :func:`validate` proves this cannot
-  deadlock even if sends block until received (see ``simulate``'s module docstring).
-- Shapes travel: the first activation a stage sends in a batch is preceded by a small header (ndim, dtype,
-  dims) on ``meta_group`` (default: the pp group with tag 1, which gloo keeps apart from the data; NCCL needs a
-  gloo ``meta_group``), so the sequence length may change from batch to batch. Later micro-batches of the same
-  batch reuse the header (micro-batches of one batch have one shape).
+- A run of consecutive send/recv actions is one op: its sends and receives are posted together (on NCCL as one
+  ``batch_isend_irecv``, a NCCL group), then its receives are waited on; sends are waited on at the end of the
+  batch. :func:`validate` proves this cannot deadlock even if sends block until received (see ``simulate``'s
+  module docstring). On gloo the engine posts to the process group itself and posts each receive as early as
+  its shape allows (up to one beyond the current op's), in program order: see
+  :mod:`~shardline.plugins.pipeline.p2p`, which also says why that keeps the proof and the message matching.
+- Shapes travel: the first activation sent over each edge in a batch goes with a small header (ndim, dtype,
+  dims), so the sequence length may change from batch to batch. Later micro-batches of the same batch reuse it
+  (micro-batches of one batch have one shape; a stage whose outputs differ within a batch is an error). On
+  NCCL the header goes first on ``meta_group`` (a gloo group over the same ranks) and the receiver posts the
+  activation's receive once it has read it. On gloo (the pp group, tags keep it apart from the data) the
+  receiver also posts, before the batch, a receive shaped like the previous batch's activation, and checks it
+  against the header before use: an unchanged shape costs no round trip, a changed one is handled (p2p).
 - Data-parallel gradient reduction is not the engine's job: the strategy above does it once per batch, at
   the ``last`` backward of each stage or in ``after_batch`` (see :class:`PipelineHooks`); tied weights are
   synced with :class:`~shardline.plugins.pipeline.partition.TiedWeight`.
-- The batch loss (``mean`` or ``sum`` of the micro-batch losses) is broadcast from the rank holding the last
-  stage over the pp group and returned on every rank as a float64 scalar.
+- The batch loss (``mean`` or ``sum`` of the micro-batch losses) goes from the rank holding the last stage to
+  every rank of the pp group (gloo: point to point, received into a receive posted before the batch; NCCL: a
+  broadcast) and is returned on every rank as a float64 scalar.
+- A batch that raised after it began to communicate may leave messages in flight; the engine then refuses to
+  run another (``ContractError``) rather than let them meet the next batch's receives.
 
 Every action runs inside ``record_function(pp_action_name(kind, stage=, microbatch=))``, each receive's wait
-inside ``pp_action_name("wait", ...)``, the batch inside ``pp_batch_name(...)``. The engine also times each
-action itself (:class:`EngineStats`), which gives a measured bubble fraction without a profiler.
+inside ``pp_action_name("wait", ...)``, the batch inside ``pp_batch_name(...)`` -- while a torch profiler is on,
+or always with ``annotations="always"`` (:class:`Annotations` says why not always by default). The engine also
+times each action itself (:class:`EngineStats`), which gives a measured bubble fraction without a profiler.
 """
 
 from __future__ import annotations
@@ -37,24 +47,34 @@ import datetime
 import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
 from shardline.plugins.errors import ContractError, LayoutError, ScheduleError
-from shardline.plugins.pipeline.actions import Action, ActionKind, Schedule
+from shardline.plugins.pipeline.actions import ActionKind, Schedule
 from shardline.plugins.pipeline.memory import SavedTensorMeter
-from shardline.plugins.pipeline.simulate import split_ops, validate
-from shardline.profiling.annotations import pp_action_name, pp_batch_name
+from shardline.plugins.pipeline.p2p import (
+    DATA_TAG,
+    HEADER_TAG,
+    RECV_AHEAD,
+    GlooLinks,
+    Step,
+    build_plan,
+    decode_header,
+    empty_header,
+    encode_header,
+)
+from shardline.plugins.pipeline.simulate import validate
+from shardline.profiling.annotations import pp_batch_name
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-_MAX_DIMS = 8
-_HEADER_TAG, _DATA_TAG = 1, 0
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_NO_ANNOTATION = nullcontext()
 
 
 class LossReduction(str, enum.Enum):
@@ -69,6 +89,22 @@ class MemoryAccounting(str, enum.Enum):
 
     OFF = "off"
     SAVED_TENSORS = "saved_tensors"
+
+
+class Annotations(str, enum.Enum):
+    """When the engine enters its ``record_function`` annotations.
+
+    ``record_function`` is not free without a profiler: its enter and exit are dispatcher calls (about 20 us
+    together here) and autograd work inside one runs slower (about 15 us more for a forward and backward), some
+    1.5 ms per batch of 8 micro-batches, where compute is ~60 ms. ``WHEN_PROFILING`` (the default) enters them
+    only while torch's profiler flag is up, the one ``torch.profiler.profile``, ``emit_nvtx`` and ``emit_itt``
+    raise and torch's compiled code checks before its own annotations; a profiler records nothing from a
+    ``record_function`` entered while it is off anyway. ``ALWAYS`` is for observers that do not raise the flag
+    (a Kineto on-demand trace started by a daemon, a stand-alone ``ExecutionTraceObserver``).
+    """
+
+    WHEN_PROFILING = "when_profiling"
+    ALWAYS = "always"
 
 
 class PipelineHooks:
@@ -153,7 +189,8 @@ class PipelineEngine:
                  loss_reduction: LossReduction | str = LossReduction.MEAN,
                  memory: MemoryAccounting | str = MemoryAccounting.OFF, hooks: PipelineHooks | None = None,
                  timeout_s: float = 300.0,
-                 backward: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None):
+                 backward: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
+                 annotations: Annotations | str = Annotations.WHEN_PROFILING):
         validate(schedule)
         if not isinstance(pp_rank, int) or not 0 <= pp_rank < schedule.n_ranks:
             raise LayoutError(f"pp_rank={pp_rank!r} outside 0..{schedule.n_ranks - 1} of schedule "
@@ -174,7 +211,7 @@ class PipelineEngine:
             raise ContractError(f"backend {backend!r} ignores message tags: pass meta_group, a gloo group over "
                                 f"the same ranks, for the shape headers")
         self.meta_group = group if meta_group is None else meta_group
-        self._meta_tag = _HEADER_TAG if meta_group is None else 0
+        self._meta_tag = HEADER_TAG if meta_group is None else 0
         self._meta_device = torch.device("cpu") if dist.get_backend(self.meta_group) == "gloo" else None
         if backend == "nccl":
             # torch requires every rank of a group in its first batch_isend_irecv (the NCCL communicator is
@@ -182,6 +219,7 @@ class PipelineEngine:
             dist.barrier(group=group)
         self.loss_reduction = _enum(LossReduction, loss_reduction, "loss_reduction")
         self.memory = _enum(MemoryAccounting, memory, "memory")
+        self._always_annotate = _enum(Annotations, annotations, "annotations") is Annotations.ALWAYS
         self.hooks = hooks or PipelineHooks()
         # How a stage's output is back-propagated: ``backward(output, grad)``, grad None for the last stage's
         # (scaled) loss. The default is plain autograd; a ZeRO strategy passes its engine's backward instead.
@@ -189,16 +227,24 @@ class PipelineEngine:
         if not timeout_s > 0:
             raise ContractError(f"timeout_s={timeout_s!r} must be > 0")
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._ops = split_ops(schedule.actions[pp_rank])
         self._last_stage = schedule.n_stages - 1
-        self._last_backward = {s: max(st for st, a in enumerate(schedule.actions[pp_rank])
-                                      if a.kind is B and a.stage == s) for s in self.stages}
+        self._loss_rank = schedule.rank_of_stage(self._last_stage)
+        self._plan = build_plan(schedule, pp_rank)
+        self._batch_name = pp_batch_name(schedule.name, p=schedule.n_ranks, m=schedule.n_microbatches,
+                                         v=schedule.n_chunks)
+        # gloo: the engine's own transport (see p2p); other backends: batch_isend_irecv and a loss broadcast.
+        self._links = None if backend != "gloo" else GlooLinks(
+            group or dist.group.WORLD, plan=self._plan, loss_rank=self._loss_rank,
+            has_last_stage=self._last_stage in self.stages, wait=self._wait)
+        self._failed = False
         self.stats = EngineStats()
 
     # ---------------------------------------------------------------- the batch
     def run_batch(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Run one batch (inputs needed where stage 0 lives, targets where the last stage lives)."""
-        sched = self.schedule
+        if self._failed:
+            raise ContractError(f"rank {self.pp_rank}: an earlier run_batch failed after posting messages, which "
+                                f"may still be in flight and would meet this batch's receives; build a new engine")
         self._split_batch(inputs, targets)
         self._state: dict[str, dict] = {k: {} for k in ("input", "output", "grad", "recv", "meta_in",
                                                                     "meta_out")}
@@ -209,19 +255,22 @@ class PipelineEngine:
         meter = None
         if self.memory is MemoryAccounting.SAVED_TENSORS:
             meter = SavedTensorMeter(self._resident_storages(inputs, targets))
-        name = pp_batch_name(sched.name, p=sched.n_ranks, m=sched.n_microbatches, v=sched.n_chunks)
-        with record_function(name), ExitStack() as stack:
+        with self._annotation(self._batch_name), ExitStack() as stack:
             if meter is not None:
                 stack.enter_context(meter)
-            self.hooks.before_batch(n_microbatches=sched.n_microbatches)
-            for step, batch in self._ops:
-                if batch[0].kind.is_compute:
-                    self._compute(step, batch[0])
+            self.hooks.before_batch(n_microbatches=self.schedule.n_microbatches)
+            self._failed = True  # until the batch's messages are all accounted for
+            if self._links is not None:
+                self._links.begin(self._device_of)
+            for compute, steps, n_recv in self._plan:
+                if compute:
+                    self._compute(steps[0])
+                elif self._links is not None:
+                    self._exchange(steps, n_recv)
                 else:
-                    self._exchange(batch)
-            for work, _ in self._pending:
-                self._wait(work, "the sends of this batch to complete")
+                    self._exchange_coalesced(steps)
             loss = self._batch_loss()
+            self._failed = False
             self.hooks.after_batch(loss=loss)
         self.stats.end_ns = time.perf_counter_ns()
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
@@ -247,19 +296,24 @@ class PipelineEngine:
         tensors += [t for t in batch if isinstance(t, torch.Tensor)]
         return {t.untyped_storage().data_ptr() for t in tensors}
 
-    # ---------------------------------------------------------------- compute
-    def _timed(self, name: str, stage: int, mb: int, start: int) -> None:
-        self.stats.records.append((name, stage, mb, start, time.perf_counter_ns()))
+    def _annotating(self) -> bool:
+        """Whether to enter the annotations now (see :class:`Annotations`); asked per action, as a profiler may
+        start between two."""
+        # (A torch without the flag gets annotations always.)
+        return self._always_annotate or getattr(autograd_profiler, "_is_profiler_enabled", True)
 
-    def _compute(self, step: int, action: Action) -> None:
-        s, mb = action.stage, action.microbatch
+    def _annotation(self, name: str):
+        return record_function(name) if self._annotating() else _NO_ANNOTATION
+
+    # ---------------------------------------------------------------- compute
+    def _compute(self, step: Step) -> None:
         start = time.perf_counter_ns()
-        with record_function(pp_action_name(action.kind.value, stage=s, microbatch=mb)):
-            if action.kind is F:
-                self._forward(s, mb)
+        with self._annotation(step.name):
+            if step.kind is F:
+                self._forward(step.stage, step.microbatch)
             else:
-                self._backward(s, mb, last=step == self._last_backward[s])
-        self._timed(action.kind.value, s, mb, start)
+                self._backward(step.stage, step.microbatch, last=step.last)
+        self.stats.records.append((step.kind.value, step.stage, step.microbatch, start, time.perf_counter_ns()))
 
     def _forward(self, s: int, mb: int) -> None:
         st = self._state
@@ -276,7 +330,11 @@ class PipelineEngine:
             self._losses.append(loss.detach())
             out = loss / self.schedule.n_microbatches if self.loss_reduction is LossReduction.MEAN else loss
         st["input"][(s, mb)], st["output"][(s, mb)] = x, out
-        st["meta_out"].setdefault(s, (out.shape, out.dtype, out.device))
+        meta = st["meta_out"].setdefault(s, (out.shape, out.dtype, out.device))
+        if meta[0] != out.shape or meta[1] != out.dtype:
+            raise ContractError(f"stage {s} output {tuple(out.shape)} {out.dtype} for micro-batch {mb}, but "
+                                f"{tuple(meta[0])} {meta[1]} for an earlier one: the micro-batches of one batch "
+                                f"must have one shape (one header per batch describes them)")
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(st["output"]))
         self.hooks.after_forward(stage=s, microbatch=mb)
 
@@ -298,35 +356,61 @@ class PipelineEngine:
         self.hooks.after_backward(stage=s, microbatch=mb, last=last)
 
     # ---------------------------------------------------------------- communication
-    def _peer(self, action: Action) -> int:
-        return self.schedule.rank_of_stage(action.peer_stage)
-
-    def _exchange(self, batch: list[Action]) -> None:
-        """Post every send/recv of the batch together, then wait for the receives."""
-        self._exchange_headers(batch)
+    def _exchange(self, steps: tuple[Step, ...], n_recv: int) -> None:
+        """gloo: post every send/recv of the op (receives in program order, some posted earlier), post receives
+        ahead where shapes allow, then wait for the op's receives."""
+        links, records = self._links, self.stats.records
+        for st in steps:
+            if st.is_recv and st.lead:
+                start = time.perf_counter_ns()
+                with self._annotation(st.wait_name):
+                    shape, dtype = links.resolve_lead(st, self._device_of(st.stage))
+                records.append(("wait", st.stage, st.microbatch, start, time.perf_counter_ns()))
+                self._state["meta_in"][st.stage] = (shape, dtype, self._device_of(st.stage))
         with ExitStack() as stack:
-            for a in batch:
-                stack.enter_context(record_function(pp_action_name(a.kind.value, stage=a.stage,
-                                                                   microbatch=a.microbatch)))
+            if self._annotating():
+                for st in steps:
+                    stack.enter_context(record_function(st.name))
             start = time.perf_counter_ns()
-            tensors = [self._buffer(a) for a in batch]
-            ops = [dist.P2POp(dist.isend if a.kind.is_send else dist.irecv, t, group=self.group,
-                              group_peer=self._peer(a), tag=_DATA_TAG) for a, t in zip(batch, tensors)]
-            works = dist.batch_isend_irecv(ops)
-            for a in batch:
-                self._timed(a.kind.value, a.stage, a.microbatch, start)
-        for a, tensor, work in zip(batch, tensors, works):
-            if a.kind.is_send:
+            links.post_recvs(n_recv, self._recv_buffer)
+            for st in steps:
+                if st.is_send:
+                    links.send(st, self._send_buffer(st), self._pending)
+            links.post_recvs(n_recv + RECV_AHEAD, self._recv_buffer, ahead=True)
+            end = time.perf_counter_ns()
+            records += [(st.kind.value, st.stage, st.microbatch, start, end) for st in steps]
+        for st in steps:
+            if st.is_recv:
+                self._wait_recv(st, *links.take(st))
+
+    def _exchange_coalesced(self, steps: tuple[Step, ...]) -> None:
+        """Other backends: shape headers first, then the op as one batch_isend_irecv, then wait its receives."""
+        self._exchange_headers(steps)
+        with ExitStack() as stack:
+            if self._annotating():
+                for st in steps:
+                    stack.enter_context(record_function(st.name))
+            start = time.perf_counter_ns()
+            tensors = [self._recv_buffer(st, True) if st.is_recv else self._send_buffer(st) for st in steps]
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if st.is_send else dist.irecv, t, group=self.group, group_peer=st.peer,
+                           tag=DATA_TAG) for st, t in zip(steps, tensors)])
+            end = time.perf_counter_ns()
+            self.stats.records.extend((st.kind.value, st.stage, st.microbatch, start, end) for st in steps)
+        for st, tensor, work in zip(steps, tensors, works):
+            if st.is_send:
                 self._pending.append((work, tensor))  # keeps the buffer alive until the send completes
-                continue
-            start = time.perf_counter_ns()
-            with record_function(pp_action_name(a.kind.value, stage=a.stage, microbatch=a.microbatch)), \
-                    record_function(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch)):
-                self._wait(work, f"{a} from rank {self._peer(a)}")
-            self._timed("wait", a.stage, a.microbatch, start)
-            if a.kind is ActionKind.RECV_ACT:
-                tensor.requires_grad_(tensor.is_floating_point())
-            self._state["recv"][(a.stage, a.microbatch)] = tensor
+            else:
+                self._wait_recv(st, work, tensor)
+
+    def _wait_recv(self, st: Step, work: dist.Work, tensor: torch.Tensor) -> None:
+        start = time.perf_counter_ns()
+        with self._annotation(st.name), self._annotation(st.wait_name):
+            self._wait(work, st.what)
+        self.stats.records.append(("wait", st.stage, st.microbatch, start, time.perf_counter_ns()))
+        if st.kind is ActionKind.RECV_ACT:
+            tensor.requires_grad_(tensor.is_floating_point())
+        self._state["recv"][(st.stage, st.microbatch)] = tensor
 
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait with a deadline: a validated schedule cannot deadlock, so a timeout means the ranks disagree."""
@@ -337,42 +421,42 @@ class PipelineEngine:
                                 f"{what} (schedule {self.schedule.name!r}): the ranks are not running the same "
                                 f"schedule, or a peer failed ({exc})") from exc
 
-    def _buffer(self, a: Action) -> torch.Tensor:
-        """The tensor a send reads or a receive fills."""
-        st = self._state
-        key = (a.stage, a.microbatch)
-        if a.kind is ActionKind.SEND_ACT:
-            return st["output"][key].detach().contiguous()
-        if a.kind is ActionKind.SEND_GRAD:
-            return st["grad"].pop(key).contiguous()
-        if a.kind is ActionKind.RECV_ACT:
-            shape, dtype, device = st["meta_in"][a.stage]
-            return torch.empty(shape, dtype=dtype, device=device)
-        # RECV_GRAD: shaped like this stage's output (one shape per stage within a batch).
-        meta = st["meta_out"].get(a.stage)
+    def _send_buffer(self, st: Step) -> torch.Tensor:
+        """The tensor a send reads."""
+        if st.kind is ActionKind.SEND_ACT:
+            return self._state["output"][(st.stage, st.microbatch)].detach().contiguous()
+        return self._state["grad"].pop((st.stage, st.microbatch)).contiguous()
+
+    def _recv_buffer(self, st: Step, required: bool) -> torch.Tensor | None:
+        """The tensor a receive fills; None where its shape is not known yet and not ``required``."""
+        # RECV_ACT: shaped as the header said; RECV_GRAD: like this stage's output (one shape per stage within
+        # a batch).
+        meta = self._state["meta_in" if st.kind is ActionKind.RECV_ACT else "meta_out"].get(st.stage)
         if meta is None:
-            raise ScheduleError(f"rank {self.pp_rank}: {a} is posted before stage {a.stage} ran any forward in "
-                                f"this batch, so the gradient's shape is unknown")
+            if not required:
+                return None
+            raise ScheduleError(f"rank {self.pp_rank}: {st.action} is posted before stage {st.stage} ran any "
+                                f"forward in this batch, so the gradient's shape is unknown")
         return torch.empty(meta[0], dtype=meta[1], device=meta[2])
 
-    def _exchange_headers(self, batch: list[Action]) -> None:
+    def _exchange_headers(self, steps: tuple[Step, ...]) -> None:
         """Shape headers for the first activation each stage sends (and receives) in this batch."""
-        st = self._state
-        for a in batch:
-            if a.kind is ActionKind.SEND_ACT and a.stage not in self._meta_sent:
-                self._meta_sent.add(a.stage)
-                header = _encode_header(st["output"][(a.stage, a.microbatch)], device=self._meta_device)
-                work = dist.isend(header, group=self.meta_group, group_dst=self._peer(a), tag=self._meta_tag)
+        state = self._state
+        for st in steps:
+            if st.kind is ActionKind.SEND_ACT and st.stage not in self._meta_sent:
+                self._meta_sent.add(st.stage)
+                header = encode_header(state["output"][(st.stage, st.microbatch)], device=self._meta_device)
+                work = dist.isend(header, group=self.meta_group, group_dst=st.peer, tag=self._meta_tag)
                 self._pending.append((work, header))
-        for a in batch:
-            if a.kind is ActionKind.RECV_ACT and a.stage not in st["meta_in"]:
-                header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._meta_device)
+        for st in steps:
+            if st.kind is ActionKind.RECV_ACT and st.stage not in state["meta_in"]:
+                header = empty_header(self._meta_device)
                 start = time.perf_counter_ns()
-                with record_function(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch)):
-                    work = dist.irecv(header, group=self.meta_group, group_src=self._peer(a), tag=self._meta_tag)
-                    self._wait(work, f"the shape header of {a} from rank {self._peer(a)}")
-                self._timed("wait", a.stage, a.microbatch, start)
-                st["meta_in"][a.stage] = (*_decode_header(header), self._device_of(a.stage))
+                with self._annotation(st.wait_name):
+                    work = dist.irecv(header, group=self.meta_group, group_src=st.peer, tag=self._meta_tag)
+                    self._wait(work, f"the shape header of {st.action} from rank {st.peer}")
+                self.stats.records.append(("wait", st.stage, st.microbatch, start, time.perf_counter_ns()))
+                state["meta_in"][st.stage] = (*decode_header(header), self._device_of(st.stage))
 
     def _device_of(self, stage: int) -> torch.device:
         # A stage module may declare where its activations live (a parameter-free wrapper, as the strategy's);
@@ -385,27 +469,26 @@ class PipelineEngine:
 
     # ---------------------------------------------------------------- loss
     def _batch_loss(self) -> torch.Tensor:
-        loss = torch.zeros((), dtype=torch.float64, device=self._device_of(next(iter(self.stages))))
+        """Wait for this batch's sends and return the batch loss (float64, on every rank of the pipeline)."""
+        links, n_ranks = self._links, self.schedule.n_ranks
+        device = self._device_of(next(iter(self.stages)))
         if self._last_stage in self.stages:
             total = torch.stack([x.to(torch.float64) for x in self._losses]).sum()
             loss = total / len(self._losses) if self.loss_reduction is LossReduction.MEAN else total
-        if self.schedule.n_ranks > 1:
-            dist.broadcast(loss, group=self.group, group_src=self.schedule.rank_of_stage(self._last_stage))
+            if links is not None:
+                links.send_loss(loss, n_ranks, self.pp_rank, self._pending)
+        elif links is not None:
+            loss = None
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=device)
+        for work, _ in self._pending:
+            self._wait(work, "the sends of this batch to complete")
+        if loss is None:
+            loss = links.receive_loss().to(device)
+        elif links is None and n_ranks > 1:
+            dist.broadcast(loss, group=self.group, group_src=self._loss_rank)
         return loss
 
 
 def _autograd_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     torch.autograd.backward(output, grad_tensors=grad)
-
-
-def _encode_header(tensor: torch.Tensor, *, device) -> torch.Tensor:
-    if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-        raise ContractError(f"activation of shape {tuple(tensor.shape)} dtype {tensor.dtype} cannot be sent: at "
-                            f"most {_MAX_DIMS} dims and a dtype in {_DTYPES}")
-    values = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape] + [0] * (_MAX_DIMS - tensor.dim())
-    return torch.tensor(values, dtype=torch.int64, device=device or tensor.device)
-
-
-def _decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    values = header.tolist()
-    return tuple(values[2:2 + values[0]]), _DTYPES[values[1]]

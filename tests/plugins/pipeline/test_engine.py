@@ -102,7 +102,7 @@ def _my_layers(layers, n_stages, rank, world):
     return partition, {i for i in range(len(layers)) if partition.stage_of_layer(i) in mine}
 
 
-def _run_engine(rank, world, kind, m, v, seqs, reduction):
+def _run_engine(rank, world, kind, m, v, seqs, reduction, transport):
     n_stages = world * v
     layers = make_layers(n_stages, shared_head=False)
     partition, mine = _my_layers(layers, n_stages, rank, world)
@@ -110,6 +110,8 @@ def _run_engine(rank, world, kind, m, v, seqs, reduction):
     schedule = build_schedule(kind, n_ranks=world, n_microbatches=m, n_chunks=v)
     engine = PipelineEngine(stages, schedule=schedule, pp_rank=rank, loss_fn=LOSSES[reduction],
                             loss_reduction=reduction)
+    if transport == "coalesced":  # the path other backends (NCCL) take, run on gloo: the only CPU cover it has
+        engine._links = None
     out = []
     for index, seq in enumerate(seqs):
         layers.zero_grad(set_to_none=True)
@@ -120,16 +122,19 @@ def _run_engine(rank, world, kind, m, v, seqs, reduction):
     return out
 
 
-@pytest.mark.parametrize(("world", "kind", "m", "v", "reduction"), [
-    (2, "gpipe", 4, 1, "mean"), (2, "1f1b", 4, 1, "mean"), (2, "interleaved", 4, 2, "mean"),
-    (4, "gpipe", 4, 1, "mean"), (4, "1f1b", 8, 1, "mean"), (4, "interleaved", 4, 2, "mean"),
-    (4, "interleaved", 8, 2, "mean"),  # m > p: the steady state with Megatron's four-way batches
-    (2, "1f1b", 2, 1, "sum"),  # a summed loss is not rescaled by 1/m
-    (1, "interleaved", 2, 2, "mean"),  # one rank, two chunks: neighbouring stages hand over locally
+@pytest.mark.parametrize(("world", "kind", "m", "v", "reduction", "transport"), [
+    (2, "gpipe", 4, 1, "mean", "gloo"), (2, "1f1b", 4, 1, "mean", "gloo"), (2, "interleaved", 4, 2, "mean", "gloo"),
+    (4, "gpipe", 4, 1, "mean", "gloo"), (4, "1f1b", 8, 1, "mean", "gloo"), (4, "interleaved", 4, 2, "mean", "gloo"),
+    (4, "interleaved", 8, 2, "mean", "gloo"),  # m > p: the steady state with Megatron's four-way batches
+    (2, "1f1b", 2, 1, "sum", "gloo"),  # a summed loss is not rescaled by 1/m
+    (1, "interleaved", 2, 2, "mean", "gloo"),  # one rank, two chunks: neighbouring stages hand over locally
+    (2, "1f1b", 4, 1, "mean", "coalesced"), (4, "interleaved", 8, 2, "mean", "coalesced"),
 ])
-def test_engine_matches_whole_model_reference_across_sequence_lengths(world, kind, m, v, reduction):
-    seqs = (5, 3)  # the second batch has a shorter sequence: shapes travel with the activations
-    results = run_ranks(_run_engine, world, kind, m, v, seqs, reduction, timeout=60)
+def test_engine_matches_whole_model_reference_across_sequence_lengths(world, kind, m, v, reduction, transport):
+    # Shapes travel with the activations: the sequence shortens, stays (gloo posts a receive of the previous
+    # batch's shape before the header arrives), and grows back.
+    seqs = (5, 3, 3, 5)
+    results = run_ranks(_run_engine, world, kind, m, v, seqs, reduction, transport, timeout=60)
     expected = reference(world * v, seqs, reduction)
     for batch, (ref_loss, ref_grads) in enumerate(expected):
         seen = set()
@@ -286,6 +291,29 @@ def _run_bad(rank, world, case):
     elif case == "reduction":
         PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
                        loss_reduction="median")
+    elif case == "ragged":  # stage 0 returns a shorter sequence for its second micro-batch
+        class Ragged(nn.Module):
+            calls = 0
+
+            def forward(self, x):
+                Ragged.calls += 1
+                return stages[0](x)[:, : 3 - Ragged.calls % 2]
+
+        engine = PipelineEngine(Ragged() if rank == 0 else stages[1], schedule=gpipe(world, 2), pp_rank=rank,
+                                loss_fn=loss_fn, timeout_s=2)
+        engine.run_batch(*make_batch(3, 0))
+    elif case == "retry":  # rank 1's second batch fails half-way; it must not run a third over its leftovers
+        engine = PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
+                                timeout_s=0.5)
+        engine.run_batch(*make_batch(2, 0))
+        if rank == 1:
+            with pytest.raises(ScheduleError):
+                engine.run_batch(*make_batch(2, 1))
+            engine.run_batch(*make_batch(2, 2))
+        time.sleep(1.5)
+    elif case == "annotations":
+        PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
+                       annotations="sometimes")
     elif case == "deadlock":
         text = ("schedule hand ranks=2 stages=2 microbatches=2\n"
                 "r0: F0 SA0 F1 RG0 B0 SA1 RG1 B1\nr1: RA0 F0 RA1 F1 B0 SG0 B1 SG1\n")
@@ -299,6 +327,9 @@ def _run_bad(rank, world, case):
     ("split", ScheduleError, r"rank [01], step 4: W0@[01] is a split weight backward, which this engine does not"),
     ("reduction", ContractError, r"loss_reduction='median' is not one of \['mean', 'sum'\]"),
     ("deadlock", ScheduleError, r"schedule 'hand' deadlocks .* rank 0 blocked at step 3 on \[RG0@0\]"),
+    ("ragged", ContractError, r"stage 0 output \(4, 3, 6\) torch.float64 for micro-batch 1, but \(4, 2, 6\)"),
+    ("retry", ContractError, r"rank 1: an earlier run_batch failed after posting messages"),
+    ("annotations", ContractError, r"annotations='sometimes' is not one of \['when_profiling', 'always'\]"),
 ])
 def test_bad_input_raises_our_errors_with_the_values(case, error, pattern):
     # Either rank may be the first to report; each names its own values.
@@ -316,16 +347,54 @@ def _run_profiled(rank, world):
     return sorted({e.name for e in prof.events() if e.name.startswith("sl:")})
 
 
+def _annotation_names(schedule, rank: int) -> set[str]:
+    expected = {pp_batch_name(schedule.name, p=schedule.n_ranks, m=schedule.n_microbatches, v=schedule.n_chunks)}
+    for a in schedule.actions[rank]:
+        expected.add(pp_action_name(a.kind.value, stage=a.stage, microbatch=a.microbatch))
+        if a.kind.is_recv:
+            expected.add(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch))
+    return expected
+
+
 def test_every_action_and_every_receive_wait_is_annotated_in_a_real_trace():
     world = 2
     schedule = one_f_one_b(world, 2)
     for rank, names in enumerate(run_ranks(_run_profiled, world, timeout=60)):
-        expected = {pp_batch_name("1f1b", p=2, m=2, v=1)}
-        for a in schedule.actions[rank]:
-            expected.add(pp_action_name(a.kind.value, stage=a.stage, microbatch=a.microbatch))
-            if a.kind.is_recv:
-                expected.add(pp_action_name("wait", stage=a.stage, microbatch=a.microbatch))
-        assert set(names) == expected
+        assert set(names) == _annotation_names(schedule, rank)
+
+
+def _run_annotated(rank, world, annotations):
+    import shardline.plugins.pipeline.engine as engine_module
+
+    entered = []
+
+    class Recorder:  # stands in for record_function; this forked worker's patch dies with it
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            entered.append(self.name)
+
+        def __exit__(self, *exc):
+            return False
+
+    engine_module.record_function = Recorder
+    layers = make_layers(world, shared_head=False)
+    partition, _ = _my_layers(layers, world, rank, world)
+    options = {} if annotations is None else {"annotations": annotations}
+    engine = PipelineEngine(build_stages(layers, partition)[rank], schedule=one_f_one_b(world, 2), pp_rank=rank,
+                            loss_fn=loss_fn, **options)
+    engine.run_batch(*make_batch(3, 0))
+    return set(entered)
+
+
+@pytest.mark.parametrize("annotations", [None, "always"])
+def test_no_record_function_without_a_profiler_unless_asked_for(annotations):
+    # record_function costs tens of microseconds per action even when nothing records it (see Annotations).
+    world = 2
+    schedule = one_f_one_b(world, 2)
+    for rank, names in enumerate(run_ranks(_run_annotated, world, annotations, timeout=60)):
+        assert names == (set() if annotations is None else _annotation_names(schedule, rank))
 
 
 def _gpt(seed=0):
