@@ -42,6 +42,9 @@ class BubbleMethod(str, enum.Enum):
 def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(batch rows with p/m/schedule, action rows with action/stage/microbatch) on the lanes to use."""
     is_pp = match_names(events["name"], f"{contract.PREFIX}:pp:")
+    if not is_pp.any():  # no pipeline annotations (most traces): nothing to extract
+        is_pp = np.zeros(0, dtype=bool)
+        events = events.iloc[:0]
     lane = events["lane"].astype(str).to_numpy()
     cpu = Lane.CPU.value  # a GPU rank may carry the annotations only on its host threads
     for kind in ((lanes, cpu) if lanes == Lane.GPU.value else (lanes,)):

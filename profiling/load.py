@@ -297,6 +297,9 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
                 frame[column] = np.array(values.to_numpy())
         return frame
     out = {}
+    # Freeing each joined column keeps the peak at one copy; it costs a block-manager update per column and
+    # frame, which only pays on big sets.
+    big = sum(len(f) for f in frames) >= 1_000_000
     for column, dtype in COLUMNS.items():
         parts = [f[column] for f in frames]
         if dtype == "category":
@@ -304,8 +307,9 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
         else:
             out[column] = np.concatenate([p.to_numpy(dtype=dtype) for p in parts])
         del parts
-        for frame in frames:  # the caller's frames are spent: free each column once it is joined
-            del frame[column]
+        if big:
+            for frame in frames:  # the caller's frames are spent: free each column once it is joined
+                del frame[column]
     return pd.DataFrame(out, copy=False)
 
 

@@ -32,6 +32,8 @@ def _read_both(path, monkeypatch) -> tuple[pd.DataFrame, int]:
 
     monkeypatch.setattr(_kineto_arrow, "columns_from_text", counting)
     monkeypatch.setattr(_kineto_arrow, "ENABLED", True)
+    monkeypatch.setattr(_kineto_arrow, "MIN_BYTES", 0)  # take every chunk the fast path can read exactly
+    monkeypatch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
     fast = kineto.read_kineto(path)
     monkeypatch.setattr(_kineto_arrow, "ENABLED", False)
     ordinary = kineto.read_kineto(path)
@@ -198,3 +200,16 @@ def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, monkeypatch, traces_d
     assert path.stat().st_size > 2 * (4 << 20)
     events_frame, used = _read_both(path, monkeypatch)
     assert used == 1 and len(events_frame) > 16_000
+
+
+def test_fast_path_only_where_it_is_faster(monkeypatch):
+    # Small chunks, and chunks of few (big) events, are left to the ordinary path, which is faster there.
+    dense = ",".join([_op()] * 40_000)  # ~5 MB, ~8,000 events per MB
+    sparse = ",".join([_op(name="x" * 2000)] * 3_000)  # ~6 MB, ~500 events per MB
+    assert len(dense) > _kineto_arrow.MIN_BYTES and len(sparse) > _kineto_arrow.MIN_BYTES
+    assert _kineto_arrow.columns_from_text(dense.encode(), keep_python=False) is not None
+    assert _kineto_arrow.columns_from_text(sparse.encode(), keep_python=False) is None
+    assert _kineto_arrow.columns_from_text(",".join([_op()] * 100).encode(), keep_python=False) is None
+    monkeypatch.setattr(_kineto_arrow, "MIN_BYTES", 0)
+    monkeypatch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
+    assert _kineto_arrow.columns_from_text(sparse.encode(), keep_python=False) is not None
