@@ -243,17 +243,49 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     # --- the batch --------------------------------------------------------------------------------------------
 
     def shard_batch(self, batch: Any) -> Any:
-        """With ``cp > 1``: every tensor of two or more dims keeps this CP rank's load-balanced sequence shard
-        (dim 1). Identity otherwise."""
+        """With ``cp > 1``: this CP rank's load-balanced share of the batch's sequence. Identity otherwise.
+
+        A LightningModule that defines ``cp_shard_batch(batch, shard)`` decides itself: ``shard(tensor, dim=1)``
+        returns this rank's tokens of ``tensor`` along ``dim``, and the method returns the batch to use.
+        Otherwise every tensor of two or more dims (in nested dicts, lists, tuples) is cut along dim 1, which
+        must then be the sequence for all of them: tensors whose dim 1 differ raise LayoutError naming each
+        one, since cutting a ``[b, classes]`` label next to ``[b, S]`` ids would be silently wrong.
+        """
         if self.grid is None or self.grid.size("cp") == 1:
             return batch
         from shardline.plugins.sequence_parallel import shard_sequence
 
         group = self.grid.group("cp")
 
+        def cut(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+            return shard_sequence(tensor, group=group, dim=dim)
+
+        hook = getattr(getattr(self, "lightning_module", None), "cp_shard_batch", None)
+        if callable(hook):
+            return hook(batch, cut)
+        found = []
+
+        def visit(value, path):
+            if isinstance(value, torch.Tensor):
+                if value.dim() >= 2:
+                    found.append((path, tuple(value.shape)))
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    visit(item, f"{path}[{key!r}]")
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    visit(item, f"{path}[{i}]")
+
+        visit(batch, "batch")
+        if len({shape[1] for _, shape in found}) > 1:
+            listed = ", ".join(f"{path} {list(shape)}" for path, shape in found)
+            raise LayoutError(f"cp={self.grid.size('cp')} cuts every tensor of 2+ dims along dim 1 (the sequence), "
+                              f"but their dim 1 differ: {listed}; define cp_shard_batch(batch, shard) on the "
+                              "LightningModule to say which tensors carry the sequence")
+
         def shard(value):
             if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                return shard_sequence(value, group=group, dim=1)
+                return cut(value)
             if isinstance(value, dict):
                 return {k: shard(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):

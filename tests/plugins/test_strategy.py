@@ -224,3 +224,37 @@ def test_zero3_nvme_offload_parity(tmp_path):
     replica_mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
     assert replica_mean == pytest.approx(dense_losses, rel=1e-5)  # float32 behind a cross-rank average
     assert all(res["swap_files"] > 0 for res in results), [res["swap_files"] for res in results]
+
+
+def _shard_batches(rank, world):
+    from shardline.plugins.grid import Grid, ParallelDims
+
+    strategy = HybridParallelStrategy(cp=2, sp="ring")
+    strategy.grid = Grid.build(ParallelDims(world, cp=2, sp="ring"))
+    seq = torch.arange(2 * 8).reshape(2, 8)
+    out = {"plain": strategy.shard_batch({"ids": seq, "mask": seq.clone(), "n": torch.tensor([3, 4])})}
+    try:
+        strategy.shard_batch((seq, torch.zeros(2, 5)))
+    except LayoutError as exc:
+        out["mixed"] = str(exc)
+
+    class WithHook(pl.LightningModule):
+        def cp_shard_batch(self, batch, shard):
+            ids, labels = batch
+            return shard(ids), labels  # labels [b, classes] stay whole
+
+    strategy._lightning_module = WithHook()
+    out["hook"] = strategy.shard_batch((seq, torch.zeros(2, 5)))
+    return out
+
+
+def test_context_parallel_batch_sharding_refuses_ambiguous_tensors():
+    results = run_ranks(_shard_batches, 2)
+    for rank, out in enumerate(results):
+        # BALANCED layout at cp=2: 4 chunks of 2 tokens; rank r keeps chunks r and 3 - r.
+        keep = [2 * rank, 2 * rank + 1, 2 * (3 - rank), 2 * (3 - rank) + 1]
+        ids = torch.arange(16).reshape(2, 8)[:, keep]
+        assert torch.equal(out["plain"]["ids"], ids) and torch.equal(out["plain"]["mask"], ids)
+        assert out["plain"]["n"].tolist() == [3, 4]  # 1-D tensors are not cut
+        assert "batch[0] [2, 8], batch[1] [2, 5]" in out["mixed"] and "cp_shard_batch" in out["mixed"]
+        assert torch.equal(out["hook"][0], ids) and out["hook"][1].shape == (2, 5)
