@@ -16,7 +16,9 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
 - A run of consecutive send/recv actions is one op: its sends and receives are posted together (on NCCL as one
   ``batch_isend_irecv``, a NCCL group), then its receives are waited on; sends are waited on at the end of the
   batch. :func:`validate` proves this cannot deadlock even if sends block until received (see ``simulate``'s
-  module docstring). On gloo the engine posts to the process group itself and posts each receive as early as
+  module docstring); the proof needs an op's sends never to wait on its receives, so an op that must first
+  read an incoming shape header (below) posts its sends before that wait (on NCCL: its sends as one group,
+  then, after the header, its receives as another). On gloo the engine posts to the process group itself and posts each receive as early as
   its shape allows (up to one beyond the current op's), in program order: see
   :mod:`~shardline.plugins.pipeline.p2p`, which also says why that keeps the proof and the message matching.
 - Shapes travel: the first activation sent over each edge in a batch goes with a small header (ndim, dtype,
@@ -357,9 +359,21 @@ class PipelineEngine:
 
     # ---------------------------------------------------------------- communication
     def _exchange(self, steps: tuple[Step, ...], n_recv: int) -> None:
-        """gloo: post every send/recv of the op (receives in program order, some posted earlier), post receives
-        ahead where shapes allow, then wait for the op's receives."""
+        """gloo: post the op's sends, then its receives (in program order, some posted earlier), waiting for a
+        lead header only after the sends (the peer may need them to produce it), post receives ahead where
+        shapes allow, then wait for the op's receives."""
         links, records = self._links, self.stats.records
+        with ExitStack() as stack:
+            if self._annotating():
+                for st in steps:
+                    if st.is_send:
+                        stack.enter_context(record_function(st.name))
+            start = time.perf_counter_ns()
+            for st in steps:
+                if st.is_send:
+                    links.send(st, self._send_buffer(st), self._pending)
+            end = time.perf_counter_ns()
+            records += [(st.kind.value, st.stage, st.microbatch, start, end) for st in steps if st.is_send]
         for st in steps:
             if st.is_recv and st.lead:
                 start = time.perf_counter_ns()
@@ -370,22 +384,37 @@ class PipelineEngine:
         with ExitStack() as stack:
             if self._annotating():
                 for st in steps:
-                    stack.enter_context(record_function(st.name))
+                    if st.is_recv:
+                        stack.enter_context(record_function(st.name))
             start = time.perf_counter_ns()
             links.post_recvs(n_recv, self._recv_buffer)
-            for st in steps:
-                if st.is_send:
-                    links.send(st, self._send_buffer(st), self._pending)
             links.post_recvs(n_recv + RECV_AHEAD, self._recv_buffer, ahead=True)
             end = time.perf_counter_ns()
-            records += [(st.kind.value, st.stage, st.microbatch, start, end) for st in steps]
+            records += [(st.kind.value, st.stage, st.microbatch, start, end) for st in steps if st.is_recv]
         for st in steps:
             if st.is_recv:
                 self._wait_recv(st, *links.take(st))
 
     def _exchange_coalesced(self, steps: tuple[Step, ...]) -> None:
-        """Other backends: shape headers first, then the op as one batch_isend_irecv, then wait its receives."""
-        self._exchange_headers(steps)
+        """Other backends: shape headers, then the op as one batch_isend_irecv, then wait its receives.
+
+        An op that must wait for an incoming shape header and also sends posts its sends (one group) before
+        that wait and its receives (another group) after it: the peer may need this op's sends to produce the
+        header (validate's proof assumes an op's sends never wait on its receives).
+        """
+        self._send_headers(steps)
+        waits_header = any(st.kind is ActionKind.RECV_ACT and st.stage not in self._state["meta_in"]
+                           for st in steps)
+        if waits_header and any(st.is_send for st in steps):
+            self._post_coalesced(tuple(st for st in steps if st.is_send))
+            self._recv_headers(steps)
+            self._post_coalesced(tuple(st for st in steps if st.is_recv))
+        else:
+            self._recv_headers(steps)
+            self._post_coalesced(steps)
+
+    def _post_coalesced(self, steps: tuple[Step, ...]) -> None:
+        """The steps as one batch_isend_irecv; sends left pending, receives waited."""
         with ExitStack() as stack:
             if self._annotating():
                 for st in steps:
@@ -439,8 +468,8 @@ class PipelineEngine:
                                 f"forward in this batch, so the gradient's shape is unknown")
         return torch.empty(meta[0], dtype=meta[1], device=meta[2])
 
-    def _exchange_headers(self, steps: tuple[Step, ...]) -> None:
-        """Shape headers for the first activation each stage sends (and receives) in this batch."""
+    def _send_headers(self, steps: tuple[Step, ...]) -> None:
+        """Shape headers of the first activation each stage sends in this batch."""
         state = self._state
         for st in steps:
             if st.kind is ActionKind.SEND_ACT and st.stage not in self._meta_sent:
@@ -448,6 +477,10 @@ class PipelineEngine:
                 header = encode_header(state["output"][(st.stage, st.microbatch)], device=self._meta_device)
                 work = dist.isend(header, group=self.meta_group, group_dst=st.peer, tag=self._meta_tag)
                 self._pending.append((work, header))
+
+    def _recv_headers(self, steps: tuple[Step, ...]) -> None:
+        """Shape headers of the first activation each stage receives in this batch (waited here)."""
+        state = self._state
         for st in steps:
             if st.kind is ActionKind.RECV_ACT and st.stage not in state["meta_in"]:
                 header = empty_header(self._meta_device)

@@ -14,7 +14,8 @@ coalesce ops, so on gloo the engine posts to the process group directly and diff
 
 - Receives are posted in program order, up to ``RECV_AHEAD`` beyond the ones the current op needs, as soon
   as their shape is known: a message then moves while the receiver computes, instead of after it asks. A
-  posted receive blocks nothing, so ``validate``'s deadlock proof holds, and since each rank posts receives in
+  posted receive blocks nothing, and an op posts its sends before it waits for any lead header (the peer may
+  need them to produce it), so ``validate``'s deadlock proof holds; since each rank posts receives in
   program order and sends in program order, every message meets the receive the schedule pairs it with.
 - The lead message of an edge (the activation of the micro-batch the receiver takes first) travels on a tag of
   its own, with its header on another, and the receiver posts both receives before the batch starts, the data
