@@ -192,7 +192,7 @@ class PipelineDriver:
                 {s: _StageCall(self, s) for s in self.local}, schedule=schedule, pp_rank=self.rank,
                 loss_fn=self.module.pipeline_loss, group=grid.group("pp"),
                 meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
-                hooks=_TiedSync(self), backward=self.backward)
+                hooks=_TiedSync(self), backward=self.backward, annotations=self.strategy.pipeline_annotations)
         return self._engines[m]
 
     def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def __init__(self, *, tp: int = 1, pp: int = 1, cp: int = 1, sp: str | SPMode = "none", zero_stage: int = 1,
                  offload_optimizer: str | None = None, offload_params: str | None = None,
                  nvme_path: str | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
-                 chunks: int = 1, activation_checkpointing: bool = False,
+                 chunks: int = 1, activation_checkpointing: bool = False, pipeline_annotations: str = "when_profiling",
                  deepspeed_config: dict | str | None = None, gpus_per_node: int | None = None,
                  **lightning_kwargs: Any):
         # Catch a wrong degree or mode now, with the world size still unknown (world_size=product checks it).
@@ -68,6 +68,13 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                                 f"(schedule={schedule!r})")
         if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
             raise ContractError(f"micro_batches={micro_batches!r} must be a positive integer or None")
+        from shardline.plugins.pipeline.engine import Annotations
+
+        try:
+            self.pipeline_annotations = Annotations(pipeline_annotations)
+        except ValueError:
+            raise ContractError(f"pipeline_annotations={pipeline_annotations!r} must be one of "
+                                f"{[a.value for a in Annotations]}") from None
         self.degrees = {"tp": tp, "pp": pp, "cp": cp}
         self.sp = SPMode(sp)
         self.zero_stage = zero_stage

@@ -45,8 +45,10 @@ def _fit(rank, world, save_dir, strategy_kwargs, model_overrides):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer.fit(GPTModule(**{**MODEL, **model_overrides}), DataLoader(data, batch_size=BATCH))
+    engines = getattr(trainer.strategy.pipeline, "_engines", {})
     return {"stdout": out.getvalue(), "summary": profiler.summary, "trace_dirs": profiler.trace_dirs,
-            "log_dir": logger.log_dir, "tables": profiler.tables}
+            "log_dir": logger.log_dir, "tables": profiler.tables,
+            "always_annotate": [engine._always_annotate for engine in engines.values()]}
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,10 @@ def profiled_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("profiled_pp")
-    return run_ranks(_fit, 2, save_dir, dict(pp=2, zero_stage=1, micro_batches=MICRO_BATCHES), {"n_layer": 2},
-                     timeout=240)
+    # pipeline_annotations reaches the engine (here "always": e.g. for a Kineto on-demand trace, which does not
+    # raise torch's profiler flag).
+    return run_ranks(_fit, 2, save_dir, dict(pp=2, zero_stage=1, micro_batches=MICRO_BATCHES,
+                                             pipeline_annotations="always"), {"n_layer": 2}, timeout=240)
 
 
 def test_every_rank_wrote_its_gzipped_trace_with_distributed_info(profiled_run):
@@ -123,6 +127,7 @@ def test_summary_is_printed_with_overhead_and_report_written(profiled_run):
 
 def test_pipeline_run_publishes_bubbles_and_timeline(pipeline_run):
     rank0 = pipeline_run[0]
+    assert all(run["always_annotate"] == [True] for run in pipeline_run)  # the strategy's option reached it
     (folder,) = rank0["trace_dirs"]
     traceset = load(folder)
     bubbles = pipeline_bubbles(traceset)  # the strategy's pipeline engine annotated every batch

@@ -162,6 +162,7 @@ def test_impossible_layout_fails_at_trainer_construction():
     (dict(offload_optimizer="disk"), ContractError, "offload_optimizer='disk'"),
     (dict(schedule="zigzag"), ContractError, "schedule='zigzag'"),
     (dict(chunks=2), ContractError, "chunks=2"),
+    (dict(pipeline_annotations="sometimes"), ContractError, "pipeline_annotations='sometimes'"),
     (dict(deepspeed_config={"gradient_accumulation_steps": 4}), ContractError, "accumulate_grad_batches"),
     (dict(deepspeed_config="/nonexistent/ds.json"), ContractError, "does not exist"),
     (dict(zero_stage=1, deepspeed_config={"zero_optimization": {"stage": 3}}), ContractError,
