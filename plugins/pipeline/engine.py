@@ -307,6 +307,14 @@ class PipelineEngine:
     def _annotation(self, name: str):
         return record_function(name) if self._annotating() else _NO_ANNOTATION
 
+    def _annotations(self, steps) -> ExitStack:
+        """One annotation per step, nested, entered together (an op's actions span its posting)."""
+        stack = ExitStack()
+        if self._annotating():
+            for st in steps:
+                stack.enter_context(record_function(st.name))
+        return stack
+
     # ---------------------------------------------------------------- compute
     def _compute(self, step: Step) -> None:
         start = time.perf_counter_ns()
@@ -363,11 +371,7 @@ class PipelineEngine:
         lead header only after the sends (the peer may need them to produce it), post receives ahead where
         shapes allow, then wait for the op's receives."""
         links, records = self._links, self.stats.records
-        with ExitStack() as stack:
-            if self._annotating():
-                for st in steps:
-                    if st.is_send:
-                        stack.enter_context(record_function(st.name))
+        with self._annotations(st for st in steps if st.is_send):
             start = time.perf_counter_ns()
             for st in steps:
                 if st.is_send:
@@ -381,11 +385,7 @@ class PipelineEngine:
                     shape, dtype = links.resolve_lead(st, self._device_of(st.stage))
                 records.append(("wait", st.stage, st.microbatch, start, time.perf_counter_ns()))
                 self._state["meta_in"][st.stage] = (shape, dtype, self._device_of(st.stage))
-        with ExitStack() as stack:
-            if self._annotating():
-                for st in steps:
-                    if st.is_recv:
-                        stack.enter_context(record_function(st.name))
+        with self._annotations(st for st in steps if st.is_recv):
             start = time.perf_counter_ns()
             links.post_recvs(n_recv, self._recv_buffer)
             links.post_recvs(n_recv + RECV_AHEAD, self._recv_buffer, ahead=True)
@@ -415,10 +415,7 @@ class PipelineEngine:
 
     def _post_coalesced(self, steps: tuple[Step, ...]) -> None:
         """The steps as one batch_isend_irecv; sends left pending, receives waited."""
-        with ExitStack() as stack:
-            if self._annotating():
-                for st in steps:
-                    stack.enter_context(record_function(st.name))
+        with self._annotations(steps):
             start = time.perf_counter_ns()
             tensors = [self._recv_buffer(st, True) if st.is_recv else self._send_buffer(st) for st in steps]
             works = dist.batch_isend_irecv([
