@@ -258,6 +258,9 @@ class PipelineEngine:
         if self.memory is MemoryAccounting.SAVED_TENSORS:
             meter = SavedTensorMeter(self._resident_storages(inputs, targets))
         with self._annotation(self._batch_name), ExitStack() as stack:
+            # A batch that raises drops its activations and graphs at once (the posted sends' buffers stay in
+            # _pending, which in-flight messages may still read).
+            stack.callback(self._drop_state_if_failed)
             if meter is not None:
                 stack.enter_context(meter)
             self.hooks.before_batch(n_microbatches=self.schedule.n_microbatches)
@@ -278,6 +281,10 @@ class PipelineEngine:
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
         self._state = {}
         return loss
+
+    def _drop_state_if_failed(self) -> None:
+        if self._failed:
+            self._state, self._losses, self._micro_in, self._micro_tgt = {}, [], None, None
 
     def _split_batch(self, inputs, targets) -> None:
         m = self.schedule.n_microbatches

@@ -309,6 +309,8 @@ def _run_bad(rank, world, case):
         if rank == 1:
             with pytest.raises(ScheduleError):
                 engine.run_batch(*make_batch(2, 1))
+            # the failed batch's activations, graphs and micro-batches are not kept alive
+            assert engine._state == {} and engine._micro_in is None and engine._micro_tgt is None
             engine.run_batch(*make_batch(2, 2))
         time.sleep(1.5)
     elif case == "annotations":
