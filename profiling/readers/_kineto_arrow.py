@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -54,9 +55,20 @@ except ImportError:  # pragma: no cover - pyarrow is a dependency; the ordinary 
 #: ``SHARDLINE_KINETO_ARROW=0`` turns the fast path off (every chunk is decoded the ordinary way).
 ENABLED = os.environ.get("SHARDLINE_KINETO_ARROW", "1") not in ("0", "false", "no", "off")
 
-_SEPARATOR = re.compile(rb"\}\s*,\s*\{")
+#: JSON whitespace only (``\s`` would also take form feed and vertical tab, which JSON does not allow).
+_SEPARATOR = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
 _TEXT_ID = re.compile(rb'id": ?"')
-_EXPLICIT_NULL = {key: re.compile(rb'"' + key + rb'"\s*:\s*null') for key in (b"ts", b"dur")}
+_ESCAPE = re.compile(rb"\\u")
+_NULL = re.compile(rb"null")
+_NULL_VALUE = re.compile(rb':[ \t\r\n]*null')
+_ARGS_KEY = re.compile(rb'"args"[ \t\r\n]*$')
+_TIME_TEXT = (re.compile(rb'ts"[ \t\r\n]*:[ \t\r\n]*"'), re.compile(rb'dur"[ \t\r\n]*:[ \t\r\n]*"'))
+_DECODE_RAW = msgspec.json.Decoder(msgspec.Raw)
+#: The renamed text-valued ``pid``/``tid`` keys: an escape in the name, so no key of the original text (which
+#: has no escapes, see ``_suspicious``) can be one of them.
+_PID_TEXT, _TID_TEXT = "pid\x01", "tid\x01"
+_SUFFIX = b"\\u0001"
+_RENAMED = b'id\\u0001": "'
 _PHASES = ("X", "B", "E")
 
 if pa is not None:
@@ -69,9 +81,9 @@ if pa is not None:
         ("Process Group Ranks", _S), ("Group size", _I), ("In msg nelems", _I), ("Out msg nelems", _I),
         ("dtype", _S), ("Seq", _I), ("Src Rank", _I), ("Dst Rank", _I),
         # Renamed text values of int keys (see _rename_text_ids): present means "ordinary path".
-        ("External id_text", _S), ("external id_text", _S)])
-    _SCHEMA = pa.schema([("ph", _S), ("cat", _S), ("name", _S), ("pid", _I), ("tid", _I), ("pid_text", _S),
-                         ("tid_text", _S), ("ts", _DECIMAL), ("dur", _DECIMAL), ("args", _ARGS)])
+        ("External id\x01", _S), ("external id\x01", _S)])
+    _SCHEMA = pa.schema([("ph", _S), ("cat", _S), ("name", _S), ("pid", _I), ("tid", _I), (_PID_TEXT, _S),
+                         (_TID_TEXT, _S), ("ts", _DECIMAL), ("dur", _DECIMAL), ("args", _ARGS)])
     _OPTIONS = pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore")
     _OPTIONS_MULTILINE = pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore",
                                          newlines_in_values=True)
@@ -94,9 +106,11 @@ _THREADED_MIN_BYTES = 4 << 20
 THREADS: bool | None = None
 
 
-def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -> dict | None:
+def columns_from_text(text, *, keep_python: bool, threads: bool | None = None,
+                      validated: bool = False) -> dict | None:
     """Column dict of a chunk of comma-separated event objects (no brackets), or None to decode it the
-    ordinary way (see the module docstring for when)."""
+    ordinary way (see the module docstring for when). ``validated``: the caller's JSON parser has already
+    checked the chunk's syntax (the in-memory path decodes the whole file first); otherwise msgspec does."""
     if not available():
         return None
     with memoryview(text) as view:
@@ -105,8 +119,12 @@ def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -
         first, last = _ends(view)
         if first < 0 or view[first] != ord("{") or view[last] != ord("}"):
             return None
+        events = view[first:last + 1]
+        if _suspicious(events) or not (validated or _valid_json(events)):
+            return None
         # One copy out of the caller's buffer (the renaming's join, else a plain copy), one for the separators.
-        body = _rename_text_ids(view[first:last + 1])
+        body = _rename_text_ids(events)
+        del events
     # Pretty-printed events span lines: Arrow must then find object ends by parsing, not at newlines.
     options = _OPTIONS_MULTILINE if b"\n" in body else _OPTIONS
     separator = _SEPARATOR.search(body)
@@ -117,9 +135,45 @@ def columns_from_text(text, *, keep_python: bool, threads: bool | None = None) -
             threads = THREADS if THREADS is not None else len(lines) >= _THREADED_MIN_BYTES
         table = pj.read_json(pa.BufferReader(lines), parse_options=options,
                              read_options=pj.ReadOptions(use_threads=threads, block_size=4 << 20))
-        return _columns(table, lines, keep_python=keep_python)
+        return _columns(table, keep_python=keep_python)
     except _FAILURES:
         return None
+
+
+def _suspicious(events: memoryview) -> bool:
+    """Text Arrow would read differently from msgspec (the ordinary path), found by literal searches:
+
+    - an escape ``\\u`` anywhere: it could spell a key (``"t\\u0073"``) the other checks look for literally,
+      or one of the renamed keys;
+    - an explicit ``null`` value other than ``"args": null``: msgspec refuses null for every field the
+      events table reads (the event is dropped with a warning), Arrow would read it as missing;
+    - ``ts`` or ``dur`` written as a JSON string: Arrow's decimal reader accepts the string's number, the
+      ordinary path counts it a bad time.
+    """
+    if _ESCAPE.search(events):
+        return True
+    if _NULL.search(events):
+        for match in _NULL_VALUE.finditer(events):
+            if not _ARGS_KEY.search(bytes(events[max(0, match.start() - 16):match.start()])):
+                return True
+    for pattern in _TIME_TEXT:
+        for match in pattern.finditer(events):
+            if match.start() >= 1 and events[match.start() - 1] == ord('"'):  # the whole key is ts / dur
+                return True
+    return False
+
+
+def _valid_json(events: memoryview) -> bool:
+    """Whether ``[`` + the chunk + ``]`` is valid JSON (msgspec's syntax check, ~1.5 GB/s): Arrow accepts
+    some text msgspec refuses (NaN, Infinity, objects without a comma between them)."""
+    text = bytearray(len(events) + 2)
+    text[0], text[-1] = ord("["), ord("]")
+    text[1:-1] = events
+    try:
+        _DECODE_RAW.decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return True
 
 
 def _worth_it(view: memoryview) -> bool:
@@ -156,18 +210,18 @@ def _rename_text_ids(body: memoryview) -> bytes:
     for match in _TEXT_ID.finditer(body):
         found.append(match.start() + 2)
         if len(found) > 64:  # many (legacy traces write every tid as text): one C-level substitution
-            return _TEXT_ID.sub(b'id_text": "', bytes(body))
+            return _TEXT_ID.sub(_RENAMED.replace(b"\\", b"\\\\"), bytes(body))  # (a template: \\ is \)
     if not found:
         return bytes(body)
     pieces, last = [], 0
     for cut in found:
-        pieces += [body[last:cut], b"_text"]
+        pieces += [body[last:cut], _SUFFIX]
         last = cut
     pieces.append(body[last:])
     return b"".join(pieces)
 
 
-def _columns(table, lines: bytes, *, keep_python: bool) -> dict | None:
+def _columns(table, *, keep_python: bool) -> dict | None:
     drop = DROP_CATS if keep_python else DROP_CATS | PYTHON_CATS
     n_all = table.num_rows
     ph_all = pc.fill_null(table["ph"], "")
@@ -175,8 +229,9 @@ def _columns(table, lines: bytes, *, keep_python: bool) -> dict | None:
     mask = pc.and_(pc.is_in(ph_all, value_set=pa.array(_PHASES)),
                    pc.invert(pc.is_in(cat_all, value_set=pa.array(sorted(drop)))))
     keep = mask.to_numpy(zero_copy_only=False) if n_all else np.zeros(0, dtype=bool)
-    ts = _exact_ns(table["ts"], b"ts", lines)
-    dur = _exact_ns(table["dur"], b"dur", lines)
+    _check_utf8(table)
+    ts = _exact_ns(table["ts"])
+    dur = _exact_ns(table["dur"])
     if ts is None or dur is None:
         return None
     everything = bool(keep.all())
@@ -189,7 +244,7 @@ def _columns(table, lines: bytes, *, keep_python: bool) -> dict | None:
     cat = _first_seen(pc.fill_null(table["cat"], ""))
     name = _first_seen(pc.fill_null(table["name"], ""))
     args = table["args"].chunk(0) if table["args"].num_chunks else pa.nulls(0, _ARGS)
-    if args.field("External id_text").null_count != n or args.field("external id_text").null_count != n:
+    if args.field("External id\x01").null_count != n or args.field("external id\x01").null_count != n:
         return None
     field = _fields(args, n)
     gpu_cat = np.isin(cat.categories.to_numpy(dtype=object), list(GPU_CATS))
@@ -239,7 +294,7 @@ def _fields(args, n: int):
 def _id_column(table, key: str) -> np.ndarray:
     """``pid``/``tid`` as int64: the number, else the integer read from its text (``_int`` rules), else -1."""
     values = pc.fill_null(table[key], -1).to_numpy()
-    texts = table[f"{key}_text"]
+    texts = table[f"{key}\x01"]
     if texts.null_count == len(texts):
         return values
     present = texts.is_valid().to_numpy(zero_copy_only=False)
@@ -248,23 +303,35 @@ def _id_column(table, key: str) -> np.ndarray:
     return np.where(present, parsed[codes], values)
 
 
-def _exact_ns(column, key: bytes, lines: bytes) -> np.ndarray | None:
-    """int64 ns of a µs time column read as decimal(38, 3): its unscaled integer, exactly; None when a value
-    is beyond int64 ns or explicitly null (more than 3 decimals already made Arrow refuse the chunk)."""
+def _exact_ns(column) -> np.ndarray | None:
+    """int64 ns of a µs time column read as decimal(38, 3): its unscaled integer, exactly; 0 where the key is
+    missing (explicit nulls were refused by ``_suspicious``); None when a value is beyond int64 ns (more than
+    3 decimals already made Arrow refuse the chunk)."""
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if len(column) == 0:
         return np.zeros(0, dtype=np.int64)
     words = np.frombuffer(column.buffers()[1], dtype=np.int64, count=2 * (len(column) + column.offset))
     low, high = words[2 * column.offset::2], words[2 * column.offset + 1::2]
-    valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
-    if valid is not None:
-        # A missing key means 0 (as in the ordinary path); an explicit null there is a bad time: ordinary path.
-        if _EXPLICIT_NULL[key].search(lines):
-            return None
+    if column.null_count:
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
         low, high = np.where(valid, low, 0), np.where(valid, high, 0)
     if (high != (low >> 63)).any():  # the 128-bit value does not fit int64
         return None
     return low.copy()
+
+
+def _check_utf8(table) -> None:
+    """Raise (refusing the chunk) on invalid UTF-8 in any text the ordinary path decodes, in every row, kept
+    or not: its decoder checks them all (and warns), Arrow's reader checks none."""
+    args = table["args"]
+    columns = [table[name] for name in ("ph", "cat", "name")]
+    columns += [args.combine_chunks().field(key) if args.num_chunks else pa.array([], _S)
+                for key in ("Collective name", "Process Group Name", "Process Group Description",
+                            "Process Group Ranks", "dtype")]
+    for column in columns:
+        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+        for chunk in chunks:
+            chunk.validate(full=True)
 
 
 def _dictionary(column) -> tuple[np.ndarray, list]:

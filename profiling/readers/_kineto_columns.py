@@ -49,6 +49,17 @@ def _int(value, overflow: list) -> int:
         overflow.append(value)
         return -1
     if isinstance(value, str):
+        # An integer literal reads as Python's int() reads it (numpy's conversion of a batch of such texts does
+        # the same, so one rule holds whichever way a batch goes); then hex, then a trailing number.
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            if _INT64[0] <= number <= _INT64[1]:
+                return number
+            overflow.append(value)
+            return -1
         match = _STREAM_TEXT.search(value)
         if value.startswith("0x"):
             try:

@@ -25,7 +25,7 @@ import msgspec
 
 #: Bytes of event text per chunk.
 CHUNK = 24 << 20
-_BOUNDARY = re.compile(rb"\}\s*,\s*\{")
+_BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # JSON whitespace only
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
 #: How far into the file the ``traceEvents`` key may start, and how much tail may follow the array.

@@ -192,7 +192,7 @@ def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[st
     top, events_raw = _split_top(path, data, warnings)
     if events_raw is None:
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
-    fast = _fast_columns(keep_python)
+    fast = _fast_columns(keep_python, validated=True)  # _split_top decoded (so checked) the whole file
     if fast is not None and isinstance(events_raw, msgspec.Raw) and events_raw is not data:
         batches = _chunked_in_memory(path, data, events_raw, fast=fast, keep_python=keep_python,
                                      warnings=warnings)
@@ -209,11 +209,12 @@ def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[st
     return {k: v for k, v in top.items() if k != "traceEvents"}, batches
 
 
-def _fast_columns(keep_python: bool):
-    """The Arrow fast path for a chunk of event text (None when it is unavailable or turned off)."""
+def _fast_columns(keep_python: bool, *, validated: bool = False):
+    """The Arrow fast path for a chunk of event text (None when it is unavailable or turned off);
+    ``validated``: the whole file's JSON syntax was already checked."""
     if not _kineto_arrow.available():
         return None
-    return lambda text: _kineto_arrow.columns_from_text(text, keep_python=keep_python)
+    return lambda text: _kineto_arrow.columns_from_text(text, keep_python=keep_python, validated=validated)
 
 
 def _chunked_in_memory(path: Path, data, events_raw: msgspec.Raw, *, fast, keep_python: bool,

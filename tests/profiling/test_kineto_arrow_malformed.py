@@ -1,0 +1,254 @@
+"""Malformed and unusual inputs where the Arrow fast path must equal the ordinary path (frame, warnings,
+metadata): written in review, each failing test was a difference, now fixed (see _kineto_arrow._suspicious,
+_valid_json, _check_utf8 and the JSON-whitespace separators).
+
+Each test reads one small trace with the fast path forced on and with it off (as ``_read_both`` in
+``test_kineto_arrow.py``) and compares the results. A failing test here is a difference between the paths.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import shardline.profiling.readers._kineto_stream as stream
+from shardline.profiling.readers import _kineto_arrow, kineto
+
+BASE = 1_700_000_000_000_000_000
+
+
+def _read_both(path, monkeypatch):
+    used = []
+    original = _kineto_arrow.columns_from_text
+
+    def counting(*args, **kwargs):
+        out = original(*args, **kwargs)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_kineto_arrow, "columns_from_text", counting)
+    monkeypatch.setattr(_kineto_arrow, "ENABLED", True)
+    monkeypatch.setattr(_kineto_arrow, "MIN_BYTES", 0)
+    monkeypatch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
+    fast = kineto.read_kineto(path)
+    monkeypatch.setattr(_kineto_arrow, "ENABLED", False)
+    ordinary = kineto.read_kineto(path)
+    pd.testing.assert_frame_equal(fast.events, ordinary.events)
+    assert fast.warnings == ordinary.warnings
+    assert fast.metadata == ordinary.metadata
+    return fast.events, sum(used)
+
+
+def _write(tmp_path, events, *, separator=",\n  ", name="rank0.json", base=BASE):
+    body = ('{"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [' + separator.join(events) + "]"
+            + (f', "baseTimeNanoseconds": {base}' if base is not None else "") + "}")
+    path = tmp_path / name
+    path.write_bytes(body.encode("utf-8", errors="surrogateescape"))
+    return path
+
+
+def _op(ts="10.125", dur="2.5", name="aten::mm", extra="", args='"External id": 7', pid="1", tid="2",
+        ph="X", cat="cpu_op") -> str:
+    return (f'{{"ph": {ph}, "cat": {cat}, "name": {name}, "pid": {pid}, "tid": {tid}, "ts": {ts}, "dur": {dur}'
+            f'{extra}, "args": {{{args}}}}}')
+
+
+def op(**kw):
+    kw.setdefault("name", '"aten::mm"')
+    kw.setdefault("ph", '"X"')
+    kw.setdefault("cat", '"cpu_op"')
+    return _op(**kw)
+
+
+def _streamed(monkeypatch, chunk=200):
+    monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(stream, "CHUNK", chunk)
+
+
+# --- explicit nulls: msgspec refuses null for a str/int field (event dropped + warning), Arrow reads a null
+@pytest.mark.parametrize("event", [
+    op(name="null"),
+    op(cat="null"),
+    op(pid="null"),
+    op(tid="null"),
+    op(args='"correlation": null'),
+    op(args='"External id": null'),
+    op(args='"Collective name": null'),
+    op(ph="null"),  # same events either way, but only the ordinary path warns
+], ids=["name", "cat", "pid", "tid", "args.correlation", "args.External id", "args.Collective name", "ph"])
+def test_review_explicit_null_fields(tmp_path, monkeypatch, event):
+    _read_both(_write(tmp_path, [event, op()]), monkeypatch)
+
+
+# --- a time written as a JSON string: the ordinary path drops the event (not a number), Arrow parses it
+@pytest.mark.parametrize("event", [op(ts='"10.5"'), op(dur='"5"')], ids=["ts", "dur"])
+def test_review_time_as_string(tmp_path, monkeypatch, event):
+    _read_both(_write(tmp_path, [event, op()]), monkeypatch)
+
+
+# --- ts key written with an escape, value null: the explicit-null regex does not see it
+@pytest.mark.parametrize("key", ["t\\u0073", "d\\u0075r"])
+def test_review_escaped_time_key_null(tmp_path, monkeypatch, key):
+    event = ('{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 2, "' + key + '": null'
+             + (', "dur": 1}' if key.startswith("t") else ', "ts": 3}'))
+    _read_both(_write(tmp_path, [event, op()]), monkeypatch)
+
+
+def test_review_escaped_keys_with_numbers_agree(tmp_path, monkeypatch):
+    # Escapes in keys are decoded by both parsers, but a chunk with any \u escape is left to the ordinary path
+    # (an escape could spell a key the fast path's literal checks look for).
+    event = '{"\\u0070h": "X", "c\\u0061t": "cpu_op", "name": "a", "p\\u0069d": 1, "tid": 2, "t\\u0073": 3.5, "dur": 1}'
+    events, used = _read_both(_write(tmp_path, [event, op()]), monkeypatch)
+    assert used == 0 and events["start_ns"].tolist()[0] == BASE + 3500
+
+
+# --- a key the ordinary path ignores but the fast path reads (the renamed-key namespace)
+def test_review_literal_tid_text_key(tmp_path, monkeypatch):
+    # fast: stream 99 (tid_text read as the tid); ordinary: stream 2 (tid_text is an unknown key)
+    _read_both(_write(tmp_path, [op(extra=', "tid_text": "99"'), op()]), monkeypatch)
+
+
+def test_review_literal_pid_text_key_breaks_begin_end_pairing(tmp_path, monkeypatch):
+    # fast: the B event's pid is 3, so B/E do not pair (dropped + warning); ordinary: pid 1, paired
+    events = [op(), '{"ph": "B", "cat": "user_annotation", "name": "r", "pid": 1, "pid_text": "3", "tid": 2, "ts": 1}',
+              '{"ph": "E", "cat": "user_annotation", "name": "r", "pid": 1, "tid": 2, "ts": 20}']
+    _read_both(_write(tmp_path, events), monkeypatch)
+
+
+# --- text tids: the ordinary path converts an all-numeric batch with numpy (int() rules), the fast path
+#     always with _int (last run of digits)
+@pytest.mark.parametrize("tid", ['"-5"', '"1_000"'])
+def test_review_text_tid_numpy_vs_int_rules(tmp_path, monkeypatch, tid):
+    _read_both(_write(tmp_path, [op(tid=tid), op()]), monkeypatch)
+
+
+# --- invalid UTF-8 in an event the fast path filters out before validating its texts
+def test_review_invalid_utf8_in_dropped_event(tmp_path, monkeypatch):
+    meta = '{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "caf\udce9"}}'
+    meta_name = '{"ph": "M", "name": "caf\udce9", "pid": 1}'
+    _read_both(_write(tmp_path, [meta_name, meta, op()]), monkeypatch)
+
+
+# --- numbers that both read the same (no difference expected)
+@pytest.mark.parametrize("ts", ["-0", "1E3", "1.0e-3", "100e-5", "1.0005e3", "-5.5", "1.2300000", "0.1e1"])
+def test_review_number_forms_agree(tmp_path, monkeypatch, ts):
+    _read_both(_write(tmp_path, [op(ts=ts), op()]), monkeypatch)
+
+
+@pytest.mark.parametrize("event", [
+    op(args='"x": {"y": [1, {"z": null}]}, "correlation": 4'),
+    op(extra=', "args": []'.replace(', "args"', ', "a"')),
+    op(name='"\\ud83d\\ude00 a\\u0000b \\" id\\":\\"x"'),
+    op(extra=', "External id": "5"'),
+    op(args='"device": 0, "stream": 7, "x": "id\\": \\"5"'),
+], ids=["nested args", "other key", "unicode", "top-level External id text", "quote-id in value"])
+def test_review_misc_agree(tmp_path, monkeypatch, event):
+    _read_both(_write(tmp_path, [event, op()]), monkeypatch)
+
+
+@pytest.mark.parametrize("sep", [",\r\n", "\t,\t", " ,\n\t", "\r\n,\r\n"])
+def test_review_separators_agree(tmp_path, monkeypatch, sep):
+    _, used = _read_both(_write(tmp_path, [op(), op(ts="11"), op(ts="12")], separator=sep), monkeypatch)
+    assert used == 1
+
+
+# --- streamed (memory-mapped) files: the fast path sees a chunk before msgspec has validated the file
+@pytest.mark.parametrize("sep", [",\x0c", "\x0b,"], ids=["formfeed", "vtab"])
+def test_review_streamed_non_json_whitespace_separator(tmp_path, monkeypatch, sep):
+    _streamed(monkeypatch)
+    _read_both(_write(tmp_path, [op(ts=str(i)) for i in range(20)], separator=sep), monkeypatch)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_review_streamed_nan_in_unread_field(tmp_path, monkeypatch, value):
+    _streamed(monkeypatch)
+    events = [op(ts=str(i)) for i in range(20)]
+    events[12] = op(ts="12", args=f'"weird": {value}')
+    _read_both(_write(tmp_path, events), monkeypatch)
+
+
+def test_review_streamed_single_event_chunks(tmp_path, monkeypatch):
+    _streamed(monkeypatch, chunk=1)
+    _, used = _read_both(_write(tmp_path, [op(ts=str(i)) for i in range(10)], separator=","), monkeypatch)
+    assert used >= 1
+
+
+def test_review_gz_in_memory(tmp_path, monkeypatch):
+    import gzip
+    path = _write(tmp_path, [op(ts=str(i)) for i in range(10)])
+    gz = tmp_path / "rank0.json.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    _, used = _read_both(gz, monkeypatch)
+    assert used == 1
+
+
+def test_review_streamed_missing_comma_between_events(tmp_path, monkeypatch):
+    # invalid JSON (two events without a comma): Arrow reads a sequence of objects, msgspec refuses
+    _streamed(monkeypatch)
+    events = [op(ts=str(i)) for i in range(20)]
+    events[11] = events[11] + " " + events[12]
+    del events[12]
+    _read_both(_write(tmp_path, events, separator=","), monkeypatch)
+
+
+def test_review_bom_and_bare_array_agree(tmp_path, monkeypatch):
+    path = _write(tmp_path, [op(), op(ts="11")])
+    bom = tmp_path / "bom_rank0.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    _read_both(bom, monkeypatch)
+    bare = tmp_path / "bare_rank0.json"
+    bare.write_text("[" + ",".join([op(), op(ts="11")]) + "]")
+    _read_both(bare, monkeypatch)
+    _streamed(monkeypatch)
+    _read_both(bom, monkeypatch)
+    _read_both(bare, monkeypatch)
+
+
+# --- a bounded fuzz over event shapes, leaving out the difference classes confirmed above (explicit nulls,
+#     time strings, *_text keys, signed/underscored text ids); anything it finds is a new class.
+def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch):
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    digits = st.from_regex(r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,4})?([eE][-+]?[0-9])?", fullmatch=True)
+    ints = st.one_of(st.integers(-5, 10), st.integers(-2**64, 2**64))
+    texts = st.one_of(st.sampled_from(["", "X", "B", "stream 7", "0x1f", "5555", "Spans", "id\":\"", "},{", "a}, {b"]),
+                      st.text(max_size=6))
+    scalar = st.one_of(ints, texts, st.booleans(), st.floats(allow_nan=False, allow_infinity=False))
+    value = st.one_of(scalar, st.lists(ints, max_size=2), st.dictionaries(st.sampled_from(["a", "id"]), ints, max_size=2))
+    arg_keys = st.sampled_from(["correlation", "External id", "external id", "device", "stream", "bytes",
+                                "Collective name", "Process Group Name", "Process Group Ranks", "Group size",
+                                "In msg nelems", "dtype", "Seq", "Src Rank", "Dst Rank", "other id", "x"])
+    event = st.fixed_dictionaries(
+        {"ph": st.one_of(st.sampled_from(["X", "X", "B", "E", "i", "M"]), ints)},
+        optional={"cat": st.one_of(st.sampled_from(["cpu_op", "kernel", "Trace", "python_function", "Kernel"]), ints),
+                  "name": st.one_of(texts, ints), "pid": st.one_of(ints, texts.filter(lambda t: not t.startswith(("-", "+")) and "_" not in t)),
+                  "tid": st.one_of(ints, texts.filter(lambda t: not t.startswith(("-", "+")) and "_" not in t)),
+                  "ts": digits, "dur": digits,
+                  "args": st.one_of(st.dictionaries(arg_keys, value, max_size=4), st.sampled_from([[], "x", 1]))})
+
+    def dump(e):
+        parts = []
+        for k, v in e.items():
+            parts.append(f'"{k}": ' + (v if k in ("ts", "dur") else json.dumps(v)))
+        return "{" + ", ".join(parts) + "}"
+
+    counter = iter(range(10**6))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(event, min_size=1, max_size=6), st.sampled_from([",", ",\n", ", ", ",\r\n\t"]), st.booleans())
+    def check(events, sep, streamed):
+        path = tmp_path_factory.mktemp("fz") / f"rank0-{next(counter)}.json"
+        body = '{"traceEvents": [' + sep.join(dump(e) for e in events) + '], "baseTimeNanoseconds": 1000}'
+        if any(k in body for k in ("_text",)):
+            return
+        path.write_text(body)
+        with monkeypatch.context() as m:
+            if streamed:
+                m.setattr(kineto, "_MAP_MIN_BYTES", 0)
+                m.setattr(stream, "CHUNK", 60)
+            _read_both(path, m)
+
+    check()
