@@ -1,4 +1,4 @@
-"""Fast path of the Kineto reader: a chunk of event text parsed by Arrow's C++ JSON reader into columns.
+r"""Fast path of the Kineto reader: a chunk of event text parsed by Arrow's C++ JSON reader into columns.
 
 The ordinary path decodes every event into a msgspec struct and then pulls each field out of every struct;
 that Python-level column building is most of its time. Here Arrow parses the text straight into typed
@@ -18,13 +18,21 @@ ordinary way. How the text is prepared, and why each step is safe:
 - Arrow columns have one type. ``pid``/``tid`` are numbers except for a few events (the profiler's own
   span writes ``"pid": "Spans"``; 2021 traces write every tid as text); keys ending in ``id`` with a text
   value, found by a literal search for ``id":"`` (a ``"`` right after ``id`` can only close a key, never sit
-  inside a string), are renamed ``..id_text``; ``pid_text``/``tid_text`` are read as text, ``External
-  id_text`` refuses the chunk, the rest are unread. Any other type conflict (ROCm's text streams, ranks as
-  lists, numbers beyond int64, floats where ints belong, duplicate keys) makes Arrow fail: ordinary path.
+  inside a string), get ``\u0001`` appended to their name; ``pid``/``tid`` so renamed are read as text,
+  ``External id`` so renamed refuses the chunk, the rest are unread. Any other type conflict (ROCm's text
+  streams, ranks as lists, numbers beyond int64, floats where ints belong, duplicate keys) makes Arrow
+  fail: ordinary path.
 - Times are read as ``decimal(38, 3)``: Arrow converts the number text exactly (no double in between, so
   the ns of a 17-digit absolute µs time survive), and the unscaled integer is the time in ns. A time with
   more than 3 decimals makes Arrow refuse the chunk; one beyond int64 ns is refused here.
-- Arrow does not check UTF-8: the dictionary (unique values) of every kept text column is validated.
+- Where Arrow is more lenient than msgspec, the chunk is refused before parsing (``_suspicious``,
+  ``_valid_json``): an explicit ``null`` in a field (msgspec drops such an event), ``ts``/``dur`` written as
+  strings (Arrow's decimal reader would take the number), any ``\u`` escape (it could spell a key the
+  literal checks look for, or a renamed one), and, for streamed chunks msgspec has not yet read, invalid
+  syntax Arrow tolerates (``NaN``, ``Infinity``, objects without a comma between them). Separators match
+  JSON whitespace only.
+- Arrow does not check UTF-8: every text the ordinary path decodes (``ph``, ``cat``, ``name``, the args
+  texts) is validated in every row, kept or not, before anything is filtered.
 """
 
 from __future__ import annotations
