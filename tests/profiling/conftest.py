@@ -17,3 +17,37 @@ _SPEC.loader.exec_module(synthetic_traces)
 def synth():
     """The generator module ``tests/profiling/synthetic_traces.py``."""
     return synthetic_traces
+
+
+@pytest.fixture
+def read_both(monkeypatch):
+    """``read_both(path)``: read a Kineto file with the Arrow fast path forced on (every chunk it can read
+    exactly, whatever the speed policy says) and with it off; assert the events, warnings and metadata are
+    equal; return the events and how many chunks the fast path read."""
+    from shardline.profiling.readers import _kineto_arrow, kineto
+
+    def read(path):
+        used = []
+        original = _kineto_arrow.columns_from_text
+
+        def counting(*args, **kwargs):
+            out = original(*args, **kwargs)
+            used.append(out is not None)
+            return out
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_kineto_arrow, "columns_from_text", counting)
+            patch.setattr(_kineto_arrow, "ENABLED", True)
+            patch.setattr(_kineto_arrow, "MIN_BYTES", 0)
+            patch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
+            fast = kineto.read_kineto(path)
+            patch.setattr(_kineto_arrow, "ENABLED", False)
+            ordinary = kineto.read_kineto(path)
+        import pandas as pd
+
+        pd.testing.assert_frame_equal(fast.events, ordinary.events)
+        assert fast.warnings == ordinary.warnings
+        assert fast.metadata == ordinary.metadata
+        return fast.events, sum(used)
+
+    return read

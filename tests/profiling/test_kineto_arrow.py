@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import pandas as pd
 import pytest
 
 from shardline.profiling.load import _discover
@@ -18,29 +17,6 @@ from shardline.profiling.readers import _kineto_arrow, kineto
 from shardline.profiling.readers._kineto_columns import _int
 
 BASE = 1_700_000_000_000_000_000
-
-
-def _read_both(path, monkeypatch) -> tuple[pd.DataFrame, int]:
-    """Events read with the fast path (checked equal to the ordinary read) and how many chunks it took."""
-    used = []
-    original = _kineto_arrow.columns_from_text
-
-    def counting(*args, **kwargs):
-        out = original(*args, **kwargs)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_kineto_arrow, "columns_from_text", counting)
-    monkeypatch.setattr(_kineto_arrow, "ENABLED", True)
-    monkeypatch.setattr(_kineto_arrow, "MIN_BYTES", 0)  # take every chunk the fast path can read exactly
-    monkeypatch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
-    fast = kineto.read_kineto(path)
-    monkeypatch.setattr(_kineto_arrow, "ENABLED", False)
-    ordinary = kineto.read_kineto(path)
-    pd.testing.assert_frame_equal(fast.events, ordinary.events)
-    assert fast.warnings == ordinary.warnings
-    assert fast.metadata == ordinary.metadata
-    return fast.events, sum(used)
 
 
 def _kineto_files(traces_dir):
@@ -53,12 +29,12 @@ REFUSED = {
 }
 
 
-def test_every_shared_kineto_trace_reads_the_same_both_ways(traces_dir, monkeypatch):
+def test_every_shared_kineto_trace_reads_the_same_both_ways(traces_dir, read_both):
     files = _kineto_files(traces_dir)
     assert len(files) >= 30
     used_by = {}
     for path in files:
-        events, used = _read_both(path, monkeypatch)
+        events, used = read_both(path)
         used_by[path.name] = used
         if len(events) and path.name not in REFUSED:
             assert used, f"{path}: the fast path did not read this trace"
@@ -85,7 +61,7 @@ def _kernel(ts="20.5", stream="7", correlation=5) -> str:
             f'"ts": {ts}, "dur": 3, "args": {{"device": 0, "stream": {stream}, "correlation": {correlation}}}}}')
 
 
-def test_text_pids_and_tids_are_read_as_the_ordinary_path_reads_them(tmp_path, monkeypatch):
+def test_text_pids_and_tids_are_read_as_the_ordinary_path_reads_them(tmp_path, read_both):
     events = [
         '{"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",'
         ' "ts": 1, "dur": 100}',
@@ -95,26 +71,26 @@ def test_text_pids_and_tids_are_read_as_the_ordinary_path_reads_them(tmp_path, m
         '{"ph": "X", "cat": "cpu_op", "name": "x", "pid": "", "tid":"0x1f", "ts": 7, "dur": 1}',
         _op(),
     ]
-    events_frame, used = _read_both(_write(tmp_path, events), monkeypatch)
+    events_frame, used = read_both(_write(tmp_path, events))
     assert used == 1
     assert events_frame["stream"].tolist() == [5555, 7, 31, 2]
     assert events_frame["device"].tolist() == [-1, 0, -1, -1]
     assert _int("stream 7", []) == 7 and _int("0x1f", []) == 31  # the rules both paths share
 
 
-def test_many_text_tids_use_the_bulk_rename(tmp_path, monkeypatch):
+def test_many_text_tids_use_the_bulk_rename(tmp_path, read_both):
     events = [f'{{"ph": "X", "cat": "Operator", "name": "op{i % 3}", "pid": 12, "tid": "{5000 + i % 4}",'
               f' "ts": {i}, "dur": 1}}' for i in range(200)]
-    events_frame, used = _read_both(_write(tmp_path, events), monkeypatch)
+    events_frame, used = read_both(_write(tmp_path, events))
     assert used == 1
     assert events_frame["stream"].tolist() == [5000 + i % 4 for i in range(200)]
 
 
-def test_absolute_microseconds_keep_every_nanosecond(tmp_path, monkeypatch):
+def test_absolute_microseconds_keep_every_nanosecond(tmp_path, read_both):
     # 17 significant digits: a double would move these by up to 125 ns; the decimal read does not.
     events = [_op(ts="1712195495519689.047", dur="63.813"), _op(ts="1712195495519689.048", dur="0.001"),
               _kernel(ts="1712195495519690.999")]
-    events_frame, used = _read_both(_write(tmp_path, events, base=None), monkeypatch)
+    events_frame, used = read_both(_write(tmp_path, events, base=None))
     assert used == 1
     assert events_frame["start_ns"].tolist() == [1712195495519689047, 1712195495519689048, 1712195495519690999]
     assert events_frame["dur_ns"].tolist() == [63813, 1, 3000]
@@ -135,15 +111,15 @@ def test_absolute_microseconds_keep_every_nanosecond(tmp_path, monkeypatch):
     ("a float where an int belongs", [_op(args='"External id": 7.0'), _op()], ",\n  "),
     ("a raw newline inside a name (invalid JSON)", [_op(name="two\nlines"), _op()], ", "),
 ])
-def test_refused_chunks_read_the_ordinary_way(tmp_path, monkeypatch, case, events, separator):
+def test_refused_chunks_read_the_ordinary_way(tmp_path, case, events, separator, read_both):
     if separator == "MIXED":
         body = events[0] + ",\n  " + events[1] + ", " + events[2]
         events, separator = [body], ""
-    _, used = _read_both(_write(tmp_path, events, separator=separator), monkeypatch)
+    _, used = read_both(_write(tmp_path, events, separator=separator))
     assert used == 0, case
 
 
-def test_missing_times_and_args_match_the_ordinary_defaults(tmp_path, monkeypatch):
+def test_missing_times_and_args_match_the_ordinary_defaults(tmp_path, read_both):
     events = ['{"ph": "X", "cat": "cpu_op", "name": "no dur", "pid": 1, "tid": 2, "ts": 4}',
               '{"ph": "X", "cat": "cpu_op", "name": "null args", "pid": 1, "tid": 2, "ts": 5, "dur": 1,'
               ' "args": null}',
@@ -151,19 +127,19 @@ def test_missing_times_and_args_match_the_ordinary_defaults(tmp_path, monkeypatc
               '{"ph": "E", "cat": "user_annotation", "name": "range", "pid": 1, "tid": 2, "ts": 9}',
               '{"ph": "i", "cat": "cpu_instant_event", "name": "dropped", "pid": 1, "tid": 2, "ts": 7}',
               '{"ph": "M", "name": "process_name", "pid": "Spans", "args": {"name": "Spans"}}']
-    events_frame, used = _read_both(_write(tmp_path, events), monkeypatch)
+    events_frame, used = read_both(_write(tmp_path, events))
     assert used == 1
     assert sorted(events_frame["name"]) == ["no dur", "null args", "range"]
     assert events_frame.set_index("name").loc["range", "dur_ns"] == 3000
 
 
-def test_collective_args_and_texts(tmp_path, monkeypatch):
+def test_collective_args_and_texts(tmp_path, read_both):
     args = ('"External id": 9, "Collective name": "allreduce", "Process Group Name": "3",'
             ' "Process Group Description": "tp", "Process Group Ranks": "[0, 1]", "Group size": 2,'
             ' "In msg nelems": 1024, "Out msg nelems": 1024, "dtype": "BFloat16", "Seq": 4')
     events = [_op(name="record_param_comms", args=args), _op(args='"Dst Rank": 1, "bytes": 64'),
               _op(args='"Src Rank": 3')]
-    events_frame, used = _read_both(_write(tmp_path, events, separator=", "), monkeypatch)
+    events_frame, used = read_both(_write(tmp_path, events, separator=", "))
     assert used == 1
     first = events_frame.iloc[0]
     assert (first["collective"], first["pg_desc"], first["pg_size"], first["msg_bytes"], first["seq"]) == \
@@ -172,7 +148,7 @@ def test_collective_args_and_texts(tmp_path, monkeypatch):
     assert events_frame["msg_bytes"].tolist() == [2048, 64, -1]
 
 
-def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_dir):
+def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_dir, read_both):
     # A plain file is memory-mapped and read in chunks; with small chunks every one must take the fast path
     # and the whole still equal the ordinary read (compact and pretty separators alike).
     import shardline.profiling.readers._kineto_stream as stream
@@ -184,12 +160,12 @@ def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_
     for indent in (None, 2):
         path = tmp_path / f"rank0-{indent}.json"
         path.write_text(json.dumps(seed, indent=indent, separators=(",", ":") if indent is None else None))
-        events_frame, used = _read_both(path, monkeypatch)
+        events_frame, used = read_both(path)
         assert len(events_frame) > 4000
         assert used >= path.stat().st_size // 150_000, (indent, used)
 
 
-def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, monkeypatch, traces_dir):
+def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, traces_dir, read_both):
     # Arrow cuts its input into 4 MB blocks; pretty-printed events span lines, so the cut must not fall
     # inside an event (one chunk of ~9 MB here, read in memory).
     seed = json.loads(gzip.decompress(
@@ -198,7 +174,7 @@ def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, monkeypatch, traces_d
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps(seed, indent=4))
     assert path.stat().st_size > 2 * (4 << 20)
-    events_frame, used = _read_both(path, monkeypatch)
+    events_frame, used = read_both(path)
     assert used == 1 and len(events_frame) > 16_000
 
 
