@@ -336,15 +336,13 @@ def _exact_ns(column) -> np.ndarray | None:
 def _check_utf8(table) -> None:
     """Raise (refusing the chunk) on invalid UTF-8 in any text the ordinary path decodes, in every row, kept
     or not: its decoder checks them all (and warns), Arrow's reader checks none."""
-    args = table["args"]
-    columns = [table[name] for name in ("ph", "cat", "name")]
-    columns += [args.combine_chunks().field(key) if args.num_chunks else pa.array([], _S)
-                for key in ("Collective name", "Process Group Name", "Process Group Description",
-                            "Process Group Ranks", "dtype")]
-    for column in columns:
-        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-        for chunk in chunks:
-            chunk.validate(full=True)
+    arrays = [chunk for name in ("ph", "cat", "name") for chunk in table[name].chunks]
+    arrays += [chunk.field(key) for chunk in table["args"].chunks
+               for key in ("Collective name", "Process Group Name", "Process Group Description",
+                           "Process Group Ranks", "dtype")]
+    for array in arrays:
+        if array.null_count != len(array):
+            array.validate(full=True)
 
 
 def _dictionary(column) -> tuple[np.ndarray, list]:
