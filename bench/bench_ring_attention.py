@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _publish import publish
 
 from shardline.plugins.grid import Grid, ParallelDims
 from shardline.plugins.sequence_parallel import ring_attention, shard_sequence
@@ -117,11 +118,7 @@ def main() -> str:
         "its column excludes the same (small, tiled) workspace.",
         "",
     ]
-    text = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return text
+    return publish(lines, RESULTS)
 
 
 if __name__ == "__main__":

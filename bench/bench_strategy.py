@@ -39,6 +39,7 @@ import deepspeed
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from _publish import publish
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from shardline.plugins.grid import Grid, ParallelDims
@@ -321,11 +322,7 @@ def main() -> str:
         f"and {load_after[0]:.1f} after the run (absolute times move with it; interleaving keeps the ratio fair).",
         "",
     ]
-    text = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return text
+    return publish(lines, RESULTS)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import yaml
+from _publish import publish
 
 from shardline.plugins.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
@@ -218,11 +219,7 @@ def main() -> str:
         f"{wall:.0f} s for all runs.",
         "",
     ]
-    text = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return text
+    return publish(lines, RESULTS)
 
 
 if __name__ == "__main__":

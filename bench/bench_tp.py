@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _publish import publish
 from torch import nn
 
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
@@ -133,11 +134,7 @@ def main() -> str:
         f"**shardline / torch = {ratio:.2f}** (target <= 1.0)",
         "",
     ]
-    text = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return text
+    return publish(lines, RESULTS)
 
 
 if __name__ == "__main__":
