@@ -271,35 +271,13 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         if callable(hook):
             return hook(batch, cut)
         found = []
-
-        def visit(value, path):
-            if isinstance(value, torch.Tensor):
-                if value.dim() >= 2:
-                    found.append((path, tuple(value.shape)))
-            elif isinstance(value, dict):
-                for key, item in value.items():
-                    visit(item, f"{path}[{key!r}]")
-            elif isinstance(value, (list, tuple)):
-                for i, item in enumerate(value):
-                    visit(item, f"{path}[{i}]")
-
-        visit(batch, "batch")
+        _map_sequence_tensors(batch, lambda tensor, path: found.append((path, tuple(tensor.shape))) or tensor)
         if len({shape[1] for _, shape in found}) > 1:
             listed = ", ".join(f"{path} {list(shape)}" for path, shape in found)
             raise LayoutError(f"cp={self.grid.size('cp')} cuts every tensor of 2+ dims along dim 1 (the sequence), "
                               f"but their dim 1 differ: {listed}; define cp_shard_batch(batch, shard) on the "
                               "LightningModule to say which tensors carry the sequence")
-
-        def shard(value):
-            if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                return cut(value)
-            if isinstance(value, dict):
-                return {k: shard(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(shard(v) for v in value)
-            return value
-
-        return shard(batch)
+        return _map_sequence_tensors(batch, lambda tensor, path: cut(tensor))
 
     def training_step(self, *args: Any, **kwargs: Any):
         if args:
@@ -343,4 +321,17 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                 "micro_batches": self.micro_batches, "schedule": self.schedule, "chunks": self.chunks}
 
 
+def _map_sequence_tensors(value: Any, fn, path: str = "batch") -> Any:
+    """``value`` with every tensor of two or more dims (in nested dicts, lists, tuples) replaced by
+    ``fn(tensor, path)``; ``path`` names where it sits (``batch[0]['ids']``)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value, path) if value.dim() >= 2 else value
+    if isinstance(value, dict):
+        return {key: _map_sequence_tensors(item, fn, f"{path}[{key!r}]") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_sequence_tensors(item, fn, f"{path}[{i}]") for i, item in enumerate(value))
+    return value
+
+
 __all__ = ["HybridParallelStrategy", "Offload"]
+
