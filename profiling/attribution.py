@@ -49,7 +49,7 @@ from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import bubble_set
 from shardline.profiling.classify import Lane, classify_events, match_names
 from shardline.profiling.errors import AttributionError, TraceWarning
-from shardline.profiling.schema import COMM_CATEGORIES, check_events
+from shardline.profiling.schema import COMM_CATEGORIES, check_events, codes_or_end, per_category_table
 
 LABELS = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
           "other_comm", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset", "bubble", "p2p_send", "p2p_recv",
@@ -118,10 +118,10 @@ def empty_breakdown() -> pd.DataFrame:
 def is_in(column: pd.Series, values) -> np.ndarray:
     """Boolean mask: is each value of a categorical column (as text) in ``values``; computed on the
     categories and broadcast through the codes, never on a string per row. A missing value is in nothing."""
-    categories = column.cat.categories
-    table = np.append(np.isin(np.array([str(c) for c in categories], dtype=object), list(values)), False)
-    codes = column.cat.codes.to_numpy()
-    return table[np.where(codes < 0, len(categories), codes)]
+    wanted = frozenset(values)
+    table = per_category_table(column, ("is_in", wanted),
+                               lambda texts: np.array([t in wanted for t in texts] + [False], dtype=bool))
+    return table[codes_or_end(column)]
 
 
 #: The columns attribution reads; the per-rank copies hold only these.
@@ -177,16 +177,21 @@ def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None 
 
 def _gpu_work_steps(work: pd.DataFrame) -> pd.DataFrame:
     """Windows from the ``step`` of GPU work: [first start of N, first start of N+1), last: to its last end."""
-    stepped = work[work["step"] >= 0]
-    if stepped.empty:
-        return stepped[[]].assign(step=np.empty(0, np.int64), start_ns=np.empty(0, np.int64),
-                                  end_ns=np.empty(0, np.int64)).reset_index(drop=True)
-    per = stepped.assign(end_ns=stepped["start_ns"] + stepped["dur_ns"]).groupby("step", as_index=False).agg(
-        start_ns=("start_ns", "min"), last_end=("end_ns", "max"))
-    starts = per["start_ns"].to_numpy()
+    step = work["step"].to_numpy()
+    stepped = step >= 0
+    if not stepped.any():
+        return pd.DataFrame({"step": np.empty(0, np.int64), "start_ns": np.empty(0, np.int64),
+                             "end_ns": np.empty(0, np.int64)})
+    start = work["start_ns"].to_numpy()[stepped]
+    end = start + work["dur_ns"].to_numpy()[stepped]
+    step = step[stepped]
+    order = np.argsort(step, kind="stable")
+    steps, first = np.unique(step[order], return_index=True)
+    starts = np.minimum.reduceat(start[order], first)
+    last_end = int(np.maximum.reduceat(end[order], first)[-1])
     # The next step's first start closes a step; a non-increasing start (out-of-order work) gives an empty window.
-    ends = np.append(np.maximum(starts[1:], starts[:-1]), max(per["last_end"].iloc[-1], starts[-1]))
-    return pd.DataFrame({"step": per["step"].to_numpy().astype(np.int64), "start_ns": starts, "end_ns": ends})
+    ends = np.append(np.maximum(starts[1:], starts[:-1]), max(last_end, int(starts[-1])))
+    return pd.DataFrame({"step": steps.astype(np.int64), "start_ns": starts.astype(np.int64), "end_ns": ends})
 
 
 def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str, iv.IntervalSet]:

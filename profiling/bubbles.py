@@ -43,8 +43,7 @@ def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFra
     """(batch rows with p/m/schedule, action rows with action/stage/microbatch) on the lanes to use."""
     is_pp = match_names(events["name"], f"{contract.PREFIX}:pp:")
     if not is_pp.any():  # no pipeline annotations (most traces): nothing to extract
-        is_pp = np.zeros(0, dtype=bool)
-        events = events.iloc[:0]
+        return _NO_BATCHES.copy(), _NO_ACTIONS.copy()
     lane = events["lane"].astype(str).to_numpy()
     cpu = Lane.CPU.value  # a GPU rank may carry the annotations only on its host threads
     for kind in ((lanes, cpu) if lanes == Lane.GPU.value else (lanes,)):
@@ -68,6 +67,14 @@ def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFra
                             "stage": action["stage"][a].astype(int).to_numpy(),
                             "microbatch": action["microbatch"][a].astype(int).to_numpy()})
     return batches, actions
+
+
+_NO_BATCHES = pd.DataFrame({"rank": np.empty(0, np.int32), "start_ns": np.empty(0, np.int64),
+                            "end_ns": np.empty(0, np.int64), "schedule": np.empty(0, object),
+                            "p": np.empty(0, np.int64), "m": np.empty(0, np.int64), "v": np.empty(0, np.int64)})
+_NO_ACTIONS = pd.DataFrame({"rank": np.empty(0, np.int32), "start_ns": np.empty(0, np.int64),
+                            "end_ns": np.empty(0, np.int64), "action": np.empty(0, object),
+                            "stage": np.empty(0, np.int64), "microbatch": np.empty(0, np.int64)})
 
 
 def bubble_set(events: pd.DataFrame, *, lanes: str) -> iv.IntervalSet:

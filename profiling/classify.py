@@ -33,7 +33,14 @@ import pandas as pd
 
 import shardline.profiling.annotations as contract
 from shardline.profiling.errors import ClassificationError
-from shardline.profiling.schema import COMM_CATEGORIES, check_events
+from shardline.profiling.schema import (
+    COMM_CATEGORIES,
+    category_texts,
+    check_events,
+    codes_or_end,
+    per_category_table,
+    sorted_categorical,
+)
 
 
 class Category(str, enum.Enum):
@@ -309,28 +316,15 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     out["dim"] = _dims(out, category, layout)
 
 
-def _codes(column: pd.Series) -> np.ndarray:
-    """Category codes of a categorical column, a missing value mapped to one past the last category."""
-    codes = column.cat.codes.to_numpy()
-    if (codes < 0).any():
-        codes = np.where(codes < 0, len(column.cat.categories), codes)
-    return codes
+_codes = codes_or_end
 
 
 def _per_category(column: pd.Series, fn) -> list:
     """``fn`` of every category of a categorical column, then of "" (the slot a missing value maps to)."""
-    return [fn(str(value)) for value in [*column.cat.categories, ""]]
+    return [fn(value) for value in [*category_texts(column.cat.categories), ""]]
 
 
-def _sorted_categorical(codes: np.ndarray, vocabulary) -> pd.Categorical:
-    """Categorical of ``vocabulary[codes]`` whose categories are the values used, sorted (what
-    ``pd.Categorical`` of the strings would give), built from the codes without a string per row."""
-    used = np.flatnonzero(np.bincount(codes, minlength=len(vocabulary)))
-    order = sorted(used.tolist(), key=lambda i: vocabulary[i])
-    remap = np.zeros(len(vocabulary), dtype=np.int32)
-    remap[order] = np.arange(len(order), dtype=np.int32)
-    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([vocabulary[i] for i in order],
-                                                                        dtype=_STR))
+_sorted_categorical = sorted_categorical
 
 
 _STR = pd.Index(["x"]).dtype
@@ -339,12 +333,11 @@ _STR = pd.Index(["x"]).dtype
 def match_names(column: pd.Series, pattern: str) -> np.ndarray:
     """Boolean mask: does each value of a categorical column match ``pattern`` (``re.match``), computed on
     the unique values and broadcast."""
-    regex = re.compile(pattern)
-    cats = column.cat.categories
-    table = np.array([bool(regex.match(str(c))) for c in cats] + [False], dtype=bool)
-    codes = column.cat.codes.to_numpy().copy()
-    codes[codes < 0] = len(cats)
-    return table[codes]
+    def build(texts):
+        match = re.compile(pattern).match
+        return np.array([match(t) is not None for t in texts] + [False], dtype=bool)
+
+    return per_category_table(column, ("match", pattern), build)[codes_or_end(column)]
 
 
 def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarray):
@@ -434,7 +427,7 @@ def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
         values = out[column]
         if isinstance(values.dtype, pd.CategoricalDtype):
             # On the codes: "" is a category like any other; the result keeps the used values, sorted.
-            vocabulary = [str(c) for c in values.cat.categories] + [""]
+            vocabulary = [*category_texts(values.cat.categories), ""]
             codes = _codes(values).astype(np.int32)  # a copy: the column itself is replaced below
             _dedupe(vocabulary, codes)
             missing = codes[rows] == vocabulary.index("")

@@ -36,6 +36,8 @@ source         category  reader that produced the row ("kineto", "nccl_log", "ns
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pandas as pd
 
@@ -76,10 +78,66 @@ INT_COLUMNS = tuple(c for c, t in COLUMNS.items() if t.startswith("int"))
 STR_COLUMNS = tuple(c for c, t in COLUMNS.items() if t == "category")
 
 
+def category_texts(categories) -> list[str]:
+    """The categories of a categorical (an Index) as a list of Python str, converted in one call.
+
+    pandas' default string categories are Arrow-backed: iterating them yields one boxed scalar per element
+    (about 1 µs each), while ``tolist`` converts the whole array at C speed.
+    """
+    return [v if type(v) is str else str(v) for v in categories.tolist()]
+
+
+_TABLES: dict[tuple, tuple] = {}
+
+
+def per_category_table(column: pd.Series, key, build) -> np.ndarray:
+    """``build(texts)`` for the categories of a categorical column, with one extra trailing slot for missing
+    values (so ``table[codes]`` works after mapping code -1 to ``len(categories)``); cached per categories
+    object and ``key``, so the per-rank slices of one table (which share its categories) compute it once."""
+    categories = column.cat.categories
+    slot = (id(categories), key)
+    hit = _TABLES.get(slot)
+    if hit is not None and hit[0]() is categories:
+        return hit[1]
+    table = build(category_texts(categories))
+    # A weak reference: the cache never keeps a table's categories alive, and an entry whose categories are
+    # gone is dropped (so its id, if reused, cannot hit).
+    _TABLES[slot] = (weakref.ref(categories, lambda _ref, slot=slot: _TABLES.pop(slot, None)), table)
+    return table
+
+
+def codes_or_end(column: pd.Series) -> np.ndarray:
+    """Category codes of a categorical column, a missing value mapped to one past the last category."""
+    codes = column.cat.codes.to_numpy()
+    if (codes < 0).any():
+        codes = np.where(codes < 0, len(column.cat.categories), codes)
+    return codes
+
+
 def empty_events() -> pd.DataFrame:
     """A zero-row events table with the schema's columns and dtypes."""
     return pd.DataFrame({c: pd.Series(np.empty(0, dtype=t) if t != "category" else [], dtype=t)
                          for c, t in COLUMNS.items()})
+
+
+def sorted_categorical(codes: np.ndarray, vocabulary) -> pd.Categorical:
+    """Categorical of ``vocabulary[codes]`` whose categories are the values used, sorted (what
+    ``pd.Categorical`` of the strings would give), built from the codes without a string per row."""
+    used = np.flatnonzero(np.bincount(codes, minlength=len(vocabulary)))
+    order = sorted(used.tolist(), key=lambda i: vocabulary[i])
+    remap = np.zeros(len(vocabulary), dtype=np.int32)
+    remap[order] = np.arange(len(order), dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([vocabulary[i] for i in order],
+                                                                        dtype=_STR))
+
+
+def empty_texts(n: int) -> pd.Categorical:
+    """A categorical of ``n`` empty strings (built from codes: no string per row)."""
+    return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), dtype=_EMPTY_TEXT)
+
+
+_STR = pd.Index(["x"]).dtype
+_EMPTY_TEXT = pd.CategoricalDtype(pd.Index([""], dtype=_STR))
 
 
 def conform(frame: pd.DataFrame) -> pd.DataFrame:
@@ -91,14 +149,14 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
             values = frame[column]
             if dtype == "category":
                 values = values.fillna("").astype(str) if values.dtype != "category" else values
-                out[column] = values.astype("category")
+                out[column] = values if isinstance(values.dtype, pd.CategoricalDtype) else values.astype("category")
             elif str(values.dtype) == dtype:
                 out[column] = values  # an integer column cannot hold a missing value: nothing to fill
             else:
                 out[column] = values.fillna(-1).astype(dtype)
         else:
             out[column] = (pd.Series(np.full(n, -1, dtype=dtype), index=frame.index) if dtype != "category"
-                           else pd.Series(pd.Categorical([""] * n), index=frame.index))
+                           else pd.Series(empty_texts(n), index=frame.index))
     return pd.DataFrame(out, index=frame.index, copy=False)  # columns already right are shared, not copied
 
 

@@ -17,6 +17,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
+from shardline.profiling.schema import category_texts, sorted_categorical
 
 #: Events decoded per batch: big enough to amortise the per-batch cost, small enough to bound memory.
 BATCH = 200_000
@@ -324,13 +325,18 @@ def _message_bytes(*, in_nelems, out_nelems, dtype: pd.Categorical, nbytes) -> n
 
 def _memory_kind(names: pd.Series) -> pd.Categorical:
     """Host-side memory of a memcpy from its name: the source of HtoD, the destination of DtoH, else Device."""
-    categories = pd.Series(names.cat.categories, dtype=object)
-    parts = categories.str.extract(_MEMCPY_NAME)
-    kind = np.where(parts["kind"].str.startswith("H", na=False), parts["src"],
-                    np.where(parts["kind"].str.endswith("H", na=False), parts["dst"],
-                             np.where(parts["kind"].notna(), "Device", "")))
-    lookup = pd.Series(kind, index=names.cat.categories).astype(str)
-    return pd.Categorical(lookup.to_numpy()[names.cat.codes.to_numpy()]) if len(names) else pd.Categorical([])
+    kinds = {"": 0}
+    table = np.zeros(len(names.cat.categories), dtype=np.int32)
+    for i, name in enumerate(category_texts(names.cat.categories)):
+        hit = _MEMCPY_NAME.match(name) if name.startswith("Memcpy") else None
+        if hit is None:
+            continue
+        kind = hit["kind"]
+        text = hit["src"] if kind.startswith("H") else hit["dst"] if kind.endswith("H") else "Device"
+        table[i] = kinds.setdefault(text, len(kinds))
+    if len(names) == 0:
+        return pd.Categorical([])
+    return sorted_categorical(table[names.cat.codes.to_numpy()], list(kinds))
 
 
 def assign_steps(frame: pd.DataFrame) -> np.ndarray:
@@ -338,8 +344,11 @@ def assign_steps(frame: pd.DataFrame) -> np.ndarray:
     the step of the runtime call with the same correlation id, else by a GPU-side ``ProfilerStep#N`` window
     on their device; -1 when no window applies (and everywhere when the trace has no steps)."""
     step = np.full(len(frame), -1, dtype=np.int32)
-    numbers = pd.Series(frame["name"].cat.categories, dtype=object).str.extract(_STEP_NAME)[0]
-    number_of_code = pd.to_numeric(numbers, errors="coerce").fillna(-1).to_numpy().astype(np.int64)
+    number_of_code = np.full(len(frame["name"].cat.categories), -1, dtype=np.int64)
+    for i, name in enumerate(category_texts(frame["name"].cat.categories)):
+        hit = _STEP_NAME.match(name) if name.startswith("ProfilerStep#") else None
+        if hit is not None and len(hit[1]) < 19:
+            number_of_code[i] = int(hit[1])
     if len(frame) == 0 or (number_of_code < 0).all():
         return step
     event_step = number_of_code[frame["name"].cat.codes.to_numpy()]
@@ -348,11 +357,16 @@ def assign_steps(frame: pd.DataFrame) -> np.ndarray:
     gpu = (frame["lane"] == "gpu").to_numpy()
     _fill_windows(step, ~gpu, event_step, start, end, within=~gpu)
     correlation = frame["correlation"].to_numpy()
-    launch = ~gpu & (correlation >= 0) & (step >= 0)
-    by_corr = pd.Series(step[launch], index=correlation[launch])
-    by_corr = by_corr[~by_corr.index.duplicated()]
-    linked = gpu & (correlation >= 0)
-    step[linked] = by_corr.reindex(correlation[linked]).fillna(-1).to_numpy().astype(np.int32)
+    launch = np.flatnonzero(~gpu & (correlation >= 0) & (step >= 0))
+    linked = np.flatnonzero(gpu & (correlation >= 0))
+    if len(linked):
+        # The first launch row of each correlation id gives its step (a stable sort keeps row order).
+        ids, first = np.unique(correlation[launch], return_index=True)
+        slot = np.searchsorted(ids, correlation[linked])
+        found = slot < len(ids)
+        found[found] = ids[slot[found]] == correlation[linked[found]]
+        step[linked] = np.where(found, step[launch[first[np.minimum(slot, max(len(ids) - 1, 0))]]]
+                                if len(ids) else -1, -1)
     device = frame["device"].to_numpy()
     for dev in np.unique(device[gpu & (step < 0)]):
         _fill_windows(step, gpu & (device == dev), event_step, start, end, within=gpu & (device == dev) & (step < 0))
