@@ -49,7 +49,13 @@ from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import bubble_set
 from shardline.profiling.classify import Lane, classify_events, match_names
 from shardline.profiling.errors import AttributionError, TraceWarning
-from shardline.profiling.schema import COMM_CATEGORIES, check_events, codes_or_end, per_category_table
+from shardline.profiling.schema import (
+    COMM_CATEGORIES,
+    category_texts,
+    check_events,
+    codes_or_end,
+    per_category_table,
+)
 
 LABELS = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
           "other_comm", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset", "bubble", "p2p_send", "p2p_recv",
@@ -83,7 +89,9 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
         warnings.warn("nothing to attribute: the events table has no work events on any rank",
                       TraceWarning, stacklevel=2)
         return empty_breakdown()
-    return pd.concat(rows, ignore_index=True)
+    # One frame from the joined columns (every rank has the same ones); a frame per rank and a concat would
+    # cost about a millisecond per rank.
+    return pd.DataFrame({column: np.concatenate([r[column] for r in rows]) for column in rows[0]})
 
 
 def checked_events(traceset_or_events, *, caller: str, layout=None) -> pd.DataFrame:
@@ -211,20 +219,23 @@ def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str
             busy_t = iv.union(start[on & ~comm], end[on & ~comm])
             compute_parts.append(iv.subtract(busy_t, comm_t))
         sets["compute"] = iv.merge(*compute_parts)
+    codes = codes_or_end(category)
+    code_of = {text: i for i, text in enumerate(category_texts(category.cat.categories))}
     for label in LABELS:
         if label in ("idle", "bubble") or (label == "compute" and lanes == Lane.CPU.value):
             continue
-        on = is_in(category, (label,))
-        sets[label] = iv.union(start[on], end[on])
+        on = codes == code_of.get(label, -1)
+        sets[label] = iv.union(start[on], end[on]) if on.any() else iv.EMPTY
     # Only the pipeline annotations matter to bubbles: hand over just those rows (in order), not the rank.
-    sets["bubble"] = bubble_set(events[match_names(events["name"], _PP_PREFIX)], lanes=lanes)
+    pipeline = match_names(events["name"], _PP_PREFIX)
+    sets["bubble"] = bubble_set(events[pipeline], lanes=lanes) if pipeline.any() else iv.EMPTY
     # Not a partition label: time with a copy from/to pageable host memory running (a PCIe offload smell).
     pageable = is_in(category, ("memcpy_h2d", "memcpy_d2h")) & is_in(work["memory_kind"], ("Pageable",))
     sets["pageable_memcpy"] = iv.union(start[pageable], end[pageable])
     return sets
 
 
-def _rank_breakdown(events: pd.DataFrame) -> pd.DataFrame | None:
+def _rank_breakdown(events: pd.DataFrame) -> dict[str, np.ndarray] | None:
     work, lanes = work_rows(events)
     if work.empty:
         return None
@@ -234,14 +245,20 @@ def _rank_breakdown(events: pd.DataFrame) -> pd.DataFrame | None:
         last = int((work["start_ns"] + work["dur_ns"]).max())
         windows = pd.DataFrame({"step": [-1], "start_ns": [first], "end_ns": [last]})
     sets = label_sets(events, work, lanes)
-    frame = partition(sets, win_start=windows["start_ns"].to_numpy(), win_end=windows["end_ns"].to_numpy())
-    frame.insert(0, "rank", int(events["rank"].iloc[0]))
-    frame.insert(1, "step", windows["step"].to_numpy().astype(np.int64))
-    frame.insert(2, "lanes", lanes)
-    return frame
+    steps = windows["step"].to_numpy().astype(np.int64)
+    return partition_columns(sets, win_start=windows["start_ns"].to_numpy(), win_end=windows["end_ns"].to_numpy(),
+                                     leading={"rank": np.full(len(steps), int(events["rank"].iloc[0]), dtype=np.int64),
+                                      "step": steps, "lanes": np.full(len(steps), lanes, dtype=object)})
 
 
-def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray) -> pd.DataFrame:
+def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray,
+              leading: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
+    """Exclusive partition of each window by ``LABELS`` priority, + overlap (see ``partition_columns``)."""
+    return pd.DataFrame(partition_columns(sets, win_start=win_start, win_end=win_end, leading=leading))
+
+
+def partition_columns(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray,
+                      leading: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Exclusive partition of each window ``[win_start[k], win_end[k])`` by ``LABELS`` priority, + overlap.
 
     Elementary segments lie between consecutive endpoints of all sets and windows, so each segment is wholly
@@ -259,7 +276,8 @@ def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end
     hi = np.searchsorted(points, win_end)
     covered = {label: iv.covers(s, seg_s) for label, s in sets.items()}
     free = np.ones(len(seg_s), dtype=bool)
-    out: dict[str, np.ndarray] = {"start_ns": win_start, "end_ns": win_end, "step_ns": win_end - win_start}
+    out: dict[str, np.ndarray] = {**(leading or {}), "start_ns": win_start, "end_ns": win_end,
+                                  "step_ns": win_end - win_start}
 
     def window_sums(mask: np.ndarray) -> np.ndarray:
         prefix = np.concatenate([[0], np.cumsum(np.where(mask, length, 0))])
@@ -284,7 +302,7 @@ def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end
     overlapped = window_sums(any_comm & compute)
     with np.errstate(invalid="ignore", divide="ignore"):
         out["overlap_ratio"] = np.where(out["comm_ns"] > 0, overlapped / np.maximum(out["comm_ns"], 1), np.nan)
-    return pd.DataFrame(out)
+    return out
 
 
 def comm_by_dim(traceset_or_events, *, layout=None) -> pd.DataFrame:

@@ -192,6 +192,10 @@ def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[st
     top, events_raw = _split_top(path, data, warnings)
     if events_raw is None:
         return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
+    if isinstance(events_raw, msgspec.Raw) and events_raw is not data:
+        batches = _small_in_one_call(events_raw, keep_python=keep_python)
+        if batches is not None:
+            return {k: v for k, v in top.items() if k != "traceEvents"}, batches
     fast = _fast_columns(keep_python, validated=True)  # _split_top decoded (so checked) the whole file
     if fast is not None and isinstance(events_raw, msgspec.Raw) and events_raw is not data:
         batches = _chunked_in_memory(path, data, events_raw, fast=fast, keep_python=keep_python,
@@ -207,6 +211,25 @@ def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[st
     with _gc_paused():
         batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings, pages=pages)
     return {k: v for k, v in top.items() if k != "traceEvents"}, batches
+
+
+#: An events array up to this size is decoded in one call (no chunking: its structs are a few MB at most).
+_ONE_CALL_MAX_BYTES = 4 << 20
+
+
+def _small_in_one_call(events_raw: msgspec.Raw, *, keep_python: bool) -> list[dict] | None:
+    """The column batch of a small, intact events array decoded in one call; None when it is big, when the
+    Arrow path would take it (``_kineto_arrow.MIN_BYTES``), or when some event does not decode (the careful
+    paths then salvage what they can and warn)."""
+    size = len(memoryview(events_raw))
+    if size > _ONE_CALL_MAX_BYTES or (_kineto_arrow.available() and size >= _kineto_arrow.MIN_BYTES):
+        return None
+    try:
+        with _gc_paused():
+            events = _DECODE_EVENTS.decode(events_raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        return None
+    return [columns_from_events(events, keep_python=keep_python)]
 
 
 def _fast_columns(keep_python: bool, *, validated: bool = False):
