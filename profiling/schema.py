@@ -74,6 +74,7 @@ COLUMNS: dict[str, str] = {
     "memory_kind": "category",
     "source": "category",
 }
+_COLUMN_LIST = list(COLUMNS)
 INT_COLUMNS = tuple(c for c, t in COLUMNS.items() if t.startswith("int"))
 STR_COLUMNS = tuple(c for c, t in COLUMNS.items() if t == "category")
 
@@ -142,6 +143,9 @@ _EMPTY_TEXT = pd.CategoricalDtype(pd.Index([""], dtype=_STR))
 
 def conform(frame: pd.DataFrame) -> pd.DataFrame:
     """Add missing columns (-1 / ""), cast to the schema's dtypes and order the columns."""
+    if list(frame.columns) == _COLUMN_LIST and all(str(dtype) == want for dtype, want in
+                                                   zip(frame.dtypes, COLUMNS.values())):
+        return frame  # already the schema (the Kineto reader builds it so)
     n = len(frame)
     out = {}
     for column, dtype in COLUMNS.items():

@@ -23,6 +23,16 @@ def _fast(texts: np.ndarray, scale_digits: int) -> np.ndarray | None:
     if texts.dtype.itemsize > _WIDTH or (np.strings.find(texts, b"e") >= 0).any() or \
             (np.strings.find(texts, b"E") >= 0).any():
         return None
+    if not (np.strings.find(texts, b".") >= 0).any():
+        # Integers only (e.g. µs times without fractions): one C-level conversion.
+        try:
+            values = texts.astype(np.int64)
+        except (ValueError, OverflowError, TypeError):
+            return None
+        limit = _INT64_MAX // 10**scale_digits
+        if len(values) and (values.max() > limit or values.min() < -limit or (np.strings.str_len(texts) == 0).any()):
+            return None
+        return values * 10**scale_digits
     try:
         negative = np.strings.startswith(texts, b"-")
         head, _, tail = np.strings.partition(texts, b".")
