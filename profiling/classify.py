@@ -76,11 +76,17 @@ UNKNOWN_DIM = "unknown"
 
 @dataclass(frozen=True)
 class CommRule:
-    """A communication kernel the NCCL name patterns do not know: ``pattern`` (regex, searched in the name)."""
+    """A communication kernel the NCCL name patterns do not know: ``pattern`` (regex, searched in the name).
+
+    ``literals`` (optional): substrings of which every name the pattern matches contains at least one. The
+    classifier then runs the regex only on names holding one of them (kernel names run to hundreds of
+    characters, and an unanchored search through each is the slow part of classifying); empty: always run it.
+    """
 
     pattern: str
     category: Category
     note: str = ""
+    literals: tuple[str, ...] = ()
 
     def __post_init__(self):
         try:
@@ -94,15 +100,20 @@ class CommRule:
 
 #: Non-NCCL communication kernels. First match wins; extend with ``classify_events(..., rules=DEFAULT_RULES+...)``.
 DEFAULT_RULES: tuple[CommRule, ...] = (
-    CommRule(r"deep_ep::.*(dispatch|combine)", Category.ALL_TO_ALL, "DeepEP expert dispatch/combine"),
-    CommRule(r"userbuffers.*(_rs|reducescatter|reduce_scatter)", Category.REDUCE_SCATTER, "TE userbuffers RS"),
-    CommRule(r"userbuffers.*(_ag|allgather|all_gather)", Category.ALL_GATHER, "TE userbuffers AG"),
-    CommRule(r"userbuffers|kuserbuffers", Category.OTHER_COMM, "TE userbuffers p2p/other"),
-    CommRule(r"cross_device_reduce_[12]stage", Category.ALL_REDUCE, "vLLM custom all-reduce"),
+    CommRule(r"deep_ep::.*(dispatch|combine)", Category.ALL_TO_ALL, "DeepEP expert dispatch/combine",
+             ("deep_ep::",)),
+    CommRule(r"userbuffers.*(_rs|reducescatter|reduce_scatter)", Category.REDUCE_SCATTER, "TE userbuffers RS",
+             ("userbuffers",)),
+    CommRule(r"userbuffers.*(_ag|allgather|all_gather)", Category.ALL_GATHER, "TE userbuffers AG",
+             ("userbuffers",)),
+    CommRule(r"userbuffers|kuserbuffers", Category.OTHER_COMM, "TE userbuffers p2p/other", ("userbuffers",)),
+    CommRule(r"cross_device_reduce_[12]stage", Category.ALL_REDUCE, "vLLM custom all-reduce",
+             ("cross_device_reduce_",)),
     CommRule(r"(one|two)ShotAllReduce|allReduce\w*Kernel|lamport\w*AllReduce", Category.ALL_REDUCE,
-             "TensorRT-LLM custom all-reduce"),
-    CommRule(r"(one_shot|two_shot|multimem)_all_reduce", Category.ALL_REDUCE, "torch symmetric memory"),
-    CommRule(r"multimem_all_gather", Category.ALL_GATHER, "torch symmetric memory"),
+             "TensorRT-LLM custom all-reduce", ("llReduce",)),
+    CommRule(r"(one_shot|two_shot|multimem)_all_reduce", Category.ALL_REDUCE, "torch symmetric memory",
+             ("_all_reduce",)),
+    CommRule(r"multimem_all_gather", Category.ALL_GATHER, "torch symmetric memory", ("multimem_all_gather",)),
 )
 
 # Operation words (NCCL kernel op, torch collective names, annotation suffixes) -> category. Keys are the
@@ -135,6 +146,11 @@ _MEMCPY_RE = re.compile(r"^Memcpy\s*(HtoD|DtoH|DtoD|PtoP|HtoH)|^(CopyHostToDevic
 _MEMSET_RE = re.compile(r"^(Memset|FillBuffer)")
 _SYNC_RE = re.compile(r"^(cuda|hip)(DeviceSynchronize|StreamSynchronize|EventSynchronize|StreamWaitEvent)$|"
                       r"^(Context Sync|Stream Sync|Event Sync|Stream Wait Event)$")
+#: Every name-anchored pattern of ``name_category`` in one alternation: a name it does not match can only
+#: be communication through a rule.
+_ANCHORED = re.compile("|".join(f"(?:{p.pattern})" for p in (
+    _NCCL_KERNEL_RE, _ANNOTATION_RE, _C10D_RE, re.compile(r"^record_param_comms$"), contract.COMM_RE, _MEMCPY_RE,
+    _MEMSET_RE, _SYNC_RE)))
 _MEMCPY_KIND = {"HtoD": Category.MEMCPY_H2D, "CopyHostToDevice": Category.MEMCPY_H2D,
                 "DtoH": Category.MEMCPY_D2H, "CopyDeviceToHost": Category.MEMCPY_D2H,
                 "DtoD": Category.MEMCPY_D2D, "PtoP": Category.MEMCPY_D2D, "CopyDeviceToDevice": Category.MEMCPY_D2D,
@@ -152,6 +168,10 @@ def op_category(word: str) -> str:
 
 def name_category(name: str, *, rules: Sequence[CommRule] = DEFAULT_RULES) -> tuple[str, bool]:
     """(category, is_comm_kernel_name) of one event name, from the name alone."""
+    if not _ANCHORED.match(name) and not any(
+            any(text in name for text in rule.literals) if rule.literals else re.search(rule.pattern, name)
+            for rule in rules):
+        return Category.COMPUTE.value, False  # most names: no pattern below can match
     for pattern, source in ((_NCCL_KERNEL_RE, "kernel"), (_ANNOTATION_RE, "annotation"), (_C10D_RE, "c10d")):
         hit = pattern.match(name)
         if hit:
@@ -358,30 +378,47 @@ def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarra
     stream = ev["stream"].to_numpy()
     op_idx = np.flatnonzero(is_op)
     # (a) External id of the kernel equals the External id of its record_param_comms op (recent Kineto).
-    ops_by_ext = pd.Series(op_idx, index=pd.MultiIndex.from_arrays([rank[op_idx], ext[op_idx]]))
-    ops_by_ext = ops_by_ext[(ext[op_idx] >= 0)]
-    ops_by_ext = ops_by_ext[~ops_by_ext.index.duplicated(keep="last")]
     k_idx = np.flatnonzero(want)
-    hit = ops_by_ext.reindex(pd.MultiIndex.from_arrays([rank[k_idx], ext[k_idx]])).to_numpy()
-    found = ~np.isnan(hit.astype(float))
+    hit = _row_by_key(op_idx[ext[op_idx] >= 0], rank, ext, queries=k_idx, keep="last")
+    found = hit >= 0
     # Old Kineto reuses the correlation id as the kernel's External id: accept only an op that began before.
-    found[found] = start[hit[found].astype(np.int64)] <= start[k_idx[found]]
-    link[k_idx[found]] = hit[found].astype(np.int64)
+    found[found] = start[hit[found]] <= start[k_idx[found]]
+    link[k_idx[found]] = hit[found]
     # (b) kernel.correlation == launch.correlation; the launch lies inside the op on the same thread.
     rest = k_idx[~found & (corr[k_idx] >= 0)]
     if len(rest):
-        launches = np.flatnonzero(lane_cpu & (corr >= 0))
-        by_corr = pd.Series(launches, index=pd.MultiIndex.from_arrays([rank[launches], corr[launches]]))
-        by_corr = by_corr[~by_corr.index.duplicated(keep="first")]
-        lh = by_corr.reindex(pd.MultiIndex.from_arrays([rank[rest], corr[rest]])).to_numpy().astype(float)
-        ok = ~np.isnan(lh)
-        rest, launch = rest[ok], lh[ok].astype(np.int64)
+        lh = _row_by_key(np.flatnonzero(lane_cpu & (corr >= 0)), rank, corr, queries=rest, keep="first")
+        ok = lh >= 0
+        rest, launch = rest[ok], lh[ok]
         specific = category != _CAT_CODE[Category.OTHER_COMM.value]
         link[rest] = _innermost_container(op_idx, launch, rank=rank, stream=stream, start=start, end=end,
                                           specific=specific)
     linked = link >= 0
     result[linked] = category[link[linked]]
     return result, link
+
+
+def _row_by_key(rows: np.ndarray, rank: np.ndarray, key: np.ndarray, *, queries: np.ndarray,
+                keep: str) -> np.ndarray:
+    """For each query row: the row among ``rows`` (ascending) with the same rank and key -- the first or the
+    last of several -- or -1. Per rank, a sorted search (no hashing of (rank, key) pairs)."""
+    out = np.full(len(queries), -1, dtype=np.int64)
+    q_rank = rank[queries]
+    for r in np.unique(q_rank):
+        mine = rows[rank[rows] == r]
+        if not len(mine):
+            continue
+        order = np.argsort(key[mine], kind="stable")  # equal keys stay in row order
+        keys, owners = key[mine][order], mine[order]
+        q = np.flatnonzero(q_rank == r)
+        wanted = key[queries[q]]
+        pos = np.searchsorted(keys, wanted, side="left" if keep == "first" else "right")
+        if keep != "first":
+            pos -= 1
+        ok = (pos >= 0) & (pos < len(keys))
+        ok[ok] = keys[pos[ok]] == wanted[ok]
+        out[q[ok]] = owners[pos[ok]]
+    return out
 
 
 def _innermost_container(op_idx, point_idx, *, rank, stream, start, end, specific) -> np.ndarray:
@@ -400,9 +437,13 @@ def _innermost_container(op_idx, point_idx, *, rank, stream, start, end, specifi
 
 
 def _containers_pass(out, op_idx, point_idx, *, rank, stream, start, end, allowed) -> None:
-    keys = pd.DataFrame({"r": rank[op_idx], "s": stream[op_idx]})
-    for (r, s), grp in keys.groupby(["r", "s"]).groups.items():
-        ops = op_idx[np.asarray(grp)]
+    by_thread = op_idx[np.lexsort((stream[op_idx], rank[op_idx]))]  # the ops of each (rank, thread) together
+    r_sorted, s_sorted = rank[by_thread], stream[by_thread]
+    change = np.flatnonzero((r_sorted[1:] != r_sorted[:-1]) | (s_sorted[1:] != s_sorted[:-1])) + 1
+    for ops in np.split(by_thread, change):
+        if not len(ops):
+            continue
+        r, s = rank[ops[0]], stream[ops[0]]
         ops = ops[np.argsort(start[ops], kind="stable")]
         sel = np.flatnonzero((rank[point_idx] == r) & (stream[point_idx] == s))
         if not len(sel):

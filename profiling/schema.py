@@ -134,7 +134,7 @@ def sorted_categorical(codes: np.ndarray, vocabulary) -> pd.Categorical:
 
 def empty_texts(n: int) -> pd.Categorical:
     """A categorical of ``n`` empty strings (built from codes: no string per row)."""
-    return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), dtype=_EMPTY_TEXT)
+    return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), dtype=_EMPTY_TEXT, validate=False)
 
 
 _STR = pd.Index(["x"]).dtype

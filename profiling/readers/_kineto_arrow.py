@@ -243,8 +243,8 @@ def _columns(table, *, keep_python: bool) -> dict | None:
                    pc.invert(pc.is_in(cat_all, value_set=pa.array(sorted(drop)))))
     keep = mask.to_numpy(zero_copy_only=False) if n_all else np.zeros(0, dtype=bool)
     _check_utf8(table)
-    ts = _exact_ns(table["ts"])
-    dur = _exact_ns(table["dur"])
+    ts = exact_ns(table["ts"])
+    dur = exact_ns(table["dur"])
     if ts is None or dur is None:
         return None
     everything = bool(keep.all())
@@ -316,7 +316,13 @@ def _id_column(table, key: str) -> np.ndarray:
     return np.where(present, parsed[codes], values)
 
 
-def _exact_ns(column) -> np.ndarray | None:
+def cast_decimal(texts):
+    """Number texts (an Arrow string array) as decimal(38, 3), exactly; raises ``ArrowInvalid`` for a text
+    that is not a number or has more than 3 decimals."""
+    return pc.cast(texts, _DECIMAL)
+
+
+def exact_ns(column) -> np.ndarray | None:
     """int64 ns of a µs time column read as decimal(38, 3): its unscaled integer, exactly; 0 where the key is
     missing (explicit nulls were refused by ``_suspicious``); None when a value is beyond int64 ns (more than
     3 decimals already made Arrow refuse the chunk)."""

@@ -99,7 +99,7 @@ def _texts(values: list) -> pd.Categorical:
     category) and sorted.
     """
     if not any(values):  # the usual case for most args: nothing to factorise
-        return pd.Categorical.from_codes(np.zeros(len(values), dtype=np.int8), categories=pd.Index([""], dtype=_STR))
+        return empty_texts(len(values))
     array = np.empty(len(values), dtype=object)
     array[:] = values
     try:
@@ -157,10 +157,7 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
     tid = _field(kept, "tid", overflow)
     arg_device = _field(args, "device", overflow)
     arg_stream = _field(args, "stream", overflow)
-    times = np.array([*map(bytes, map(_get("ts"), kept)), *map(bytes, map(_get("dur"), kept))] or [b"0"],
-                     dtype="S")
-    scaled, bad = decimal_texts_to_scaled(times[:2 * n], scale_digits=3)
-    del times
+    scaled, bad = _times_ns([*map(_get("ts"), kept), *map(_get("dur"), kept)])
     ts, dur = scaled[:n], scaled[n:]
     external = _ints_or_else(args, "external_id", "external_id_legacy", overflow)
     dst = _ints_or_else(args, "dst_rank", "src_rank", overflow)
@@ -196,6 +193,39 @@ _LANES = pd.CategoricalDtype(pd.Index(["cpu", "gpu"], dtype=_STR))
 
 
 _get = operator.attrgetter
+
+
+def _times_ns(raws: list) -> tuple[np.ndarray, np.ndarray]:
+    """``(ns, bad)`` of µs number texts (msgspec ``Raw`` slices), exactly: Arrow's decimal(38, 3) cast over
+    all of them at once when it can read every one exactly, else the numpy text path (which also rounds
+    digits beyond the third decimal and marks what is not a number)."""
+    values = _arrow_times_ns(raws)
+    if values is not None:
+        return values, np.zeros(len(raws), dtype=bool)
+    texts = np.array([*map(bytes, raws)] or [b"0"], dtype="S")
+    return decimal_texts_to_scaled(texts[:len(raws)], scale_digits=3)
+
+
+def _arrow_times_ns(raws: list) -> np.ndarray | None:
+    """The texts joined into one Arrow string array (offsets from their lengths: no object per text) and
+    cast to decimal(38, 3); the unscaled integers are the ns. None when Arrow is off or unavailable, or
+    when any text is not a plain number with at most 3 decimals whose ns fit int64."""
+    from shardline.profiling.readers import _kineto_arrow
+
+    if not raws or not _kineto_arrow.available():
+        return None
+    data = b"".join(raws)
+    if len(data) >= 2**31:
+        return None
+    offsets = np.zeros(len(raws) + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, raws), dtype=np.int32, count=len(raws)), out=offsets[1:])
+    pa = _kineto_arrow.pa
+    texts = pa.Array.from_buffers(pa.string(), len(raws), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    try:
+        decimals = _kineto_arrow.cast_decimal(texts)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    return _kineto_arrow.exact_ns(decimals)
 
 
 def _field(items: list, field: str, overflow: list) -> np.ndarray:

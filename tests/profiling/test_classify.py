@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 from hypothesis import given, settings
@@ -112,6 +114,29 @@ def test_user_rules_extend_and_bad_rules_are_our_error():
         CommRule("(unclosed", Category.ALL_GATHER)
     with pytest.raises(ClassificationError, match="not a communication category"):
         CommRule("x", Category.COMPUTE)
+
+
+@pytest.mark.parametrize("rule", [r for r in DEFAULT_RULES if r.literals], ids=lambda r: r.pattern[:24])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_default_rule_literals_hold_for_every_match(rule, data):
+    """A rule's ``literals`` let the classifier skip its regex; a wrong literal would silently call a
+    communication kernel compute. Every name the pattern matches (generated from the regex, with text
+    around it, as a search finds it) contains one of them."""
+    text = data.draw(st.from_regex(rule.pattern, fullmatch=True))
+    name = data.draw(st.text(max_size=8)) + text + data.draw(st.text(max_size=8))
+    assert re.search(rule.pattern, name)
+    assert any(literal in name for literal in rule.literals), (rule.pattern, name)
+
+
+def test_names_without_a_rule_literal_still_run_literal_free_rules():
+    rows = [_kernel("grouped_gemm_then_ag_kernel"), _kernel("userbuffers_rs_kernel")]
+    plain = CommRule(r"then_ag", Category.ALL_GATHER)  # no literals: its regex runs on every name
+    got = _classify(rows, rules=[*DEFAULT_RULES, plain])["category"].tolist()
+    assert got == ["all_gather", "reduce_scatter"]
+    # A literal that the name lacks skips the rule even though its regex would match: literals are a promise.
+    promised = CommRule(r"then_ag", Category.ALL_GATHER, literals=("absent",))
+    assert _classify(rows[:1], rules=[promised])["category"].tolist() == ["compute"]
 
 
 @pytest.mark.parametrize("desc, dim", [

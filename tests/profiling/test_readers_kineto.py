@@ -65,6 +65,31 @@ def test_decimal_text_parser_rounding_and_forms():
     assert not bad.any()
 
 
+@pytest.mark.parametrize("texts", [
+    [b"12345.678", b"1.001", b"-2.5", b"7", b"1e3", b"0", b"1712195495519695.8", b"9223372036854775.807"],
+    [b"51.0", b"1682725898242253", b"0.5"],
+    [b"1.2345", b"3"],  # a fourth decimal: Arrow refuses, the numpy path rounds
+    [b"9223372036854775.808", b"1"],  # beyond int64 ns: refused, then marked bad
+    [b'"12"', b"1"],  # a JSON string where a number belongs
+])
+def test_time_texts_arrow_cast_agrees_with_the_numpy_parser(texts):
+    """The reader's first try (one Arrow decimal cast over all time texts) gives exactly what the numpy text
+    parser gives, or steps aside (None) for the texts only the parser handles."""
+    import msgspec
+
+    from shardline.profiling.readers._kineto_columns import _arrow_times_ns, _times_ns
+
+    raws = [msgspec.Raw(t) for t in texts]
+    want, want_bad = decimal_texts_to_scaled(np.array(texts, dtype="S"), scale_digits=3)
+    fast = _arrow_times_ns(raws)
+    refused = any(b"." in t and len(t.split(b".")[1]) > 3 for t in texts) or want_bad.any() or b'"12"' in texts
+    assert (fast is None) == refused
+    if fast is not None:
+        assert fast.tolist() == want.tolist()
+    got, bad = _times_ns(raws)
+    assert got.tolist() == want.tolist() and bad.tolist() == want_bad.tolist()
+
+
 def test_legacy_2021_categories_and_string_tids(tmp_path):
     # Legacy Kineto: tid "stream 7" for GPU rows, tid "5555" text for CPU rows, lower-case "external id".
     events = [
