@@ -142,6 +142,13 @@ def per_rank(events: pd.DataFrame, columns=None):
     and, when ``columns`` is given, only those columns."""
     rank = events["rank"].to_numpy()
     keep = list(events.columns) if columns is None else [c for c in events.columns if c in columns]
+    if len(rank) and (rank[1:] >= rank[:-1]).all():
+        # Rows already grouped by rank in order (as ``load`` builds the table): slices, no per-rank copy.
+        table = events[keep]
+        ranks, first = np.unique(rank, return_index=True)
+        for r, lo, hi in zip(ranks, first, [*first[1:], len(rank)]):
+            yield r, table.iloc[lo:hi]
+        return
     for r in np.unique(rank):
         yield r, events.loc[rank == r, keep]
 
