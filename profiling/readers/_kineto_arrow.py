@@ -51,6 +51,7 @@ from shardline.profiling.readers._kineto_columns import (
     PYTHON_CATS,
     _int,
     _message_bytes,
+    has_begin_end,
 )
 
 try:
@@ -290,7 +291,7 @@ def _columns(table, *, keep_python: bool) -> dict | None:
         "peer": dst.astype(np.int32),
         "overflow": 0,
     }
-    columns["pid"] = pid if (ph.categories != "X").any() else np.full(n, -1, dtype=np.int64)
+    columns["pid"] = pid if has_begin_end(ph) else np.full(n, -1, dtype=np.int64)
     return columns
 
 

@@ -144,7 +144,9 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
         kept = events
     else:
         kept = list(itertools.compress(events, mask.tolist()))
-    ph = _subset(ph_all, mask) if not mask.all() else ph_all
+    # ``ph`` only serves to find B/E pairs (then it is dropped): the kept rows' codes, categories untrimmed.
+    ph = pd.Categorical.from_codes(ph_all.codes[mask], dtype=ph_all.dtype, validate=False) \
+        if not mask.all() else ph_all
     cat = _subset(cat_all, mask) if not mask.all() else cat_all
     del ph_all, cat_all
     n = len(kept)
@@ -185,8 +187,14 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
         "overflow": len(overflow),
     }
     # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
-    columns["pid"] = pid if category_texts(ph.categories) not in ([], ["X"]) else np.full(n, -1, dtype=np.int64)
+    columns["pid"] = pid if has_begin_end(ph) else np.full(n, -1, dtype=np.int64)
     return columns
+
+
+def has_begin_end(ph: pd.Categorical) -> bool:
+    """Whether any row of a ``ph`` column is a B or E event (its categories may include unused phases)."""
+    table = np.array([text in ("B", "E") for text in category_texts(ph.categories)] + [False], dtype=bool)
+    return bool(table[np.asarray(ph.codes)].any()) if len(ph) else False
 
 
 _LANES = pd.CategoricalDtype(pd.Index(["cpu", "gpu"], dtype=_STR))
@@ -312,7 +320,7 @@ def finish_frame(path: Path, batches: list[dict], *, base_ns: int, rank: int, wa
     if not keep.all():
         cols = {key: values[keep] for key, values in cols.items()}
     ph = cols["ph"]
-    if len(ph) and (ph.categories != "X").any():  # B/E pairs (rare: a few user ranges) go through a frame
+    if has_begin_end(ph):  # B/E pairs (rare: a few user ranges) go through a frame
         frame = _pair_begin_end(pd.DataFrame(cols, copy=False), warnings=warnings, path=path)
         cols = {key: frame[key].array if isinstance(frame[key].dtype, pd.CategoricalDtype)
                 else frame[key].to_numpy() for key in frame.columns}
