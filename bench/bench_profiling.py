@@ -7,8 +7,8 @@ Each side runs in its own fresh subprocess; the parent samples the RSS of that p
 (HTA parses ranks in a worker pool) every 20 ms with psutil and keeps the peak of the sum. Time is the child's
 own measurement of load + analysis (imports excluded, reported apart); CPU seconds come from the child's
 ``getrusage`` of itself plus its reaped workers, so "MB/s per core" = uncompressed JSON MB / CPU seconds.
-Each child also reports its RSS after the imports, so the table shows the memory the analysis needs on top of
-them. The small sets run ``--small-runs`` fresh processes per side and report the medians. shardline's
+Each child also reports its peak RSS up to the end of its imports (``VmHWM``: ``ru_maxrss`` would carry the
+parent's RSS over the fork), so the table shows the memory the analysis needs on top of them. The small sets run ``--small-runs`` fresh processes per side and report the medians. shardline's
 bytecode is written first (as a wheel install does; HTA's pip install did so for HTA).
 
 Data sets: the 8-rank DLRM traces (``param/dlrm_kineto``), HTA's own two-rank ``trace_filter`` set, and a large
@@ -54,7 +54,7 @@ t0 = time.perf_counter()
 from shardline.profiling import breakdown, load
 from shardline.profiling.errors import TraceWarning
 t1 = time.perf_counter()
-import_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+import_rss_mb = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) / 1024
 warnings.simplefilter("ignore", TraceWarning)
 ts = load(sys.argv[1], workers=int(sys.argv[2]) if len(sys.argv) > 2 else None)
 t2 = time.perf_counter()
@@ -72,7 +72,7 @@ warnings.simplefilter("ignore")
 t0 = time.perf_counter()
 from hta.trace_analysis import TraceAnalysis
 t1 = time.perf_counter()
-import_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+import_rss_mb = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) / 1024
 analysis = TraceAnalysis(trace_dir=sys.argv[1])
 t2 = time.perf_counter()
 temporal = analysis.get_temporal_breakdown(visualize=False)
@@ -260,8 +260,8 @@ def render(rows: list) -> str:
         "forked workers by default (HTA uses a pool too); the '1 process' row reads them one after the other.",
         "",
         "Small sets: median of several fresh processes per side. 'Above imports' = peak RSS of the tree minus the "
-        "RSS the process had after its imports (pandas 3 + pyarrow alone are ~101 MB for ours, pandas 2 + HTA's "
-        "imports ~94 MB): the memory the analysis itself needs.",
+        "process's peak RSS up to the end of its imports (pandas 3 + pyarrow alone are ~101 MB for ours, "
+        "pandas 2 + HTA's imports ~94 MB): the memory the analysis itself needs.",
         "",
         "| data set | JSON MB | ours s (load s) | HTA s (load s) | speed-up | ours peak MB | HTA peak MB | "
         "memory ratio | above imports: ours / HTA MB (ratio) | ours MB/s/core | HTA MB/s/core |",
