@@ -169,7 +169,8 @@ def op_category(word: str) -> str:
 def name_category(name: str, *, rules: Sequence[CommRule] = DEFAULT_RULES) -> tuple[str, bool]:
     """(category, is_comm_kernel_name) of one event name, from the name alone."""
     if not _ANCHORED.match(name) and not any(
-            any(text in name for text in rule.literals) if rule.literals else re.search(rule.pattern, name)
+            any(text in name for text in literals) if (literals := getattr(rule, "literals", ())) else
+            re.search(rule.pattern, name)
             for rule in rules):
         return Category.COMPUTE.value, False  # most names: no pattern below can match
     for pattern, source in ((_NCCL_KERNEL_RE, "kernel"), (_ANNOTATION_RE, "annotation"), (_C10D_RE, "c10d")):

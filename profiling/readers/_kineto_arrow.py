@@ -356,7 +356,9 @@ def exact_ns(column) -> np.ndarray | None:
     if column.null_count:
         valid = column.is_valid().to_numpy(zero_copy_only=False)
         low, high = np.where(valid, low, 0), np.where(valid, high, 0)
-    if (high != (low >> 63)).any():  # the 128-bit value does not fit int64
+    # The 128-bit value must fit int64; int64's minimum is refused too, as the numpy text parser (the
+    # ordinary path) counts magnitudes beyond int64's maximum out of range.
+    if (high != (low >> 63)).any() or (low == np.iinfo(np.int64).min).any():
         return None
     return low.copy()
 

@@ -38,6 +38,7 @@ _MEMCPY_NAME = re.compile(r"^Memcpy (?P<kind>\w+) \((?P<src>\w+) -> (?P<dst>\w+)
 _STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 _STREAM_TEXT = re.compile(r"(\d+)\s*$")
 _INT64 = (-(2**63), 2**63 - 1)
+_STEP_MAX = 2**31 - 1
 #: The dtype pandas gives string categories by default; every reader uses it so categoricals concatenate.
 _STR = pd.Index(["x"]).dtype
 
@@ -245,8 +246,14 @@ def _field(items: list, field: str, overflow: list) -> np.ndarray:
 
 
 def _ints_or_else(args: list, field: str, fallback: str, overflow: list) -> np.ndarray:
-    """int64 column of ``field``, taking ``fallback`` where ``field`` is -1 (only those rows read it)."""
-    out = _field(args, field, overflow)
+    """int64 column of ``field``, taking ``fallback`` where ``field`` is absent (or -1); a present but
+    unreadable or overflowing ``field`` stays -1 (only the rows without ``field`` read ``fallback``)."""
+    values = list(map(_get(field), args))
+    try:
+        out = np.array(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        second = _get(fallback)
+        return _ints([v if v != -1 else second(a) for v, a in zip(values, args)], overflow)
     missing = np.flatnonzero(out == -1)
     if len(missing):
         rows = operator.itemgetter(*missing.tolist())(args) if len(missing) > 1 else (args[int(missing[0])],)
@@ -398,7 +405,7 @@ def assign_steps(columns) -> np.ndarray:
     number_of_code = np.full(len(names.categories), -1, dtype=np.int64)
     for i, name in enumerate(category_texts(names.categories)):
         hit = _STEP_NAME.match(name) if name.startswith("ProfilerStep#") else None
-        if hit is not None and len(hit[1]) < 19:
+        if hit is not None and hit[1].isascii() and int(hit[1]) <= _STEP_MAX:  # the step column is int32
             number_of_code[i] = int(hit[1])
     if len(names) == 0 or (number_of_code < 0).all():
         return step

@@ -229,3 +229,11 @@ def test_any_names_and_descriptions_get_a_valid_category_and_dim(names, descs, l
     comm = out["category"].astype(str).isin(COMM_CATEGORIES)
     assert (out.loc[~comm, "dim"].astype(str) == "").all()
     assert set(out.loc[comm, "dim"].astype(str)) <= set(DIMS) | {"unknown"}
+
+
+def test_a_rule_need_not_be_a_comm_rule_instance():
+    """Rules are read by attribute (``pattern``, ``category``; ``literals`` when present)."""
+    from types import SimpleNamespace
+
+    rule = SimpleNamespace(pattern=r"fused_allgather_gemm", category=Category.ALL_GATHER)
+    assert name_category("my_fused_allgather_gemm_kernel", rules=[rule]) == ("all_gather", True)

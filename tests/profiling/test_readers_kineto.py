@@ -286,3 +286,40 @@ def test_streamed_read_falls_back_when_a_cut_lands_in_a_string(tmp_path, monkeyp
 
 
 _EVENT_TEXT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1}}'
+
+
+def test_an_overflowing_external_id_stays_unread_and_never_borrows_the_legacy_key(tmp_path):
+    """Only an *absent* "External id" falls back to the legacy lower-case key; a present one beyond int64 is
+    counted in the overflow warning and stays -1, so the kernel cannot be linked through the other key."""
+    events = [
+        '{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1, "ts": 10, "dur": 50,'
+        ' "args": {"External id": 1180591620717411303424, "external id": 21, "Collective name": "allgather"}}',
+        '{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 70, "dur": 5,'
+        ' "args": {"external id": 22}}',
+    ]
+    with pytest.warns(Warning, match="1 integer args beyond int64"):
+        ev = load(_write(tmp_path, "t.json", _trace(events)), classify=False).events
+    assert ev["external_id"].tolist() == [-1, 22]
+
+
+def test_step_numbers_are_ascii_digits_that_fit_the_int32_step_column(tmp_path):
+    names = ["ProfilerStep#\u0663", "ProfilerStep#99999999999", "ProfilerStep#7"]
+    events = [f'{{"ph": "X", "cat": "user_annotation", "name": "{n}", "pid": 1, "tid": 1, "ts": {100 * i},'
+              f' "dur": 50}}' for i, n in enumerate(names)]
+    events += [f'{{"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1, "tid": 1, "ts": {100 * i + 10},'
+               f' "dur": 5}}' for i in range(3)]
+    ev = load(_write(tmp_path, "t.json", _trace(events)), classify=False).events
+    assert ev.loc[ev["name"] == "op", "step"].tolist() == [-1, -1, 7]
+
+
+def test_the_int64_minimum_time_is_out_of_range_on_every_path(tmp_path, read_both):
+    """-9223372036854775.808 µs is exactly int64's minimum in ns: the numpy parser counts it out of range,
+    and so must the Arrow casts (the JSON fast path and the time-text cast), whichever reads the file."""
+    events = ['{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 100.5, "dur": 5}',
+              '{"ph": "X", "cat": "cpu_op", "name": "b", "pid": 1, "tid": 1, "ts": -9223372036854775.808, "dur": 5}']
+    path = _write(tmp_path, "t.json", _trace(events, base=None))
+    with pytest.warns(Warning, match="dropped 1 events whose ts/dur"):
+        ev = load(path, classify=False).events
+    assert ev["name"].tolist() == ["a"]
+    both, _ = read_both(path)  # Arrow's JSON path forced vs the ordinary path: equal frames and warnings
+    assert both["name"].tolist() == ["a"]
