@@ -4,7 +4,8 @@ Ours: ``load(folder)`` + ``breakdown(traceset)`` (classification runs inside loa
 + ``get_temporal_breakdown`` + ``get_gpu_kernel_breakdown`` + ``get_comm_comp_overlap``. Same files, one run.
 
 Each side runs in its own fresh subprocess; the parent samples the RSS of that process *and its children*
-(HTA parses ranks in a worker pool) every 20 ms with psutil and keeps the peak of the sum. Time is the child's
+(HTA parses ranks in a worker pool) every 20 ms with psutil and keeps the peak of the sum, both of the RSS
+(pages shared by forked processes count in each) and of the PSS (they count once in all). Time is the child's
 own measurement of load + analysis (imports excluded, reported apart); CPU seconds come from the child's
 ``getrusage`` of itself plus its reaped workers, so "MB/s per core" = uncompressed JSON MB / CPU seconds.
 Each child also reports its peak RSS up to the end of its imports (``VmHWM``: ``ru_maxrss`` would carry the
@@ -93,12 +94,20 @@ def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: 
     proc = subprocess.Popen([python, "-c", program, str(folder), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=REPO)
     parent = psutil.Process(proc.pid)
-    peak, start = 0, time.perf_counter()
+    peak, peak_pss, start = 0, 0, time.perf_counter()
+    next_pss = start
     loads = [os.getloadavg()[0]]
     while proc.poll() is None:
         try:
             tree = [parent, *parent.children(recursive=True)]
             peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            if time.perf_counter() >= next_pss:
+                # PSS walks the page tables (ms for a GB process): sampled at most 5% of the time, so the
+                # sampling does not take a core from the measured processes.
+                began = time.perf_counter()
+                peak_pss = max(peak_pss, sum(getattr(p.memory_full_info(), "pss", 0) for p in tree
+                                             if p.is_running()))
+                next_pss = time.perf_counter() + 20 * (time.perf_counter() - began)
         except psutil.Error:
             pass
         if time.perf_counter() - start > timeout:
@@ -114,6 +123,7 @@ def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: 
                 "peak_mb": peak / 2**20}
     report = json.loads(out.strip().splitlines()[-1])
     report["peak_mb"] = peak / 2**20
+    report["peak_pss_mb"] = peak_pss / 2**20
     report["load_avg"] = (min(loads), max(loads))
     return report
 
@@ -126,7 +136,7 @@ def run_median(python: str, program: str, folder: Path, *, runs: int, timeout: f
     if not good:
         return reports[0]
     middle = dict(sorted(good, key=lambda r: r["seconds"])[len(good) // 2])
-    for key in ("seconds", "load_seconds", "cpu_seconds", "peak_mb", "import_rss_mb"):
+    for key in ("seconds", "load_seconds", "cpu_seconds", "peak_mb", "peak_pss_mb", "import_rss_mb"):
         if all(key in r for r in good):
             middle[key] = statistics.median(r[key] for r in good)
     middle["load_avg"] = (min(r["load_avg"][0] for r in good), max(r["load_avg"][1] for r in good))
@@ -263,9 +273,14 @@ def render(rows: list) -> str:
         "process's peak RSS up to the end of its imports (pandas 3 + pyarrow alone are ~101 MB for ours, "
         "pandas 2 + HTA's imports ~94 MB): the memory the analysis itself needs.",
         "",
+        "'PSS' = the tree's proportional set size: a page shared by forked processes (both sides fork "
+        "workers) counts once in all, where the RSS sum counts it in every process that maps it; on the small "
+        "sets HTA's pool makes its RSS sum ~100 MB larger than its PSS.",
+        "",
         "| data set | JSON MB | ours s (load s) | HTA s (load s) | speed-up | ours peak MB | HTA peak MB | "
-        "memory ratio | above imports: ours / HTA MB (ratio) | ours MB/s/core | HTA MB/s/core |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "memory ratio | PSS peak: ours / HTA MB (ratio) | above imports: ours / HTA MB (ratio) | "
+        "ours MB/s/core | HTA MB/s/core |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, size, ours, hta in rows:
         speed = (f"{hta['seconds'] / ours['seconds']:.1f}×" if "seconds" in hta and "seconds" in ours else "—")
@@ -276,10 +291,13 @@ def render(rows: list) -> str:
                  if "peak_mb" in s and "import_rss_mb" in s}
         working = (f"{above['ours']:.0f} / {above['hta']:.0f} ({above['ours'] / above['hta']:.2f})"
                    if len(above) == 2 and above["hta"] > 0 else "—")
+        pss = (f"{ours['peak_pss_mb']:.0f} / {hta['peak_pss_mb']:.0f} "
+               f"({ours['peak_pss_mb'] / hta['peak_pss_mb']:.2f})"
+               if "peak_pss_mb" in ours and hta.get("peak_pss_mb") else "—")
         lines.append(
             f"| {label} | {size:.1f} | {_cell(ours, 'seconds', '.2f')} ({_cell(ours, 'load_seconds', '.2f')}) | "
             f"{_cell(hta, 'seconds', '.2f')} ({_cell(hta, 'load_seconds', '.2f')}) | {speed} | "
-            f"{_cell(ours, 'peak_mb', '.0f')} | {_cell(hta, 'peak_mb', '.0f')} | {memory} | {working} | "
+            f"{_cell(ours, 'peak_mb', '.0f')} | {_cell(hta, 'peak_mb', '.0f')} | {memory} | {pss} | {working} | "
             f"{rate['ours']} | {rate['hta']} |")
     notes = [f"- {label}: ours: {o.get('detail', o.get('error'))}{_load_note(o)}; HTA: "
              f"{h.get('detail', h.get('error'))}{_load_note(h)}" for label, _, o, h in rows]
