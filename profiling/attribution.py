@@ -253,9 +253,10 @@ def _rank_breakdown(events: pd.DataFrame) -> dict[str, np.ndarray] | None:
         windows = pd.DataFrame({"step": [-1], "start_ns": [first], "end_ns": [last]})
     sets = label_sets(events, work, lanes)
     steps = windows["step"].to_numpy().astype(np.int64)
+    leading = {"rank": np.full(len(steps), int(events["rank"].iloc[0]), dtype=np.int64), "step": steps,
+               "lanes": np.full(len(steps), lanes, dtype=object)}
     return partition_columns(sets, win_start=windows["start_ns"].to_numpy(), win_end=windows["end_ns"].to_numpy(),
-                                     leading={"rank": np.full(len(steps), int(events["rank"].iloc[0]), dtype=np.int64),
-                                      "step": steps, "lanes": np.full(len(steps), lanes, dtype=object)})
+                             leading=leading)
 
 
 def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray,

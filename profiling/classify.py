@@ -313,7 +313,7 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     names = _per_category(out["name"], lambda n: name_category(n, rules=rules))
     name_cat = np.array([_CAT_CODE[c] for c, _ in names], dtype=np.int8)
     name_kernel = np.array([k for _, k in names], dtype=bool)
-    name_codes = _codes(out["name"])
+    name_codes = codes_or_end(out["name"])
     category = name_cat[name_codes]
     is_comm_kernel = name_kernel[name_codes] & (out["lane"] == Lane.GPU.value).to_numpy()
     del name_codes
@@ -321,7 +321,7 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     # Evidence 1: the row's own collective arg.
     own_table = np.array([_CAT_CODE.get(c, _NO_CAT) for c in _per_category(out["collective"], op_category)],
                          dtype=np.int8)
-    own = own_table[_codes(out["collective"])]
+    own = own_table[codes_or_end(out["collective"])]
     has_own = own != _NO_CAT
     category[has_own] = own[has_own]
     del own
@@ -331,21 +331,15 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     take = linked != _NO_CAT
     category[take] = linked[take]
     del linked, take, is_comm_kernel, has_own
-    out["category"] = _sorted_categorical(category, _CAT_NAMES)
+    out["category"] = sorted_categorical(category, _CAT_NAMES)
     _fill_from_ops(out, link_idx)
     del link_idx
     out["dim"] = _dims(out, category, layout)
 
 
-_codes = codes_or_end
-
-
 def _per_category(column: pd.Series, fn) -> list:
     """``fn`` of every category of a categorical column, then of "" (the slot a missing value maps to)."""
     return [fn(value) for value in [*category_texts(column.cat.categories), ""]]
-
-
-_sorted_categorical = sorted_categorical
 
 
 _STR = pd.Index(["x"]).dtype
@@ -470,11 +464,11 @@ def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
         if isinstance(values.dtype, pd.CategoricalDtype):
             # On the codes: "" is a category like any other; the result keeps the used values, sorted.
             vocabulary = [*category_texts(values.cat.categories), ""]
-            codes = _codes(values).astype(np.int32)  # a copy: the column itself is replaced below
+            codes = codes_or_end(values).astype(np.int32)  # a copy: the column itself is replaced below
             _dedupe(vocabulary, codes)
             missing = codes[rows] == vocabulary.index("")
             codes[rows[missing]] = codes[src[missing]]
-            out[column] = _sorted_categorical(codes, vocabulary)
+            out[column] = sorted_categorical(codes, vocabulary)
         else:
             current = values.to_numpy().copy()
             missing = current[rows] < 0
@@ -497,11 +491,11 @@ def _dims(out: pd.DataFrame, category: np.ndarray, layout: Mapping[str, int] | N
     idx = np.flatnonzero(comm)
     if not len(idx):
         return pd.Categorical.from_codes(np.zeros(len(out), dtype=np.int8), categories=pd.Index([""], dtype=_STR))
-    from_desc = np.array(_per_category(out["pg_desc"], desc_dim), dtype=object)[_codes(out["pg_desc"])[idx]]
+    from_desc = np.array(_per_category(out["pg_desc"], desc_dim), dtype=object)[codes_or_end(out["pg_desc"])[idx]]
     dims = np.where(from_desc != "", from_desc, UNKNOWN_DIM)
     ann_table = np.array(_per_category(out["name"], lambda n: (m.group("dim") if (m := contract.COMM_RE.match(n))
                                                                 else "")), dtype=object)
-    ann = ann_table[_codes(out["name"])[idx]]
+    ann = ann_table[codes_or_end(out["name"])[idx]]
     use_ann = (dims == UNKNOWN_DIM) & (ann != "")
     dims[use_ann] = ann[use_ann]
     if layout is not None:
@@ -518,4 +512,4 @@ def _dims(out: pd.DataFrame, category: np.ndarray, layout: Mapping[str, int] | N
     position = {d: i for i, d in enumerate(vocabulary)}
     codes = np.zeros(len(out), dtype=np.int32)
     codes[idx] = np.array([position[d] for d in uniques], dtype=np.int32)[row_codes]
-    return _sorted_categorical(codes, vocabulary)
+    return sorted_categorical(codes, vocabulary)

@@ -53,6 +53,7 @@ from shardline.profiling.readers._kineto_columns import (
     _message_bytes,
     _subset,
     has_begin_end,
+    sorted_texts,
 )
 
 try:
@@ -264,10 +265,11 @@ def _columns(table, *, keep_python: bool) -> dict | None:
     if not everything:
         ts, dur = ts[keep], dur[keep]
     n = len(ts)
-    ph = _subset(_first_seen(ph_all), keep) if not everything else _first_seen(ph_all)
-    cat = _subset(_first_seen(cat_all), keep) if not everything else _first_seen(cat_all)
-    name_all = _first_seen(pc.fill_null(table["name"], ""))
-    name = _subset(name_all, keep) if not everything else name_all
+    def first_seen(column) -> pd.Categorical:  # categories in order of first appearance among kept rows
+        values = _first_seen(column)
+        return values if everything else _subset(values, keep)
+
+    ph, cat, name = first_seen(ph_all), first_seen(cat_all), first_seen(pc.fill_null(table["name"], ""))
     args = table["args"]
     for legacy in ("External id\x01", "external id\x01"):
         text = pc.struct_field(args, legacy)
@@ -398,8 +400,4 @@ def _sorted_texts(column, *, keep: np.ndarray | None = None) -> pd.Categorical:
         codes = codes[keep]
         used = np.bincount(codes, minlength=len(uniques)) > 0 if len(uniques) else np.zeros(0, dtype=bool)
         uniques = [text if present else None for text, present in zip(uniques, used)]
-    categories = sorted({text for text in uniques if text is not None} | {""})
-    position = {text: i for i, text in enumerate(categories)}
-    remap = np.array([position.get(t, 0) for t in uniques] or [0], dtype=np.int32)
-    return pd.Categorical.from_codes(remap[codes] if len(codes) else codes,
-                                     categories=pd.Index(categories, dtype=_STR))
+    return sorted_texts(codes, uniques)

@@ -109,11 +109,16 @@ def _texts(values: list) -> pd.Categorical:
         array[:] = [_text(v) if v else "" for v in values]
         codes, uniques = pd.factorize(array)
     # A falsy value (0, an empty list) counts as absent, as a missing arg does.
-    texts = [u if type(u) is str else _text(u) if u else "" for u in uniques]
-    categories = sorted(set(texts) | {""})
+    return sorted_texts(codes, [u if type(u) is str else _text(u) if u else "" for u in uniques])
+
+
+def sorted_texts(codes: np.ndarray, texts: list) -> pd.Categorical:
+    """Categorical of ``texts[codes]`` whose categories are the texts (``None``: unused, left out) sorted, with
+    ``""`` always among them (the args text columns' form, whichever path read them)."""
+    categories = sorted({text for text in texts if text is not None} | {""})
     position = {text: i for i, text in enumerate(categories)}
-    remap = np.array([position[t] for t in texts] or [0], dtype=np.int32)
-    return pd.Categorical.from_codes(remap[codes] if len(codes) else codes.astype(np.int32),
+    remap = np.array([position.get(text, 0) for text in texts] or [0], dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes] if len(codes) else np.asarray(codes, dtype=np.int32),
                                      categories=pd.Index(categories, dtype=_STR))
 
 
