@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling.readers._kineto_columns import (
+    _LANES,
     _STR,
     DROP_CATS,
     GPU_CATS,
@@ -262,9 +263,9 @@ def _columns(table, *, keep_python: bool) -> dict | None:
     def kept(values: np.ndarray) -> np.ndarray:
         return values if everything else values[keep]
 
-    if not everything:
-        ts, dur = ts[keep], dur[keep]
+    ts, dur = kept(ts), kept(dur)
     n = len(ts)
+
     def first_seen(column) -> pd.Categorical:  # categories in order of first appearance among kept rows
         values = _first_seen(column)
         return values if everything else _subset(values, keep)
@@ -275,7 +276,7 @@ def _columns(table, *, keep_python: bool) -> dict | None:
         text = pc.struct_field(args, legacy)
         if text.null_count != len(text) and kept(text.is_valid().to_numpy(zero_copy_only=False)).any():
             return None
-    field = _fields(args, keep, everything)
+    field = _fields(args, kept)
 
     def texts(key: str) -> pd.Categorical:
         return _sorted_texts(pc.struct_field(args, key), keep=None if everything else keep)
@@ -293,7 +294,7 @@ def _columns(table, *, keep_python: bool) -> dict | None:
         "ph": ph,
         "cat": cat,
         "name": name,
-        "lane": pd.Categorical.from_codes(gpu.astype(np.int8), categories=["cpu", "gpu"]),
+        "lane": pd.Categorical.from_codes(gpu.astype(np.int8), dtype=_LANES, validate=False),
         "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
         "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
         "ts": ts, "dur": dur, "bad_time": np.zeros(n, dtype=bool),
@@ -314,16 +315,13 @@ def _columns(table, *, keep_python: bool) -> dict | None:
     return columns
 
 
-def _fields(args, keep: np.ndarray, everything: bool):
-    """Getter of one int64 args field of the kept rows, -1 where the event has no args or no such key."""
-    present = args.is_valid().to_numpy(zero_copy_only=False) if len(args) else np.zeros(0, dtype=bool)
-    if not everything:
-        present = present[keep]
+def _fields(args, kept):
+    """Getter of one int64 args field of the kept rows (``kept`` cuts a whole-table array to them), -1 where
+    the event has no args or no such key."""
+    present = kept(args.is_valid().to_numpy(zero_copy_only=False) if len(args) else np.zeros(0, dtype=bool))
 
     def get(key: str) -> np.ndarray:
-        values = pc.fill_null(pc.struct_field(args, key), -1).to_numpy()
-        if not everything:
-            values = values[keep]
+        values = kept(pc.fill_null(pc.struct_field(args, key), -1).to_numpy())
         return values if present.all() else np.where(present, values, -1)
     return get
 

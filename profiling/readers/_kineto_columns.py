@@ -422,14 +422,11 @@ def assign_steps(columns) -> np.ndarray:
     correlation = np.asarray(columns["correlation"])
     launch = np.flatnonzero(~gpu & (correlation >= 0) & (step >= 0))
     linked = np.flatnonzero(gpu & (correlation >= 0))
-    if len(linked):
-        # The first launch row of each correlation id gives its step (a stable sort keeps row order).
+    if len(linked) and len(launch):  # (GPU rows are still -1 here)
+        # The first launch row of each correlation id gives its step.
         ids, first = np.unique(correlation[launch], return_index=True)
-        slot = np.searchsorted(ids, correlation[linked])
-        found = slot < len(ids)
-        found[found] = ids[slot[found]] == correlation[linked[found]]
-        step[linked] = np.where(found, step[launch[first[np.minimum(slot, max(len(ids) - 1, 0))]]]
-                                if len(ids) else -1, -1)
+        slot = np.minimum(np.searchsorted(ids, correlation[linked]), len(ids) - 1)
+        step[linked] = np.where(ids[slot] == correlation[linked], step[launch[first[slot]]], -1)
     device = np.asarray(columns["device"])
     for dev in np.unique(device[gpu & (step < 0)]):
         _fill_windows(step, gpu & (device == dev), event_step, start, end, within=gpu & (device == dev) & (step < 0))
