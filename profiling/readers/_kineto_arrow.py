@@ -45,15 +45,13 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling.readers._kineto_columns import (
-    _LANES,
     _STR,
     DROP_CATS,
     GPU_CATS,
     PYTHON_CATS,
     _int,
-    _message_bytes,
     _subset,
-    has_begin_end,
+    assemble,
     sorted_texts,
 )
 
@@ -290,29 +288,14 @@ def _columns(table, *, keep_python: bool) -> dict | None:
     external = np.where(external == -1, field("external id"), external)
     dst = field("Dst Rank")
     dst = np.where(dst == -1, field("Src Rank"), dst)
-    columns = {
-        "ph": ph,
-        "cat": cat,
-        "name": name,
-        "lane": pd.Categorical.from_codes(gpu.astype(np.int8), dtype=_LANES, validate=False),
-        "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
-        "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
-        "ts": ts, "dur": dur, "bad_time": np.zeros(n, dtype=bool),
-        "correlation": field("correlation"),
-        "external_id": external,
-        "collective": texts("Collective name"),
-        "pg_name": texts("Process Group Name"),
-        "pg_desc": texts("Process Group Description"),
-        "pg_ranks": texts("Process Group Ranks"),
-        "pg_size": field("Group size").astype(np.int32),
-        "msg_bytes": _message_bytes(in_nelems=field("In msg nelems"), out_nelems=field("Out msg nelems"),
-                                    dtype=texts("dtype"), nbytes=field("bytes")),
-        "seq": field("Seq"),
-        "peer": dst.astype(np.int32),
-        "overflow": 0,
-    }
-    columns["pid"] = pid if has_begin_end(ph) else np.full(n, -1, dtype=np.int64)
-    return columns
+    return assemble(
+        ph, cat, name, gpu=gpu, pid=pid, tid=tid, arg_device=arg_device, arg_stream=arg_stream, ts=ts, dur=dur,
+        bad_time=np.zeros(n, dtype=bool), correlation=field("correlation"), external=external,
+        texts={"collective": texts("Collective name"), "pg_name": texts("Process Group Name"),
+               "pg_desc": texts("Process Group Description"), "pg_ranks": texts("Process Group Ranks"),
+               "dtype": texts("dtype")},
+        group_size=field("Group size"), in_nelems=field("In msg nelems"), out_nelems=field("Out msg nelems"),
+        nbytes=field("bytes"), seq=field("Seq"), dst=dst, overflow=0)
 
 
 def _fields(args, kept):

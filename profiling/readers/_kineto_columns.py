@@ -169,31 +169,47 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
     ts, dur = scaled[:n], scaled[n:]
     external = _ints_or_else(args, "external_id", "external_id_legacy", overflow)
     dst = _ints_or_else(args, "dst_rank", "src_rank", overflow)
+    return assemble(
+        ph, cat, _factorize(list(map(_get("name"), kept))), gpu=gpu, pid=pid, tid=tid, arg_device=arg_device,
+        arg_stream=arg_stream, ts=ts, dur=dur, bad_time=bad[:n] | bad[n:],
+        correlation=_field(args, "correlation", overflow), external=external,
+        texts={key: _texts(list(map(_get(key), args))) for key in _TEXT_ARGS},
+        group_size=_field(args, "group_size", overflow), in_nelems=_field(args, "in_nelems", overflow),
+        out_nelems=_field(args, "out_nelems", overflow), nbytes=_field(args, "nbytes", overflow),
+        seq=_field(args, "seq", overflow), dst=dst, overflow=len(overflow))
+
+
+#: The args text columns, by their events-table (and ``_Args``) names.
+_TEXT_ARGS = ("collective", "pg_name", "pg_desc", "pg_ranks", "dtype")
+
+
+def assemble(ph, cat, name, *, gpu, pid, tid, arg_device, arg_stream, ts, dur, bad_time, correlation, external,
+             texts: dict, group_size, in_nelems, out_nelems, nbytes, seq, dst, overflow: int) -> dict:
+    """The column dict of one batch, whichever path read it, from its kept rows' fields: ``texts`` holds the
+    args text categoricals by ``_TEXT_ARGS`` name, ``dst`` the peer (Dst Rank, else Src Rank)."""
     columns = {
         "ph": ph,
         "cat": cat,
-        "name": _factorize(list(map(_get("name"), kept))),
+        "name": name,
         "lane": pd.Categorical.from_codes(gpu.astype(np.int8), dtype=_LANES, validate=False),
         "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
         "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
-        "ts": ts, "dur": dur, "bad_time": bad[:n] | bad[n:],
-        "correlation": _field(args, "correlation", overflow),
+        "ts": ts, "dur": dur, "bad_time": bad_time,
+        "correlation": correlation,
         "external_id": external,
-        "collective": _texts(list(map(_get("collective"), args))),
-        "pg_name": _texts(list(map(_get("pg_name"), args))),
-        "pg_desc": _texts(list(map(_get("pg_desc"), args))),
-        "pg_ranks": _texts(list(map(_get("pg_ranks"), args))),
-        "pg_size": _field(args, "group_size", overflow).astype(np.int32),
-        "msg_bytes": _message_bytes(
-            in_nelems=_field(args, "in_nelems", overflow),
-            out_nelems=_field(args, "out_nelems", overflow),
-            dtype=_texts(list(map(_get("dtype"), args))), nbytes=_field(args, "nbytes", overflow)),
-        "seq": _field(args, "seq", overflow),
+        "collective": texts["collective"],
+        "pg_name": texts["pg_name"],
+        "pg_desc": texts["pg_desc"],
+        "pg_ranks": texts["pg_ranks"],
+        "pg_size": group_size.astype(np.int32),
+        "msg_bytes": _message_bytes(in_nelems=in_nelems, out_nelems=out_nelems, dtype=texts["dtype"],
+                                    nbytes=nbytes),
+        "seq": seq,
         "peer": dst.astype(np.int32),
-        "overflow": len(overflow),
+        "overflow": overflow,
     }
     # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
-    columns["pid"] = pid if has_begin_end(ph) else np.full(n, -1, dtype=np.int64)
+    columns["pid"] = pid if has_begin_end(ph) else np.full(len(gpu), -1, dtype=np.int64)
     return columns
 
 

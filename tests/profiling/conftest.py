@@ -21,10 +21,11 @@ def synth():
 
 @pytest.fixture
 def read_both(monkeypatch):
-    """``read_both(path)``: read a Kineto file with the Arrow fast path forced on (every chunk it can read
-    exactly, whatever the speed policy says) and with it off; assert the events, warnings and metadata are
-    equal; return the events and how many chunks the fast path read."""
-    from shardline.profiling.readers import _kineto_arrow, kineto
+    """``read_both(path)``: read a Kineto file three ways - the Arrow fast path forced on (every chunk it can
+    read exactly, whatever the speed policy says), the ordinary msgspec path alone, and the default (the
+    native scanner first, where it is built); assert the events, warnings and metadata are equal; return the
+    events and how many chunks the Arrow path read."""
+    from shardline.profiling.readers import _kineto_arrow, _kineto_native, kineto
 
     def read(path):
         used = []
@@ -35,7 +36,9 @@ def read_both(monkeypatch):
             used.append(out is not None)
             return out
 
+        default = kineto.read_kineto(path)
         with monkeypatch.context() as patch:
+            patch.setattr(_kineto_native, "ENABLED", False)
             patch.setattr(_kineto_arrow, "columns_from_text", counting)
             patch.setattr(_kineto_arrow, "ENABLED", True)
             patch.setattr(_kineto_arrow, "MIN_BYTES", 0)
@@ -45,9 +48,10 @@ def read_both(monkeypatch):
             ordinary = kineto.read_kineto(path)
         import pandas as pd
 
-        pd.testing.assert_frame_equal(fast.events, ordinary.events)
-        assert fast.warnings == ordinary.warnings
-        assert fast.metadata == ordinary.metadata
+        for other in (fast, default):
+            pd.testing.assert_frame_equal(other.events, ordinary.events)
+            assert other.warnings == ordinary.warnings
+            assert other.metadata == ordinary.metadata
         return fast.events, sum(used)
 
     return read
