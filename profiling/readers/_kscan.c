@@ -440,6 +440,34 @@ static int key_is(const unsigned char *s, Py_ssize_t n, const char *word) {
     return (size_t)n == len && memcmp(s, word, len) == 0;
 }
 
+/* The args keys read, each with how: an int64 column, a text table, or both (int|str). */
+enum { INT, TEXT, INT_OR_TEXT };
+#define KEY(text) text, sizeof(text) - 1
+static const struct {
+    const char *key;
+    Py_ssize_t len;
+    int kind, i64, txt;
+} ARGS[] = {
+    {KEY("correlation"), INT, I_CORR, -1},
+    {KEY("External id"), INT, I_EXT, -1},
+    {KEY("external id"), INT, I_EXTL, -1},
+    {KEY("device"), INT_OR_TEXT, I_DEVICE, T_DEVICE},
+    {KEY("stream"), INT_OR_TEXT, I_STREAM, T_STREAM},
+    {KEY("bytes"), INT, I_NBYTES, -1},
+    {KEY("Collective name"), TEXT, -1, T_COLL},
+    {KEY("Process Group Name"), TEXT, -1, T_PGNAME},
+    {KEY("Process Group Description"), TEXT, -1, T_PGDESC},
+    {KEY("Process Group Ranks"), TEXT, -1, T_PGRANKS},
+    {KEY("Group size"), INT, I_GSIZE, -1},
+    {KEY("In msg nelems"), INT, I_INN, -1},
+    {KEY("Out msg nelems"), INT, I_OUTN, -1},
+    {KEY("dtype"), TEXT, -1, T_DTYPE},
+    {KEY("Seq"), INT_OR_TEXT, I_SEQ, T_SEQ},
+    {KEY("Src Rank"), INT, I_SRC, -1},
+    {KEY("Dst Rank"), INT, I_DST, -1},
+};
+#define N_ARGS ((int)(sizeof(ARGS) / sizeof(ARGS[0])))
+
 static int args_object(Scan *c, int64_t *row, int32_t *txt) {
     /* c->p at '{' */
     c->p++;
@@ -452,7 +480,7 @@ static int args_object(Scan *c, int64_t *row, int32_t *txt) {
     for (;;) {
         const unsigned char *k;
         Py_ssize_t n;
-        int e;
+        int e, ok = 1, field = -1;
         if (!string(c, &k, &n, &e) || e)
             return 0;
         ws(c);
@@ -460,95 +488,11 @@ static int args_object(Scan *c, int64_t *row, int32_t *txt) {
             return 0;
         c->p++;
         ws(c);
-        int field = -1, ok = 1;
-        switch (n) {
-        case 3:
-            if (key_is(k, n, "Seq")) {
-                field = 0;
-                ok = int_or_text(c, &c->tables[T_SEQ], &row[I_SEQ], &txt[T_SEQ]);
+        for (int i = 0; i < N_ARGS; i++) {
+            if (n == ARGS[i].len && memcmp(k, ARGS[i].key, (size_t)n) == 0) {
+                field = i;
+                break;
             }
-            break;
-        case 5:
-            if (key_is(k, n, "bytes")) {
-                field = 1;
-                ok = int_field(c, &row[I_NBYTES]);
-            } else if (key_is(k, n, "dtype")) {
-                field = 2;
-                ok = text_field(c, &c->tables[T_DTYPE], &txt[T_DTYPE]);
-            }
-            break;
-        case 6:
-            if (key_is(k, n, "device")) {
-                field = 3;
-                ok = int_or_text(c, &c->tables[T_DEVICE], &row[I_DEVICE], &txt[T_DEVICE]);
-            } else if (key_is(k, n, "stream")) {
-                field = 4;
-                ok = int_or_text(c, &c->tables[T_STREAM], &row[I_STREAM], &txt[T_STREAM]);
-            }
-            break;
-        case 8:
-            if (key_is(k, n, "Src Rank")) {
-                field = 5;
-                ok = int_field(c, &row[I_SRC]);
-            } else if (key_is(k, n, "Dst Rank")) {
-                field = 6;
-                ok = int_field(c, &row[I_DST]);
-            }
-            break;
-        case 10:
-            if (key_is(k, n, "Group size")) {
-                field = 7;
-                ok = int_field(c, &row[I_GSIZE]);
-            }
-            break;
-        case 11:
-            if (key_is(k, n, "correlation")) {
-                field = 8;
-                ok = int_field(c, &row[I_CORR]);
-            } else if (key_is(k, n, "External id")) {
-                field = 9;
-                ok = int_field(c, &row[I_EXT]);
-            } else if (key_is(k, n, "external id")) {
-                field = 10;
-                ok = int_field(c, &row[I_EXTL]);
-            }
-            break;
-        case 13:
-            if (key_is(k, n, "In msg nelems")) {
-                field = 11;
-                ok = int_field(c, &row[I_INN]);
-            }
-            break;
-        case 14:
-            if (key_is(k, n, "Out msg nelems")) {
-                field = 12;
-                ok = int_field(c, &row[I_OUTN]);
-            }
-            break;
-        case 15:
-            if (key_is(k, n, "Collective name")) {
-                field = 13;
-                ok = text_field(c, &c->tables[T_COLL], &txt[T_COLL]);
-            }
-            break;
-        case 18:
-            if (key_is(k, n, "Process Group Name")) {
-                field = 14;
-                ok = text_field(c, &c->tables[T_PGNAME], &txt[T_PGNAME]);
-            }
-            break;
-        case 19:
-            if (key_is(k, n, "Process Group Ranks")) {
-                field = 15;
-                ok = text_field(c, &c->tables[T_PGRANKS], &txt[T_PGRANKS]);
-            }
-            break;
-        case 25:
-            if (key_is(k, n, "Process Group Description")) {
-                field = 16;
-                ok = text_field(c, &c->tables[T_PGDESC], &txt[T_PGDESC]);
-            }
-            break;
         }
         if (field < 0) {
             ok = skip_value(c, 3);
@@ -556,6 +500,13 @@ static int args_object(Scan *c, int64_t *row, int32_t *txt) {
             if (seen & (1u << field))
                 return 0;
             seen |= 1u << field;
+            int kind = ARGS[field].kind;
+            if (kind == INT)
+                ok = int_field(c, &row[ARGS[field].i64]);
+            else if (kind == TEXT)
+                ok = text_field(c, &c->tables[ARGS[field].txt], &txt[ARGS[field].txt]);
+            else
+                ok = int_or_text(c, &c->tables[ARGS[field].txt], &row[ARGS[field].i64], &txt[ARGS[field].txt]);
         }
         if (!ok)
             return 0;

@@ -40,9 +40,8 @@ import msgspec
 import numpy as np
 
 from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult, _kineto_arrow, _kineto_native
+from shardline.profiling.readers import ReadResult, _kineto_native
 from shardline.profiling.readers._kineto_columns import BATCH, columns_from_events, finish_frame
-from shardline.profiling.readers._kineto_stream import Fallback, read_chunks, stream_mapped
 from shardline.profiling.schema import conform, empty_events
 
 
@@ -166,6 +165,8 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
         streamed = _kineto_native.read(data, keep_python=keep_python)
     if isinstance(data, mmap.mmap):
         with _gc_paused():
+            from shardline.profiling.readers._kineto_stream import stream_mapped
+
             streamed = stream_mapped(path, data, decode_events=_DECODE_EVENTS.decode, decode_batch=_decode_batch,
                                      warnings=warnings, fast=_fast_columns(keep_python),
                                      to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
@@ -229,6 +230,8 @@ def _small_in_one_call(events_raw: msgspec.Raw, *, keep_python: bool) -> list[di
     """The column batch of a small, intact events array decoded in one call; None when it is big, when the
     Arrow path would take it (``_kineto_arrow.MIN_BYTES``), or when some event does not decode (the careful
     paths then salvage what they can and warn)."""
+    from shardline.profiling.readers import _kineto_arrow
+
     size = len(memoryview(events_raw))
     if size > _ONE_CALL_MAX_BYTES or (_kineto_arrow.available() and size >= _kineto_arrow.MIN_BYTES):
         return None
@@ -243,6 +246,8 @@ def _small_in_one_call(events_raw: msgspec.Raw, *, keep_python: bool) -> list[di
 def _fast_columns(keep_python: bool, *, validated: bool = False):
     """The Arrow fast path for a chunk of event text (None when it is unavailable or turned off);
     ``validated``: the whole file's JSON syntax was already checked."""
+    from shardline.profiling.readers import _kineto_arrow
+
     if not _kineto_arrow.available():
         return None
     return lambda text: _kineto_arrow.columns_from_text(text, keep_python=keep_python, validated=validated)
@@ -263,6 +268,8 @@ def _chunked_in_memory(path: Path, data, events_raw: msgspec.Raw, *, fast, keep_
     if not bytes(data[start:min(close, start + 4096)]).strip():
         return [columns_from_events([], keep_python=keep_python)]
     noted = len(warnings)
+    from shardline.profiling.readers._kineto_stream import Fallback, read_chunks
+
     try:
         return read_chunks(path, data, start, close, fast=fast, decode_events=_DECODE_EVENTS.decode,
                            decode_batch=_decode_batch, warnings=warnings,
