@@ -197,6 +197,27 @@ def name_category(name: str, *, rules: Sequence[CommRule] = DEFAULT_RULES) -> tu
     return Category.COMPUTE.value, False
 
 
+def name_categories(names: list[str], *, rules: Sequence[CommRule] = DEFAULT_RULES) -> list[tuple[str, bool]]:
+    """``name_category`` of every name, with the literal prefilter run over all names at once: each rule's
+    literals are searched in one joined text (a C scan per literal, not a Python test per name and rule), so
+    only names that may match anything reach ``name_category``."""
+    possible = np.array([_ANCHORED.match(name) is not None for name in names], dtype=bool)
+    starts = np.cumsum([0] + [len(name) + 1 for name in names])
+    # A hit spanning two names (a literal holding a newline) only costs an exact check: false hits are harmless.
+    joined = "\n".join(names)
+    for rule in rules:
+        literals = getattr(rule, "literals", ())
+        if not literals:
+            possible |= np.array([re.search(rule.pattern, name) is not None for name in names], dtype=bool)
+            continue
+        for text in literals:
+            at = [hit.start() for hit in re.finditer(re.escape(text), joined)]
+            if at:
+                possible[np.searchsorted(starts, at, side="right") - 1] = True
+    compute = (Category.COMPUTE.value, False)
+    return [name_category(name, rules=rules) if maybe else compute for name, maybe in zip(names, possible.tolist())]
+
+
 def _memcpy_op(op: str) -> str:
     return op if op in (Category.MEMCPY_H2D.value, Category.MEMCPY_D2H.value) else ""
 
@@ -310,7 +331,7 @@ _COMM_CODES = np.array([name in COMM_CATEGORIES for name in _CAT_NAMES] + [False
 
 def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     """Fill ``category`` and ``dim`` of a non-empty, schema-checked table in place."""
-    names = _per_category(out["name"], lambda n: name_category(n, rules=rules))
+    names = name_categories([*category_texts(out["name"].cat.categories), ""], rules=rules)
     name_cat = np.array([_CAT_CODE[c] for c, _ in names], dtype=np.int8)
     name_kernel = np.array([k for _, k in names], dtype=bool)
     name_codes = codes_or_end(out["name"])

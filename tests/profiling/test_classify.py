@@ -17,6 +17,7 @@ from shardline.profiling.classify import (
     classify_events,
     desc_dim,
     layout_dim,
+    name_categories,
     name_category,
 )
 from shardline.profiling.errors import ClassificationError
@@ -137,6 +138,23 @@ def test_names_without_a_rule_literal_still_run_literal_free_rules():
     # A literal that the name lacks skips the rule even though its regex would match: literals are a promise.
     promised = CommRule(r"then_ag", Category.ALL_GATHER, literals=("absent",))
     assert _classify(rows[:1], rules=[promised])["category"].tolist() == ["compute"]
+
+
+_NAMES = st.one_of(st.text(max_size=30), st.sampled_from([
+    "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "ncclKernel_AllReduce_RING_LL_Sum_float",
+    "nccl:all_reduce", "record_param_comms", "Memcpy HtoD (Pageable -> Device)", "Memset (Device)",
+    "cudaStreamSynchronize", "userbuffers_rs_kernel", "void at::native::gemm<float>", "gloo:all_gather", "",
+    "a\nuserbuffers", "deep_ep::intranode::dispatch"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_NAMES, max_size=12), st.booleans())
+def test_name_categories_equals_one_name_at_a_time(names, with_newline_rule):
+    # The batched literal prefilter (one joined text) must never change a result, only skip work; a user rule
+    # whose literal holds a newline can make a hit span two names: harmless, the exact check still runs.
+    rules = [*DEFAULT_RULES, CommRule(r"a\nuser", Category.ALL_TO_ALL, literals=("a\nuser", "\nuser"))] \
+        if with_newline_rule else DEFAULT_RULES
+    assert name_categories(names, rules=rules) == [name_category(n, rules=rules) for n in names]
 
 
 @pytest.mark.parametrize("desc, dim", [
