@@ -298,6 +298,22 @@ static int literal(Scan *c, const char *word, size_t n) {
     return 1;
 }
 
+/* After a member of an object or array: 1 when a ',' follows (c->p then past it and its whitespace), 2 when the
+ * closing bracket does (c->p past it), 0 for anything else. */
+static int next_member(Scan *c, unsigned char close) {
+    ws(c);
+    if (c->p < c->end && *c->p == ',') {
+        c->p++;
+        ws(c);
+        return 1;
+    }
+    if (c->p < c->end && *c->p == close) {
+        c->p++;
+        return 2;
+    }
+    return 0;
+}
+
 static int skip_value(Scan *c, int depth);
 
 static int skip_container(Scan *c, int depth, int object) {
@@ -324,19 +340,9 @@ static int skip_container(Scan *c, int depth, int object) {
         }
         if (!skip_value(c, depth + 1))
             return 0;
-        ws(c);
-        if (c->p >= c->end)
-            return 0;
-        if (*c->p == ',') {
-            c->p++;
-            ws(c);
-            continue;
-        }
-        if (*c->p == close) {
-            c->p++;
-            return 1;
-        }
-        return 0;
+        int next = next_member(c, close);
+        if (next != 1)
+            return next == 2;
     }
 }
 
@@ -510,19 +516,9 @@ static int args_object(Scan *c, int64_t *row, int32_t *txt) {
         }
         if (!ok)
             return 0;
-        ws(c);
-        if (c->p >= c->end)
-            return 0;
-        if (*c->p == ',') {
-            c->p++;
-            ws(c);
-            continue;
-        }
-        if (*c->p == '}') {
-            c->p++;
-            return 1;
-        }
-        return 0;
+        int next = next_member(c, '}');
+        if (next != 1)
+            return next == 2;
     }
 }
 
@@ -620,19 +616,11 @@ static int event_object(Scan *c) {
             }
             if (!ok)
                 return 0;
-            ws(c);
-            if (c->p >= c->end)
-                return 0;
-            if (*c->p == ',') {
-                c->p++;
-                ws(c);
-                continue;
-            }
-            if (*c->p == '}') {
-                c->p++;
+            int next = next_member(c, '}');
+            if (next == 2)
                 break;
-            }
-            return 0;
+            if (next == 0)
+                return 0;
         }
     }
     /* ph, cat, name default to "" (interned where first absent, as the ordinary path factorises it) */
@@ -661,19 +649,9 @@ static int events_array(Scan *c) {
     for (;;) {
         if (!event_object(c))
             return 0;
-        ws(c);
-        if (c->p >= c->end)
-            return 0;
-        if (*c->p == ',') {
-            c->p++;
-            ws(c);
-            continue;
-        }
-        if (*c->p == ']') {
-            c->p++;
-            return 1;
-        }
-        return 0;
+        int next = next_member(c, ']');
+        if (next != 1)
+            return next == 2;
     }
 }
 
@@ -762,17 +740,10 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
                     }
                     if (!ok)
                         break;
-                    ws(&c);
-                    if (c.p < c.end && *c.p == ',') {
-                        c.p++;
-                        ws(&c);
+                    int next = next_member(&c, '}');
+                    if (next == 1)
                         continue;
-                    }
-                    if (c.p < c.end && *c.p == '}') {
-                        c.p++;
-                        break;
-                    }
-                    ok = 0;
+                    ok = next == 2;
                     break;
                 }
             }
