@@ -314,6 +314,20 @@ static int next_member(Scan *c, unsigned char close) {
     return 0;
 }
 
+/* An object member's key and the ':' after it (c->p then at the value, past whitespace). ``plain``: the key
+ * must hold no escape (a key the scanner compares could otherwise spell a field name it misses). 0 when not. */
+static int member_key(Scan *c, const unsigned char **k, Py_ssize_t *n, int plain) {
+    int escaped;
+    if (!string(c, k, n, &escaped) || (plain && escaped))
+        return 0;
+    ws(c);
+    if (c->p >= c->end || *c->p != ':')
+        return 0;
+    c->p++;
+    ws(c);
+    return 1;
+}
+
 static int skip_value(Scan *c, int depth);
 
 static int skip_container(Scan *c, int depth, int object) {
@@ -327,17 +341,10 @@ static int skip_container(Scan *c, int depth, int object) {
         return 1;
     }
     for (;;) {
-        if (object) {
-            const unsigned char *s;
-            Py_ssize_t n;
-            int e;
-            if (!string(c, &s, &n, &e))
-                return 0;
-            ws(c);
-            if (c->p >= c->end || *c->p != ':')
-                return 0;
-            c->p++;
-        }
+        const unsigned char *k;
+        Py_ssize_t n;
+        if (object && !member_key(c, &k, &n, 0))
+            return 0;
         if (!skip_value(c, depth + 1))
             return 0;
         int next = next_member(c, close);
@@ -486,14 +493,9 @@ static int args_object(Scan *c, int64_t *row, int32_t *txt) {
     for (;;) {
         const unsigned char *k;
         Py_ssize_t n;
-        int e, ok = 1, field = -1;
-        if (!string(c, &k, &n, &e) || e)
+        int ok = 1, field = -1;
+        if (!member_key(c, &k, &n, 1))
             return 0;
-        ws(c);
-        if (c->p >= c->end || *c->p != ':')
-            return 0;
-        c->p++;
-        ws(c);
         for (int i = 0; i < N_ARGS; i++) {
             if (n == ARGS[i].len && memcmp(k, ARGS[i].key, (size_t)n) == 0) {
                 field = i;
@@ -570,14 +572,8 @@ static int event_object(Scan *c) {
         for (;;) {
             const unsigned char *k;
             Py_ssize_t n;
-            int e;
-            if (!string(c, &k, &n, &e) || e)
+            if (!member_key(c, &k, &n, 1))
                 return 0;
-            ws(c);
-            if (c->p >= c->end || *c->p != ':')
-                return 0;
-            c->p++;
-            ws(c);
             int field = -1, ok = 1;
             if (n == 2 && k[0] == 'p' && k[1] == 'h') {
                 field = 0;
@@ -683,7 +679,7 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
     int ok = top != NULL, found = 0;
     for (int t = 0; t < N_TXT && ok; t++)
         ok = table_init(&c.tables[t]);
-    if (top && !ok)
+    if (!ok)  /* the dict or a table could not be allocated: a MemoryError is owed, not None */
         c.nomem = 1;
     if (ok) {
         ws(&c);
@@ -697,18 +693,10 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
                 for (;;) {
                     const unsigned char *k;
                     Py_ssize_t n;
-                    int e;
-                    if (!string(&c, &k, &n, &e) || e) {
+                    if (!member_key(&c, &k, &n, 1)) {
                         ok = 0;
                         break;
                     }
-                    ws(&c);
-                    if (c.p >= c.end || *c.p != ':') {
-                        ok = 0;
-                        break;
-                    }
-                    c.p++;
-                    ws(&c);
                     PyObject *key = PyUnicode_DecodeUTF8((const char *)k, n, "strict");
                     if (!key) {
                         ok = 0;
