@@ -72,6 +72,7 @@ ANNOTATION_CATS = frozenset({"user_annotation", "gpu_user_annotation", "python_f
 _ANNOTATION_NAME_RE = r"^(ProfilerStep#\d+|sl:pp:|nccl:|gloo:|ucc:|mpi:|sl:comm:)"
 _CPU_OP_CATS = frozenset({"cpu_op", "Operator", "user_annotation"})
 _PP_PREFIX = f"{contract.PREFIX}:pp:"  # the pattern bubbles selects its rows with
+_STEP_MAX = np.iinfo(np.int32).max  # the events table's ``step`` is int32
 
 
 def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
@@ -81,7 +82,9 @@ def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
     empty) is classified first. See the module docstring for lanes, windows and the priority order.
     """
     events = checked_events(traceset_or_events, caller="breakdown", layout=layout)
-    rows = [_rank_breakdown(grp) for _, grp in per_rank(events, _USED_COLUMNS)]
+    # Every mask and column attribution reads is computed once for the whole table, then sliced per rank.
+    table = _Rows.of(events)
+    rows = [_rank_breakdown(events, table.take(sel), rank) for rank, sel in _rank_selections(events)]
     rows = [r for r in rows if r is not None]
     if not rows:
         # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
@@ -132,131 +135,172 @@ def is_in(column: pd.Series, values) -> np.ndarray:
     return table[codes_or_end(column)]
 
 
-#: The columns attribution reads; the per-rank copies hold only these.
-_USED_COLUMNS = ("rank", "lane", "stream", "name", "cat", "category", "dim", "start_ns", "dur_ns", "step",
-                 "memory_kind")
-
-
-def per_rank(events: pd.DataFrame, columns=None):
-    """``(rank, rows of that rank)`` in rank order, like ``groupby("rank")``, but copying one rank at a time
-    and, when ``columns`` is given, only those columns."""
+def _rank_selections(events: pd.DataFrame):
+    """``(rank, rows)`` in rank order, ``rows`` a slice when the table is grouped by rank (as ``load`` builds
+    it), else the row positions of that rank in table order."""
     rank = events["rank"].to_numpy()
-    keep = list(events.columns) if columns is None else [c for c in events.columns if c in columns]
     if len(rank) and (rank[1:] >= rank[:-1]).all():
-        # Rows already grouped by rank in order (as ``load`` builds the table): slices, no per-rank copy.
-        table = events[keep]
         ranks, first = np.unique(rank, return_index=True)
-        for r, lo, hi in zip(ranks, first, [*first[1:], len(rank)]):
-            yield r, table.iloc[lo:hi]
-        return
-    for r in np.unique(rank):
-        yield r, events.loc[rank == r, keep]
+        return [(int(r), slice(lo, hi)) for r, lo, hi in zip(ranks, first, [*first[1:], len(rank)])]
+    return [(int(r), np.flatnonzero(rank == r)) for r in np.unique(rank)]
+
+
+class _Rows:
+    """The columns and row masks attribution reads, as numpy arrays: computed once for a whole events table
+    (per category, broadcast through the codes), then taken per rank and per work selection."""
+
+    ARRAYS = ("position", "start", "end", "step", "stream", "lane_gpu", "lane_cpu", "gpu_work", "cpu_work",
+              "comm", "category", "step_no", "pipeline", "pageable")
+    __slots__ = (*ARRAYS, "code_of")
+
+    @classmethod
+    def of(cls, events: pd.DataFrame) -> _Rows:
+        rows = cls.__new__(cls)
+        rows.position = np.arange(len(events))
+        rows.start = events["start_ns"].to_numpy()
+        rows.end = rows.start + events["dur_ns"].to_numpy()
+        rows.step = events["step"].to_numpy()
+        rows.stream = events["stream"].to_numpy()
+        rows.lane_gpu = is_in(events["lane"], (Lane.GPU.value,))
+        rows.lane_cpu = is_in(events["lane"], (Lane.CPU.value,))
+        name, cat, category = events["name"], events["cat"], events["category"]
+        # GPU work: any GPU-lane row that is not an annotation (by source category or by name).
+        rows.gpu_work = rows.lane_gpu & ~is_in(cat, ANNOTATION_CATS) & ~match_names(name, _ANNOTATION_NAME_RE)
+        rows.comm = is_in(category, COMM_CATEGORIES)
+        # CPU work: CPU ops; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*).
+        step_marker = match_names(name, r"^(ProfilerStep#\d+|sl:pp:)")
+        rows.cpu_work = rows.lane_cpu & ~step_marker & (
+            is_in(cat, ("cpu_op", "Operator")) | (rows.comm & is_in(cat, _CPU_OP_CATS)))
+        rows.category = codes_or_end(category)
+        rows.code_of = {text: i for i, text in enumerate(category_texts(category.cat.categories))}
+        rows.step_no = per_category_table(name, ("step_no",), _step_numbers)[codes_or_end(name)]
+        rows.pipeline = match_names(name, _PP_PREFIX)  # the pattern bubbles selects its rows with
+        rows.pageable = is_in(category, ("memcpy_h2d", "memcpy_d2h")) & is_in(events["memory_kind"], ("Pageable",))
+        return rows
+
+    def take(self, selection) -> _Rows:
+        """These rows at ``selection`` (a slice, positions or a boolean mask)."""
+        rows = _Rows.__new__(_Rows)
+        for key in self.ARRAYS:
+            setattr(rows, key, getattr(self, key)[selection])
+        rows.code_of = self.code_of
+        return rows
+
+    def work(self) -> tuple[np.ndarray, str]:
+        """Mask of the rows attributed for one rank and the lane kind used (``Lane.GPU`` or ``Lane.CPU``)."""
+        if self.gpu_work.any():
+            return self.gpu_work, Lane.GPU.value
+        return self.cpu_work, Lane.CPU.value
+
+
+def _step_numbers(texts: list[str]) -> np.ndarray:
+    """N of every ``ProfilerStep#N`` text, -1 for other texts (one extra slot for a missing value). As in the
+    reader (which gives events their ``step``), N is ASCII digits within int32, else the text is no marker."""
+    numbers = np.full(len(texts) + 1, -1, dtype=np.int64)
+    for i, text in enumerate(texts):
+        hit = STEP_RE.match(text) if text.startswith("ProfilerStep#") else None
+        if hit is not None and hit[1].isascii() and int(hit[1]) <= _STEP_MAX:
+            numbers[i] = int(hit[1])
+    return numbers
+
+
+_NO_WINDOWS = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """The rows attributed for one rank and the lane kind used (``Lane.GPU`` or ``Lane.CPU``)."""
-    named_annotation = match_names(events["name"], _ANNOTATION_NAME_RE)
-    lane_gpu = (events["lane"] == Lane.GPU.value).to_numpy()
-    gpu = lane_gpu & ~is_in(events["cat"], ANNOTATION_CATS) & ~named_annotation
-    if gpu.any():
-        return events[gpu], Lane.GPU.value
-    is_comm = is_in(events["category"], COMM_CATEGORIES)
-    step_marker = match_names(events["name"], r"^(ProfilerStep#\d+|sl:pp:)")
-    # CPU ops are work; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*) are.
-    cpu = (events["lane"] == Lane.CPU.value).to_numpy() & ~step_marker & (
-        is_in(events["cat"], ["cpu_op", "Operator"]) | (is_comm & is_in(events["cat"], _CPU_OP_CATS)))
-    return events[cpu], Lane.CPU.value
+    mask, lanes = _Rows.of(events).work()
+    return events[mask], lanes
 
 
 def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None = None) -> pd.DataFrame:
     """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
-    marked = match_names(events["name"], STEP_RE.pattern)
+    rows = _Rows.of(events)
+    work_of = rows.take(rows.work()[0]) if work is None else _Rows.of(work)
+    steps, starts, ends = _windows(rows, lanes=lanes, work=work_of)
+    return pd.DataFrame({"step": steps, "start_ns": starts, "end_ns": ends})
+
+
+def _windows(rows: _Rows, *, lanes: str, work: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, start, end) of one rank's windows, sorted by step: ``step_windows`` on the arrays."""
+    marked = rows.step_no >= 0
     gpu, cpu = Lane.GPU.value, Lane.CPU.value
     for lane_kind in ((lanes, cpu) if lanes == gpu else (cpu,)):
         if lane_kind == cpu and lanes == gpu:
-            from_work = _gpu_work_steps(work_rows(events)[0] if work is None else work)
-            if len(from_work):
+            from_work = _gpu_work_steps(work.step, work.start, work.end)
+            if len(from_work[0]):
                 return from_work
-        sel = marked & (events["lane"] == lane_kind).to_numpy()
+        sel = marked & (rows.lane_gpu if lane_kind == gpu else rows.lane_cpu)
         if sel.any():
-            sub = events[sel]
-            steps = sub["name"].astype(str).str.extract(STEP_RE, expand=False)  # only the step markers
-            frame = pd.DataFrame({"step": steps.astype(np.int64).to_numpy(),
-                                  "start_ns": sub["start_ns"].to_numpy(),
-                                  "end_ns": (sub["start_ns"] + sub["dur_ns"]).to_numpy()})
-            return frame.groupby("step", as_index=False).agg(start_ns=("start_ns", "min"),
-                                                             end_ns=("end_ns", "max"))
-    return pd.DataFrame({"step": np.empty(0, np.int64), "start_ns": np.empty(0, np.int64),
-                         "end_ns": np.empty(0, np.int64)})
+            # Several markers of one step (e.g. one per stream) are joined to their hull.
+            return _hulls(rows.step_no[sel], rows.start[sel], rows.end[sel])
+    return _NO_WINDOWS
 
 
-def _gpu_work_steps(work: pd.DataFrame) -> pd.DataFrame:
-    """Windows from the ``step`` of GPU work: [first start of N, first start of N+1), last: to its last end."""
-    step = work["step"].to_numpy()
-    stepped = step >= 0
-    if not stepped.any():
-        return pd.DataFrame({"step": np.empty(0, np.int64), "start_ns": np.empty(0, np.int64),
-                             "end_ns": np.empty(0, np.int64)})
-    start = work["start_ns"].to_numpy()[stepped]
-    end = start + work["dur_ns"].to_numpy()[stepped]
-    step = step[stepped]
+def _hulls(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct step (ascending): the first start and the last end."""
     order = np.argsort(step, kind="stable")
     steps, first = np.unique(step[order], return_index=True)
-    starts = np.minimum.reduceat(start[order], first)
-    last_end = int(np.maximum.reduceat(end[order], first)[-1])
+    return (steps.astype(np.int64), np.minimum.reduceat(start[order], first).astype(np.int64),
+            np.maximum.reduceat(end[order], first).astype(np.int64))
+
+
+def _gpu_work_steps(step: np.ndarray, start: np.ndarray, end: np.ndarray):
+    """Windows from the ``step`` of GPU work: [first start of N, first start of N+1), last: to its last end."""
+    stepped = step >= 0
+    if not stepped.any():
+        return _NO_WINDOWS
+    steps, starts, last_ends = _hulls(step[stepped], start[stepped], end[stepped])
+    last_end = int(last_ends[-1])
     # The next step's first start closes a step; a non-increasing start (out-of-order work) gives an empty window.
     ends = np.append(np.maximum(starts[1:], starts[:-1]), max(last_end, int(starts[-1])))
-    return pd.DataFrame({"step": steps.astype(np.int64), "start_ns": starts.astype(np.int64), "end_ns": ends})
+    return steps, starts, ends
 
 
 def label_sets(events: pd.DataFrame, work: pd.DataFrame, lanes: str) -> dict[str, iv.IntervalSet]:
     """Interval set of every non-idle label for one rank (before the priority partition)."""
-    start = work["start_ns"].to_numpy()
-    end = start + work["dur_ns"].to_numpy()
-    category = work["category"]
+    pipeline = match_names(events["name"], _PP_PREFIX)
+    return _label_sets(_Rows.of(work), lanes, pipeline=events[pipeline] if pipeline.any() else None)
+
+
+def _label_sets(work: _Rows, lanes: str, *, pipeline: pd.DataFrame | None) -> dict[str, iv.IntervalSet]:
+    """``label_sets`` on the arrays of the work rows; ``pipeline``: the rank's pipeline annotation rows, in
+    order (only they matter to bubbles), or None when it has none."""
+    start, end = work.start, work.end
     sets: dict[str, iv.IntervalSet] = {}
     if lanes == Lane.CPU.value:
         # Per thread, comm time leaves the thread's compute (comm ops nest inside framework ops).
-        stream = work["stream"].to_numpy()
         compute_parts = []
-        comm = is_in(category, COMM_CATEGORIES)
-        for thread in np.unique(stream):
-            on = stream == thread
-            comm_t = iv.union(start[on & comm], end[on & comm])
-            busy_t = iv.union(start[on & ~comm], end[on & ~comm])
-            compute_parts.append(iv.subtract(busy_t, comm_t))
+        for thread in np.unique(work.stream):
+            on = work.stream == thread
+            comm, busy = on & work.comm, on & ~work.comm
+            compute_parts.append(iv.subtract(iv.union(start[busy], end[busy]), iv.union(start[comm], end[comm])))
         sets["compute"] = iv.merge(*compute_parts)
-    codes = codes_or_end(category)
-    code_of = {text: i for i, text in enumerate(category_texts(category.cat.categories))}
     for label in LABELS:
         if label in ("idle", "bubble") or (label == "compute" and lanes == Lane.CPU.value):
             continue
-        on = codes == code_of.get(label, -1)
+        on = work.category == work.code_of.get(label, -1)
         sets[label] = iv.union(start[on], end[on]) if on.any() else iv.EMPTY
-    # Only the pipeline annotations matter to bubbles: hand over just those rows (in order), not the rank.
-    pipeline = match_names(events["name"], _PP_PREFIX)
-    sets["bubble"] = bubble_set(events[pipeline], lanes=lanes) if pipeline.any() else iv.EMPTY
+    sets["bubble"] = bubble_set(pipeline, lanes=lanes) if pipeline is not None else iv.EMPTY
     # Not a partition label: time with a copy from/to pageable host memory running (a PCIe offload smell).
-    pageable = is_in(category, ("memcpy_h2d", "memcpy_d2h")) & is_in(work["memory_kind"], ("Pageable",))
-    sets["pageable_memcpy"] = iv.union(start[pageable], end[pageable])
+    sets["pageable_memcpy"] = iv.union(start[work.pageable], end[work.pageable])
     return sets
 
 
-def _rank_breakdown(events: pd.DataFrame) -> dict[str, np.ndarray] | None:
-    work, lanes = work_rows(events)
-    if work.empty:
+def _rank_breakdown(events: pd.DataFrame, rows: _Rows, rank: int) -> dict[str, np.ndarray] | None:
+    mask, lanes = rows.work()
+    if not mask.any():
         return None
-    windows = step_windows(events, lanes=lanes, work=work)
-    if windows.empty:
-        first = int(work["start_ns"].min())
-        last = int((work["start_ns"] + work["dur_ns"]).max())
-        windows = pd.DataFrame({"step": [-1], "start_ns": [first], "end_ns": [last]})
-    sets = label_sets(events, work, lanes)
-    steps = windows["step"].to_numpy().astype(np.int64)
-    leading = {"rank": np.full(len(steps), int(events["rank"].iloc[0]), dtype=np.int64), "step": steps,
+    work = rows.take(mask)
+    steps, win_start, win_end = _windows(rows, lanes=lanes, work=work)
+    if not len(steps):
+        steps = np.array([-1], dtype=np.int64)
+        win_start, win_end = np.array([work.start.min()]), np.array([work.end.max()])
+    pipeline = events.iloc[rows.position[rows.pipeline]] if rows.pipeline.any() else None
+    sets = _label_sets(work, lanes, pipeline=pipeline)
+    leading = {"rank": np.full(len(steps), rank, dtype=np.int64), "step": steps,
                "lanes": np.full(len(steps), lanes, dtype=object)}
-    return partition_columns(sets, win_start=windows["start_ns"].to_numpy(), win_end=windows["end_ns"].to_numpy(),
-                             leading=leading)
+    return partition_columns(sets, win_start=win_start, win_end=win_end, leading=leading)
 
 
 def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray,
@@ -277,37 +321,37 @@ def partition_columns(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray,
     win_end = np.asarray(win_end, np.int64)
     if (win_end < win_start).any():
         raise AttributionError(f"step windows with end before start: {list(zip(win_start, win_end))[:5]}")
-    points = np.unique(np.concatenate([win_start, win_end] + [a for s in sets.values() for a in s]))
-    seg_s, seg_e = points[:-1], points[1:]
-    length = seg_e - seg_s
+    points = iv.distinct(np.concatenate([win_start, win_end] + [a for s in sets.values() for a in s]))
+    seg_s = points[:-1]
+    length = np.diff(points)
     lo = np.searchsorted(points, win_start)
     hi = np.searchsorted(points, win_end)
+    nothing = np.zeros(len(seg_s), dtype=bool)
     covered = {label: iv.covers(s, seg_s) for label, s in sets.items()}
-    free = np.ones(len(seg_s), dtype=bool)
+    # Each segment's owner: the first label in priority order that covers it; idle (the last) when none does.
+    ranked = np.stack([covered.get(label, nothing) for label in LABELS[:-1]] + [~nothing])
+    owner = ranked.argmax(axis=0)
+    compute = covered.get("compute", nothing)
+    comm = np.stack([covered.get(c, nothing) for c in COMM_CATEGORIES])
+    any_comm = comm.any(axis=0)
+    extras = sorted(set(sets) - set(LABELS))  # reported alongside, outside the partition
+    # Every column is a per-window total of the segments in one mask: one prefix sum over all masks at once.
+    masks = np.concatenate([owner == np.arange(len(LABELS))[:, None], comm & compute,
+                            np.stack([any_comm, any_comm & compute] + [covered[e] for e in extras])])
+    prefix = np.zeros((len(masks), len(points)), dtype=np.int64)
+    np.cumsum(np.where(masks, length, 0), axis=1, out=prefix[:, 1:])
+    totals = prefix[:, hi] - prefix[:, lo]
     out: dict[str, np.ndarray] = {**(leading or {}), "start_ns": win_start, "end_ns": win_end,
                                   "step_ns": win_end - win_start}
-
-    def window_sums(mask: np.ndarray) -> np.ndarray:
-        prefix = np.concatenate([[0], np.cumsum(np.where(mask, length, 0))])
-        return prefix[hi] - prefix[lo]
-
-    for label in LABELS:
-        mask = free if label == "idle" else (free & covered.get(label, np.zeros_like(free)))
-        out[label] = window_sums(mask)
-        free &= ~mask
-    parts = np.sum([out[label] for label in LABELS], axis=0)
+    out.update(zip(LABELS, totals))
+    parts = totals[:len(LABELS)].sum(axis=0)
     if not np.array_equal(parts, out["step_ns"]):  # the partition covers each window once, by construction
         raise AssertionError(f"attribution parts {parts} do not sum to step times {out['step_ns']}")
-    compute = covered["compute"]
-    any_comm = np.zeros(len(seg_s), dtype=bool)
-    for comm in COMM_CATEGORIES:
-        c = covered.get(comm, np.zeros_like(free))
-        out[f"overlapped_{comm}"] = window_sums(c & compute)
-        any_comm |= c
-    out["comm_ns"] = window_sums(any_comm)
-    for extra in sorted(set(sets) - set(LABELS)):  # reported alongside, outside the partition
-        out[f"{extra}_ns"] = window_sums(covered[extra])
-    overlapped = window_sums(any_comm & compute)
+    row = len(LABELS)
+    out.update((f"overlapped_{c}", totals[row + i]) for i, c in enumerate(COMM_CATEGORIES))
+    row += len(COMM_CATEGORIES)
+    out["comm_ns"], overlapped = totals[row], totals[row + 1]
+    out.update((f"{e}_ns", totals[row + 2 + i]) for i, e in enumerate(extras))
     with np.errstate(invalid="ignore", divide="ignore"):
         out["overlap_ratio"] = np.where(out["comm_ns"] > 0, overlapped / np.maximum(out["comm_ns"], 1), np.nan)
     return out

@@ -35,6 +35,18 @@ def union(starts, ends) -> IntervalSet:
     return s[new_run], run_end
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of an int64 array: ``np.unique`` by one sort (numpy 2's hash-based unique
+    is several times slower on the endpoint arrays here)."""
+    ordered = np.sort(np.asarray(values, dtype=np.int64))
+    if len(ordered) < 2:
+        return ordered
+    first = np.empty(len(ordered), dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
+
+
 def total(a: IntervalSet) -> int:
     """Length of a canonical set (sum of its intervals)."""
     return int((a[1] - a[0]).sum())
@@ -51,7 +63,7 @@ def covers(a: IntervalSet, points) -> np.ndarray:
 
 def _combine(a: IntervalSet, b: IntervalSet, keep_fn) -> IntervalSet:
     """Elementary segments between all endpoints, kept where ``keep_fn(in_a, in_b)``, merged back."""
-    points = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    points = distinct(np.concatenate([a[0], a[1], b[0], b[1]]))
     if len(points) < 2:
         return EMPTY
     seg_s, seg_e = points[:-1], points[1:]

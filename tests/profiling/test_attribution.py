@@ -172,3 +172,32 @@ def test_gpu_steps_come_from_the_work_step_when_there_are_no_gpu_step_annotation
     # step 1: [100, 230) -- first kernel of 1 to first kernel of 2; step 2: [230, 320) -- to its last end.
     assert table[["step", "start_ns", "end_ns", "compute", "idle"]].values.tolist() == [
         [1, 100, 230, 90, 40], [2, 230, 320, 50, 40]]
+
+
+def test_rows_in_any_order_give_the_grouped_table(synth):
+    # ``load`` groups rows by rank (breakdown then slices); any other order takes each rank's positions.
+    a, _ = synth.zero_tp_offload(rank=0, t0=0)
+    b, _ = synth.zero_tp_offload(rank=1, t0=5_000)
+    grouped = synth.to_frame(a + b)
+    shuffled = grouped.iloc[np.random.default_rng(3).permutation(len(grouped))].reset_index(drop=True)
+    assert not (np.diff(shuffled["rank"].to_numpy()) >= 0).all()
+    pd.testing.assert_frame_equal(breakdown(shuffled), breakdown(grouped))
+
+
+def test_step_markers_are_the_ones_the_reader_counts(synth):
+    # The reader gives events no step for a marker beyond int32 or with non-ASCII digits; attribution makes
+    # no window of them either, so the windows and the events' ``step`` column agree.
+    ops = [dict(rank=0, lane="cpu", stream=1, name="aten::mm", cat="cpu_op", start_ns=s, dur_ns=10)
+           for s in (10, 110, 210)]
+    markers = [synth.annotation(0, name, start, 100, lane="cpu")
+               for name, start in (("ProfilerStep#7", 0), (f"ProfilerStep#{2**31}", 100), ("ProfilerStep#٣", 200))]
+    table = breakdown(synth.to_frame(ops + markers))
+    assert table[["step", "start_ns", "end_ns", "compute", "idle"]].values.tolist() == [[7, 0, 100, 10, 90]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(st.integers(-2**63, 2**63 - 1) | st.integers(-3, 3), max_size=40))
+def test_distinct_is_numpy_unique(values):
+    array = np.array(values, dtype=np.int64)
+    got = iv.distinct(array)
+    assert got.dtype == np.int64 and np.array_equal(got, np.unique(array))
