@@ -38,6 +38,7 @@ from shardline.profiling.schema import (
     category_texts,
     check_events,
     codes_or_end,
+    empty_texts,
     per_category_table,
     sorted_categorical,
 )
@@ -363,7 +364,6 @@ def _per_category(column: pd.Series, fn) -> list:
     return [fn(value) for value in [*category_texts(column.cat.categories), ""]]
 
 
-_STR = pd.Index(["x"]).dtype
 
 
 def match_names(column: pd.Series, pattern: str) -> np.ndarray:
@@ -511,7 +511,7 @@ def _dims(out: pd.DataFrame, category: np.ndarray, layout: Mapping[str, int] | N
     comm = _COMM_CODES[category]
     idx = np.flatnonzero(comm)
     if not len(idx):
-        return pd.Categorical.from_codes(np.zeros(len(out), dtype=np.int8), categories=pd.Index([""], dtype=_STR))
+        return empty_texts(len(out))
     from_desc = np.array(_per_category(out["pg_desc"], desc_dim), dtype=object)[codes_or_end(out["pg_desc"])[idx]]
     dims = np.where(from_desc != "", from_desc, UNKNOWN_DIM)
     ann_table = np.array(_per_category(out["name"], lambda n: (m.group("dim") if (m := contract.COMM_RE.match(n))

@@ -17,17 +17,16 @@ import tempfile
 import types
 import warnings as _warnings
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from pandas.api.types import union_categoricals
 
 from shardline.profiling.errors import MissingRankError, MixedJobsError, TraceFormatError, TraceWarning
 from shardline.profiling.readers import Format, ReadResult, sniff
-from shardline.profiling.schema import COLUMNS, check_events, empty_events
+from shardline.profiling.schema import COLUMNS, category_texts, check_events, empty_events, text_dtype
 
 #: Readers by format, imported on first use so a Kineto-only job never imports sqlite3 or the log parser.
 _READERS = {
@@ -72,7 +71,8 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
     ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
     ``category``/``dim`` empty. ``workers``: processes reading files in parallel (default: one per core when
-    several large files are read; 1 reads in this process).
+    several large files are read; for several small ones a thread of this process reads and gunzips the
+    next file while this one decodes; 1 reads one file after another in this process).
     """
     root = Path(path)
     files = _discover(root)
@@ -163,8 +163,11 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
     one thread (Arrow's pool would only oversubscribe the cores).
     """
     total = sum(file.stat().st_size for file, *_ in jobs)
+    cores = os.cpu_count() or 1
+    if workers is None and total < _PARALLEL_MIN_BYTES and len(jobs) > 1 and cores > 1:
+        return _read_prefetched(jobs)
     if workers is None:
-        workers = min(len(jobs), os.cpu_count() or 1) if total >= _PARALLEL_MIN_BYTES else 1
+        workers = min(len(jobs), cores) if total >= _PARALLEL_MIN_BYTES else 1
     if workers <= 1 or len(jobs) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [_read_job(job) for job in jobs]
     # Largest files first, so one huge file does not start last.
@@ -178,9 +181,30 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
         return [_unspill(done[i]) for i in range(len(jobs))]
 
 
-def _read_job(job: tuple) -> ReadResult:
+def _read_job(job: tuple, data=None) -> ReadResult:
     file, fmt, rank, keep_python = job
-    return _read(file, fmt, rank=rank, keep_python=keep_python)
+    return _read(file, fmt, rank=rank, keep_python=keep_python, data=data)
+
+
+def _read_prefetched(jobs: list) -> list[ReadResult]:
+    """Small files, several cores: a thread reads and gunzips the next Kineto trace's bytes (file reads and
+    zlib run without the GIL) while this one decodes the current one. A forked pool would cost more to start
+    than it saves, and a thread per file would fight over the GIL for the Python part of decoding. One file
+    ahead at most, so no more than two decompressed traces are held at once."""
+    from shardline.profiling.readers.kineto import trace_buffer
+
+    def fetch(index: int):
+        if index < len(jobs) and jobs[index][1] is Format.KINETO:
+            return pool.submit(trace_buffer, jobs[index][0])
+        return None
+
+    results = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-prefetch") as pool:
+        ahead = fetch(0)
+        for index, job in enumerate(jobs):
+            current, ahead = ahead, fetch(index + 1)
+            results.append(_read_job(job, data=None if current is None else current.result()))
+    return results
 
 
 def _read_job_spilled(task: tuple) -> ReadResult:
@@ -236,10 +260,10 @@ def _unspill(result: ReadResult) -> ReadResult:
     return result
 
 
-def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool) -> ReadResult:
+def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, data=None) -> ReadResult:
     module, function = _READERS[fmt]
     reader = getattr(importlib.import_module(module), function)
-    options = {"keep_python": keep_python} if fmt is Format.KINETO else {}
+    options = {"keep_python": keep_python, "data": data} if fmt is Format.KINETO else {}
     result = reader(file, rank=rank, **options)
     if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:
         raise MissingRankError(f"{file}: the rank is not recorded (no distributedInfo.rank, no rank in the file "
@@ -303,7 +327,7 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
     for column, dtype in COLUMNS.items():
         parts = [f[column] for f in frames]
         if dtype == "category":
-            out[column] = union_categoricals([_text_categorical(p) for p in parts])
+            out[column] = union_texts([_text_categorical(p) for p in parts])
         else:
             out[column] = np.concatenate([p.to_numpy(dtype=dtype) for p in parts])
         del parts
@@ -311,6 +335,23 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
             for frame in frames:  # the caller's frames are spent: free each column once it is joined
                 del frame[column]
     return pd.DataFrame(out, copy=False)
+
+
+def union_texts(parts: list[pd.Categorical]) -> pd.Categorical:
+    """``union_categoricals(parts)`` for categoricals of text categories (same result: the first part's
+    categories, then each later part's new ones in its order), without pandas' per-part overhead."""
+    first = parts[0].dtype
+    if all(part.dtype is first for part in parts):  # one shared dtype (a fixed vocabulary): codes only
+        return pd.Categorical.from_codes(np.concatenate([part.codes for part in parts]), dtype=first,
+                                         validate=False)
+    ids: dict[str, int] = {}
+    codes = []
+    for part in parts:
+        texts = category_texts(part.categories)
+        # One past the part's last code holds -1, so a missing value (code -1) stays missing.
+        remap = np.array([ids.setdefault(text, len(ids)) for text in texts] + [-1], dtype=np.int64)
+        codes.append(remap[part.codes])
+    return pd.Categorical.from_codes(np.concatenate(codes), dtype=text_dtype(list(ids)), validate=False)
 
 
 def _is_mapped(array: np.ndarray) -> bool:

@@ -36,6 +36,7 @@ source         category  reader that produced the row ("kineto", "nccl_log", "ns
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -128,8 +129,8 @@ def sorted_categorical(codes: np.ndarray, vocabulary) -> pd.Categorical:
     order = sorted(used.tolist(), key=lambda i: vocabulary[i])
     remap = np.zeros(len(vocabulary), dtype=np.int32)
     remap[order] = np.arange(len(order), dtype=np.int32)
-    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([vocabulary[i] for i in order],
-                                                                        dtype=_STR))
+    return pd.Categorical.from_codes(remap[codes], dtype=text_dtype([vocabulary[i] for i in order]),
+                                     validate=False)
 
 
 def empty_texts(n: int) -> pd.Categorical:
@@ -138,7 +139,26 @@ def empty_texts(n: int) -> pd.Categorical:
 
 
 _STR = pd.Index(["x"]).dtype
-_EMPTY_TEXT = pd.CategoricalDtype(pd.Index([""], dtype=_STR))
+#: Vocabularies up to this many texts share one cached dtype per distinct list.
+_CACHED_TEXTS = 1024
+
+
+def text_dtype(texts) -> pd.CategoricalDtype:
+    """The categorical dtype of these texts (distinct, in this order) as categories, pandas' default string
+    dtype. Building one checks the categories (an index and a hash table each time: tens of µs); the columns
+    of many files and calls mostly repeat a few short vocabularies, so those share one cached dtype object
+    (and with it the per-category tables of ``per_category_table``)."""
+    if len(texts) <= _CACHED_TEXTS:
+        return _cached_text_dtype(tuple(texts))
+    return pd.CategoricalDtype(pd.Index(list(texts), dtype=_STR))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_text_dtype(texts: tuple) -> pd.CategoricalDtype:
+    return pd.CategoricalDtype(pd.Index(list(texts), dtype=_STR))
+
+
+_EMPTY_TEXT = text_dtype([""])
 
 
 def conform(frame: pd.DataFrame) -> pd.DataFrame:

@@ -17,7 +17,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
-from shardline.profiling.schema import COLUMNS, category_texts, empty_texts, sorted_categorical
+from shardline.profiling.schema import COLUMNS, category_texts, empty_texts, sorted_categorical, text_dtype
 
 #: Events decoded per batch: big enough to amortise the per-batch cost, small enough to bound memory.
 BATCH = 200_000
@@ -119,7 +119,7 @@ def sorted_texts(codes: np.ndarray, texts: list) -> pd.Categorical:
     position = {text: i for i, text in enumerate(categories)}
     remap = np.array([position.get(text, 0) for text in texts] or [0], dtype=np.int32)
     return pd.Categorical.from_codes(remap[codes] if len(codes) else np.asarray(codes, dtype=np.int32),
-                                     categories=pd.Index(categories, dtype=_STR))
+                                     dtype=text_dtype(categories), validate=False)
 
 
 def _factorize(values: list) -> pd.Categorical:
@@ -129,8 +129,7 @@ def _factorize(values: list) -> pd.Categorical:
     (faster than ``pd.factorize``, which first copies the list into an object array)."""
     index = {value: i for i, value in enumerate(dict.fromkeys(values))}
     codes = np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
-    return pd.Categorical.from_codes(codes, dtype=pd.CategoricalDtype(pd.Index(list(index), dtype=_STR)),
-                                     validate=False)
+    return pd.Categorical.from_codes(codes, dtype=text_dtype(list(index)), validate=False)
 
 
 def columns_from_events(events: list, *, keep_python: bool) -> dict:

@@ -24,7 +24,6 @@ import pandas as pd
 
 from shardline.profiling.readers._kineto_columns import (
     _PHASES,
-    _STR,
     _TEXT_ARGS,
     DROP_CATS,
     GPU_CATS,
@@ -35,6 +34,7 @@ from shardline.profiling.readers._kineto_columns import (
     empty_texts,
     sorted_texts,
 )
+from shardline.profiling.schema import text_dtype
 
 try:
     from shardline.profiling.readers import _kscan
@@ -105,8 +105,7 @@ def _categorical(codes: np.ndarray, texts: list, *, trim: bool) -> pd.Categorica
             remap = np.zeros(len(texts), dtype=np.int32)
             remap[order] = np.arange(len(order), dtype=np.int32)
             codes, texts = remap[codes], [texts[i] for i in order.tolist()]
-    return pd.Categorical.from_codes(codes, dtype=pd.CategoricalDtype(pd.Index(texts, dtype=_STR)),
-                                     validate=False)
+    return pd.Categorical.from_codes(codes, dtype=text_dtype(texts), validate=False)
 
 
 def _int_or_text(values: np.ndarray, codes: np.ndarray, texts: list, overflow: list) -> np.ndarray:

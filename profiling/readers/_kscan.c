@@ -714,7 +714,11 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
                     if (key_is(k, n, "traceEvents")) {
                         Py_DECREF(key);
                         found = 1;
+                        /* The events pass touches no Python object (the buffer is held by the view), so
+                         * other threads run meanwhile: several traces are scanned at once. */
+                        Py_BEGIN_ALLOW_THREADS
                         ok = events_array(&c);
+                        Py_END_ALLOW_THREADS
                     } else {
                         Py_ssize_t start = c.p - base;
                         ok = skip_value(&c, 1);

@@ -150,15 +150,17 @@ def rank_from_name(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False) -> ReadResult:
+def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False, data=None) -> ReadResult:
     """Read one Kineto trace into events (see the module docstring for the mapping).
 
     The rank is ``distributedInfo.rank``, else ``rank``, else one written in the file name; none of them
     raises :class:`MissingRankError` from ``load`` (here it is returned as ``-1`` in ``metadata``). A trace
-    truncated or corrupted part-way gives a warning and the events before the damage.
+    truncated or corrupted part-way gives a warning and the events before the damage. ``data``: the file's
+    ``trace_buffer``, when the caller has already read it (``load`` reads the next file ahead in a thread).
     """
     path = Path(path)
-    data = trace_buffer(path)
+    if data is None:
+        data = trace_buffer(path)
     warnings: list[str] = []
     streamed = None
     if not isinstance(data, mmap.mmap) and len(data) <= _NATIVE_MAX_BYTES:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import gzip
 import os
+import threading
 import warnings
 
+import numpy as np
+import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pandas.api.types import union_categoricals
 
+import shardline.profiling.load as load_module
 from shardline.profiling.errors import (
     MissingRankError,
     MixedJobsError,
@@ -15,8 +22,9 @@ from shardline.profiling.errors import (
     TraceFormatError,
     TraceWarning,
 )
-from shardline.profiling.load import load
-from shardline.profiling.schema import check_events
+from shardline.profiling.load import load, union_texts
+from shardline.profiling.readers import kineto
+from shardline.profiling.schema import check_events, text_dtype
 
 _EVENT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1.5}}'
 
@@ -272,3 +280,89 @@ def test_nccl_log_join_refuses_count_mismatch(tmp_path):
     with pytest.warns(TraceWarning, match="rank 0: 2 AllReduce lines in the NCCL log but 1 AllReduce kernels"):
         ev = load(tmp_path).events
     assert ev.loc[ev["source"] == "kineto", "seq"].tolist() == [-1]
+
+
+def _spy_reads(monkeypatch) -> list:
+    """Record, in order and from every thread, each trace_buffer call and each read_kineto start and end."""
+    log = []
+    buffer, read = kineto.trace_buffer, kineto.read_kineto
+
+    def spied_buffer(path):
+        log.append(("fetch", path.name))
+        log.append(("fetched in", threading.current_thread().name))
+        return buffer(path)
+
+    def spied_read(path, **options):
+        log.append(("read", path.name))
+        try:
+            return read(path, **options)
+        finally:
+            log.append(("done", path.name))
+
+    monkeypatch.setattr(kineto, "trace_buffer", spied_buffer)
+    monkeypatch.setattr(kineto, "read_kineto", spied_read)
+    monkeypatch.setattr(load_module.os, "cpu_count", lambda: 2)
+    return log
+
+
+def test_small_folder_is_read_with_one_file_prefetched(tmp_path, monkeypatch):
+    names = [f"rank{r}.json.gz" for r in range(4)]
+    for r, name in enumerate(names):
+        (tmp_path / name).write_bytes(gzip.compress(_trace(40 + r, rank=r).encode()))
+    log = _spy_reads(monkeypatch)
+    prefetched = load(tmp_path)
+    fetches = [name for what, name in log if what == "fetch"]
+    assert fetches == names  # every file read once, in order
+    threads = {name for what, name in log if what == "fetched in"}
+    assert len(threads) == 1 and threads.pop().startswith("shardline-prefetch")  # ahead, by the thread
+    for k in range(2, len(names)):  # never more than one file ahead of the one being decoded
+        assert log.index(("fetch", names[k])) > log.index(("done", names[k - 2]))
+    log.clear()
+    one_by_one = load(tmp_path, workers=1)
+    assert {name for what, name in log if what == "fetched in"} == {threading.current_thread().name}
+    pd.testing.assert_frame_equal(prefetched.events, one_by_one.events)
+    assert prefetched.files == one_by_one.files and prefetched.metadata == one_by_one.metadata
+
+
+def test_prefetched_damage_is_reported_for_its_file(tmp_path, monkeypatch):
+    for r in range(3):
+        data = gzip.compress(_trace(30, rank=r).encode())
+        (tmp_path / f"rank{r}.json.gz").write_bytes(data if r != 1 else data[: len(data) // 2])
+    _spy_reads(monkeypatch)
+    with pytest.raises(TraceFormatError, match=r"rank1\.json\.gz: corrupt or truncated gzip"):
+        load(tmp_path)
+
+
+def test_shared_small_set_reads_the_same_prefetched(traces_dir, monkeypatch):
+    folder = traces_dir / "param" / "dlrm_kineto"
+    one_by_one = load(folder, workers=1)
+    _spy_reads(monkeypatch)
+    prefetched = load(folder)
+    pd.testing.assert_frame_equal(prefetched.events, one_by_one.events)
+
+
+_texts = st.lists(st.sampled_from(["", "a", "b", "nccl:all_reduce", "ß", "x y"]), unique=True, max_size=6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(parts=st.lists(st.tuples(_texts, st.lists(st.integers(-1, 5), max_size=8)), min_size=1, max_size=4),
+       shared=st.booleans())
+def test_union_texts_is_union_categoricals(parts, shared):
+    categoricals = []
+    for texts, codes in parts:
+        codes = np.array([c if c < len(texts) else -1 for c in codes], dtype=np.int8)
+        dtype = text_dtype(parts[0][0]) if shared else pd.CategoricalDtype(pd.Index(texts, dtype="str"))
+        if shared:
+            codes = np.where(codes < len(parts[0][0]), codes, -1).astype(np.int8)
+        categoricals.append(pd.Categorical.from_codes(codes, dtype=dtype))
+    got, want = union_texts(categoricals), union_categoricals(categoricals)
+    assert got.categories.tolist() == want.categories.tolist() and got.categories.dtype == want.categories.dtype
+    assert np.array_equal(got.codes, want.codes) and got.codes.dtype == want.codes.dtype
+
+
+def test_text_dtype_is_shared_for_short_vocabularies_only():
+    assert text_dtype(["b", "a"]) is text_dtype(("b", "a"))  # cached: one object for one list
+    assert text_dtype(["b", "a"]) is not text_dtype(["a", "b"])  # the order is part of the dtype
+    assert text_dtype(["b", "a"]).categories.tolist() == ["b", "a"]
+    many = [f"kernel_{i}" for i in range(5000)]
+    assert text_dtype(many) is not text_dtype(many) and text_dtype(many) == text_dtype(many)
