@@ -154,6 +154,11 @@ def test_schema_breaks_and_negative_durations_are_named(synth):
     frame = synth.to_frame(rows)
     with pytest.raises(AttributionError, match="missing column 'dur_ns'"):
         breakdown(frame.drop(columns="dur_ns"))
+    with pytest.raises(AttributionError, match="column 'step' has dtype float64, expected int32"):
+        breakdown(frame.astype({"step": float}))
+    twice = pd.concat([frame, frame[["rank"]]], axis=1)
+    with pytest.raises(AttributionError, match="column 'rank' appears 2 times"):
+        breakdown(twice)
     broken = frame.copy()
     broken.loc[0, "dur_ns"] = -5
     with pytest.raises(AttributionError, match="1 events have a negative duration"):
