@@ -71,8 +71,8 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
     ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
     ``category``/``dim`` empty. ``workers``: processes reading files in parallel (default: one per core when
-    several large files are read; for several small ones a thread of this process reads and gunzips the
-    next file while this one decodes; 1 reads one file after another in this process).
+    several large files are read; for several small ones a thread of this process reads, gunzips and scans
+    the next file while this one decodes; 1 reads one file after another in this process).
     """
     root = Path(path)
     files = _discover(root)
@@ -181,21 +181,22 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
         return [_unspill(done[i]) for i in range(len(jobs))]
 
 
-def _read_job(job: tuple, data=None) -> ReadResult:
+def _read_job(job: tuple, prefetched=None) -> ReadResult:
     file, fmt, rank, keep_python = job
-    return _read(file, fmt, rank=rank, keep_python=keep_python, data=data)
+    return _read(file, fmt, rank=rank, keep_python=keep_python, prefetched=prefetched)
 
 
 def _read_prefetched(jobs: list) -> list[ReadResult]:
-    """Small files, several cores: a thread reads and gunzips the next Kineto trace's bytes (file reads and
-    zlib run without the GIL) while this one decodes the current one. A forked pool would cost more to start
-    than it saves, and a thread per file would fight over the GIL for the Python part of decoding. One file
-    ahead at most, so no more than two decompressed traces are held at once."""
-    from shardline.profiling.readers.kineto import trace_buffer
+    """Small files, several cores: a thread reads, gunzips and natively scans the next Kineto trace (file
+    reads, zlib and the scanner's events pass run without the GIL) while this one builds the columns of the
+    current one. A forked pool would cost more to start than it saves, and a thread per file would fight
+    over the GIL for the Python part of decoding. One file ahead at most, so no more than two decompressed
+    traces are held at once."""
+    from shardline.profiling.readers import kineto
 
     def fetch(index: int):
         if index < len(jobs) and jobs[index][1] is Format.KINETO:
-            return pool.submit(trace_buffer, jobs[index][0])
+            return pool.submit(kineto.prefetch, jobs[index][0])
         return None
 
     results = []
@@ -203,7 +204,7 @@ def _read_prefetched(jobs: list) -> list[ReadResult]:
         ahead = fetch(0)
         for index, job in enumerate(jobs):
             current, ahead = ahead, fetch(index + 1)
-            results.append(_read_job(job, data=None if current is None else current.result()))
+            results.append(_read_job(job, prefetched=None if current is None else current.result()))
     return results
 
 
@@ -260,10 +261,10 @@ def _unspill(result: ReadResult) -> ReadResult:
     return result
 
 
-def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, data=None) -> ReadResult:
+def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, prefetched=None) -> ReadResult:
     module, function = _READERS[fmt]
     reader = getattr(importlib.import_module(module), function)
-    options = {"keep_python": keep_python, "data": data} if fmt is Format.KINETO else {}
+    options = {"keep_python": keep_python, "prefetched": prefetched} if fmt is Format.KINETO else {}
     result = reader(file, rank=rank, **options)
     if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:
         raise MissingRankError(f"{file}: the rank is not recorded (no distributedInfo.rank, no rank in the file "

@@ -57,12 +57,21 @@ def available() -> bool:
     return _kscan is not None and ENABLED
 
 
-def read(data, *, keep_python: bool) -> tuple[dict, list[dict]] | None:
+def scan(data) -> dict | None:
+    """The scanner's raw output for a whole document in memory, or None when the scanner is unavailable or
+    refuses the document. The events pass runs without the GIL, so a thread can scan one trace while another
+    thread decodes the previous one (``load`` does)."""
+    return _kscan.scan(data) if available() else None
+
+
+_NOT_SCANNED = object()
+
+
+def read(data, *, keep_python: bool, scanned=_NOT_SCANNED) -> tuple[dict, list[dict]] | None:
     """``(top-level raw values except traceEvents, [column batch])`` of a whole trace document in memory, or
-    None when the scanner is unavailable or refuses the document (the ordinary path then reads it)."""
-    if not available():
-        return None
-    out = _kscan.scan(data)
+    None when the scanner is unavailable or refuses the document (the ordinary path then reads it).
+    ``scanned``: ``scan(data)``, when the caller has already run it."""
+    out = scan(data) if scanned is _NOT_SCANNED else scanned
     if out is None:
         return None
     texts = [_decode(raws) for raws in out["texts"]]

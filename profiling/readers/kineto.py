@@ -34,7 +34,7 @@ import mmap
 import re
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -150,21 +150,40 @@ def rank_from_name(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False, data=None) -> ReadResult:
+class Prefetched(NamedTuple):
+    """The first steps of reading a file, done ahead of ``read_kineto`` (``load``'s prefetch thread)."""
+
+    data: bytes | mmap.mmap  # trace_buffer(path)
+    scanned: dict | None  # the native scanner's output; None where it does not read the document
+
+
+def prefetch(path: Path) -> Prefetched:
+    """Read the file's bytes (gunzipped) and run the native scanner over them: the parts of reading a trace
+    that run without the GIL."""
+    data = trace_buffer(path)
+    return Prefetched(data, _kineto_native.scan(data) if _native_reads(data) else None)
+
+
+def _native_reads(data) -> bool:
+    return not isinstance(data, mmap.mmap) and len(data) <= _NATIVE_MAX_BYTES
+
+
+def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False,
+                prefetched: Prefetched | None = None) -> ReadResult:
     """Read one Kineto trace into events (see the module docstring for the mapping).
 
     The rank is ``distributedInfo.rank``, else ``rank``, else one written in the file name; none of them
     raises :class:`MissingRankError` from ``load`` (here it is returned as ``-1`` in ``metadata``). A trace
-    truncated or corrupted part-way gives a warning and the events before the damage. ``data``: the file's
-    ``trace_buffer``, when the caller has already read it (``load`` reads the next file ahead in a thread).
+    truncated or corrupted part-way gives a warning and the events before the damage. ``prefetched``:
+    ``prefetch(path)``, when the caller has already run it.
     """
     path = Path(path)
-    if data is None:
-        data = trace_buffer(path)
+    data = trace_buffer(path) if prefetched is None else prefetched.data
     warnings: list[str] = []
     streamed = None
-    if not isinstance(data, mmap.mmap) and len(data) <= _NATIVE_MAX_BYTES:
-        streamed = _kineto_native.read(data, keep_python=keep_python)
+    if _native_reads(data):
+        options = {} if prefetched is None else {"scanned": prefetched.scanned}
+        streamed = _kineto_native.read(data, keep_python=keep_python, **options)
     if isinstance(data, mmap.mmap):
         with _gc_paused():
             from shardline.profiling.readers._kineto_stream import stream_mapped

@@ -23,7 +23,7 @@ from shardline.profiling.errors import (
     TraceWarning,
 )
 from shardline.profiling.load import load, union_texts
-from shardline.profiling.readers import kineto
+from shardline.profiling.readers import _kineto_native, kineto
 from shardline.profiling.schema import check_events, text_dtype
 
 _EVENT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1.5}}'
@@ -283,9 +283,10 @@ def test_nccl_log_join_refuses_count_mismatch(tmp_path):
 
 
 def _spy_reads(monkeypatch) -> list:
-    """Record, in order and from every thread, each trace_buffer call and each read_kineto start and end."""
+    """Record, in order and from every thread, each trace_buffer call, the thread of each trace_buffer and
+    native scan, and each read_kineto start and end."""
     log = []
-    buffer, read = kineto.trace_buffer, kineto.read_kineto
+    buffer, read, scan = kineto.trace_buffer, kineto.read_kineto, _kineto_native.scan
 
     def spied_buffer(path):
         log.append(("fetch", path.name))
@@ -299,7 +300,12 @@ def _spy_reads(monkeypatch) -> list:
         finally:
             log.append(("done", path.name))
 
+    def spied_scan(data):
+        log.append(("scanned in", threading.current_thread().name))
+        return scan(data)
+
     monkeypatch.setattr(kineto, "trace_buffer", spied_buffer)
+    monkeypatch.setattr(_kineto_native, "scan", spied_scan)
     monkeypatch.setattr(kineto, "read_kineto", spied_read)
     monkeypatch.setattr(load_module.os, "cpu_count", lambda: 2)
     return log
@@ -313,13 +319,15 @@ def test_small_folder_is_read_with_one_file_prefetched(tmp_path, monkeypatch):
     prefetched = load(tmp_path)
     fetches = [name for what, name in log if what == "fetch"]
     assert fetches == names  # every file read once, in order
-    threads = {name for what, name in log if what == "fetched in"}
+    threads = {name for what, name in log if what in ("fetched in", "scanned in")}
     assert len(threads) == 1 and threads.pop().startswith("shardline-prefetch")  # ahead, by the thread
+    if _kineto_native.available():
+        assert [what for what, _ in log].count("scanned in") == len(names)
     for k in range(2, len(names)):  # never more than one file ahead of the one being decoded
         assert log.index(("fetch", names[k])) > log.index(("done", names[k - 2]))
     log.clear()
     one_by_one = load(tmp_path, workers=1)
-    assert {name for what, name in log if what == "fetched in"} == {threading.current_thread().name}
+    assert {name for what, name in log if what in ("fetched in", "scanned in")} == {threading.current_thread().name}
     pd.testing.assert_frame_equal(prefetched.events, one_by_one.events)
     assert prefetched.files == one_by_one.files and prefetched.metadata == one_by_one.metadata
 
