@@ -346,13 +346,16 @@ def union_texts(parts: list[pd.Categorical]) -> pd.Categorical:
         return pd.Categorical.from_codes(np.concatenate([part.codes for part in parts]), dtype=first,
                                          validate=False)
     ids: dict[str, int] = {}
-    codes = []
-    for part in parts:
-        texts = category_texts(part.categories)
+    remaps = [[ids.setdefault(text, len(ids)) for text in category_texts(part.categories)] for part in parts]
+    # The codes are written once, straight into the narrowest type pandas keeps for this many categories.
+    width = next(t for t in (np.int8, np.int16, np.int32, np.int64) if len(ids) < np.iinfo(t).max)
+    codes = np.empty(sum(len(part) for part in parts), dtype=width)
+    at = 0
+    for part, remap in zip(parts, remaps):
         # One past the part's last code holds -1, so a missing value (code -1) stays missing.
-        remap = np.array([ids.setdefault(text, len(ids)) for text in texts] + [-1], dtype=np.int64)
-        codes.append(remap[part.codes])
-    return pd.Categorical.from_codes(np.concatenate(codes), dtype=text_dtype(list(ids)), validate=False)
+        codes[at:at + len(part)] = np.array([*remap, -1], dtype=width)[part.codes]
+        at += len(part)
+    return pd.Categorical.from_codes(codes, dtype=text_dtype(list(ids)), validate=False)
 
 
 def _is_mapped(array: np.ndarray) -> bool:

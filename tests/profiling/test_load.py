@@ -374,3 +374,13 @@ def test_text_dtype_is_shared_for_short_vocabularies_only():
     assert text_dtype(["b", "a"]).categories.tolist() == ["b", "a"]
     many = [f"kernel_{i}" for i in range(5000)]
     assert text_dtype(many) is not text_dtype(many) and text_dtype(many) == text_dtype(many)
+
+
+def test_union_texts_keeps_pandas_code_width():
+    # 100 + 100 texts, 50 shared: 150 categories need int16 codes (pandas' width for 127..32766 categories).
+    parts = [pd.Categorical.from_codes(np.array([0, 99, -1, 5], dtype=np.int8),
+                                       dtype=pd.CategoricalDtype(pd.Index([f"t{i}" for i in range(k, k + 100)])))
+             for k in (0, 50)]
+    got, want = union_texts(parts), union_categoricals(parts)
+    assert got.codes.dtype == want.codes.dtype == np.int16
+    assert got.categories.tolist() == want.categories.tolist() and np.array_equal(got.codes, want.codes)
