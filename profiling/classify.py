@@ -369,11 +369,16 @@ def _per_category(column: pd.Series, fn) -> list:
 def match_names(column: pd.Series, pattern: str) -> np.ndarray:
     """Boolean mask: does each value of a categorical column match ``pattern`` (``re.match``), computed on
     the unique values and broadcast."""
+    return match_table(column, pattern)[codes_or_end(column)]
+
+
+def match_table(column: pd.Series, pattern: str) -> np.ndarray:
+    """``match_names`` per category (one extra trailing False for a missing value), to index with codes."""
     def build(texts):
         match = re.compile(pattern).match
         return np.array([match(t) is not None for t in texts] + [False], dtype=bool)
 
-    return per_category_table(column, ("match", pattern), build)[codes_or_end(column)]
+    return per_category_table(column, ("match", pattern), build)
 
 
 def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarray):

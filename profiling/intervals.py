@@ -35,10 +35,15 @@ def union(starts, ends) -> IntervalSet:
     return s[new_run], run_end
 
 
-def distinct(values: np.ndarray) -> np.ndarray:
+def distinct(values: np.ndarray, *, scratch: bool = False) -> np.ndarray:
     """The sorted distinct values of an int64 array: ``np.unique`` by one sort (numpy 2's hash-based unique
-    is several times slower on the endpoint arrays here)."""
-    ordered = np.sort(np.asarray(values, dtype=np.int64))
+    is several times slower on the endpoint arrays here). ``scratch``: ``values`` is the caller's own
+    temporary and may be sorted in place (no copy)."""
+    ordered = np.asarray(values, dtype=np.int64)
+    if scratch and ordered is values:
+        ordered.sort()
+    else:
+        ordered = np.sort(ordered)
     if len(ordered) < 2:
         return ordered
     first = np.empty(len(ordered), dtype=bool)

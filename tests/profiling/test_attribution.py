@@ -206,3 +206,27 @@ def test_distinct_is_numpy_unique(values):
     array = np.array(values, dtype=np.int64)
     got = iv.distinct(array)
     assert got.dtype == np.int64 and np.array_equal(got, np.unique(array))
+
+
+def test_breakdown_memory_stays_below_the_table_size(synth):
+    # Many segments per rank: the partition must not hold a row-sized int64 array per output column (it did
+    # once: ~30 of them at a time), nor per-row masks of the whole table. tracemalloc sees numpy's buffers.
+    import tracemalloc
+
+    n = 100_000
+    rows = []
+    for rank in range(2):
+        starts = np.arange(n, dtype=np.int64) * 100
+        kinds = np.array(["compute", "all_reduce", "memcpy_h2d", "all_gather"])[np.arange(n) % 4]
+        rows += [dict(synth.gpu_event(rank, kind, int(s), 70), category=kind) for kind, s in zip(kinds, starts)]
+    table = synth.to_frame(rows)
+    size = int(table.memory_usage(deep=False).sum())
+    breakdown(table)  # first call: caches and lazy imports out of the way
+    tracemalloc.start()
+    try:
+        result = breakdown(table)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (result[list(EXCLUSIVE_COLUMNS)].sum(axis=1) == result["step_ns"]).all()
+    assert peak < size, (peak, size)
