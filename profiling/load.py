@@ -189,19 +189,21 @@ def _read_job(job: tuple, prefetched=None) -> ReadResult:
 def _read_prefetched(jobs: list) -> list[ReadResult]:
     """Small files, several cores: a thread reads, gunzips and natively scans the next Kineto trace (file
     reads, zlib and the scanner's events pass run without the GIL) while this one builds the columns of the
-    current one. A forked pool would cost more to start than it saves, and a thread per file would fight
-    over the GIL for the Python part of decoding. One file ahead at most, so no more than two decompressed
-    traces are held at once."""
-    from shardline.profiling.readers import kineto
+    current one, and, before the first, imports the readers. A forked pool would cost more to start than it
+    saves, and a thread per file would fight over the GIL for the Python part of decoding. One file ahead at
+    most, so no more than two decompressed traces are held at once."""
+    from shardline.profiling.readers._buffers import prefetch  # light, so the thread starts at once
 
     def fetch(index: int):
         if index < len(jobs) and jobs[index][1] is Format.KINETO:
-            return pool.submit(kineto.prefetch, jobs[index][0])
+            return pool.submit(prefetch, jobs[index][0])
         return None
 
     results = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-prefetch") as pool:
         ahead = fetch(0)
+        for fmt in dict.fromkeys(job[1] for job in jobs):  # import the readers while the first file is read
+            _reader(fmt)
         for index, job in enumerate(jobs):
             current, ahead = ahead, fetch(index + 1)
             results.append(_read_job(job, prefetched=None if current is None else current.result()))
@@ -261,9 +263,13 @@ def _unspill(result: ReadResult) -> ReadResult:
     return result
 
 
-def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, prefetched=None) -> ReadResult:
+def _reader(fmt: Format):
     module, function = _READERS[fmt]
-    reader = getattr(importlib.import_module(module), function)
+    return getattr(importlib.import_module(module), function)
+
+
+def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, prefetched=None) -> ReadResult:
+    reader = _reader(fmt)
     options = {"keep_python": keep_python, "prefetched": prefetched} if fmt is Format.KINETO else {}
     result = reader(file, rank=rank, **options)
     if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:

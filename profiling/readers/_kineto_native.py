@@ -11,17 +11,16 @@ reader's tests compare the two on every shared trace and on mutated ones). The s
 ordinary path then reads the file, with its salvage and warnings - whatever it does not read exactly as
 that path would: invalid JSON, a field of another type, integers beyond int64, times with more than three
 decimals or beyond int64 ns, escaped keys, duplicated known keys (see ``_kscan.c``). It is built only where
-a C compiler was present at install time; ``SHARDLINE_KINETO_NATIVE=0`` turns it off.
+a C compiler was present at install time; ``SHARDLINE_KINETO_NATIVE=0`` turns it off (``_buffers``).
 """
 
 from __future__ import annotations
-
-import os
 
 import msgspec
 import numpy as np
 import pandas as pd
 
+from shardline.profiling.readers import _buffers
 from shardline.profiling.readers._kineto_columns import (
     _PHASES,
     _TEXT_ARGS,
@@ -36,13 +35,6 @@ from shardline.profiling.readers._kineto_columns import (
 )
 from shardline.profiling.schema import text_dtype
 
-try:
-    from shardline.profiling.readers import _kscan
-except ImportError:  # built without a C compiler: the ordinary paths read every trace
-    _kscan = None
-
-ENABLED = os.environ.get("SHARDLINE_KINETO_NATIVE", "1") not in ("0", "false", "no", "off")
-
 # Column order of the scanner's rows (``_kscan.c``: the I_* and T_* enums).
 _I64 = ("pid", "tid", "ts", "dur", "correlation", "external_id", "external_id_legacy", "device", "stream",
         "nbytes", "group_size", "in_nelems", "out_nelems", "seq", "src_rank", "dst_rank")
@@ -53,25 +45,16 @@ _T = {name: i for i, name in enumerate(_TXT)}
 _DECODE_TEXT = msgspec.json.Decoder(str)
 
 
-def available() -> bool:
-    return _kscan is not None and ENABLED
-
-
-def scan(data) -> dict | None:
-    """The scanner's raw output for a whole document in memory, or None when the scanner is unavailable or
-    refuses the document. The events pass runs without the GIL, so a thread can scan one trace while another
-    thread decodes the previous one (``load`` does)."""
-    return _kscan.scan(data) if available() else None
-
-
 _NOT_SCANNED = object()
 
 
 def read(data, *, keep_python: bool, scanned=_NOT_SCANNED) -> tuple[dict, list[dict]] | None:
     """``(top-level raw values except traceEvents, [column batch])`` of a whole trace document in memory, or
     None when the scanner is unavailable or refuses the document (the ordinary path then reads it).
-    ``scanned``: ``scan(data)``, when the caller has already run it."""
-    out = scan(data) if scanned is _NOT_SCANNED else scanned
+    ``scanned``: ``_buffers.native_scan(data)``, when the caller has already run it (``load``'s prefetch)."""
+    if not _buffers.native_available():
+        return None
+    out = _buffers.native_scan(data) if scanned is _NOT_SCANNED else scanned
     if out is None:
         return None
     texts = [_decode(raws) for raws in out["texts"]]

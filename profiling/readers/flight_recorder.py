@@ -20,8 +20,9 @@ import pandas as pd
 
 from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult
+from shardline.profiling.readers._buffers import read_bytes
 from shardline.profiling.readers._kineto_columns import DTYPE_BYTES
-from shardline.profiling.readers.kineto import rank_from_name, read_bytes
+from shardline.profiling.readers.kineto import rank_from_name
 from shardline.profiling.schema import conform, empty_events
 
 

@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import gzip
 import mmap
 import re
-import zlib
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult, _kineto_native
+from shardline.profiling.readers import ReadResult, _buffers, _kineto_native
+from shardline.profiling.readers._buffers import Prefetched
 from shardline.profiling.readers._kineto_columns import BATCH, columns_from_events, finish_frame
 from shardline.profiling.schema import conform, empty_events
 
@@ -91,40 +90,6 @@ _BYTE_AT = re.compile(r"\(byte (\d+)\)")
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)(?![\d])", re.IGNORECASE)
 
 
-def read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped in memory when gzip; a corrupt or truncated gzip is our error."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
-    if data[:2] != b"\x1f\x8b":
-        return data
-    try:
-        return gzip.decompress(data)
-    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
-        raise TraceFormatError(f"{path}: corrupt or truncated gzip ({exc})") from exc
-
-
-#: Documents up to this size are read whole by the native scanner; bigger ones go in bounded chunks.
-_NATIVE_MAX_BYTES = 64 << 20
-#: Plain files at least this big are memory-mapped and their pages released as they are decoded.
-_MAP_MIN_BYTES = 32 << 20
-
-
-def trace_buffer(path: Path) -> bytes | mmap.mmap:
-    """The trace's bytes: a read-only memory map for big plain files (its pages can be released as they are
-    decoded, so the file never has to sit in memory whole), else the bytes, gunzipped when gzip."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            magic = handle.read(2)
-            if magic != b"\x1f\x8b" and size >= _MAP_MIN_BYTES:
-                return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:
-        raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
-    return read_bytes(path)
-
-
 class _PageReleaser:
     """Drops the pages of a mapped trace that lie wholly before a decoded event (they are clean file pages:
     the kernel re-reads them if touched again). A no-op for in-memory buffers."""
@@ -150,24 +115,6 @@ def rank_from_name(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-class Prefetched(NamedTuple):
-    """The first steps of reading a file, done ahead of ``read_kineto`` (``load``'s prefetch thread)."""
-
-    data: bytes | mmap.mmap  # trace_buffer(path)
-    scanned: dict | None  # the native scanner's output; None where it does not read the document
-
-
-def prefetch(path: Path) -> Prefetched:
-    """Read the file's bytes (gunzipped) and run the native scanner over them: the parts of reading a trace
-    that run without the GIL."""
-    data = trace_buffer(path)
-    return Prefetched(data, _kineto_native.scan(data) if _native_reads(data) else None)
-
-
-def _native_reads(data) -> bool:
-    return not isinstance(data, mmap.mmap) and len(data) <= _NATIVE_MAX_BYTES
-
-
 def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False,
                 prefetched: Prefetched | None = None) -> ReadResult:
     """Read one Kineto trace into events (see the module docstring for the mapping).
@@ -178,10 +125,10 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     ``prefetch(path)``, when the caller has already run it.
     """
     path = Path(path)
-    data = trace_buffer(path) if prefetched is None else prefetched.data
+    data = _buffers.trace_buffer(path) if prefetched is None else prefetched.data
     warnings: list[str] = []
     streamed = None
-    if _native_reads(data):
+    if _buffers.native_reads(data):
         options = {} if prefetched is None else {"scanned": prefetched.scanned}
         streamed = _kineto_native.read(data, keep_python=keep_python, **options)
     if isinstance(data, mmap.mmap):

@@ -20,8 +20,8 @@ import pandas as pd
 
 from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult
+from shardline.profiling.readers._buffers import read_bytes
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
-from shardline.profiling.readers.kineto import read_bytes
 from shardline.profiling.schema import conform, empty_events
 
 _DTYPE_BYTES = {"ncclInt8": 1, "ncclUint8": 1, "ncclInt32": 4, "ncclUint32": 4, "ncclInt64": 8, "ncclUint64": 8,

@@ -25,7 +25,7 @@ def read_both(monkeypatch):
     read exactly, whatever the speed policy says), the ordinary msgspec path alone, and the default (the
     native scanner first, where it is built); assert the events, warnings and metadata are equal; return the
     events and how many chunks the Arrow path read."""
-    from shardline.profiling.readers import _kineto_arrow, _kineto_native, kineto
+    from shardline.profiling.readers import _buffers, _kineto_arrow, kineto
 
     def read(path):
         used = []
@@ -38,7 +38,7 @@ def read_both(monkeypatch):
 
         default = kineto.read_kineto(path)
         with monkeypatch.context() as patch:
-            patch.setattr(_kineto_native, "ENABLED", False)
+            patch.setattr(_buffers, "NATIVE_ENABLED", False)
             patch.setattr(_kineto_arrow, "columns_from_text", counting)
             patch.setattr(_kineto_arrow, "ENABLED", True)
             patch.setattr(_kineto_arrow, "MIN_BYTES", 0)

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from shardline.profiling.load import _discover
-from shardline.profiling.readers import _kineto_arrow, kineto
+from shardline.profiling.readers import _buffers, _kineto_arrow
 from shardline.profiling.readers._kineto_columns import _int
 
 BASE = 1_700_000_000_000_000_000
@@ -155,7 +155,7 @@ def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_
 
     seed = json.loads(gzip.decompress(
         (traces_dir / "hta" / "trace_filter" / "sampled_rank-0.json.gz").read_bytes()))
-    monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
     monkeypatch.setattr(stream, "CHUNK", 100_000)
     for indent in (None, 2):
         path = tmp_path / f"rank0-{indent}.json"

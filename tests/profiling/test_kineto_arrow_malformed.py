@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import shardline.profiling.readers._kineto_stream as stream
-from shardline.profiling.readers import kineto
+from shardline.profiling.readers import _buffers
 
 BASE = 1_700_000_000_000_000_000
 
@@ -37,7 +37,7 @@ def op(**kw):
 
 
 def _streamed(monkeypatch, chunk=200):
-    monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
     monkeypatch.setattr(stream, "CHUNK", chunk)
 
 
@@ -223,7 +223,7 @@ def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch, read_both):
         path.write_text(body)
         with monkeypatch.context() as m:
             if streamed:
-                m.setattr(kineto, "_MAP_MIN_BYTES", 0)
+                m.setattr(_buffers, "MAP_MIN_BYTES", 0)
                 m.setattr(stream, "CHUNK", 60)
             read_both(path)
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardline.profiling.load import _discover
-from shardline.profiling.readers import _kineto_native, kineto
+from shardline.profiling.readers import _buffers, _kineto_native, kineto
 
-_kscan = _kineto_native._kscan
+_kscan = _buffers._kscan
 needs_scanner = pytest.mark.skipif(_kscan is None, reason="the native scanner was not built (no C compiler)")
 
 
@@ -51,7 +51,7 @@ def _read(path: Path, monkeypatch, *, keep_python: bool = False):
     """(native-on result, ordinary result), asserted equal in events, warnings and metadata."""
     native = kineto.read_kineto(path, keep_python=keep_python)
     with monkeypatch.context() as patch:
-        patch.setattr(_kineto_native, "ENABLED", False)
+        patch.setattr(_buffers, "NATIVE_ENABLED", False)
         ordinary = kineto.read_kineto(path, keep_python=keep_python)
     _assert_same(native.events, ordinary.events)
     assert native.warnings == ordinary.warnings
@@ -62,7 +62,7 @@ def _read(path: Path, monkeypatch, *, keep_python: bool = False):
 
 def _accepts(path: Path) -> bool:
     """Whether the native path reads the file (the scanner, then the unescaping of its texts)."""
-    return _kineto_native.read(kineto.read_bytes(path), keep_python=False) is not None
+    return _kineto_native.read(_buffers.read_bytes(path), keep_python=False) is not None
 
 
 @needs_scanner
@@ -190,7 +190,7 @@ def test_crafted_documents(tmp_path, monkeypatch, case, raw, accepted):
         _read(path, monkeypatch)
     except Exception as exc:  # a refused document the ordinary path rejects: it must reject it the same way
         with monkeypatch.context() as patch:
-            patch.setattr(_kineto_native, "ENABLED", False)
+            patch.setattr(_buffers, "NATIVE_ENABLED", False)
             with pytest.raises(type(exc)) as ordinary:
                 kineto.read_kineto(path)
         assert str(ordinary.value) == str(exc)
@@ -217,7 +217,7 @@ def test_exact_values_against_hand_computed(tmp_path, monkeypatch):
 def test_gzip_and_keep_python(tmp_path, monkeypatch, traces_dir):
     source = traces_dir / "hta" / "trace_filter"
     first = sorted(source.iterdir())[0]
-    data = kineto.read_bytes(first)
+    data = _buffers.read_bytes(first)
     path = tmp_path / "rank0.json.gz"
     path.write_bytes(gzip.compress(data))
     native, _ = _read(path, monkeypatch, keep_python=True)
@@ -258,7 +258,7 @@ def test_fuzz_generated_events_agree(tmp_path_factory, monkeypatch, events, sepa
         _read(path, monkeypatch)
     except Exception as exc:  # both paths must fail alike (e.g. the ordinary path's own refusal)
         with monkeypatch.context() as patch:
-            patch.setattr(_kineto_native, "ENABLED", False)
+            patch.setattr(_buffers, "NATIVE_ENABLED", False)
             with pytest.raises(type(exc)):
                 kineto.read_kineto(path)
         assert not isinstance(exc, AssertionError), exc
@@ -269,7 +269,7 @@ def test_fuzz_generated_events_agree(tmp_path_factory, monkeypatch, events, sepa
 @given(st.data())
 def test_fuzz_mutated_real_trace_agrees(tmp_path_factory, monkeypatch, traces_dir, data):
     # Byte-level damage to a real trace: never a crash; refused, or read exactly as the ordinary path reads it.
-    source = kineto.read_bytes(traces_dir / "hta" / "call_stack" / "backward_thread.json")[:6000]
+    source = _buffers.read_bytes(traces_dir / "hta" / "call_stack" / "backward_thread.json")[:6000]
     cut = source.rfind(b"},", 0, 6000)
     text = bytearray(source[:cut + 1] + b"]}")
     for _ in range(data.draw(st.integers(1, 3))):
@@ -285,6 +285,6 @@ def test_fuzz_mutated_real_trace_agrees(tmp_path_factory, monkeypatch, traces_di
         raise
     except Exception as exc:
         with monkeypatch.context() as patch:
-            patch.setattr(_kineto_native, "ENABLED", False)
+            patch.setattr(_buffers, "NATIVE_ENABLED", False)
             with pytest.raises(type(exc)):
                 kineto.read_kineto(path)

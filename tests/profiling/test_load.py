@@ -23,7 +23,7 @@ from shardline.profiling.errors import (
     TraceWarning,
 )
 from shardline.profiling.load import load, union_texts
-from shardline.profiling.readers import _kineto_native, kineto
+from shardline.profiling.readers import _buffers, kineto
 from shardline.profiling.schema import check_events, text_dtype
 
 _EVENT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1.5}}'
@@ -286,7 +286,7 @@ def _spy_reads(monkeypatch) -> list:
     """Record, in order and from every thread, each trace_buffer call, the thread of each trace_buffer and
     native scan, and each read_kineto start and end."""
     log = []
-    buffer, read, scan = kineto.trace_buffer, kineto.read_kineto, _kineto_native.scan
+    buffer, read, scan = _buffers.trace_buffer, kineto.read_kineto, _buffers.native_scan
 
     def spied_buffer(path):
         log.append(("fetch", path.name))
@@ -304,8 +304,8 @@ def _spy_reads(monkeypatch) -> list:
         log.append(("scanned in", threading.current_thread().name))
         return scan(data)
 
-    monkeypatch.setattr(kineto, "trace_buffer", spied_buffer)
-    monkeypatch.setattr(_kineto_native, "scan", spied_scan)
+    monkeypatch.setattr(_buffers, "trace_buffer", spied_buffer)
+    monkeypatch.setattr(_buffers, "native_scan", spied_scan)
     monkeypatch.setattr(kineto, "read_kineto", spied_read)
     monkeypatch.setattr(load_module.os, "cpu_count", lambda: 2)
     return log
@@ -321,7 +321,7 @@ def test_small_folder_is_read_with_one_file_prefetched(tmp_path, monkeypatch):
     assert fetches == names  # every file read once, in order
     threads = {name for what, name in log if what in ("fetched in", "scanned in")}
     assert len(threads) == 1 and threads.pop().startswith("shardline-prefetch")  # ahead, by the thread
-    if _kineto_native.available():
+    if _buffers.native_available():
         assert [what for what, _ in log].count("scanned in") == len(names)
     for k in range(2, len(names)):  # never more than one file ahead of the one being decoded
         assert log.index(("fetch", names[k])) > log.index(("done", names[k - 2]))

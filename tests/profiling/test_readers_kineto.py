@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from shardline.profiling.errors import MissingRankError
 from shardline.profiling.load import load
+from shardline.profiling.readers import _buffers
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
 from shardline.profiling.schema import check_events
 
@@ -261,11 +262,11 @@ def test_memory_mapped_read_matches_in_memory_read(tmp_path, monkeypatch, traces
     plain = tmp_path / "sampled_rank-1.json"
     plain.write_bytes(gzip.decompress(source.read_bytes()))
     expected = load(source, classify=False).events
-    monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
     monkeypatch.setattr(kineto, "BATCH", 333)
     monkeypatch.setattr(columns, "BATCH", 333)
     monkeypatch.setattr(stream, "CHUNK", 50_000)  # many chunks, cut at event boundaries
-    assert isinstance(kineto.trace_buffer(plain), __import__("mmap").mmap)
+    assert isinstance(_buffers.trace_buffer(plain), __import__("mmap").mmap)
     got = load(plain, classify=False).events
     assert got.astype(str).equals(expected.astype(str))
 
@@ -274,11 +275,10 @@ def test_streamed_read_falls_back_when_a_cut_lands_in_a_string(tmp_path, monkeyp
     # Names containing "}, {" offer false event boundaries; the streamed read must then fall back to the
     # whole-file read and still give every event exactly.
     import shardline.profiling.readers._kineto_stream as stream
-    import shardline.profiling.readers.kineto as kineto
 
     events = [_EVENT_TEXT.format(name="lambda}, {x" * 20, ts=10 * i + 0.125) for i in range(400)]
     path = _write(tmp_path, "t.json", _trace(events))
-    monkeypatch.setattr(kineto, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
     monkeypatch.setattr(stream, "CHUNK", 2_000)
     ev = load(path, classify=False).events
     assert ev["start_ns"].tolist() == [BASE + 10_000 * i + 125 for i in range(400)]
