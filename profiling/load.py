@@ -71,8 +71,8 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
     ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
     ``category``/``dim`` empty. ``workers``: processes reading files in parallel (default: one per core when
-    several large files are read; for several small ones a thread of this process reads, gunzips and scans
-    the next file while this one decodes; 1 reads one file after another in this process).
+    several large files are read; for small ones a thread of this process reads, gunzips and scans the next
+    file while this one decodes; 1 reads one file after another in this process).
     """
     root = Path(path)
     files = _discover(root)
@@ -164,7 +164,7 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
     """
     total = sum(file.stat().st_size for file, *_ in jobs)
     cores = os.cpu_count() or 1
-    if workers is None and total < _PARALLEL_MIN_BYTES and len(jobs) > 1 and cores > 1:
+    if workers is None and total < _PARALLEL_MIN_BYTES and cores > 1:
         return _read_prefetched(jobs)
     if workers is None:
         workers = min(len(jobs), cores) if total >= _PARALLEL_MIN_BYTES else 1
@@ -187,11 +187,11 @@ def _read_job(job: tuple, prefetched=None) -> ReadResult:
 
 
 def _read_prefetched(jobs: list) -> list[ReadResult]:
-    """Small files, several cores: a thread reads, gunzips and natively scans the next Kineto trace (file
-    reads, zlib and the scanner's events pass run without the GIL) while this one builds the columns of the
-    current one, and, before the first, imports the readers. A forked pool would cost more to start than it
-    saves, and a thread per file would fight over the GIL for the Python part of decoding. One file ahead at
-    most, so no more than two decompressed traces are held at once."""
+    """Small files (even one), several cores: a thread reads, gunzips and natively scans the next Kineto
+    trace (file reads, zlib and the scanner's events pass run without the GIL) while this one builds the
+    columns of the current one, and, before the first, imports the readers. A forked pool would cost more to
+    start than it saves, and a thread per file would fight over the GIL for the Python part of decoding. One
+    file ahead at most, so no more than two decompressed traces are held at once."""
     from shardline.profiling.readers._buffers import prefetch  # light, so the thread starts at once
 
     def fetch(index: int):
