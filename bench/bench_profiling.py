@@ -9,7 +9,8 @@ Each side runs in its own fresh subprocess; the parent samples the RSS of that p
 own measurement of load + analysis (imports excluded, reported apart); CPU seconds come from the child's
 ``getrusage`` of itself plus its reaped workers, so "MB/s per core" = uncompressed JSON MB / CPU seconds.
 Each child also reports its peak RSS up to the end of its imports (``VmHWM``: ``ru_maxrss`` would carry the
-parent's RSS over the fork), so the table shows the memory the analysis needs on top of them. The small sets run ``--small-runs`` fresh processes per side and report the medians. shardline's
+parent's RSS over the fork), so the table shows the memory the analysis needs on top of them. The small sets
+run ``--small-runs`` fresh processes per side, the sides taking turns, and report the medians. shardline's
 bytecode is written first (as a wheel install does; HTA's pip install did so for HTA).
 
 Data sets: the 8-rank DLRM traces (``param/dlrm_kineto``), HTA's own two-rank ``trace_filter`` set, and a large
@@ -128,10 +129,19 @@ def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: 
     return report
 
 
-def run_median(python: str, program: str, folder: Path, *, runs: int, timeout: float, extra: tuple = ()) -> dict:
-    """``run_side`` ``runs`` times (a fresh process each); the run with the median time, with the median of
-    each measured figure across runs (sub-second sets are at the mercy of other jobs on the machine)."""
-    reports = [run_side(python, program, folder, timeout=timeout, extra=extra) for _ in range(runs)]
+def run_sides(sides: list[tuple[str, str]], folder: Path, *, runs: int, timeout: float) -> list[dict]:
+    """Each ``(python, program)`` side ``runs`` times, the sides taking turns (ours, HTA, ours, HTA, ...), so
+    a spell of other work on the machine falls on both alike; per side, ``median_report`` of its runs."""
+    reports: list[list[dict]] = [[] for _ in sides]
+    for _ in range(runs):
+        for mine, (python, program) in zip(reports, sides):
+            mine.append(run_side(python, program, folder, timeout=timeout))
+    return [median_report(mine) for mine in reports]
+
+
+def median_report(reports: list[dict]) -> dict:
+    """The run with the median time, with the median of each measured figure across the runs (sub-second sets
+    are at the mercy of other jobs on the machine)."""
     good = [r for r in reports if "seconds" in r]
     if not good:
         return reports[0]
@@ -211,7 +221,7 @@ def main() -> None:
     parser.add_argument("--hta-python", default=str(OUT / "hta-venv" / "bin" / "python"))
     parser.add_argument("--skip-hta", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per side and data set")
-    parser.add_argument("--small-runs", type=int, default=5,
+    parser.add_argument("--small-runs", type=int, default=9,
                         help="fresh processes per side on the small sets (the median is reported)")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -227,9 +237,10 @@ def main() -> None:
         for label, folder in sets:
             size = json_megabytes(folder)
             runs = args.small_runs if folder != scratch else 1
-            ours = run_median(sys.executable, OURS, folder, runs=runs, timeout=args.timeout)
-            hta = ({"error": "skipped"} if args.skip_hta or not Path(args.hta_python).exists()
-                   else run_median(args.hta_python, HTA, folder, runs=runs, timeout=args.timeout))
+            sides = [(sys.executable, OURS)]
+            if not args.skip_hta and Path(args.hta_python).exists():
+                sides.append((args.hta_python, HTA))
+            ours, hta = [*run_sides(sides, folder, runs=runs, timeout=args.timeout), {"error": "skipped"}][:2]
             rows.append((label, size, ours, hta))
             print(f"{label}: ours {ours}  hta {hta}", file=sys.stderr)
             if folder == scratch:
@@ -275,7 +286,7 @@ def render(rows: list) -> str:
         "= uncompressed JSON MB / CPU seconds (self + workers). Ours reads the files of a big multi-rank set in "
         "forked workers by default (HTA uses a pool too); the '1 process' row reads them one after the other.",
         "",
-        "Small sets: median of several fresh processes per side. 'Above imports' = peak RSS of the tree minus the "
+        "Small sets: median of several fresh processes per side, the two sides taking turns. 'Above imports' = peak RSS of the tree minus the "
         "process's peak RSS up to the end of its imports (pandas 3 + pyarrow alone are ~101 MB for ours, "
         "pandas 2 + HTA's imports ~94 MB): the memory the analysis itself needs.",
         "",
