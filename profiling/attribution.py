@@ -180,20 +180,18 @@ class _Rows:
     as they are needed, so nothing per row is computed for the whole table at once (its memory stays that
     of one rank's rows)."""
 
-    COLUMNS = ("start", "dur", "step", "stream", "lane", "cat", "name", "category", "memory_kind")
-
     def __init__(self, columns: dict[str, np.ndarray], tables: _Tables) -> None:
         self.columns = columns
         self.tables = tables
         self.__dict__.update(columns)
 
     @classmethod
-    def of(cls, events: pd.DataFrame, tables: _Tables | None = None) -> _Rows:
+    def of(cls, events: pd.DataFrame) -> _Rows:
         columns = {"start": events["start_ns"].to_numpy(), "dur": events["dur_ns"].to_numpy(),
                    "step": events["step"].to_numpy(), "stream": events["stream"].to_numpy()}
         columns.update((key, codes_or_end(events[key])) for key in ("lane", "cat", "name", "category",
                                                                      "memory_kind"))
-        return cls(columns, _Tables(events) if tables is None else tables)
+        return cls(columns, _Tables(events))
 
     def take(self, selection, columns=None) -> _Rows:
         """These rows at ``selection`` (a slice, positions or a boolean mask); ``columns``: only these."""
