@@ -262,12 +262,22 @@ def work_rows(events: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return events[mask], lanes
 
 
-def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step."""
+def step_windows(events: pd.DataFrame, *, lanes: str, work: pd.DataFrame | None = None,
+                 whole: bool = False) -> pd.DataFrame:
+    """Columns step, start_ns, end_ns for one rank (see the module docstring), sorted by step. ``whole``: a
+    rank whose work has no windows gets one, ``[first work start, last work end)`` with step -1 (the window
+    ``breakdown`` attributes then)."""
     rows = _Rows.of(events)
     work_of = rows.take(rows.work()[0]) if work is None else _Rows.of(work)
-    steps, starts, ends = _windows(rows, lanes=lanes, work=work_of)
+    steps, starts, ends = (_windows_or_whole if whole else _windows)(rows, lanes=lanes, work=work_of)
     return pd.DataFrame({"step": steps, "start_ns": starts, "end_ns": ends})
+
+
+def _windows_or_whole(rows: _Rows, *, lanes: str, work: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    steps, starts, ends = _windows(rows, lanes=lanes, work=work)
+    if len(steps) or not len(work.start):
+        return steps, starts, ends
+    return np.array([-1], dtype=np.int64), np.array([work.start.min()]), np.array([work.end.max()])
 
 
 def _windows(rows: _Rows, *, lanes: str, work: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -341,10 +351,7 @@ def _rank_breakdown(events: pd.DataFrame, rows: _Rows, rank: int, selection) -> 
     if not mask.any():
         return None
     work = rows.take(mask, _WORK_COLUMNS)
-    steps, win_start, win_end = _windows(rows, lanes=lanes, work=work)
-    if not len(steps):
-        steps = np.array([-1], dtype=np.int64)
-        win_start, win_end = np.array([work.start.min()]), np.array([work.end.max()])
+    steps, win_start, win_end = _windows_or_whole(rows, lanes=lanes, work=work)
     pipeline = None
     if rows.pipeline.any():  # the rank's pipeline annotation rows, in table order
         at = np.flatnonzero(rows.pipeline)
@@ -386,16 +393,8 @@ def partition_columns(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray,
         np.cumsum(length[segments], out=prefix[1:])
         return prefix[np.searchsorted(segments, hi)] - prefix[np.searchsorted(segments, lo)]
 
-    # Each segment's owner: the first label in priority order that covers it; idle (the last) when none does.
-    owner = np.full(len(length), len(LABELS) - 1, dtype=np.int8)
     covered: dict[str, np.ndarray] = {}
-    for k in range(len(LABELS) - 2, -1, -1):  # lowest priority first, so the highest one is written last
-        label = LABELS[k]
-        if label in sets:
-            cover = _segments_covered(sets[label], points)
-            owner[cover] = k
-            if label in COMM_CATEGORIES or label == "compute":  # needed again, for the overlap columns
-                covered[label] = cover
+    owner = segment_owners(sets, points, keep=covered)
     out: dict[str, np.ndarray] = {**(leading or {}), "start_ns": win_start, "end_ns": win_end,
                                   "step_ns": win_end - win_start}
     for k, label in enumerate(LABELS):
@@ -417,6 +416,22 @@ def partition_columns(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray,
     with np.errstate(invalid="ignore", divide="ignore"):
         out["overlap_ratio"] = np.where(out["comm_ns"] > 0, overlapped / np.maximum(out["comm_ns"], 1), np.nan)
     return out
+
+
+def segment_owners(sets: dict[str, iv.IntervalSet], points: np.ndarray, *,
+                   keep: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Index into ``LABELS`` of each segment ``[points[j], points[j+1])``: the first label in priority order
+    whose set covers it, idle (the last) when none does. ``points`` must hold every endpoint of the sets.
+    ``keep``: filled with the cover masks of compute and the comm labels (the overlap columns need them)."""
+    owner = np.full(len(points) - 1, len(LABELS) - 1, dtype=np.int8)
+    for k in range(len(LABELS) - 2, -1, -1):  # lowest priority first, so the highest one is written last
+        label = LABELS[k]
+        if label in sets:
+            cover = _segments_covered(sets[label], points)
+            owner[cover] = k
+            if keep is not None and (label in COMM_CATEGORIES or label == "compute"):
+                keep[label] = cover
+    return owner
 
 
 def _segments_covered(a: iv.IntervalSet, points: np.ndarray) -> np.ndarray:
@@ -442,10 +457,7 @@ def comm_by_dim(traceset_or_events, *, layout=None) -> pd.DataFrame:
         work, lanes = work_rows(grp)
         if work.empty:
             continue
-        windows = step_windows(grp, lanes=lanes, work=work)
-        if windows.empty:
-            windows = pd.DataFrame({"step": [-1], "start_ns": [int(work["start_ns"].min())],
-                                    "end_ns": [int((work["start_ns"] + work["dur_ns"]).max())]})
+        windows = step_windows(grp, lanes=lanes, work=work, whole=True)
         compute = label_sets(grp, work, lanes)["compute"]
         comm = work[work["category"].astype(str).isin(COMM_CATEGORIES)]
         lo, hi = windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()

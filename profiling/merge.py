@@ -194,24 +194,18 @@ def category_segments(events: pd.DataFrame) -> pd.DataFrame:
     none), as in ``attribution.partition``; adjacent segments with one label are joined. Summing a window's
     segments per label gives that window's ``breakdown`` columns exactly.
     """
-    from shardline.profiling.attribution import LABELS, label_sets, step_windows, work_rows
+    from shardline.profiling.attribution import LABELS, label_sets, segment_owners, step_windows, work_rows
 
     work, lanes = work_rows(events)
     if work.empty:
         return pd.DataFrame({"step": [], "label": [], "start_ns": [], "end_ns": []}).astype(
             {"step": "int64", "start_ns": "int64", "end_ns": "int64"})
-    windows = step_windows(events, lanes=lanes, work=work)
-    if windows.empty:
-        end = int((work["start_ns"] + work["dur_ns"]).max())
-        windows = pd.DataFrame({"step": [-1], "start_ns": [int(work["start_ns"].min())], "end_ns": [end]})
+    windows = step_windows(events, lanes=lanes, work=work, whole=True)
     sets = label_sets(events, work, lanes)
-    points = np.unique(np.concatenate([windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()]
-                                      + [a for s in sets.values() for a in s]))
+    points = iv.distinct(np.concatenate([windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()]
+                                        + [a for s in sets.values() for a in s]), scratch=True)
     seg_s, seg_e = points[:-1], points[1:]
-    label = np.full(len(seg_s), len(LABELS) - 1)  # idle unless a label covers the segment
-    for k in range(len(LABELS) - 2, -1, -1):  # lowest priority first, so the highest one is written last
-        if LABELS[k] in sets:
-            label[iv.covers(sets[LABELS[k]], seg_s)] = k
+    label = segment_owners(sets, points)  # what breakdown gives each segment
     frames = []
     for w in windows.itertuples(index=False):  # a few windows per rank
         inside = (seg_s >= w.start_ns) & (seg_e <= w.end_ns)
