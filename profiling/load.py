@@ -191,13 +191,14 @@ def _read_prefetched(jobs: list) -> list[ReadResult]:
     trace (file reads, zlib and the scanner's events pass run without the GIL) while this one builds the
     columns of the current one, and, before the first, imports the readers. A forked pool would cost more to
     start than it saves, and a thread per file would fight over the GIL for the Python part of decoding. One
-    file ahead at most, so no more than two decompressed traces are held at once."""
-    from shardline.profiling.readers._buffers import prefetch  # light, so the thread starts at once
+    file ahead at most, and only a trace the native scanner reads whole (at most 64 MB), so a big trace is
+    never held ahead of its turn."""
+    from shardline.profiling.readers._buffers import prefetch, worth_prefetching  # light: starts at once
 
     def fetch(index: int):
-        if index < len(jobs) and jobs[index][1] is Format.KINETO:
+        if index < len(jobs) and jobs[index][1] is Format.KINETO and worth_prefetching(jobs[index][0]):
             return pool.submit(prefetch, jobs[index][0])
-        return None
+        return None  # the reader reads it itself, in its turn
 
     results = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-prefetch") as pool:

@@ -98,6 +98,23 @@ def trace_buffer(path: Path) -> bytes | mmap.mmap:
     return read_bytes(path)
 
 
+def worth_prefetching(path: Path) -> bool:
+    """Whether reading this file ahead pays: the native scanner will read it whole (a plain file below the
+    memory-map size, or a gzip whose size trailer says at most ``NATIVE_MAX_BYTES``). A bigger trace is
+    decoded in bounded chunks, and holding it whole ahead of its turn would only add its size to the peak."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            if handle.read(2) != b"\x1f\x8b":
+                return size < MAP_MIN_BYTES
+            if size < 18:
+                return True
+            handle.seek(-4, os.SEEK_END)
+            return int.from_bytes(handle.read(4), "little") <= NATIVE_MAX_BYTES
+    except OSError:
+        return True  # the read itself reports the problem, naming the file
+
+
 class Prefetched(NamedTuple):
     """The first steps of reading a Kineto trace, done ahead of ``read_kineto`` (``load``'s prefetch thread)."""
 

@@ -283,25 +283,27 @@ def test_nccl_log_join_refuses_count_mismatch(tmp_path):
 
 
 def _spy_reads(monkeypatch) -> list:
-    """Record, in order and from every thread, each trace_buffer call, the thread of each trace_buffer and
-    native scan, and each read_kineto start and end."""
+    """Record, in order and from every thread, ``(what, file name or "", thread name)`` for each trace_buffer
+    call ("fetch"), native scan ("scan") and read_kineto start ("read") and end ("done")."""
     log = []
     buffer, read, scan = _buffers.trace_buffer, kineto.read_kineto, _buffers.native_scan
 
+    def note(what: str, name: str = "") -> None:
+        log.append((what, name, threading.current_thread().name))
+
     def spied_buffer(path):
-        log.append(("fetch", path.name))
-        log.append(("fetched in", threading.current_thread().name))
+        note("fetch", path.name)
         return buffer(path)
 
     def spied_read(path, **options):
-        log.append(("read", path.name))
+        note("read", path.name)
         try:
             return read(path, **options)
         finally:
-            log.append(("done", path.name))
+            note("done", path.name)
 
     def spied_scan(data):
-        log.append(("scanned in", threading.current_thread().name))
+        note("scan")
         return scan(data)
 
     monkeypatch.setattr(_buffers, "trace_buffer", spied_buffer)
@@ -317,17 +319,18 @@ def test_small_folder_is_read_with_one_file_prefetched(tmp_path, monkeypatch):
         (tmp_path / name).write_bytes(gzip.compress(_trace(40 + r, rank=r).encode()))
     log = _spy_reads(monkeypatch)
     prefetched = load(tmp_path)
-    fetches = [name for what, name in log if what == "fetch"]
+    fetches = [name for what, name, _ in log if what == "fetch"]
     assert fetches == names  # every file read once, in order
-    threads = {name for what, name in log if what in ("fetched in", "scanned in")}
+    threads = {thread for what, _, thread in log if what in ("fetch", "scan")}
     assert len(threads) == 1 and threads.pop().startswith("shardline-prefetch")  # ahead, by the thread
     if _buffers.native_available():
-        assert [what for what, _ in log].count("scanned in") == len(names)
+        assert [what for what, _, _ in log].count("scan") == len(names)
+    at = {(what, name): i for i, (what, name, _) in enumerate(log)}
     for k in range(2, len(names)):  # never more than one file ahead of the one being decoded
-        assert log.index(("fetch", names[k])) > log.index(("done", names[k - 2]))
+        assert at["fetch", names[k]] > at["done", names[k - 2]]
     log.clear()
     one_by_one = load(tmp_path, workers=1)
-    assert {name for what, name in log if what in ("fetched in", "scanned in")} == {threading.current_thread().name}
+    assert {thread for what, _, thread in log if what in ("fetch", "scan")} == {threading.current_thread().name}
     pd.testing.assert_frame_equal(prefetched.events, one_by_one.events)
     assert prefetched.files == one_by_one.files and prefetched.metadata == one_by_one.metadata
 
@@ -384,3 +387,25 @@ def test_union_texts_keeps_pandas_code_width():
     got, want = union_texts(parts), union_categoricals(parts)
     assert got.codes.dtype == want.codes.dtype == np.int16
     assert got.categories.tolist() == want.categories.tolist() and np.array_equal(got.codes, want.codes)
+
+
+def test_only_traces_read_whole_are_prefetched(tmp_path, monkeypatch):
+    # A trace bigger than the native scanner's limit is decoded in chunks in its turn, never held ahead.
+    small = gzip.compress(_trace(5, rank=0).encode())
+    big = gzip.compress(_trace(400, rank=1).encode())
+    (tmp_path / "rank0.json.gz").write_bytes(small)
+    (tmp_path / "rank1.json.gz").write_bytes(big)
+    (tmp_path / "rank2.json").write_text(_trace(5, rank=2))
+    monkeypatch.setattr(_buffers, "NATIVE_MAX_BYTES", len(gzip.decompress(small)) + 100)
+    assert len(gzip.decompress(big)) > _buffers.NATIVE_MAX_BYTES
+    assert _buffers.worth_prefetching(tmp_path / "rank0.json.gz")
+    assert not _buffers.worth_prefetching(tmp_path / "rank1.json.gz")
+    assert _buffers.worth_prefetching(tmp_path / "rank2.json")
+    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 10)  # now the plain file would be memory-mapped
+    assert not _buffers.worth_prefetching(tmp_path / "rank2.json")
+    log = _spy_reads(monkeypatch)
+    ts = load(tmp_path)
+    main = threading.current_thread().name
+    assert [(name, thread == main) for what, name, thread in log if what == "fetch"] == [
+        ("rank0.json.gz", False), ("rank1.json.gz", True), ("rank2.json", True)]
+    assert ts.ranks == (0, 1, 2)
