@@ -39,7 +39,6 @@ kind of offload traffic; ``memory_kind == "Pageable"``).
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 
 import numpy as np
@@ -56,6 +55,7 @@ from shardline.profiling.schema import (
     check_events,
     codes_or_end,
     per_category_table,
+    step_numbers,
 )
 
 LABELS = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
@@ -65,7 +65,6 @@ LABELS = ("compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
 EXCLUSIVE_COLUMNS = LABELS
 OVERLAP_COLUMNS = tuple(f"overlapped_{c}" for c in COMM_CATEGORIES)
 
-STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 # Source categories that mark spans rather than work (Kineto current and 2021 legacy, Nsight NVTX).
 ANNOTATION_CATS = frozenset({"user_annotation", "gpu_user_annotation", "python_function", "Trace", "ac2g",
                              "fwdbwd", "overhead", "cuda_runtime", "cuda_driver", "Runtime", "python", "nvtx",
@@ -73,7 +72,6 @@ ANNOTATION_CATS = frozenset({"user_annotation", "gpu_user_annotation", "python_f
 _ANNOTATION_NAME_RE = r"^(ProfilerStep#\d+|sl:pp:|nccl:|gloo:|ucc:|mpi:|sl:comm:)"
 _CPU_OP_CATS = frozenset({"cpu_op", "Operator", "user_annotation"})
 _PP_PREFIX = f"{contract.PREFIX}:pp:"  # the pattern bubbles selects its rows with
-_STEP_MAX = np.iinfo(np.int32).max  # the events table's ``step`` is int32
 
 
 def breakdown(traceset_or_events, *, layout=None) -> pd.DataFrame:
@@ -169,7 +167,7 @@ class _Tables:
         self.copy = in_table(category, ("memcpy_h2d", "memcpy_d2h"))
         self.pageable = in_table(events["memory_kind"], ("Pageable",))
         self.pipeline = match_table(name, _PP_PREFIX)  # the pattern bubbles selects its rows with
-        self.step_no = per_category_table(name, ("step_no",), _step_numbers)
+        self.step_no = per_category_table(name, ("step_no",), _step_table)
         self.step_marked = self.step_no >= 0
         self.code_of = {text: i for i, text in enumerate(category_texts(category.cat.categories))}
 
@@ -242,15 +240,9 @@ class _Rows:
 _WORK_COLUMNS = ("start", "dur", "step", "stream", "category", "memory_kind")
 
 
-def _step_numbers(texts: list[str]) -> np.ndarray:
-    """N of every ``ProfilerStep#N`` text, -1 for other texts (one extra slot for a missing value). As in the
-    reader (which gives events their ``step``), N is ASCII digits within int32, else the text is no marker."""
-    numbers = np.full(len(texts) + 1, -1, dtype=np.int64)
-    for i, text in enumerate(texts):
-        hit = STEP_RE.match(text) if text.startswith("ProfilerStep#") else None
-        if hit is not None and hit[1].isascii() and int(hit[1]) <= _STEP_MAX:
-            numbers[i] = int(hit[1])
-    return numbers
+def _step_table(texts: list[str]) -> np.ndarray:
+    """``schema.step_numbers`` per category, one extra -1 for a missing value."""
+    return np.append(step_numbers(texts), -1)
 
 
 _NO_WINDOWS = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))

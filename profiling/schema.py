@@ -37,6 +37,7 @@ source         category  reader that produced the row ("kineto", "nccl_log", "ns
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from collections import Counter
 
@@ -107,6 +108,22 @@ def per_category_table(column: pd.Series, key, build) -> np.ndarray:
     # gone is dropped (so its id, if reused, cannot hit).
     _TABLES[slot] = (weakref.ref(categories, lambda _ref, slot=slot: _TABLES.pop(slot, None)), table)
     return table
+
+
+_STEP_MARKER = re.compile(r"^ProfilerStep#(\d+)$")
+_STEP_MAX = np.iinfo(np.int32).max  # the ``step`` column is int32
+
+
+def step_numbers(texts) -> np.ndarray:
+    """N of every text that is a ``ProfilerStep#N`` step marker, -1 for the others (int64). N must be ASCII
+    digits and fit the int32 ``step`` column, or the text marks no step: one rule for the reader (which gives
+    events their step) and attribution (which makes windows of the markers)."""
+    numbers = np.full(len(texts), -1, dtype=np.int64)
+    for i, text in enumerate(texts):
+        hit = _STEP_MARKER.match(text) if text.startswith("ProfilerStep#") else None
+        if hit is not None and hit[1].isascii() and int(hit[1]) <= _STEP_MAX:
+            numbers[i] = int(hit[1])
+    return numbers
 
 
 def codes_or_end(column: pd.Series) -> np.ndarray:

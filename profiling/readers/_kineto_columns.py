@@ -17,7 +17,14 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
-from shardline.profiling.schema import COLUMNS, category_texts, empty_texts, sorted_categorical, text_dtype
+from shardline.profiling.schema import (
+    COLUMNS,
+    category_texts,
+    empty_texts,
+    sorted_categorical,
+    step_numbers,
+    text_dtype,
+)
 
 #: Events decoded per batch: big enough to amortise the per-batch cost, small enough to bound memory.
 BATCH = 200_000
@@ -35,10 +42,8 @@ DTYPE_BYTES = {
     "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "UInt16": 2, "UInt32": 4, "UInt64": 8,
 }
 _MEMCPY_NAME = re.compile(r"^Memcpy (?P<kind>\w+) \((?P<src>\w+) -> (?P<dst>\w+)\)")
-_STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 _STREAM_TEXT = re.compile(r"(\d+)\s*$")
 _INT64 = (-(2**63), 2**63 - 1)
-_STEP_MAX = 2**31 - 1
 #: The dtype pandas gives string categories by default; every reader uses it so categoricals concatenate.
 _STR = pd.Index(["x"]).dtype
 
@@ -422,11 +427,7 @@ def assign_steps(columns) -> np.ndarray:
     ``columns``: an events frame, or a dict of its columns (numpy arrays, ``name``/``lane`` categoricals)."""
     names = pd.Categorical(columns["name"]) if isinstance(columns, pd.DataFrame) else columns["name"]
     step = np.full(len(names), -1, dtype=np.int32)
-    number_of_code = np.full(len(names.categories), -1, dtype=np.int64)
-    for i, name in enumerate(category_texts(names.categories)):
-        hit = _STEP_NAME.match(name) if name.startswith("ProfilerStep#") else None
-        if hit is not None and hit[1].isascii() and int(hit[1]) <= _STEP_MAX:  # the step column is int32
-            number_of_code[i] = int(hit[1])
+    number_of_code = step_numbers(category_texts(names.categories))
     if len(names) == 0 or (number_of_code < 0).all():
         return step
     event_step = number_of_code[np.asarray(names.codes)]
