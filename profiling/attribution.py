@@ -172,6 +172,24 @@ class _Tables:
         self.code_of = {text: i for i, text in enumerate(category_texts(category.cat.categories))}
 
 
+class _Lookup:
+    """A per-row array of ``_Rows``: the ``_Tables`` entry of the same name indexed with the rows' codes of
+    ``column``; computed on first use, then kept on the rows."""
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rows, owner=None):
+        if rows is None:
+            return self
+        value = getattr(rows.tables, self.name)[rows.columns[self.column]]
+        rows.__dict__[self.name] = value  # an instance attribute now shadows this (non-data) descriptor
+        return value
+
+
 class _Rows:
     """The columns attribution reads, as numpy arrays: views of an events table's columns (category codes for
     the categoricals), taken per rank and per work selection. Row masks come from the per-category tables
@@ -200,25 +218,11 @@ class _Rows:
     def end(self) -> np.ndarray:
         return self.start + self.dur
 
-    @functools.cached_property
-    def lane_gpu(self) -> np.ndarray:
-        return self.tables.lane_gpu[self.lane]
-
-    @functools.cached_property
-    def lane_cpu(self) -> np.ndarray:
-        return self.tables.lane_cpu[self.lane]
-
-    @functools.cached_property
-    def comm(self) -> np.ndarray:
-        return self.tables.comm[self.category]
-
-    @functools.cached_property
-    def step_marked(self) -> np.ndarray:
-        return self.tables.step_marked[self.name]
-
-    @functools.cached_property
-    def pipeline(self) -> np.ndarray:
-        return self.tables.pipeline[self.name]
+    lane_gpu = _Lookup("lane")
+    lane_cpu = _Lookup("lane")
+    comm = _Lookup("category")
+    step_marked = _Lookup("name")
+    pipeline = _Lookup("name")
 
     @functools.cached_property
     def pageable(self) -> np.ndarray:

@@ -364,8 +364,6 @@ def _per_category(column: pd.Series, fn) -> list:
     return [fn(value) for value in [*category_texts(column.cat.categories), ""]]
 
 
-
-
 def match_names(column: pd.Series, pattern: str) -> np.ndarray:
     """Boolean mask: does each value of a categorical column match ``pattern`` (``re.match``), computed on
     the unique values and broadcast."""
