@@ -127,3 +127,18 @@ def prefetch(path: Path) -> Prefetched:
     that run without the GIL."""
     data = trace_buffer(path)
     return Prefetched(data, native_scan(data) if native_reads(data) else None)
+
+
+def utf8_repaired(data) -> bytes | None:
+    """``data`` with every invalid UTF-8 sequence replaced by U+FFFD (encoded), or None when it is valid.
+
+    Python's codec decides, never a JSON decoder's error: msgspec raised ``UnicodeDecodeError`` for invalid
+    UTF-8 in a decoded string up to 0.22 and raises ``msgspec.DecodeError`` ("Invalid UTF-8 encoded string")
+    from 0.23 on, so neither its error class nor its text is a contract to build on.
+    """
+    raw = bytes(data)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace").encode("utf-8")
+    return None

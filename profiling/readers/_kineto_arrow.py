@@ -184,7 +184,7 @@ def _valid_json(text: bytes) -> bool:
     accepts some text msgspec refuses (NaN, Infinity, objects without a comma between them)."""
     try:
         _DECODE_RAW.decode(text)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return False
     return True
 

@@ -125,7 +125,7 @@ def _decode_chunk(path: Path, text: bytearray, decode_events: Callable, decode_b
         pass  # some event is damaged or mistyped: split the chunk into events and salvage them one by one
     try:
         raws = _DECODE_RAWS.decode(text)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise Fallback(str(exc)) from exc
     return decode_batch(path, raws, warnings)
 
@@ -141,7 +141,7 @@ def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
     head = buffer[:key].rstrip().rstrip(b",").rstrip()
     try:
         top = _DECODE_TOP.decode(head + b"}") if head != b"{" else {}
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise Fallback("unreadable metadata before traceEvents") from exc
     tail_from = max(bracket, len(buffer) - _TAIL_LIMIT)
     tail = buffer[tail_from:]
@@ -154,7 +154,7 @@ def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
             try:
                 top.update(_DECODE_TOP.decode(b"{" + rest[1:]))
                 return top, bracket + 1, tail_from + close
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, UnicodeDecodeError):
                 pass
         close = tail.rfind(b"]", 0, close)
     raise Fallback("no end of the events array")

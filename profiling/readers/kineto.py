@@ -32,7 +32,6 @@ import gc
 import mmap
 import re
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -86,7 +85,6 @@ _DECODE_EVENTS = msgspec.json.Decoder(list[Event])
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
 _BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
-_BYTE_AT = re.compile(r"\(byte (\d+)\)")
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)(?![\d])", re.IGNORECASE)
 
 
@@ -145,7 +143,7 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
         streamed = loaded
     top, batches = streamed
     del data, streamed
-    metadata = {key: _decode_any(top[key]) for key in _META_KEYS if key in top}
+    metadata = _metadata(path, top, warnings)
     info = metadata.get("distributedInfo") if isinstance(metadata.get("distributedInfo"), dict) else {}
     file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
     if file_rank is None:
@@ -247,11 +245,27 @@ def _chunked_in_memory(path: Path, data, events_raw: msgspec.Raw, *, fast, keep_
         return None
 
 
-def _decode_any(raw: msgspec.Raw) -> Any:
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return None
+def _metadata(path: Path, top: dict, warnings: list[str]) -> dict:
+    """The known top-level keys, decoded; invalid UTF-8 in them is replaced by U+FFFD (with a warning), and
+    a value that is not JSON is None."""
+    metadata, repaired_keys = {}, []
+    for key in _META_KEYS:
+        if key not in top:
+            continue
+        try:
+            metadata[key] = msgspec.json.decode(top[key])
+            continue
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            metadata[key] = None
+        repaired = _buffers.utf8_repaired(top[key])
+        if repaired is not None:
+            repaired_keys.append(key)
+            with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError):
+                metadata[key] = msgspec.json.decode(repaired)
+    if repaired_keys:
+        warnings.append(f"{path}: invalid UTF-8 in {', '.join(repaired_keys)}; the bad bytes were replaced by "
+                        "U+FFFD")
+    return metadata
 
 
 def _split_top(path: Path, data: bytes, warnings: list[str]) -> tuple[dict, msgspec.Raw | bytes | None]:
@@ -308,29 +322,68 @@ def _event_slices(path: Path, array: bytes | msgspec.Raw, warnings: list[str]) -
 
 
 def _prefix_slices(path: Path, array: bytes, exc: Exception, warnings: list[str]) -> list:
-    """Raw slices of the complete events before the first damage in ``array`` (which starts with ``[``)."""
-    match = _BYTE_AT.search(str(exc))
-    limit = int(match.group(1)) if match else len(array)
-    # Cut at an event boundary before the damage and close the array; a boundary inside a string literal
-    # makes the retry fail earlier, so walk back a bounded number of times.
-    for _ in range(64):
-        cut = array.rfind(b"}", 0, limit)
-        while cut > 0:
-            after = array[cut + 1:cut + 64].lstrip()
-            if after[:1] == b"," and after[1:].lstrip()[:1] == b"{":
-                break
-            cut = array.rfind(b"}", 0, cut)
-        if cut <= 0:
-            break
-        try:
-            slices = _DECODE_RAWS.decode(array[:cut + 1] + b"]")
-        except (msgspec.DecodeError, UnicodeDecodeError):
-            limit = cut
-            continue
-        warnings.append(f"{path}: kept the {len(slices)} complete events before byte {limit} of traceEvents")
-        return slices
-    warnings.append(f"{path}: no complete event could be read ({exc})")
-    return []
+    """Raw slices of the complete events before the first damage in ``array`` (which starts with ``[``).
+
+    The longest prefix that ends at an event boundary (``}`` then ``{``, a comma between) and decodes once closed
+    with ``]`` is found by trying prefixes: the last boundary first (a truncated file: one decode), then a
+    bisection. Nothing is read from the decoder's error but the fact that it failed (its text is no
+    contract). A boundary inside a string literal fails to decode although the damage lies further on, so a
+    failed prefix is confirmed by the next boundary failing too.
+    """
+    good_end, good, bad = 0, [], len(array)
+    probe = _boundary_before(array, bad, good_end)
+    while probe is not None:
+        slices = _decode_prefix(array, probe)
+        if slices is None:
+            after = _boundary_after(array, probe + 1, bad)
+            slices = _decode_prefix(array, after) if after is not None else None
+            if slices is None:
+                bad = probe
+            else:
+                probe = after
+        if slices is not None:
+            good_end, good = probe, slices
+        mid = (good_end + bad) // 2
+        probe = _boundary_before(array, mid + 1, good_end)
+        if probe is None:
+            probe = _boundary_after(array, mid + 1, bad)
+    if not good:
+        warnings.append(f"{path}: no complete event could be read ({exc})")
+        return []
+    warnings.append(f"{path}: kept the {len(good)} complete events before byte {good_end + 1} of traceEvents "
+                    f"({exc})")
+    return good
+
+
+def _decode_prefix(array: bytes, cut: int) -> list | None:
+    """The raw event slices of ``array[:cut + 1]`` closed with ``]``; None when that does not decode."""
+    try:
+        return _DECODE_RAWS.decode(array[:cut + 1] + b"]")
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+
+
+def _is_boundary(array: bytes, brace: int) -> bool:
+    """Whether this ``}`` may end an event: the next event follows (``,`` then ``{``, or a ``{`` alone where
+    the comma is the damage)."""
+    after = array[brace + 1:brace + 64].lstrip()
+    return after[:1] == b"{" or (after[:1] == b"," and after[1:].lstrip()[:1] == b"{")
+
+
+def _boundary_before(array: bytes, end: int, floor: int) -> int | None:
+    """The last event boundary (its ``}``) in ``(floor, end)``; None when there is none."""
+    cut = array.rfind(b"}", floor + 1, end)
+    while cut > floor and not _is_boundary(array, cut):
+        cut = array.rfind(b"}", floor + 1, cut)
+    return cut if cut > floor else None
+
+
+def _boundary_after(array: bytes, start: int, end: int) -> int | None:
+    """The first event boundary (its ``}``) in ``[start, end)``; None when there is none."""
+    cut = array.find(b"}", start, end)
+    while cut >= 0 and not _is_boundary(array, cut):
+        cut = array.find(b"}", cut + 1, end)
+    return cut if cut >= 0 else None
 
 
 @contextlib.contextmanager
@@ -365,30 +418,46 @@ def _decode_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
 
 
 def _salvage_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
-    """The careful path: invalid UTF-8 is replaced by U+FFFD (event kept), mistyped events are dropped."""
+    """The careful path: an event with invalid UTF-8 is kept with the bad bytes replaced by U+FFFD, a
+    mistyped event is dropped; one warning per file and kind counts them.
+
+    Whether an event's bytes are valid UTF-8 is decided by Python's codec after any failed decode, never by
+    the decoder's error class or text (they differ between msgspec versions: ``_buffers.utf8_repaired``).
+    """
     decode = _DECODE_EVENT.decode
     kept, replaced, dropped, first = [], 0, 0, None
     for raw in raws:
         try:
             kept.append(decode(raw))
             continue
-        except UnicodeDecodeError:
-            # The slicing pass does not validate string bytes; a name with a stray byte keeps its event.
-            replaced += 1
-            raw = bytes(raw).decode("utf-8", errors="replace").encode()
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            dropped += 1
-            first = first or exc
-            continue
-        try:
-            kept.append(decode(raw))
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            dropped, first = dropped + 1, first or exc
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # ValidationError is a DecodeError
+            error = exc
+        repaired = _buffers.utf8_repaired(raw)
+        if repaired is not None:
+            try:
+                kept.append(decode(repaired))
+                replaced += 1
+                continue
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                error = exc
+        dropped, first = dropped + 1, first or error
     if replaced:
-        warnings.append(f"{path}: invalid UTF-8 in {replaced} events; the bad bytes were replaced by U+FFFD")
+        _add_count(warnings, f"{path}: invalid UTF-8 in ", replaced,
+                   " events; the bad bytes were replaced by U+FFFD")
     if dropped:
-        warnings.append(f"{path}: dropped {dropped} events with fields of the wrong type (first: {first})")
+        _add_count(warnings, f"{path}: dropped ", dropped, f" events with fields of the wrong type (first: {first})")
     return kept
+
+
+def _add_count(warnings: list[str], head: str, count: int, tail: str) -> None:
+    """One warning per file and kind: a later batch or chunk adds its count to the warning already there
+    (whose ``tail``, e.g. the first error, is kept)."""
+    for i, text in enumerate(warnings):
+        number, _, rest = text.removeprefix(head).partition(" ")
+        if text.startswith(head) and number.isdigit():
+            warnings[i] = f"{head}{int(number) + count} {rest}"
+            return
+    warnings.append(f"{head}{count}{tail}")
 
 
 def _what_it_is(path: Path, top: dict) -> str:
