@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Build the wheel, install it (no deps: they come from the system site) into a fresh venv, and import every
-# module of it from a directory outside the repository, checking each really comes from the wheel.
+# Build the wheel, install it with its declared dependencies into a fresh virtual environment (no system
+# site: only what the wheel asks for), and import every module of it from a directory outside the repository,
+# checking each really comes from the wheel. torch is the CPU wheel, as in the README's set-up line.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
+python="${PYTHON:-python3}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python -m build --wheel --no-isolation --outdir "$work/dist" "$repo" >"$work/build.log" 2>&1 \
+"$python" -m venv "$work/venv"
+"$work/venv/bin/pip" install --quiet build >"$work/pip.log" 2>&1 || { cat "$work/pip.log"; exit 1; }
+"$work/venv/bin/python" -m build --wheel --outdir "$work/dist" "$repo" >"$work/build.log" 2>&1 \
   || { cat "$work/build.log"; exit 1; }
-python -m venv --system-site-packages "$work/venv"
-"$work/venv/bin/pip" install --no-deps --no-index --quiet "$work"/dist/shardline-*.whl
+"$work/venv/bin/pip" install --quiet "torch==2.13.0" "$work"/dist/shardline-*.whl >"$work/pip.log" 2>&1 \
+  || { cat "$work/pip.log"; exit 1; }
 cd "$work"
 "$work/venv/bin/python" - "$work/venv" <<'PY'
 import importlib, pkgutil, sys
