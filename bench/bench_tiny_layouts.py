@@ -4,16 +4,15 @@ on this 2-core machine: 4 ranks share 2 cores, so these are CPU numbers, not a G
 Each layout trains the recipe's model on the recipe's data (the standard library's sources, byte-level) with
 the real Trainer and HybridParallelStrategy for ``STEPS`` steps, same global batch for every layout (the
 recipe's 16 windows of 128 tokens: ``16 / dp`` per replica), AdamW + warm-up, 8 micro-batches where pp > 1.
-Gradient clipping (the recipe's 1.0) is off: with pp > 1 and tied embeddings, the clipping norm counts the tied
-weight's gradient once per stage holding it (twice), so those layouts clip differently from the dense model and
-would fail the check below; one extra run measures that (see the results file). A step is the time between two
+Gradient clipping is on (the recipe's 1.0) for every layout and for the dense reference: the clipping norm
+counts a weight tied across pipeline stages once, as the dense model does. A step is the time between two
 ``on_train_batch_end`` calls (the slower rank); the first ``DROP`` steps are dropped. Every layout runs
 ``PASSES`` times, alternately in the list's order and in reverse, so load drift on the shared machine does not
 favour one end of the list; the table pools the passes.
 
 Before any timing is reported, every layout's per-step loss (mean over replicas) is checked against one
 process training the same model densely on the same global batches (float32 behind TP/PP/DP reductions and
-AdamW over 12 steps, no clipping: rtol 1e-5). pp2 x dp2 x ZeRO-2 needs untied embeddings (a weight tied across
+AdamW and clipping over 12 steps: rtol 1e-5). pp2 x dp2 x ZeRO-2 needs untied embeddings (a weight tied across
 the first and last pipeline stage needs ZeRO <= 1), so it is checked against an untied dense run.
 
 Writes bench/results/bench_tiny_layouts.md and prints it.
@@ -45,7 +44,7 @@ RECIPE = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
 MODEL = RECIPE["model"]
 GLOBAL_BATCH = RECIPE["data"]["batch_size"]  # the recipe runs dp=1: its global batch
 MICRO = RECIPE["trainer"]["strategy"]["init_args"]["micro_batches"]
-CLIP = RECIPE["trainer"]["gradient_clip_val"]  # not applied: see the module docstring
+CLIP = RECIPE["trainer"]["gradient_clip_val"]
 
 # (name, strategy kwargs, tie_embeddings)
 LAYOUTS = [
@@ -80,7 +79,7 @@ class Meter(pl.Callback):
             self.bubbles.append(pipeline.engine_for(batch[0].shape[0]).stats.bubble_fraction)
 
 
-def _fit(rank, world, kwargs, tied, clip=None):
+def _fit(rank, world, kwargs, tied, clip=CLIP):
     adopt_process_group_in_lightning()
     strategy = HybridParallelStrategy(**kwargs, **({"micro_batches": MICRO} if kwargs.get("pp", 1) > 1 else {}))
     meter = Meter()
@@ -94,9 +93,9 @@ def _fit(rank, world, kwargs, tied, clip=None):
             "dp_rank": strategy.grid.rank("dp"), "dp": dp}
 
 
-def _dense(rank, world, tied, clip=None, tied_twice=False):
+def _dense(rank, world, tied, clip=CLIP):
     """One process, the whole global batch: Lightning's DistributedSampler order (seed, epoch 0), same AdamW.
-    ``clip``: clip the global gradient norm to it; ``tied_twice``: that norm counts the tied weight twice."""
+    ``clip``: clip the global gradient norm to it (DeepSpeed's rule)."""
     module = GPTModule(**{**MODEL, "tie_embeddings": tied})
     module.configure_model()
     opt = module.configure_optimizers()
@@ -114,8 +113,6 @@ def _dense(rank, world, tied, clip=None, tied_twice=False):
         if clip:
             grads = [p.grad for p in module.gpt.parameters() if p.grad is not None]
             square = sum(g.pow(2).sum() for g in grads)
-            if tied_twice:
-                square = square + module.gpt.embedding.wte.weight.grad.pow(2).sum()
             scale = min(1.0, clip / (square.sqrt().item() + 1e-6))  # DeepSpeed's rule: clip / (norm + 1e-6)
             for g in grads:
                 g.mul_(scale)
@@ -150,18 +147,12 @@ def main() -> str:
             loads.append(os.getloadavg()[0])
             runs[name].append(summarise(run_ranks(_fit, WORLD, kwargs, tied, timeout=600)))
     wall = time.perf_counter() - started
-    # Why clipping is off: the recipe's layout with clipping on, against dense runs counting the tied weight's
-    # gradient in the norm once (the right answer) and twice.
-    clipped = summarise(run_ranks(_fit, WORLD, LAYOUTS[0][1], True, CLIP, timeout=600))["losses"]
-    clip_diff = {twice: max(abs(a - b) / abs(b) for a, b in
-                            zip(clipped, run_ranks(_dense, 1, True, CLIP, twice, timeout=600)[0], strict=True))
-                 for twice in (False, True)}
 
     worst = {}
     for name, _, tied in LAYOUTS:
         worst[name] = max(abs(a - b) / abs(b) for run in runs[name] for a, b in
                           zip(run["losses"], dense[tied], strict=True))
-    bad = {k: v for k, v in worst.items() if v > 1e-5}  # float32 behind TP/PP/DP reductions, AdamW, 12 steps
+    bad = {k: v for k, v in worst.items() if v > 1e-5}  # float32 behind TP/PP/DP reductions, AdamW, clipping
     if bad:
         raise SystemExit(f"layouts disagree with the dense run (max relative loss difference): {bad}")
 
@@ -183,7 +174,7 @@ def main() -> str:
         "",
         f"Model: vocab {MODEL['vocab_size']}, seq {MODEL['seq_len']}, {MODEL['n_layer']} layers, {MODEL['n_head']} "
         f"heads, d_model {MODEL['d_model']}; AdamW (lr {MODEL['lr']}, warm-up {MODEL['warmup_steps']}), float32, "
-        f"no gradient clipping (the recipe's {CLIP} is off, see below). Data: the recipe's (standard-library "
+        f"gradient clipping at {CLIP} (the recipe's) for every layout and the dense reference. Data: the recipe's (standard-library "
         f"sources, byte-level). Global batch {GLOBAL_BATCH} "
         f"x {MODEL['seq_len']} = {tokens} tokens per step for every layout ({GLOBAL_BATCH}/dp per replica); "
         f"{MICRO} micro-batches (1F1B) where pp > 1. Real Trainer + HybridParallelStrategy on 4 forked gloo ranks, "
@@ -207,12 +198,6 @@ def main() -> str:
         "moment, including waits for a core that another rank holds. Closed form: (p-1)/(m+p-1). pp2 x dp2 x "
         "zero2 runs untied embeddings (ZeRO-2 with a weight tied across the first and last stage is refused), "
         "one extra 256 x 128 matrix.",
-        "",
-        f"Clipping is off because with pp > 1 and tied embeddings the clipping norm counts the tied weight's "
-        f"gradient on both stages that hold it. Measured here: tp2 x pp2 x zero1 with the recipe's clipping "
-        f"({CLIP}) against a dense run with the same clipping: max relative loss difference over {STEPS} steps "
-        f"{clip_diff[False]:.1e}; against a dense run whose clipping norm counts the tied gradient twice: "
-        f"{clip_diff[True]:.1e}.",
         "",
         f"Machine: {os.cpu_count()} cores shared with other work; 1-minute load average {load_before[0]:.1f} at "
         f"the start, {min(loads):.1f}-{max(loads):.1f} at the layouts' starts, {os.getloadavg()[0]:.1f} at the end; "

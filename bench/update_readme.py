@@ -9,6 +9,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _publish import STAMP  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -19,6 +22,8 @@ def section() -> str:
              ""]
     for path in sorted((ROOT / "bench" / "results").glob("*.md")):
         text = path.read_text().strip()
+        if STAMP.search(text) is None:  # the stamp stays in the text: every table names its commit
+            raise SystemExit(f"{path}: no 'Measured at commit ...' line; re-run its bench script to stamp it")
         # Demote the file's headings by two levels so they nest under the README's section.
         text = re.sub(r"^(#+) ", lambda m: "#" * min(6, len(m.group(1)) + 2) + " ", text, flags=re.M)
         parts += [text, ""]
