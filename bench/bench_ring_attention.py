@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from _publish import publish
 
 from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.sequence_parallel import ring_attention, shard_sequence
+from shardline.plugins.layers.sequence_parallel import ring_attention, shard_sequence
 from shardline.plugins.sp_memory import LiveTensorBytes
 from shardline.plugins.testing import run_ranks
 

@@ -43,8 +43,8 @@ from _publish import publish
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.model import GPT
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
+from shardline.plugins.models.gpt import GPT
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_gpt import GPTModule
 

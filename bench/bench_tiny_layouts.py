@@ -32,7 +32,7 @@ import torch
 import yaml
 from _publish import publish
 
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.data import TextDataModule
 from shardline.recipes.lit_gpt import GPTModule

@@ -22,7 +22,7 @@ from _publish import publish
 from torch import nn
 
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
-from shardline.plugins.model import Block, GPTConfig, SPContext
+from shardline.plugins.models.gpt import Block, GPTConfig, SPContext
 from shardline.plugins.testing import run_ranks
 
 CFG = GPTConfig(vocab_size=128, seq_len=256, n_layer=1, n_head=8, d_model=512)

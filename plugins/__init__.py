@@ -1,4 +1,19 @@
-"""shardline.plugins: training-side parallelism (process grid, TP/SP layers, pipeline engine, strategy).
+"""shardline.plugins: training-side parallelism, grouped by role.
+
+- ``grid`` (ParallelDims, Grid, DeepSpeed's ``mpu`` from ``mpu``), ``errors``, ``testing`` (run_ranks),
+  ``sp_memory`` (a live-tensor meter for CPU runs);
+- ``layers``: TP/SP math (collective pairs, parallel linears, vocabulary-parallel embedding and loss,
+  ring attention, Ulysses); torch only;
+- ``pipeline``: schedules as data, their validation and simulation, and the engine that runs them; no
+  Lightning or DeepSpeed;
+- ``models``: models built from the layers (``models.gpt``);
+- ``lightning``: the Lightning strategy, its registered names, the per-stage DeepSpeed driver, the ZeRO config
+  and the StepProfiler callback; the one package here that imports Lightning or DeepSpeed.
+
+The public API is re-exported here, each name imported on first use (so ``import shardline.plugins`` stays
+light): HybridParallelStrategy, StepProfiler, ParallelDims, Grid, run_ranks, ColumnParallelLinear,
+RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, ring_attention, ulysses_attention,
+GPT, GPTConfig.
 
 The strategy names (``"shardline"``, ``"shardline_tp2_pp2_zero2"``, ...) are registered with Lightning as soon as
 both this package and ``pytorch_lightning`` are imported, in either order, so
@@ -15,9 +30,20 @@ import importlib.util
 import sys
 
 _LAZY = {
-    "HybridParallelStrategy": "shardline.plugins.strategy",
-    "StepProfiler": "shardline.plugins.profiler_callback",
-    "register_strategies": "shardline.plugins.registry",
+    "HybridParallelStrategy": "shardline.plugins.lightning.strategy",
+    "StepProfiler": "shardline.plugins.lightning.profiler_callback",
+    "register_strategies": "shardline.plugins.lightning.registry",
+    "ParallelDims": "shardline.plugins.grid",
+    "Grid": "shardline.plugins.grid",
+    "run_ranks": "shardline.plugins.testing",
+    "ColumnParallelLinear": "shardline.plugins.layers.tensor_parallel",
+    "RowParallelLinear": "shardline.plugins.layers.tensor_parallel",
+    "VocabParallelEmbedding": "shardline.plugins.layers.tp_vocab",
+    "vocab_parallel_cross_entropy": "shardline.plugins.layers.tp_vocab",
+    "ring_attention": "shardline.plugins.layers.sequence_parallel",
+    "ulysses_attention": "shardline.plugins.layers.sequence_parallel",
+    "GPT": "shardline.plugins.models.gpt",
+    "GPTConfig": "shardline.plugins.models.gpt",
 }
 __all__ = sorted(_LAZY)
 
@@ -30,7 +56,7 @@ def __getattr__(name: str):
 
 
 def _register() -> None:
-    importlib.import_module("shardline.plugins.registry").register_strategies()
+    importlib.import_module("shardline.plugins.lightning.registry").register_strategies()
 
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):

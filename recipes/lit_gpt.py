@@ -20,10 +20,10 @@ import torch
 
 from shardline.plugins.errors import ContractError
 from shardline.plugins.grid import SPMode
-from shardline.plugins.model import GPT, GPTConfig
-from shardline.plugins.strategy import HybridParallelStrategy
-from shardline.plugins.tensor_parallel import sequence_parallel_parameters
-from shardline.plugins.tp_comm import all_reduce
+from shardline.plugins.layers.tensor_parallel import sequence_parallel_parameters
+from shardline.plugins.layers.tp_comm import all_reduce
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
+from shardline.plugins.models.gpt import GPT, GPTConfig
 
 
 class GPTModule(pl.LightningModule):

@@ -2,7 +2,7 @@
 
 A recipe is LightningCLI's ``fit`` configuration as YAML, with four sections (all optional):
 ``seed_everything``, ``trainer`` (``pytorch_lightning.Trainer`` arguments; ``trainer.strategy`` is a registered
-name such as ``shardline_tp2_zero1`` or ``{class_path: shardline.plugins.strategy.HybridParallelStrategy,
+name such as ``shardline_tp2_zero1`` or ``{class_path: shardline.plugins.lightning.strategy.HybridParallelStrategy,
 init_args: {...}}``), ``model`` (:class:`~shardline.recipes.lit_gpt.GPTModule` arguments) and ``data``
 (:class:`~shardline.recipes.data.TextDataModule` arguments; ``data.seq_len`` is not a recipe field: the fit
 command links it to ``model.seq_len``). ``ckpt_path`` resumes a run.
@@ -35,7 +35,7 @@ from shardline.plugins.errors import ShardlineError
 
 SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
 LINKED = {"data.seq_len": "model.seq_len"}  # fields the fit command sets from another; not recipe fields
-HYBRID_CLASS = "shardline.plugins.strategy.HybridParallelStrategy"
+HYBRID_CLASS = "shardline.plugins.lightning.strategy.HybridParallelStrategy"
 _SIMPLE = (int, float, bool, str, type(None), list, dict)
 # DeepSpeedStrategy arguments that take effect whatever its DeepSpeed config is. Its others only build a default
 # config, which HybridParallelStrategy replaces by one derived from zero_stage/offload_* (+ deepspeed_config):
@@ -98,7 +98,7 @@ def section_fields() -> dict[str, dict[str, Any]]:
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DeepSpeedStrategy
 
-    from shardline.plugins.strategy import HybridParallelStrategy
+    from shardline.plugins.lightning.strategy import HybridParallelStrategy
     from shardline.recipes.data import TextDataModule
     from shardline.recipes.lit_gpt import GPTModule
 
@@ -208,7 +208,7 @@ def ignored_deepspeed_args(init_args: dict[str, Any], *, only_changed: bool = Fa
     with ``only_changed``, only those set to something other than DeepSpeedStrategy's default."""
     from pytorch_lightning.strategies import DeepSpeedStrategy
 
-    from shardline.plugins.strategy import HybridParallelStrategy
+    from shardline.plugins.lightning.strategy import HybridParallelStrategy
 
     own = set(inspect.signature(HybridParallelStrategy.__init__).parameters)
     params = inspect.signature(DeepSpeedStrategy.__init__).parameters
@@ -226,7 +226,7 @@ def _is_hybrid(class_path: Any) -> bool:
 def strategy_degrees(strategy: Any) -> dict[str, Any] | None:
     """``tp, pp, cp, sp, gpus_per_node`` of a shardline strategy given as a registered name or class_path dict;
     None for any other strategy."""
-    from shardline.plugins.registry import parse_strategy_name
+    from shardline.plugins.lightning.registry import parse_strategy_name
 
     if isinstance(strategy, str) and strategy.startswith("shardline"):
         parsed = parse_strategy_name(strategy)
@@ -286,7 +286,7 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     ``source`` and the fields. Reuses ParallelDims and GPTConfig, whose messages name every value."""
     from shardline.plugins.errors import ContractError, LayoutError
     from shardline.plugins.grid import ParallelDims
-    from shardline.plugins.model import GPTConfig, _sp_context
+    from shardline.plugins.models.gpt import GPTConfig, _sp_context
     from shardline.recipes.data import VOCAB_SIZE, TextDataModule
     from shardline.recipes.lit_gpt import GPTModule
 

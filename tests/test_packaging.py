@@ -121,15 +121,15 @@ print("ok")
 
 @pytest.mark.parametrize("statement", [
     "from shardline.plugins import HybridParallelStrategy",
-    "import shardline.plugins.strategy",
-    "import shardline.plugins.registry as r; r.register_strategies()",
+    "import shardline.plugins.lightning.strategy",
+    "import shardline.plugins.lightning.registry as r; r.register_strategies()",
 ])
 def test_strategy_imports_first_in_a_fresh_interpreter(statement):
     # Importing the strategy imports Lightning, whose import registers our names: no cycle may break that.
     code = f"""
 {statement}
 from pytorch_lightning.strategies import StrategyRegistry
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
 assert isinstance(StrategyRegistry.get("shardline_tp2_zero3"), HybridParallelStrategy)
 print("ok")
 """

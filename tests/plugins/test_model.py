@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.model import GPT, GPTConfig
-from shardline.plugins.sequence_parallel import local_positions
+from shardline.plugins.layers.sequence_parallel import local_positions
+from shardline.plugins.models.gpt import GPT, GPTConfig
 from shardline.plugins.testing import run_ranks
 
 F64 = torch.float64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardline.plugins.errors import ContractError, LayoutError
-from shardline.plugins.pipeline_driver import TARGET_BUBBLE, _require, default_microbatches
+from shardline.plugins.lightning.pipeline_driver import TARGET_BUBBLE, _require, default_microbatches
 
 
 def _bubble(p: int, v: int, m: int) -> float:

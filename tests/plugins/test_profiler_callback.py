@@ -19,8 +19,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins.errors import ContractError
-from shardline.plugins.profiler_callback import REPORT_NAME, TRACE_DIR, StepProfiler
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.profiler_callback import REPORT_NAME, TRACE_DIR, StepProfiler
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
 from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardline.plugins import sp_ring
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.sequence_parallel import (
+from shardline.plugins.layers import sp_ring
+from shardline.plugins.layers.sequence_parallel import (
     local_positions,
     ring_attention,
     shard_sequence,

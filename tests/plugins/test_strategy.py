@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardline.plugins  # noqa: F401 - registers the strategy names
 from shardline.plugins.errors import ContractError, LayoutError
-from shardline.plugins.registry import parse_strategy_name, registered_names
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.registry import parse_strategy_name, registered_names
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 
 STEPS = 4

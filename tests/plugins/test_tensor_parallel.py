@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.tensor_parallel import (
+from shardline.plugins.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -305,7 +305,7 @@ def test_indivisible_features_raise_layout_error_naming_both_numbers():
 def _annotations_worker(rank, world):
     from torch.profiler import ProfilerActivity, profile
 
-    from shardline.plugins.sequence_parallel import ring_attention
+    from shardline.plugins.layers.sequence_parallel import ring_attention
 
     tp_group = _tp_group(world)
     cp_group = Grid.build(ParallelDims(world, cp=world, sp="ring")).group("cp")
@@ -330,9 +330,9 @@ def test_collectives_are_annotated_with_the_shared_comm_names():
 
 
 def test_vocab_padding_rounds_up_to_a_multiple_of_tp_and_logs_once(caplog):
-    from shardline.plugins.tensor_parallel import pad_vocab
+    from shardline.plugins.layers.tensor_parallel import pad_vocab
 
-    with caplog.at_level("INFO", logger="shardline.plugins.tp_vocab"):
+    with caplog.at_level("INFO", logger="shardline.plugins.layers.tp_vocab"):
         assert [pad_vocab(1001, tp=8) for _ in range(3)] == [1008] * 3
         assert pad_vocab(1000, tp=8) == 1000  # already a multiple: nothing to say
     records = [r for r in caplog.records if "1001" in r.getMessage()]

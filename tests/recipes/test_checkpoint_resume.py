@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins.errors import LayoutError
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_gpt import GPTModule
 

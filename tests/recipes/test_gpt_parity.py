@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.model import GPT
-from shardline.plugins.strategy import HybridParallelStrategy
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
+from shardline.plugins.models.gpt import GPT
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_gpt import GPTModule
 

@@ -14,7 +14,7 @@ from shardline.recipes.fit import RECIPES_DIR, resolve_recipe, run_fit
 from shardline.recipes.schema import RecipeError, load_recipe
 
 TINY = RECIPES_DIR / "tiny.yaml"
-HYBRID = "shardline.plugins.strategy.HybridParallelStrategy"
+HYBRID = "shardline.plugins.lightning.strategy.HybridParallelStrategy"
 
 
 def _write(tmp_path: Path, recipe: dict | str) -> Path:

@@ -400,7 +400,7 @@ def test_no_record_function_without_a_profiler_unless_asked_for(annotations):
 
 
 def _gpt(seed=0):
-    from shardline.plugins.model import GPT, GPTConfig
+    from shardline.plugins.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=13, seq_len=8, n_layer=2, n_head=2, d_model=8, tie_embeddings=True)
     return GPT(config, seed=seed, dtype=DT)

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding and cross-entropy (re-exported by :mod:`shardline.plugins.tensor_parallel`).
+"""Vocabulary-parallel embedding and cross-entropy (re-exported by :mod:`shardline.plugins.layers.tensor_parallel`).
 
 The vocabulary ``V`` is padded to ``V' = ceil(V/n)*n`` for a TP group of size ``n`` (logged once per (V, n));
 rank ``r`` owns the ids ``[r*V'/n, (r+1)*V'/n)``. Padded rows of the embedding are zero, and padded logit columns
@@ -16,7 +16,12 @@ from torch import nn
 from torch.profiler import record_function
 
 from shardline.plugins.errors import ContractError, LayoutError
-from shardline.plugins.tp_comm import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sequence
+from shardline.plugins.layers.tp_comm import (
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
 from shardline.profiling.annotations import comm_name
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 ``GPT(config, grid=None)`` is an ordinary dense model. With a :class:`~shardline.plugins.grid.Grid` it is the
 sharded version of the same function: with the same ``seed`` every TP shard is exactly a slice of the dense
-weights (see :mod:`shardline.plugins.tensor_parallel`), so loss and gradients equal the dense model's up to
+weights (see :mod:`shardline.plugins.layers.tensor_parallel`), so loss and gradients equal the dense model's up to
 summation order. Dropout masks are the one exception: they come from the global RNG on each rank and are not
 layout-independent. Every TP rank draws them at the same points with the same shapes, so ranks of one TP group
 that share a seed (``seed_everything`` on every rank) apply identical masks to the activations they replicate.
@@ -47,14 +47,14 @@ from torch.utils.checkpoint import checkpoint
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import SPMode
-from shardline.plugins.sequence_parallel import (
+from shardline.plugins.layers.sequence_parallel import (
     SequenceLayout,
     local_positions,
     ring_attention,
     shard_sequence,
     ulysses_attention,
 )
-from shardline.plugins.tensor_parallel import (
+from shardline.plugins.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -63,7 +63,7 @@ from shardline.plugins.tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_weight,
 )
-from shardline.plugins.tp_comm import all_reduce, copy_to_tp, gather_from_sequence
+from shardline.plugins.layers.tp_comm import all_reduce, copy_to_tp, gather_from_sequence
 
 __all__ = ["GPTConfig", "GPT", "GPTEmbedding", "Block", "GPTHead"]
 

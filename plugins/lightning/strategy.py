@@ -12,7 +12,7 @@ precision and the optimizer/backward plumbing):
   same samples; with ``cp > 1`` each CP rank then keeps its load-balanced sequence shard of every batch tensor.
 
 The LightningModule contract: build the model in ``configure_model()`` (``self.trainer.strategy.grid`` is
-ready by then) from shardline's layers or ``shardline.plugins.model.GPT``, and return the (replica-global) mean
+ready by then) from shardline's layers or ``shardline.plugins.models.gpt.GPT``, and return the (replica-global) mean
 loss from ``training_step``.
 """
 
@@ -33,7 +33,7 @@ from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
-from shardline.plugins.zero import Offload, derive_config, load_user_config, parse_offload
+from shardline.plugins.lightning.zero import Offload, derive_config, load_user_config, parse_offload
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def setup(self, trainer) -> None:
         if self.degrees["pp"] > 1:
-            from shardline.plugins.pipeline_driver import PipelineDriver
+            from shardline.plugins.lightning.pipeline_driver import PipelineDriver
 
             # Backward only accumulates; Lightning's one optimizer step per batch is DeepSpeed's boundary.
             self._check_pipeline_training(trainer)
@@ -260,7 +260,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         """
         if self.grid is None or self.grid.size("cp") == 1:
             return batch
-        from shardline.plugins.sequence_parallel import shard_sequence
+        from shardline.plugins.layers.sequence_parallel import shard_sequence
 
         group = self.grid.group("cp")
 

@@ -1,4 +1,4 @@
-"""How :class:`~shardline.plugins.strategy.HybridParallelStrategy` runs pp > 1 under DeepSpeed and Lightning.
+"""How :class:`~shardline.plugins.lightning.strategy.HybridParallelStrategy` runs pp > 1 under DeepSpeed and Lightning.
 
 The LightningModule contract for pp > 1 (checked at setup, with an error that says what to add):
 
@@ -93,7 +93,7 @@ def _require(module: Any) -> None:
             f"{type(module).__name__} cannot run with pp > 1: add {', '.join(missing)} to it — "
             "pipeline_layers() -> list[nn.Module] (the model's layers in order, each one tensor in and out) and "
             "pipeline_loss(output, targets) -> Tensor (mean loss of a micro-batch); see "
-            "shardline.plugins.pipeline_driver")
+            "shardline.plugins.lightning.pipeline_driver")
 
 
 def _replace_layers(module: nn.Module, keep: set[int], layers: list[nn.Module]) -> None:

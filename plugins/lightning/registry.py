@@ -70,7 +70,7 @@ def register_strategies(registry=None) -> list[str]:
 
 def make_strategy(**kwargs):
     """The registry's factory. It imports the strategy module only when a name is used: registration runs while
-    Lightning itself is being imported, possibly from inside ``shardline.plugins.strategy``'s own imports."""
-    from shardline.plugins.strategy import HybridParallelStrategy
+    Lightning itself is being imported, possibly from inside ``shardline.plugins.lightning.strategy``'s own imports."""
+    from shardline.plugins.lightning.strategy import HybridParallelStrategy
 
     return HybridParallelStrategy(**kwargs)

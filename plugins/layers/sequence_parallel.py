@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from shardline.plugins.errors import LayoutError
-from shardline.plugins.sp_ring import ring_attention_impl
-from shardline.plugins.tp_comm import all_gather, group_rank, group_size
+from shardline.plugins.layers.sp_ring import ring_attention_impl
+from shardline.plugins.layers.tp_comm import all_gather, group_rank, group_size
 from shardline.profiling.annotations import comm_name
 
 __all__ = [
@@ -228,7 +228,7 @@ def ring_attention(q, k, v, *, group, causal: bool = True, scale: float | None =
     ``[b, h, s/n, d]`` equal to ``softmax(q K^T * scale + mask) V`` over the whole sequence, ``scale`` defaulting
     to ``1/sqrt(d)``. Forward: K/V blocks travel around the ring (isend/irecv overlapping the local block's
     compute), partial results merge by the log-sum-exp rule. Backward: its own ring, dK/dV travelling with
-    their blocks back to the owner. Per-rank memory is O(s/n); the math is in :mod:`shardline.plugins.sp_ring`.
+    their blocks back to the owner. Per-rank memory is O(s/n); the math is in :mod:`shardline.plugins.layers.sp_ring`.
     """
     check_attention_inputs(q, k, v)
     n = group_size(group)

@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel layers, built on the conjugate collectives of :mod:`shardline.plugins.tp_comm`.
+"""Megatron-style tensor-parallel layers, built on the conjugate collectives of :mod:`shardline.plugins.layers.tp_comm`.
 
 Partitions (``n`` = TP group size, ``r`` = this rank's index in it; chunks are contiguous, in rank order):
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.plugins.errors import LayoutError
-from shardline.plugins.tp_comm import (
+from shardline.plugins.layers.tp_comm import (
     all_reduce,
     check_divisible,
     copy_to_tp,
@@ -44,7 +44,7 @@ from shardline.plugins.tp_comm import (
     reduce_scatter_to_sequence,
     split_to_tp,
 )
-from shardline.plugins.tp_vocab import (
+from shardline.plugins.layers.tp_vocab import (
     VocabParallelEmbedding,
     pad_vocab,
     vocab_parallel_cross_entropy,

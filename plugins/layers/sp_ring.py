@@ -1,4 +1,4 @@
-"""Ring attention: the autograd Function behind :func:`shardline.plugins.sequence_parallel.ring_attention`.
+"""Ring attention: the autograd Function behind :func:`shardline.plugins.layers.sequence_parallel.ring_attention`.
 
 Math. For one query row ``i`` and a key block ``B``: ``s_ij = scale * q_i . k_j``, block log-sum-exp
 ``l_B = log sum_{j in B, visible} exp(s_ij)`` and block output ``o_B = sum_j exp(s_ij - l_B) v_j``. Blocks merge
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardline.plugins.tp_comm import group_rank, group_size
+from shardline.plugins.layers.tp_comm import group_rank, group_size
 from shardline.profiling.annotations import comm_name
 
 _KV_TAG, _GRAD_TAG = 11, 12  # distinct tags for the two streams (gloo matches by tag; NCCL by order)
