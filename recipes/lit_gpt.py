@@ -1,12 +1,11 @@
 """The LightningModule of the main job: the reference GPT under any shardline layout.
 
 It meets the strategy's contract: the model is built in ``configure_model()`` from the strategy's grid (dense
-when the strategy is not shardline's), ``training_step`` returns the replica's mean loss. Two layout details
-live here because they are properties of the loss, not of the optimizer:
+when the strategy is not shardline's), ``training_step`` returns the replica's mean loss. Gradient
+synchronisation is not the module's business: the strategy installs the Megatron-SP sums, tied-weight sums and
+DeepSpeed's norm flags from the parameters' declared roles. One layout detail lives here because it is a
+property of the loss, not of the optimizer:
 
-* Megatron-SP: replicated parameters fed sequence-sharded activations get their gradient summed over TP by a
-  tensor hook, i.e. during backward and before any ZeRO bucket sees it (ZeRO-2/3 reduce while backward runs,
-  so summing after backward would be too late).
 * CP: ``GPT.loss`` is the global mean and each CP rank's gradient is its share of it, so the replica's gradient
   is the sum over CP. DeepSpeed given ``mpu=grid.mpu`` divides the ``dp x cp`` reduction by ``dp x cp / cp``,
   i.e. sums over CP and averages over DP: exactly that, with no loss scaling. (The parity tests use SGD, which,
@@ -19,9 +18,6 @@ import pytorch_lightning as pl
 import torch
 
 from shardline.plugins.errors import ContractError
-from shardline.plugins.grid import SPMode
-from shardline.plugins.layers.tensor_parallel import sequence_parallel_parameters
-from shardline.plugins.layers.tp_comm import all_reduce
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.models.gpt import GPT, GPTConfig
 
@@ -53,10 +49,6 @@ class GPTModule(pl.LightningModule):
         if checkpointing and not config.activation_checkpointing:
             config = GPTConfig(**{**config.__dict__, "activation_checkpointing": True})
         self.gpt = GPT(config, grid=grid, seed=self.hparams.seed)
-        if grid is not None and grid.dims.sp is SPMode.MEGATRON:
-            group = grid.group("tp")
-            for param in sequence_parallel_parameters(self.gpt):
-                param.register_hook(lambda grad, group=group: all_reduce(grad, group=group))
 
     # The pipeline contract (pp > 1): the layers in order and the loss of one micro-batch.
     def pipeline_layers(self):

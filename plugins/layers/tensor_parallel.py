@@ -16,11 +16,10 @@ global RNG when None) in float32, then keeps its slice and casts to ``dtype``. T
 therefore the same at every TP degree, so with the same seed the shards of a TP=k model are exactly the slices of
 the dense model's weights (the price: each rank briefly materialises one full weight on the CPU at construction).
 
-Parameter attributes, read by DeepSpeed's gradient-norm de-duplication and by :func:`allreduce_sequence_parallel_grads`:
-
-- ``tensor_model_parallel`` (bool) and ``partition_dim`` (int): the parameter is a shard along that dim.
-- ``sequence_parallel`` (bool): the parameter is replicated over TP but fed sequence-sharded activations
-  (Megatron-SP); each rank's gradient covers only its tokens, so gradients must be summed over the TP group.
+Every parameter declares its role (:mod:`shardline.plugins.layers.roles`): weights and the column-parallel bias are
+``SHARDED`` along the dim they are split on; the row-parallel bias is ``REPLICATED``, or ``SEQUENCE_REPLICATED``
+under Megatron-SP (each rank's gradient then covers only its tokens and must be summed over the TP group: the
+strategy installs that sum; :func:`allreduce_sequence_parallel_grads` does it by hand outside the strategy).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.plugins.errors import LayoutError
+from shardline.plugins.layers.roles import ParamRole, RoleKind, declare, parameters_with
 from shardline.plugins.layers.tp_comm import (
     all_reduce,
     check_divisible,
@@ -64,19 +64,10 @@ __all__ = [
     "gather_from_tp",
     "gather_from_sequence",
     "reduce_scatter_to_sequence",
-    "mark_parallel",
     "allreduce_sequence_parallel_grads",
     "sequence_parallel_parameters",
 ]
 
-
-
-def mark_parallel(param: nn.Parameter, *, partition_dim: int | None = None, sequence_parallel: bool = False):
-    """Set the attributes DeepSpeed and our gradient sync read: a shard along ``partition_dim`` (None: replicated)."""
-    param.tensor_model_parallel = partition_dim is not None
-    param.partition_dim = -1 if partition_dim is None else partition_dim
-    param.sequence_parallel = sequence_parallel
-    return param
 
 
 def _uniform_full(shape, *, bound: float, generator) -> torch.Tensor:
@@ -111,12 +102,10 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and n > 1
         bound = 1.0 / math.sqrt(in_features)
         full_w = _uniform_full((out_features, in_features), bound=bound, generator=generator)
-        self.weight = mark_parallel(_shard(full_w, group=group, dim=0, dtype=dtype, device=device),
-                                    partition_dim=0)
+        self.weight = declare(_shard(full_w, group=group, dim=0, dtype=dtype, device=device), ParamRole.sharded(0))
         if bias:
             full_b = _uniform_full((out_features,), bound=bound, generator=generator)
-            self.bias = mark_parallel(_shard(full_b, group=group, dim=0, dtype=dtype, device=device),
-                                      partition_dim=0)
+            self.bias = declare(_shard(full_b, group=group, dim=0, dtype=dtype, device=device), ParamRole.sharded(0))
         else:
             self.register_parameter("bias", None)
 
@@ -158,12 +147,11 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         bound = 1.0 / math.sqrt(in_features)
         full_w = _uniform_full((out_features, in_features), bound=bound, generator=generator)
-        self.weight = mark_parallel(_shard(full_w, group=group, dim=1, dtype=dtype, device=device),
-                                    partition_dim=1)
+        self.weight = declare(_shard(full_w, group=group, dim=1, dtype=dtype, device=device), ParamRole.sharded(1))
         if bias:
             full_b = _uniform_full((out_features,), bound=bound, generator=generator)
-            self.bias = mark_parallel(_shard(full_b, group=None, dim=0, dtype=dtype, device=device),
-                                      sequence_parallel=self.sequence_parallel)
+            self.bias = declare(_shard(full_b, group=None, dim=0, dtype=dtype, device=device),
+                                ParamRole.replicated(sequence_parallel=self.sequence_parallel))
         else:
             self.register_parameter("bias", None)
 
@@ -183,12 +171,12 @@ class RowParallelLinear(nn.Module):
 
 
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters of ``module`` marked ``sequence_parallel`` (replicated, fed sequence-sharded activations)."""
-    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    """Parameters of ``module`` declared ``SEQUENCE_REPLICATED`` (replicated, fed sequence-sharded activations)."""
+    return parameters_with(module, RoleKind.SEQUENCE_REPLICATED)
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, *, group) -> int:
-    """Sum over ``group`` the gradients of every parameter marked ``sequence_parallel``; returns how many.
+    """Sum over ``group`` the gradients of every ``SEQUENCE_REPLICATED`` parameter; returns how many.
 
     Under Megatron-SP a replicated parameter (LayerNorm weight/bias, RowParallelLinear bias, position embedding)
     sees only this rank's ``s/n`` tokens, so its local gradient is a partial sum; the dense gradient is the sum

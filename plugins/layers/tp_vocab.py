@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.layers.roles import ParamRole, declare
 from shardline.plugins.layers.tp_comm import (
     group_rank,
     group_size,
@@ -48,16 +49,13 @@ def vocab_shard_range(padded_vocab: int, *, group) -> tuple[int, int]:
 def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, init_std: float, generator=None,
                           dtype=None, device=None) -> nn.Parameter:
     """This rank's rows ``[V'/n, d]`` of ``E ~ N(0, init_std^2)`` drawn full ``[V, d]`` in float32 from
-    ``generator``, zero-padded to ``V'`` rows, then sliced (layout-independent). Marked as a dim-0 TP shard."""
+    ``generator``, zero-padded to ``V'`` rows, then sliced (layout-independent). Declared ``SHARDED`` along dim 0."""
     padded = pad_vocab(num_embeddings, tp=group_size(group))
     start, end = vocab_shard_range(padded, group=group)
     full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator) * init_std
     full = F.pad(full, (0, 0, 0, padded - num_embeddings))
     weight = nn.Parameter(full[start:end].to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
-    weight.tensor_model_parallel = True
-    weight.partition_dim = 0
-    weight.sequence_parallel = False
-    return weight
+    return declare(weight, ParamRole.sharded(0))
 
 
 class VocabParallelEmbedding(nn.Module):

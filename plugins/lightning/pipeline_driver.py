@@ -34,6 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.lightning.deepspeed_compat import (
+    Zero3PipelineSteps,
+    accumulated_gradient,
+    set_norm_flags,
+)
 from shardline.plugins.pipeline.engine import PipelineEngine, PipelineHooks
 from shardline.plugins.pipeline.forward_only import forward_only
 from shardline.plugins.pipeline.partition import build_stages, partition_layers, sync_tied_grads
@@ -124,26 +129,13 @@ class PipelineDriver:
         self.local = {s: stages[s] for s in range(self.rank, self.n_stages, self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
         self.tied = self._tied_parameters(layers, bounds, keep)
-        if self.rank == self.p - 1:
-            # The tied weight's (summed) gradient lives on both ends; DeepSpeed's gradient norm (clipping) must
-            # count it once, so the last stage's copy is marked as a pipeline replica, which the norm skips.
-            for param in self.tied:
-                param.ds_pipe_replicated = True
-        self._count_replicated_in_norm(strategy.grid, keep, layers)
+        hosted = list({id(p): p for i in keep for p in layers[i].parameters()}.values())
+        set_norm_flags(hosted, tp_rank=strategy.grid.rank("tp"), first_stage=self.rank == 0,
+                       last_stage=self.rank == self.p - 1, tied={id(p) for p in self.tied})
         _replace_layers(module, keep, layers)
         object.__setattr__(module, "_shardline_run_stage", lambda x, s: self.local[s](x))
         self._engines: dict[int, PipelineEngine] = {}
-
-    def _count_replicated_in_norm(self, grid, keep, layers) -> None:
-        """ZeRO-0 and ZeRO-3 count a parameter that is not TP-sharded only on model-parallel rank 0 (tp x pp), i.e.
-        only on the first stage. On the later stages, TP rank 0's copies of such parameters are marked
-        ``model_parallel`` so the norm counts every stage's replicated parameters exactly once."""
-        if self.rank == 0 or grid.rank("tp") != 0:
-            return
-        for index in keep:
-            for param in layers[index].parameters():
-                if not getattr(param, "tensor_model_parallel", False):
-                    param.model_parallel = True
+        self._z3: Zero3PipelineSteps | None = None
 
     def _tied_parameters(self, layers, bounds, keep) -> list[nn.Parameter]:
         """Parameters used by layers on two different pipeline ranks (must be first and last rank)."""
@@ -209,26 +201,13 @@ class PipelineDriver:
         self._end_zero3_step()
         return loss
 
-    # ZeRO-3's parameter coordinator assumes one forward of the whole model per step, the same on every rank:
-    # a pre-hook on the top module closes the step and checks, by a world-wide broadcast, that every rank
-    # recorded the same module order. Under a pipeline each micro-batch runs one stage's forward, at different
-    # times on different ranks, with different modules: that check deadlocks. We drop the hook, keep the
-    # coordinator in its no-trace mode (it fetches each module's parameters on demand, without prefetch), and
-    # close its step ourselves once per batch, on every rank at the same point.
     def _adapt_zero3(self) -> None:
-        if self.strategy.zero_stage != 3 or getattr(self, "_z3", None) is not None:
-            return
-        offload = self.strategy.deepspeed_engine.optimizer.parameter_offload
-        offload.fwd_pre_hook.remove()
-        self._z3 = offload.get_param_coordinator()
+        if self.strategy.zero_stage == 3 and self._z3 is None:
+            self._z3 = Zero3PipelineSteps(self.strategy.deepspeed_engine)
 
     def _end_zero3_step(self) -> None:
-        coordinator = getattr(self, "_z3", None)
-        if coordinator is None:
-            return
-        coordinator.reset_step()
-        if not coordinator.is_invalid_trace():
-            coordinator._invalidate_trace()
+        if self._z3 is not None:
+            self._z3.end_batch()
 
 
 class _TiedSync(PipelineHooks):
@@ -240,10 +219,9 @@ class _TiedSync(PipelineHooks):
         if group is None or not self.driver.tied:
             return
         for param in self.driver.tied:
-            # ZeRO-1 moves each backward's gradient into ``grad_accum`` (its accumulation buffer); sum that one.
-            accum = getattr(param, "grad_accum", None)
-            if accum is not None:
-                with torch.profiler.record_function(comm_name("embed", "all_reduce")):
-                    dist.all_reduce(accum, op=dist.ReduceOp.SUM, group=group)
-            else:
-                sync_tied_grads([param], group=group)
+            grad = accumulated_gradient(param)
+            if grad is None:
+                sync_tied_grads([param], group=group)  # a missing gradient counts as zero
+                continue
+            with torch.profiler.record_function(comm_name("embed", "all_reduce")):
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)

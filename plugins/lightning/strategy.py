@@ -13,7 +13,8 @@ precision and the optimizer/backward plumbing):
 
 The LightningModule contract: build the model in ``configure_model()`` (``self.trainer.strategy.grid`` is
 ready by then) from shardline's layers or ``shardline.plugins.models.gpt.GPT``, and return the (replica-global) mean
-loss from ``training_step``.
+loss from ``training_step``. Gradient synchronisations are the strategy's: at setup it installs every one the
+parameters' declared roles imply (:mod:`shardline.plugins.layers.roles`), so the module adds none itself.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
+from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
+from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
 from shardline.plugins.lightning.zero import Offload, derive_config, load_user_config, parse_offload
 
 log = logging.getLogger(__name__)
@@ -137,6 +140,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         return {"num_replicas": self.grid.size("dp"), "rank": self.grid.rank("dp")}
 
     def setup(self, trainer) -> None:
+        self._install_gradient_syncs()
         if self.degrees["pp"] > 1:
             from shardline.plugins.lightning.pipeline_driver import PipelineDriver
 
@@ -153,6 +157,18 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                               stacklevel=2)
             module.optimizer_zero_grad = _keep_pipeline_gradients
         super().setup(trainer)
+
+    def _install_gradient_syncs(self) -> None:
+        """Every gradient synchronisation the parameters' declared roles imply (``layers.roles``), so any module
+        built from shardline's layers is correct by construction: Megatron-SP's sum over TP of
+        sequence-replicated gradients (a hook, during backward, before ZeRO reduces over DP) and DeepSpeed's
+        gradient-norm flags. Under pp > 1 the pipeline driver sets the norm flags of the stages it keeps and
+        installs the tied-weight sum."""
+        module = self.lightning_module
+        sum_sequence_parallel_gradients(module, group=self.grid.group("tp"))
+        if self.degrees["pp"] == 1:
+            set_norm_flags(list(module.parameters()), tp_rank=self.grid.rank("tp"), first_stage=True,
+                           last_stage=True)
 
     @contextlib.contextmanager
     def model_sharded_context(self):

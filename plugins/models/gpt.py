@@ -32,8 +32,10 @@ of the global mean with respect to that rank's own tokens only, so the dense gra
 given ``mpu=grid.mpu`` does exactly that without help: it all-reduces over ``dp_cp`` and divides by
 ``dp_cp_size / sequence_parallel_size = dp`` (the mpu reports cp as its sequence-parallel size), i.e. sums over CP
 and averages over DP. An engine that instead *averages* over all ``dp * cp`` ranks must be given ``loss * cp``
-(Megatron's rule). Under Megatron-SP, replicated parameters need :meth:`GPT.allreduce_sequence_parallel_grads`
-(a sum over TP, which no data-parallel engine does) before the data-parallel reduction.
+(Megatron's rule). Under Megatron-SP, replicated parameters are declared ``SEQUENCE_REPLICATED``
+(:mod:`shardline.plugins.layers.roles`): their gradients need a sum over TP, which no data-parallel engine does,
+before the data-parallel reduction. The strategy installs it from the roles; outside the strategy call
+:meth:`GPT.allreduce_sequence_parallel_grads` after backward.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import SPMode
+from shardline.plugins.layers.roles import LayerNorm, ParamRole, declare
 from shardline.plugins.layers.sequence_parallel import (
     SequenceLayout,
     local_positions,
@@ -59,7 +62,6 @@ from shardline.plugins.layers.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
-    mark_parallel,
     vocab_parallel_cross_entropy,
     vocab_parallel_weight,
 )
@@ -134,10 +136,9 @@ class SPContext:
 
 
 def _layer_norm(config: GPTConfig, ctx: SPContext, dtype, device) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, dtype=dtype, device=device)
-    for p in norm.parameters():  # replicated; under Megatron-SP each rank sees only its tokens
-        mark_parallel(p, sequence_parallel=ctx.megatron)
-    return norm
+    # Replicated; under Megatron-SP each rank sees only its tokens (the role says so; the strategy sums).
+    return LayerNorm(config.d_model, sequence_parallel=ctx.megatron, eps=config.layer_norm_eps, dtype=dtype,
+                     device=device)
 
 
 class GPTEmbedding(nn.Module):
@@ -154,8 +155,8 @@ class GPTEmbedding(nn.Module):
                                           sequence_parallel=ctx.megatron, init_std=config.init_std,
                                           generator=generator, dtype=dtype, device=device)
         wpe = torch.randn((config.seq_len, config.d_model), generator=generator) * config.init_std
-        self.wpe = mark_parallel(nn.Parameter(wpe.to(dtype=dtype or torch.get_default_dtype(), device=device)),
-                                 sequence_parallel=ctx.megatron)
+        self.wpe = declare(nn.Parameter(wpe.to(dtype=dtype or torch.get_default_dtype(), device=device)),
+                           ParamRole.replicated(sequence_parallel=ctx.megatron))
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

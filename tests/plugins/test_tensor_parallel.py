@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
+from shardline.plugins.layers.roles import declare_module
 from shardline.plugins.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,7 +22,6 @@ from shardline.plugins.layers.tensor_parallel import (
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
-    mark_parallel,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     split_to_tp,
@@ -256,8 +256,7 @@ def _sp_stack(group):
     with torch.no_grad():
         ln.weight.copy_(1 + _rand(11, IN) / 4)
         ln.bias.copy_(_rand(12, IN))
-    for p in ln.parameters():
-        mark_parallel(p, sequence_parallel=group is not None)
+    declare_module(ln, sequence_parallel=group is not None)
     gen = torch.Generator().manual_seed(SEED)
     col = ColumnParallelLinear(IN, OUT, group=group, sequence_parallel=True, generator=gen, dtype=F64)
     row = RowParallelLinear(OUT, IN, group=group, sequence_parallel=True, generator=gen, dtype=F64)
