@@ -26,6 +26,7 @@ pipelining, which DeepSpeed's own PipelineEngine forbids.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -40,9 +41,8 @@ from shardline.plugins.lightning.deepspeed_compat import (
     set_norm_flags,
 )
 from shardline.plugins.pipeline.engine import PipelineEngine, PipelineHooks
-from shardline.plugins.pipeline.forward_only import forward_only
 from shardline.plugins.pipeline.partition import build_stages, partition_layers, sync_tied_grads
-from shardline.plugins.pipeline.schedule import build_schedule
+from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
 from shardline.profiling.annotations import comm_name
 
 #: ``micro_batches=None`` picks the smallest m dividing the batch with a bubble (p-1)/(v*m+p-1) under this.
@@ -175,17 +175,24 @@ class PipelineDriver:
 
     # --- per batch ------------------------------------------------------------------------------------------
 
-    def engine_for(self, batch_size: int) -> PipelineEngine:
+    def engine_for(self, batch_size: int, *, evaluate: bool = False) -> PipelineEngine:
+        """The engine for a batch of ``batch_size``: the training schedule, or with ``evaluate`` the
+        forward-only schedule (its micro-batch count divides the batch: any count works for it)."""
         m = self.strategy.micro_batches or default_microbatches(batch_size, p=self.p, v=self.v)
-        if m not in self._engines:
-            schedule = build_schedule(self.strategy.schedule, n_ranks=self.p, n_microbatches=m, n_chunks=self.v)
+        if evaluate:
+            m = math.gcd(m, batch_size)
+        key = ("evaluate" if evaluate else "train", m)
+        if key not in self._engines:
+            kind = ScheduleKind.FORWARD_ONLY if evaluate else self.strategy.schedule
+            schedule = build_schedule(kind, n_ranks=self.p, n_microbatches=m, n_chunks=self.v)
             grid = self.strategy.grid
-            self._engines[m] = PipelineEngine(
+            self._engines[key] = PipelineEngine(
                 {s: _StageCall(self, s) for s in self.local}, schedule=schedule, pp_rank=self.rank,
                 loss_fn=self.module.pipeline_loss, group=grid.group("pp"),
                 meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
-                hooks=_TiedSync(self), backward=self.backward, annotations=self.strategy.pipeline_annotations)
-        return self._engines[m]
+                hooks=None if evaluate else _TiedSync(self), backward=self.backward,
+                annotations=self.strategy.pipeline_annotations)
+        return self._engines[key]
 
     def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self._adapt_zero3()
@@ -194,10 +201,10 @@ class PipelineDriver:
         return loss
 
     def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's loss on every pipeline rank, from the forward-only schedule on the same engine."""
         self._adapt_zero3()
-        loss = forward_only(self.local, n_stages=self.n_stages, pp_rank=self.rank,
-                            group=self.strategy.grid.group("pp"), loss_fn=self.module.pipeline_loss,
-                            inputs=inputs, targets=targets, device=self.strategy.root_device)
+        with torch.no_grad():
+            loss = self.engine_for(inputs.shape[0], evaluate=True).run_batch(inputs, targets)
         self._end_zero3_step()
         return loss
 

@@ -39,7 +39,7 @@ _LAZY = {
     "PartitionMethod": "partition",
     "build_stages": "partition",
     "TiedWeight": "partition",
-    "forward_only": "forward_only",
+    "forward_only": "schedule",
     "sync_tied_grads": "partition",
 }
 

@@ -192,6 +192,11 @@ class Schedule:
         object.__setattr__(self, "actions", actions)
 
     @property
+    def forward_only(self) -> bool:
+        """No backward (or weight) action anywhere: an evaluation schedule (forwards and their transfers)."""
+        return not any(a.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT) for prog in self.actions for a in prog)
+
+    @property
     def n_chunks(self) -> int:
         """Stages per rank (``v``)."""
         return self.n_stages // self.n_ranks

@@ -7,7 +7,8 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
 
 - ``F`` on stage 0 reads micro-batch ``i`` of ``inputs``; on a later stage it reads the activation received by
   ``RA`` (or handed over locally when the previous stage is on this rank). The last stage applies
-  ``loss_fn(output, targets_i)``.
+  ``loss_fn(output, targets_i)``. A forward-only schedule (``schedule.forward_only``: evaluation) keeps each
+  output only until it is sent or handed over, and no input; run it under ``torch.no_grad()``.
 - ``B`` back-propagates: on the last stage from ``loss_i / m`` (``LossReduction.MEAN``: the loss is a mean over
   the micro-batch, so ``sum_i grad(loss_i / m) = grad(mean over the batch)``) or ``loss_i`` (``SUM``), elsewhere
   from the gradient received by ``RG``. The stage's input, output and graph are dropped right after, so the
@@ -334,10 +335,11 @@ class PipelineEngine:
 
     def _forward(self, s: int, mb: int) -> None:
         st = self._state
+        evaluating = self.schedule.forward_only
         if s == 0:
             x = self._micro_in[mb]
         elif (s - 1) in self.stages:  # local hand-over (one rank hosting neighbouring stages)
-            x = st["output"][(s - 1, mb)].detach().requires_grad_()
+            x = st["output"].pop((s - 1, mb)) if evaluating else st["output"][(s - 1, mb)].detach().requires_grad_()
         else:
             x = st["recv"].pop((s, mb))
         self.hooks.before_forward(stage=s, microbatch=mb)
@@ -346,7 +348,10 @@ class PipelineEngine:
             loss = self.loss_fn(out, self._micro_tgt[mb])
             self._losses.append(loss.detach())
             out = loss / self.schedule.n_microbatches if self.loss_reduction is LossReduction.MEAN else loss
-        st["input"][(s, mb)], st["output"][(s, mb)] = x, out
+        if not evaluating:
+            st["input"][(s, mb)] = x
+        if not (evaluating and s == self._last_stage):  # an evaluation keeps an output only until it is sent
+            st["output"][(s, mb)] = out
         meta = st["meta_out"].setdefault(s, (out.shape, out.dtype, out.device))
         if meta[0] != out.shape or meta[1] != out.dtype:
             raise ContractError(f"stage {s} output {tuple(out.shape)} {out.dtype} for micro-batch {mb}, but "
@@ -457,7 +462,11 @@ class PipelineEngine:
     def _send_buffer(self, st: Step) -> torch.Tensor:
         """The tensor a send reads."""
         if st.kind is ActionKind.SEND_ACT:
-            return self._state["output"][(st.stage, st.microbatch)].detach().contiguous()
+            outputs = self._state["output"]
+            key = (st.stage, st.microbatch)
+            # A forward-only schedule has no backward to keep it for: the pending send holds the buffer.
+            out = outputs.pop(key) if self.schedule.forward_only else outputs[key]
+            return out.detach().contiguous()
         return self._state["grad"].pop((st.stage, st.microbatch)).contiguous()
 
     def _recv_buffer(self, st: Step, required: bool) -> torch.Tensor | None:

@@ -23,6 +23,9 @@ With ``p`` ranks and ``m`` micro-batches (unit costs F = B = 1, no communication
   when each chunk action costs 1, so the bubble is ``(p - 1) / (v m + p - 1)``. Requires ``m % p == 0``:
   the group structure is what keeps a rank's next forward input ready, and a ragged last group would need a
   different warm-up per group (not implemented; the error says so).
+- ``forward_only`` (evaluation): every rank runs the forwards of its stages, micro-batch by micro-batch, with
+  the transfers between them and no backward. Validation, prediction and a model's
+  evaluation loss run on the same engine as training, with the same transport and shape headers.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from shardline.plugins.pipeline.render import render, render_png, render_text
 from shardline.plugins.pipeline.simulate import SimulationResult, Timed, simulate, validate
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "SimulationResult", "Timed", "build_schedule",
-           "gpipe", "interleaved_one_f_one_b", "lower", "one_f_one_b", "parse_action", "render", "render_png",
+           "forward_only", "gpipe", "interleaved_one_f_one_b", "lower", "one_f_one_b", "parse_action", "render", "render_png",
            "render_text", "simulate", "validate"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -48,6 +51,7 @@ class ScheduleKind(str, enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    FORWARD_ONLY = "forward_only"
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -167,6 +171,17 @@ def _megatron_program(fwd: list[Action], bwd: list[Action], *, warmup: int, n_ra
     return program
 
 
+def forward_only(n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:
+    """Evaluation: rank ``r`` runs ``F(c p + r, i)`` for every micro-batch ``i`` and chunk ``c`` in that order.
+    With one chunk that is GPipe's forward phase (makespan ``m + p - 1`` at unit cost). With ``v > 1`` chunks a
+    micro-batch finishes its pass before the next starts on a rank: the chunk-by-chunk order (all micro-batches
+    through chunk 0 first) deadlocks under rendezvous point-to-point, which ``validate`` proves."""
+    _check_sizes(n_ranks=n_ranks, n_microbatches=n_microbatches, n_chunks=n_chunks)
+    p, m, v = n_ranks, n_microbatches, n_chunks
+    compute = [[Action(F, c * p + r, i) for i in range(m) for c in range(v)] for r in range(p)]
+    return lower(compute, n_stages=p * v, n_microbatches=m, name=ScheduleKind.FORWARD_ONLY.value)
+
+
 def build_schedule(kind: ScheduleKind | str, *, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:
     """One entry point over the generators (``kind`` as the enum or its value)."""
     try:
@@ -176,6 +191,8 @@ def build_schedule(kind: ScheduleKind | str, *, n_ranks: int, n_microbatches: in
                             f"{[k.value for k in ScheduleKind]}") from None
     if kind is ScheduleKind.INTERLEAVED:
         return interleaved_one_f_one_b(n_ranks, n_microbatches, n_chunks)
+    if kind is ScheduleKind.FORWARD_ONLY:
+        return forward_only(n_ranks, n_microbatches, n_chunks)
     if n_chunks != 1:
         raise ScheduleError(f"schedule {kind.value!r} has one chunk per rank; got n_chunks={n_chunks}")
     return (gpipe if kind is ScheduleKind.GPIPE else one_f_one_b)(n_ranks, n_microbatches)

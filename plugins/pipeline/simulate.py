@@ -82,6 +82,11 @@ def _check_counts(schedule: Schedule) -> None:
 
 def _check_compute_order(schedule, rank, stage, mb, position, uses_w) -> None:
     f, b, w = (position.get(Action(k, stage, mb)) for k in (F, B, W))
+    if schedule.forward_only:  # an evaluation schedule: exactly one forward per (stage, micro-batch)
+        if f is None:
+            raise ScheduleError(f"rank {rank}: stage {stage} micro-batch {mb} lacks {Action(F, stage, mb)} "
+                                "(a forward-only schedule needs exactly one forward per (stage, micro-batch))")
+        return
     if f is None or b is None or (uses_w and w is None):
         missing = [str(Action(k, stage, mb)) for k, s in ((F, f), (B, b), (W, w)) if s is None
                    and (k is not W or uses_w)]
@@ -98,11 +103,13 @@ def _check_compute_order(schedule, rank, stage, mb, position, uses_w) -> None:
 def _check_dataflow(schedule, rank, stage, mb, position) -> None:
     """The receive feeding a compute comes before it, the send of its result after it; local edges need none."""
     last = schedule.n_stages - 1
-    f, b = position[Action(F, stage, mb)], position[Action(B, stage, mb)]
+    f = position[Action(F, stage, mb)]
     edges = [(ActionKind.RECV_ACT, stage > 0, f, "before", "forward"),
-             (ActionKind.SEND_ACT, stage < last, f, "after", "forward"),
-             (ActionKind.RECV_GRAD, stage < last, b, "before", "backward"),
-             (ActionKind.SEND_GRAD, stage > 0, b, "after", "backward")]
+             (ActionKind.SEND_ACT, stage < last, f, "after", "forward")]
+    if not schedule.forward_only:
+        b = position[Action(B, stage, mb)]
+        edges += [(ActionKind.RECV_GRAD, stage < last, b, "before", "backward"),
+                  (ActionKind.SEND_GRAD, stage > 0, b, "after", "backward")]
     for kind, has_peer, anchor, where, what in edges:
         action = Action(kind, stage, mb)
         remote = has_peer and schedule.rank_of_stage(action.peer_stage) != rank
@@ -189,7 +196,8 @@ def validate(schedule: Schedule) -> Schedule:
     """Prove ``schedule`` sound or raise :class:`ScheduleError` naming the rank, step and actions; returns it.
 
     Checks: every (stage, micro-batch) has exactly one F before its B on the rank hosting the stage (and, if
-    the schedule splits backward, one W after its B); every remote data edge has its recv before the consuming
+    the schedule splits backward, one W after its B; a forward-only schedule has exactly one F and nothing
+    else); every remote data edge has its recv before the consuming
     compute and its send after the producing one; on each ordered pair of ranks the sends and recvs meet in the
     same order; and executing it with blocking (rendezvous) point-to-point terminates.
     """

@@ -18,7 +18,14 @@ from shardline.plugins.pipeline.partition import (
     partition_layers,
     stages_of_rank,
 )
-from shardline.plugins.pipeline.schedule import Schedule, build_schedule, gpipe, one_f_one_b, simulate
+from shardline.plugins.pipeline.schedule import (
+    Schedule,
+    build_schedule,
+    gpipe,
+    one_f_one_b,
+    simulate,
+    validate,
+)
 from shardline.plugins.testing import run_ranks
 from shardline.profiling.annotations import pp_action_name, pp_batch_name
 
@@ -452,3 +459,51 @@ def test_a_parameter_free_stage_declares_its_device():
     engine.stages = {0: Wrapper(), 1: torch.nn.Linear(2, 2)}
     assert engine._device_of(0) == torch.device("meta")
     assert engine._device_of(1) == torch.device("cpu")
+
+
+def _run_forward_only(rank, world, m, v, seqs, transport):
+    n_stages = world * v
+    layers = make_layers(n_stages, shared_head=False)
+    partition, _ = _my_layers(layers, n_stages, rank, world)
+    stages = stages_of_rank(build_stages(layers, partition), rank=rank, n_ranks=world)
+    engine = PipelineEngine(stages, schedule=build_schedule("forward_only", n_ranks=world, n_microbatches=m,
+                                                            n_chunks=v), pp_rank=rank, loss_fn=loss_fn)
+    if transport == "coalesced":
+        engine._links = None
+    out = []
+    with torch.no_grad():
+        for index, seq in enumerate(seqs):
+            out.append((engine.run_batch(*make_batch(seq, index)), engine.stats.peak_in_flight))
+    return out, [p.grad for p in layers.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize(("world", "m", "v", "transport"), [
+    (2, 1, 1, "gloo"), (2, 4, 1, "gloo"), (4, 8, 1, "gloo"), (2, 4, 2, "gloo"), (4, 4, 2, "gloo"),
+    (1, 2, 2, "gloo"), (2, 4, 1, "coalesced"), (4, 4, 2, "coalesced"),
+])
+def test_forward_only_schedule_on_the_engine_gives_the_whole_model_loss(world, m, v, transport):
+    # Evaluation is a schedule (F actions and their transfers) on the training engine: same transport, same
+    # shape headers (the sequence length changes between batches), the loss on every rank, no gradient.
+    seqs = (5, 3, 5)
+    results = run_ranks(_run_forward_only, world, m, v, seqs, transport, timeout=60)
+    expected = reference(world * v, seqs)
+    for rank, (losses, grads) in enumerate(results):
+        assert grads == []
+        for batch, (loss, peak) in enumerate(losses):
+            torch.testing.assert_close(loss, expected[batch][0])  # float64 behind micro-batch means: defaults
+            # an output is held only until it is sent or handed over: at most one per local stage
+            assert peak <= v, (rank, batch, peak)
+
+
+def test_forward_only_schedule_validates_and_has_gpipe_forward_makespan():
+    for p, m in ((2, 1), (2, 4), (4, 8), (3, 5)):
+        schedule = build_schedule("forward_only", n_ranks=p, n_microbatches=m)
+        assert schedule.forward_only and not build_schedule("1f1b", n_ranks=p, n_microbatches=m).forward_only
+        assert simulate(schedule).makespan == m + p - 1  # unit cost: GPipe's forward phase
+    chunked = build_schedule("forward_only", n_ranks=2, n_microbatches=4, n_chunks=2)
+    assert [a.token(with_stage=True) for a in chunked[0] if a.kind.is_compute][:3] == ["F0@0", "F0@2", "F1@0"]
+    # A forward-only program missing micro-batch 1's forward is refused, naming it.
+    broken = Schedule([[a for a in build_schedule("forward_only", n_ranks=1, n_microbatches=2)[0]
+                        if a.microbatch == 0]], n_stages=1, n_microbatches=2, name="broken")
+    with pytest.raises(ScheduleError, match=r"stage 0 micro-batch 1 lacks \['F1'\]|lacks F"):
+        validate(broken)
