@@ -71,7 +71,7 @@ class Meter(pl.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.ends.append(time.perf_counter())
-        pipeline = trainer.strategy.pipeline
+        pipeline = trainer.strategy.pipeline_driver
         if pipeline is None:
             self.losses.append(module.last_loss.item())
         else:
@@ -193,7 +193,7 @@ def main() -> str:
         "|---|---|---:|---|---:|---|---:|",
         *rows,
         "",
-        "Measured bubble: the pipeline engine's own per-action timing (`trainer.strategy.pipeline` -> its "
+        "Measured bubble: the pipeline engine's own per-action timing (`trainer.strategy.pipeline_driver` -> its "
         "`PipelineEngine.stats`, `1 - (F+B time) / batch window`) per rank and step; it counts every non-compute "
         "moment, including waits for a core that another rank holds. Closed form: (p-1)/(m+p-1). pp2 x dp2 x "
         "zero2 runs untied embeddings (ZeRO-2 with a weight tied across the first and last stage is refused), "

@@ -1,7 +1,10 @@
 """The LightningModule of the main job: the reference GPT under any shardline layout.
 
-It meets the strategy's contract: the model is built in ``configure_model()`` from the strategy's grid (dense
-when the strategy is not shardline's), ``training_step`` returns the replica's mean loss. Gradient
+It meets the strategy's contract, and is its worked example: the model is built in ``configure_model()`` from the
+strategy's grid (dense when the strategy is not shardline's); ``training_step`` and ``validation_step`` are the
+module's own at every layout (its logging runs under pp > 1 too) and return the replica's mean loss, which under
+pp > 1 comes from ``self.trainer.strategy.pipeline(batch)`` (called once per batch) and otherwise from the model;
+``pipeline_layers``/``pipeline_loss`` describe the model to the pipeline. Gradient
 synchronisation is not the module's business: the strategy installs the Megatron-SP sums, tied-weight sums and
 DeepSpeed's norm flags from the parameters' declared roles. One layout detail lives here because it is a
 property of the loss, not of the optimizer:
@@ -57,17 +60,24 @@ class GPTModule(pl.LightningModule):
     def pipeline_loss(self, output, targets):
         return self.gpt.loss(output, targets)
 
-    def training_step(self, batch, batch_idx):
+    def _loss(self, batch):
+        """The batch loss: through the strategy's pipeline when pp > 1 (``strategy.pipeline`` runs the
+        micro-batches, their backwards too when training), else the model on the whole batch."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, HybridParallelStrategy) and strategy.pipeline_driver is not None:
+            return strategy.pipeline(batch)
         ids, targets = batch
-        loss = self.gpt(ids, targets)
+        return self.gpt(ids, targets)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
         self.last_loss = loss.detach()
-        self.log("train_loss", self.last_loss, prog_bar=True, sync_dist=True)  # the mean over replicas
+        self.log("train_loss", self.last_loss.float(), prog_bar=True, sync_dist=True)  # the mean over replicas
         return loss
 
     def validation_step(self, batch, batch_idx):
-        ids, targets = batch
-        loss = self.gpt(ids, targets)
-        self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True)  # the mean over replicas
+        loss = self._loss(batch)
+        self.log("val_loss", loss.detach().float(), prog_bar=True, sync_dist=True)  # the mean over replicas
         return loss
 
     def configure_optimizers(self):

@@ -133,7 +133,7 @@ class PipelineDriver:
         set_norm_flags(hosted, tp_rank=strategy.grid.rank("tp"), first_stage=self.rank == 0,
                        last_stage=self.rank == self.p - 1, tied={id(p) for p in self.tied})
         _replace_layers(module, keep, layers)
-        object.__setattr__(module, "_shardline_run_stage", lambda x, s: self.local[s](x))
+        self.micro_losses: list[torch.Tensor] = []
         self._engines: dict[int, PipelineEngine] = {}
         self._z3: Zero3PipelineSteps | None = None
 
@@ -162,9 +162,8 @@ class PipelineDriver:
     # --- per stage ------------------------------------------------------------------------------------------
 
     def run_stage(self, x: torch.Tensor, stage: int) -> torch.Tensor:
-        strategy = self.strategy
-        # Through DeepSpeed's engine: ZeRO-3 gathers, and the backward hooks attach to the output.
-        return strategy._forward_redirection(strategy.model, self.module, "_shardline_run_stage", x, stage)
+        # Through DeepSpeed's engine, which wraps a StageHost: ZeRO-3 gathers, the backward hooks attach.
+        return self.strategy.model(x, stage)
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
         engine = self.strategy.deepspeed_engine
@@ -196,15 +195,19 @@ class PipelineDriver:
 
     def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self._adapt_zero3()
-        loss = self.engine_for(inputs.shape[0]).run_batch(inputs, targets)
+        engine = self.engine_for(inputs.shape[0])
+        loss = engine.run_batch(inputs, targets)
+        self.micro_losses = list(engine.micro_losses)
         self._end_zero3_step()
         return loss
 
     def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's loss on every pipeline rank, from the forward-only schedule on the same engine."""
         self._adapt_zero3()
+        engine = self.engine_for(inputs.shape[0], evaluate=True)
         with torch.no_grad():
-            loss = self.engine_for(inputs.shape[0], evaluate=True).run_batch(inputs, targets)
+            loss = engine.run_batch(inputs, targets)
+        self.micro_losses = list(engine.micro_losses)
         self._end_zero3_step()
         return loss
 

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,11 @@ from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
+from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
 from shardline.plugins.lightning.zero import Offload, derive_config, load_user_config, parse_offload
 
 log = logging.getLogger(__name__)
 
-
-def _keep_pipeline_gradients(*args: Any, **kwargs: Any) -> None:
-    """Stands in for LightningModule.optimizer_zero_grad when pp > 1 (see HybridParallelStrategy.setup)."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -95,7 +92,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         super().__init__(config=config, **lightning_kwargs)
         self.grid: Grid | None = None
         self.dims: ParallelDims | None = None
-        self.pipeline = None  # a PipelineDriver when pp > 1, built at setup
+        self.pipeline_driver = None  # a PipelineDriver when pp > 1, built at setup
+        self._pipeline_runs = 0  # strategy.pipeline() calls in the current step (exactly one under pp > 1)
         self.pipeline_meta_group = None
 
     # --- layout ------------------------------------------------------------------------------------------------
@@ -147,15 +145,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             # Backward only accumulates; Lightning's one optimizer step per batch is DeepSpeed's boundary.
             self._check_pipeline_training(trainer)
             self.config["managed_gradient_accumulation"] = False
-            module = self.lightning_module
-            self.pipeline = PipelineDriver(self, module)
-            # Lightning zeroes gradients between training_step and backward; with pp > 1 the backward already ran
-            # inside training_step, so that zeroing would erase it. DeepSpeed zeroes after every optimizer step.
-            if type(module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad:
-                warnings.warn(f"{type(module).__name__}.optimizer_zero_grad is not called with pp > 1: the pipeline "
-                              "runs backward inside training_step and DeepSpeed zeroes gradients after each step",
-                              stacklevel=2)
-            module.optimizer_zero_grad = _keep_pipeline_gradients
+            self.pipeline_driver = PipelineDriver(self, self.lightning_module)
         super().setup(trainer)
 
     def _install_gradient_syncs(self) -> None:
@@ -199,6 +189,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             config["zero_allow_untested_optimizer"] = True
             config["zero_optimization"] = self.config["zero_optimization"]
         remove_module_hooks(model)
+        if self.pipeline_driver is not None:
+            model = StageHost(model, self.pipeline_driver.local)
         self.model, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model, optimizer=None,
             lr_scheduler=None, model_parameters=[], dist_init_required=False, mpu=self.grid.mpu)
@@ -210,6 +202,15 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             raise ContractError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} with pp={p}: the "
                                 "pipeline already accumulates over its micro-batches; raise micro_batches or the "
                                 "batch size instead")
+        hooked = [type(self.lightning_module).__name__] if type(self.lightning_module).on_before_backward \
+            is not pl.LightningModule.on_before_backward else []
+        hooked += [type(cb).__name__ for cb in trainer.callbacks
+                   if type(cb).on_before_backward is not pl.Callback.on_before_backward]
+        if hooked:
+            raise ContractError(f"on_before_backward of {', '.join(hooked)} cannot run with pp={p}: each "
+                                "micro-batch's backward runs inside self.trainer.strategy.pipeline(batch), "
+                                "interleaved with the forwards, so there is no moment before 'the' backward; "
+                                "on_after_backward runs as Lightning documents (after it, before the step)")
         if str(self.precision_plugin.precision).startswith("16"):
             raise ContractError(f"precision={self.precision_plugin.precision!r} with pp={p}: fp16 loss scaling "
                                 "would apply twice on every stage but the last; use precision='bf16-mixed'")
@@ -222,10 +223,14 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         if self.grid is None:
             raise ContractError("the process grid does not exist yet: setup_environment() must run first")
         parameters = [p for p in model.parameters() if p.requires_grad]
+        if self.pipeline_driver is not None:
+            model = StageHost(model, self.pipeline_driver.local)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()), config=self.config, model=model,
             model_parameters=parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
             dist_init_required=False, mpu=self.grid.mpu)
+        if self.pipeline_driver is not None:
+            ds_optimizer = PipelineOptimizer(ds_optimizer)
         return engine, ds_optimizer
 
     def _device_rank(self) -> int:
@@ -298,28 +303,61 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
-        if self.pipeline is None:
+        if self.pipeline_driver is None:
             return super().training_step(*args, **kwargs)
-        inputs, targets = self._pipeline_batch(args[0])
-        loss = self.pipeline.train_batch(inputs, targets)
-        self.lightning_module.log("train_loss", loss.float(), prog_bar=True)
-        return loss
+        with self.precision_plugin.train_step_context():
+            return self._user_step("training_step", *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
-        if self.pipeline is None:
+        if self.pipeline_driver is None:
             return super().validation_step(*args, **kwargs)
-        inputs, targets = self._pipeline_batch(args[0])
-        loss = self.pipeline.eval_batch(inputs, targets)
-        self.lightning_module.log("val_loss", loss.float(), prog_bar=True, sync_dist=True)
-        return loss
+        with self.precision_plugin.val_step_context():
+            return self._user_step("validation_step", *args, **kwargs)
+
+    def _user_step(self, name: str, *args: Any, **kwargs: Any):
+        """Under pp > 1: the user's own step, called once per batch (its metrics, logging and hooks run as
+        at pp = 1); it must run the pipeline once through :meth:`pipeline`. The stages' forwards go through
+        the DeepSpeed engine from there, so the step itself is not redirected through it."""
+        module = self.lightning_module
+        self._pipeline_runs = 0
+        out = getattr(module, name)(*args, **kwargs)
+        if self._pipeline_runs != 1:
+            raise ContractError(f"{type(module).__name__}.{name} called self.trainer.strategy.pipeline(batch) "
+                                f"{self._pipeline_runs} times in one batch with pp={self.degrees['pp']}: with "
+                                "pp > 1 the step must run the pipeline exactly once (its loss is the batch loss)")
+        return out
+
+    def pipeline(self, batch: Any) -> torch.Tensor:
+        """Run the model's pipeline on ``batch`` (an ``(inputs, targets)`` pair; this CP rank's share) and
+        return the batch loss: the mean of the micro-batch losses, the same float64 value on every rank of the
+        pipeline. In training (``trainer.training``) the micro-batches' backwards run inside it, following the
+        configured schedule; in evaluation it runs the forward-only schedule.
+
+        Call it once from ``training_step``/``validation_step``. With pp = 1 it runs the module's
+        ``pipeline_layers()`` in order and returns ``pipeline_loss`` with its graph (Lightning then runs the
+        backward), so one step body serves every layout. The last batch's per-micro-batch losses are in
+        ``pipeline_driver.micro_losses`` on the rank holding the last stage.
+        """
+        inputs, targets = self._pipeline_batch(batch)
+        module = self.lightning_module
+        if self.pipeline_driver is None:
+            x = inputs
+            for layer in module.pipeline_layers():
+                x = layer(x)
+            return module.pipeline_loss(x, targets)
+        self._pipeline_runs += 1
+        if module.trainer.training:
+            return self.pipeline_driver.train_batch(inputs, targets)
+        return self.pipeline_driver.eval_batch(inputs, targets)
 
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
-        # With pp > 1 the pipeline engine already ran every micro-batch's backward inside training_step.
-        if self.pipeline is None:
+        # With pp > 1 the pipeline engine already ran every micro-batch's backward inside training_step: only
+        # the hooks that follow a backward run (on_after_backward, for callbacks and the module).
+        if self.pipeline_driver is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return closure_loss
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @staticmethod
     def _pipeline_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

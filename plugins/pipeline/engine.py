@@ -241,6 +241,8 @@ class PipelineEngine:
             has_last_stage=self._last_stage in self.stages, wait=self._wait)
         self._failed = False
         self.stats = EngineStats()
+        #: The last batch's per-micro-batch losses (detached), on the rank holding the last stage; else empty.
+        self.micro_losses: tuple[torch.Tensor, ...] = ()
 
     # ---------------------------------------------------------------- the batch
     def run_batch(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -281,6 +283,7 @@ class PipelineEngine:
         self.stats.end_ns = time.perf_counter_ns()
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
         self._state = {}
+        self.micro_losses = tuple(self._losses)
         return loss
 
     def _drop_state_if_failed(self) -> None:

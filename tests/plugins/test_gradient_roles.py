@@ -26,8 +26,26 @@ VOCAB, D, HIDDEN, SEQ, BATCH, STEPS, LR = 50, 12, 24, 8, 4, 3, 0.5
 F32 = torch.float32  # Lightning's 32-true precision (DeepSpeed's) keeps the module in float32
 
 
+class _Block(torch.nn.Module):
+    """``h + down(gelu(up(norm(h))))`` on ``[b, S/n, D]`` (Megatron-SP between the TP regions)."""
+
+    def __init__(self, group, sp, gen):
+        super().__init__()
+        self.norm = LayerNorm(D, sequence_parallel=sp, dtype=F32)
+        self.up = ColumnParallelLinear(D, HIDDEN, group=group, sequence_parallel=sp, generator=gen, dtype=F32)
+        self.down = RowParallelLinear(HIDDEN, D, group=group, sequence_parallel=sp, generator=gen, dtype=F32)
+        with torch.no_grad():  # a non-trivial LayerNorm, the same on every rank
+            self.norm.weight.copy_(1 + torch.randn(D, generator=gen, dtype=F32) / 4)
+            self.norm.bias.copy_(torch.randn(D, generator=gen, dtype=F32) / 4)
+
+    def forward(self, h):
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+
 class Tagger(pl.LightningModule):
-    """ids [b, S] -> per-token vectors [b, S, D], regressed onto targets; Megatron-SP when a TP group exists."""
+    """ids [b, S] -> per-token vectors [b, S, D], regressed onto targets; Megatron-SP when a TP group exists.
+    Its own training_step logs its own metrics and gets the loss from ``strategy.pipeline(batch)`` (which runs
+    ``pipeline_layers`` at pp = 1 and the pipeline schedule at pp > 1)."""
 
     def __init__(self):
         super().__init__()
@@ -44,26 +62,22 @@ class Tagger(pl.LightningModule):
         sp = group_size(group) > 1
         gen = torch.Generator().manual_seed(3)
         self.group = group
-        self.net = torch.nn.ModuleDict({
-            "embed": VocabParallelEmbedding(VOCAB, D, group=group, sequence_parallel=sp, generator=gen, dtype=F32),
-            "norm": LayerNorm(D, sequence_parallel=sp, dtype=F32),
-            "up": ColumnParallelLinear(D, HIDDEN, group=group, sequence_parallel=sp, generator=gen, dtype=F32),
-            "down": RowParallelLinear(HIDDEN, D, group=group, sequence_parallel=sp, generator=gen, dtype=F32),
-        })
-        with torch.no_grad():  # a non-trivial LayerNorm, the same on every rank
-            self.net["norm"].weight.copy_(1 + torch.randn(D, generator=gen, dtype=F32) / 4)
-            self.net["norm"].bias.copy_(torch.randn(D, generator=gen, dtype=F32) / 4)
+        embed = VocabParallelEmbedding(VOCAB, D, group=group, sequence_parallel=sp, generator=gen, dtype=F32)
+        self.net = torch.nn.ModuleList([embed, _Block(group, sp, gen), _Block(group, sp, gen)])
 
-    def training_step(self, batch, batch_idx):
-        ids, targets = batch
+    def pipeline_layers(self):
+        return list(self.net)
+
+    def pipeline_loss(self, out, targets):
         n, r = group_size(self.group), group_rank(self.group)
-        h = self.net["embed"](ids)  # [b, S/n, D] under Megatron-SP
-        out = h + self.net["down"](torch.nn.functional.gelu(self.net["up"](self.net["norm"](h))))
         mine = targets.chunk(n, dim=1)[r] if n > 1 else targets
         total = all_reduce(((out - mine) ** 2).sum(), group=self.group)  # a sum of the TP ranks' partial sums
-        loss = total / targets.numel()
-        self.log("user_mse", loss.detach())
-        self.log("user_tokens", float(ids.numel()))
+        return total / targets.numel()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.trainer.strategy.pipeline(batch)
+        self.log("user_mse", loss.detach().float())
+        self.log("user_tokens", float(batch[0].numel()))
         return loss
 
     def configure_optimizers(self):
@@ -84,21 +98,20 @@ class _Losses(pl.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def _fit(rank, world, zero_stage, install_sums=True):
+def _fit(rank, world, layout, install_sums=True):
     adopt_process_group_in_lightning()
     if not install_sums:  # the control: the strategy installs no Megatron-SP sum
         strategy_module.sum_sequence_parallel_gradients = lambda module, *, group: 0
     losses = _Losses()
-    strategy = HybridParallelStrategy(tp=2, sp="megatron", zero_stage=zero_stage)
+    strategy = HybridParallelStrategy(tp=2, sp="megatron", **layout)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          precision="32-true", callbacks=[losses])
     module = Tagger()
     trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=False))
-    net = module.net
+    hosted = {name: p.detach().clone() for name, p in module.net.named_parameters()}
     return {"losses": losses.losses, "metrics": sorted(k for k in trainer.callback_metrics if k.startswith("user_")),
-            "norm": net["norm"].weight.detach().clone(), "down_bias": net["down"].bias.detach().clone(),
-            "up": net["up"].weight.detach().clone()}
+            "weights": hosted, "tp_rank": strategy.grid.rank("tp")}
 
 
 def _dense():
@@ -106,40 +119,58 @@ def _dense():
     module.configure_model()
     module.group = None
     optimizer = module.configure_optimizers()
-    module.log = lambda *args, **kwargs: None
     ids, targets = _data().tensors
     # Lightning's DistributedSampler (seed 0, epoch 0) shuffles; with dp = 1 every rank sees this order.
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
     losses = []
     for step in range(STEPS):
         take = order[step * BATCH:(step + 1) * BATCH]
-        loss = module.training_step((ids[take], targets[take]), step)
+        x = ids[take]
+        for layer in module.pipeline_layers():
+            x = layer(x)
+        loss = module.pipeline_loss(x, targets[take])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, module.net
+    return losses, {name: p.detach() for name, p in module.net.named_parameters()}
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_a_user_module_of_shardline_layers_matches_dense_under_tp2_megatron_sp(zero_stage):
-    results = run_ranks(_fit, 2, zero_stage, timeout=300)
+def _dense_slice(name: str, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """This TP rank's part of a dense parameter, by the layer's partition (see layers/tensor_parallel)."""
+    if name.endswith("up.weight") or name.endswith("up.bias") or name == "0.weight":
+        return full.chunk(2, dim=0)[tp_rank]  # column-parallel rows; vocab rows (50 divides by 2: no padding)
+    if name.endswith("down.weight"):
+        return full.chunk(2, dim=1)[tp_rank]
+    return full  # replicated: norms and the row-parallel bias
+
+
+LAYOUTS = {"tp2-zero1": dict(zero_stage=1), "tp2-zero2": dict(zero_stage=2),
+           "tp2-pp2-zero1": dict(pp=2, zero_stage=1, micro_batches=2)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_user_module_of_shardline_layers_matches_dense_under_tp2_megatron_sp(layout):
+    world = 2 * LAYOUTS[layout].get("pp", 1)
+    results = run_ranks(_fit, world, LAYOUTS[layout], timeout=300)
     dense_losses, dense = _dense()
-    for rank, res in enumerate(results):
-        # float32 behind TP sums (summation order only) over 3 SGD steps: rtol 1e-5, atol 1e-6.
+    checked = set()
+    for res in results:
+        # float32 behind TP sums (and micro-batch means) over 3 SGD steps: rtol 1e-5, atol 1e-6.
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(dense_losses), rtol=1e-5, atol=0)
-        torch.testing.assert_close(res["norm"], dense["norm"].weight.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(res["down_bias"], dense["down"].bias.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(res["up"], dense["up"].weight.detach().chunk(2, dim=0)[rank], rtol=1e-5,
-                                   atol=1e-6)
-        assert res["metrics"] == ["user_mse", "user_tokens"]  # the user's own logging ran
+        for name, weight in res["weights"].items():  # the parameters this rank hosts
+            expected = _dense_slice(name, dense[name], res["tp_rank"])
+            torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            checked.add(name)
+        assert res["metrics"] == ["user_mse", "user_tokens"]  # the user's own logging ran, at every layout
+    assert checked == set(dense)  # every parameter was compared on the ranks that hold it
 
 
 def test_without_the_installed_sums_the_same_run_is_wrong():
-    results = run_ranks(_fit, 2, 1, False, timeout=300)
+    results = run_ranks(_fit, 2, LAYOUTS["tp2-zero1"], False, timeout=300)
     dense_losses, dense = _dense()
-    # The LayerNorm and the row-parallel bias see half the tokens each: their gradient is a partial sum.
-    gap = (results[0]["norm"] - dense["norm"].weight.detach()).abs().max().item()
+    # The LayerNorms and the row-parallel biases see half the tokens each: their gradient is a partial sum.
+    gap = (results[0]["weights"]["1.norm.weight"] - dense["1.norm.weight"]).abs().max().item()
     assert gap > 1e-3, gap  # two orders of magnitude above the tolerance of the test above
     assert abs(results[0]["losses"][-1] - dense_losses[-1]) > 1e-6
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
+from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.layers.sequence_parallel import local_positions
 from shardline.plugins.models.gpt import GPT, GPTConfig
 from shardline.plugins.testing import run_ranks
@@ -124,7 +125,7 @@ def _sharded_worker(rank, world, tp, cp, sp, checkpointing):
     before_sync = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.allreduce_sequence_parallel_grads()
     model.allreduce_context_parallel_grads()
-    attrs = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+    attrs = {n: (role_of(p).kind is RoleKind.SHARDED, -1 if role_of(p).dim is None else role_of(p).dim)
              for n, p in model.named_parameters()}
     grads = {n: p.grad for n, p in model.named_parameters()}
     return dict(loss=loss.detach(), logits=logits.detach(), init=init, grads=grads, before=before_sync,

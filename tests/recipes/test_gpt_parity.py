@@ -31,7 +31,7 @@ class _Recorder(pl.Callback):
         self.record_engine_norm = True
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if trainer.strategy.pipeline is not None else module.last_loss
+        loss = outputs["loss"] if trainer.strategy.pipeline_driver is not None else module.last_loss
         self.losses.append(loss.item())
         if self.record_engine_norm:
             norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()
