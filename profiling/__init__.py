@@ -2,7 +2,8 @@
 step's time on every rank. Imports without torch.
 
 Public entry points (loaded on first use, so ``import shardline.profiling`` stays cheap):
-``load(path) -> TraceSet`` and ``breakdown(traceset) -> DataFrame``; also ``classify_events``, ``comm_by_dim``,
+``load(path) -> TraceSet`` and ``breakdown(traceset) -> DataFrame``; ``attribute(traceset) -> Attribution``, the
+one attributed object of a trace set every analysis and output reads; also ``classify_events``, ``comm_by_dim``,
 ``pipeline_bubbles``, ``match_collectives``, ``stragglers``, ``clock_offsets``, ``CommRule``, ``Category``.
 """
 
@@ -13,6 +14,8 @@ _EXPORTS = {
     "load": "shardline.profiling.load",
     "TraceSet": "shardline.profiling.load",
     "breakdown": "shardline.profiling.attribution",
+    "attribute": "shardline.profiling.attribution",
+    "Attribution": "shardline.profiling.attribution",
     "classify_events": "shardline.profiling.classify",
     "CommRule": "shardline.profiling.classify",
     "Category": "shardline.profiling.classify",

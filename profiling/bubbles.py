@@ -18,6 +18,9 @@ annotation names -- (p-1)/(v·m+p-1) for an interleaved schedule with v chunks p
 
 Without annotations the estimate is the exposed ``p2p_recv`` time of ``breakdown`` (the idle a stage spends
 in receives), reported with ``method="p2p_recv_idle"``; phases and ideal are then unknown (NaN / -1).
+
+The rows and lanes of each rank come from its ``attribution.RankAttribution`` (``pp_rows``, ``bubble``), so the
+bubble set the breakdown's ``bubble`` column partitions and the one reported here are one computation.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ class BubbleMethod(str, enum.Enum):
     P2P_RECV_IDLE = "p2p_recv_idle"
 
 
-def _pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(batch rows with p/m/schedule, action rows with action/stage/microbatch) on the lanes to use."""
+def pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(batch rows with p/m/schedule, action rows with action/stage/microbatch) of one rank's ``sl:pp:*`` rows,
+    on the lanes to use: ``lanes``, and on a GPU rank the host threads when its GPU lanes carry none."""
     is_pp = match_names(events["name"], f"{contract.PREFIX}:pp:")
     if not is_pp.any():  # no pipeline annotations (most traces): nothing to extract
         return _NO_BATCHES.copy(), _NO_ACTIONS.copy()
@@ -77,13 +81,12 @@ _NO_ACTIONS = pd.DataFrame({"rank": np.empty(0, np.int32), "start_ns": np.empty(
                             "stage": np.empty(0, np.int64), "microbatch": np.empty(0, np.int64)})
 
 
-def bubble_set(events: pd.DataFrame, *, lanes: str) -> iv.IntervalSet:
-    """Bubble interval set of one rank: batch windows minus F/B/W spans (empty without annotations).
+def bubble_set(batches: pd.DataFrame, actions: pd.DataFrame) -> iv.IntervalSet:
+    """Bubble interval set of one rank's ``pp_rows``: batch windows minus F/B/W spans (empty without batches).
 
     On a GPU rank the GPU copies of the annotations are used; a trace that has them only on the CPU falls
     back to those, whose times are the host's issue times and only approximate the GPU's.
     """
-    batches, actions = _pp_rows(events, lanes)
     if batches.empty:
         return iv.EMPTY
     busy = actions[actions["action"].isin(_COMPUTE_ACTIONS)]
@@ -91,26 +94,27 @@ def bubble_set(events: pd.DataFrame, *, lanes: str) -> iv.IntervalSet:
                        iv.union(busy["start_ns"], busy["end_ns"]))
 
 
-def pipeline_bubbles(traceset_or_events) -> pd.DataFrame:
-    """One row per (rank, pipeline batch): bubble split into phases and compared with (p-1)/(m+p-1)."""
-    # attribution imports this module, so these come in at call time
-    from shardline.profiling.attribution import breakdown, step_windows, work_rows
+def pipeline_bubbles(source) -> pd.DataFrame:
+    """One row per (rank, pipeline batch): bubble split into phases and compared with (p-1)/(m+p-1).
 
-    events = getattr(traceset_or_events, "events", traceset_or_events)
+    ``source``: a ``TraceSet``, an events table or an ``Attribution``; without annotations, the breakdown's
+    ``p2p_recv`` estimate of that same attribution (computed once per trace set)."""
+    from shardline.profiling.attribution import attribute  # attribution imports this module
+
+    attribution = attribute(source, caller="pipeline_bubbles")
     rows = []
-    for rank, grp in events.groupby("rank", observed=True, sort=True):
-        _, lanes = work_rows(grp)
-        batches, actions = _pp_rows(grp, lanes)
-        windows = step_windows(grp, lanes=lanes)
+    for rank in attribution.ranks:
+        batches, actions = rank.pp_rows
+        windows = rank.windows
         for batch in batches.itertuples(index=False):  # one iteration per pipeline batch, not per event
-            row = _batch_row(int(rank), batch=batch, actions=actions)
+            row = _batch_row(rank.rank, batch=batch, actions=actions)
             # The step whose window holds the batch start (batches nest in ProfilerStep windows).
             holds = windows[(windows["start_ns"] <= batch.start_ns) & (windows["end_ns"] > batch.start_ns)]
             row["step"] = int(holds["step"].iloc[0]) if len(holds) else -1
             rows.append(row)
     if rows:
         return pd.DataFrame(rows)
-    table = breakdown(events)
+    table = attribution.breakdown
     return pd.DataFrame({
         "rank": table["rank"], "step": table["step"], "method": BubbleMethod.P2P_RECV_IDLE.value,
         "stage": -1, "schedule": "", "p": -1, "m": -1, "v": -1, "m_seen": -1, "batch_ns": table["step_ns"],

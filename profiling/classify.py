@@ -310,6 +310,36 @@ def classify_in_place(events: pd.DataFrame, *, rules: Sequence[CommRule] | None 
     return events
 
 
+def assign_dims(events: pd.DataFrame, *, layout: Mapping[str, int] | None) -> pd.DataFrame:
+    """A copy of a classified ``events`` table whose ``dim`` column is derived again for ``layout`` (the
+    other columns are shared, not copied): what ``classify_events(events, layout=layout)`` would give, without
+    classifying every row again (a layout changes only the dims of the groups that say none themselves)."""
+    _check_input(events, layout)
+    out = events.copy(deep=False)
+    if len(out):
+        category = codes_or_end(out["category"])
+        to_ours = np.array([_CAT_CODE.get(c, _NO_CAT) for c in category_texts(out["category"].cat.categories)]
+                           + [_NO_CAT], dtype=np.int8)
+        out["dim"] = _dims(out, to_ours[category], layout)
+    return out
+
+
+def check_layout(layout: Mapping[str, int]) -> None:
+    """Refuse a layout that is not a mapping of tp/cp/dp/pp to degrees >= 1, naming the bad entries."""
+    if not isinstance(layout, Mapping):
+        raise ClassificationError(f"layout={layout!r} must be a mapping such as dict(tp=2, dp=4)")
+    bad = {k: v for k, v in layout.items() if k not in ("tp", "cp", "dp", "pp") or _degree(v) < 1}
+    if bad:
+        raise ClassificationError(f"layout entries {bad} are invalid: keys tp/cp/dp/pp, degrees >= 1")
+
+
+def _degree(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _check_input(events, layout) -> None:
     if not isinstance(events, pd.DataFrame):
         raise ClassificationError(f"classify_events expects an events DataFrame, got {type(events).__name__}")
@@ -318,9 +348,7 @@ def _check_input(events, layout) -> None:
     except ValueError as exc:
         raise ClassificationError(str(exc)) from None
     if layout is not None:
-        bad = {k: v for k, v in layout.items() if k not in ("tp", "cp", "dp", "pp") or int(v) < 1}
-        if bad:
-            raise ClassificationError(f"layout entries {bad} are invalid: keys tp/cp/dp/pp, degrees >= 1")
+        check_layout(layout)
 
 
 #: Category strings by code; the per-row work runs on these small int codes, never on per-row strings.

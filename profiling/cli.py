@@ -23,7 +23,6 @@ import sys
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from importlib.util import find_spec
 from pathlib import Path
 
 import pandas as pd
@@ -159,21 +158,23 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
-    """Text of the report in ``fmt``; for parquet, the breakdown frame itself."""
+    """Text of the report in ``fmt``; for parquet, the breakdown frame itself. Every format reads the trace
+    set's one ``Attribution``."""
+    from shardline.profiling.attribution import attribute
+
+    attribution = attribute(traceset, caller="breakdown")
     if fmt in _SECTION_FORMATS:
         from shardline.profiling.report_sections import report_sections
 
-        sections = report_sections(traceset, progress=progress)
+        sections = report_sections(attribution, progress=progress)
         if fmt is ReportFormat.HTML:
             from shardline.profiling.report_html import render_html
 
-            return render_html(sections, events=traceset.events, sources=(source,))
+            return render_html(sections, events=attribution, sources=(source,))
         from shardline.profiling.report_md import render_markdown
 
         return render_markdown(sections)
-    from shardline.profiling.attribution import breakdown
-
-    table = breakdown(traceset)
+    table = attribution.breakdown
     return table if fmt is ReportFormat.PARQUET else render(table, fmt=fmt)
 
 
@@ -185,19 +186,12 @@ def _emit(text: str, output: Path | None) -> None:
 
 
 def _write_parquet(table: pd.DataFrame, output: Path) -> None:
-    if find_spec("pyarrow") is None:  # pandas' parquet engine; checked here for a message that says what to do
-        raise UsageError("--format parquet needs pyarrow, which is not installed: pip install pyarrow")
-    table.to_parquet(output, index=False, engine="pyarrow")
+    table.to_parquet(output, index=False, engine="pyarrow")  # pyarrow: a dependency of shardline
 
 
 def _write_tensorboard(traceset, *, logdir: Path) -> int:
-    try:
-        from shardline.profiling.tensorboard import write_tensorboard
-    except ModuleNotFoundError as exc:
-        if exc.name != "shardline.profiling.tensorboard":
-            raise
-        raise UsageError("--format tensorboard: shardline.profiling.tensorboard is not available in this "
-                         "install") from None
+    from shardline.profiling.tensorboard import write_tensorboard
+
     write_tensorboard(traceset, logdir=logdir)
     return 0
 
@@ -213,25 +207,20 @@ def render(table: pd.DataFrame, *, fmt: ReportFormat) -> str:
 
 
 def render_table(table: pd.DataFrame) -> str:
-    """Terminal table: step time and every non-zero exclusive part in ms, the overlap ratio in %."""
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
+    """Terminal table (``tables.breakdown_table``): step time and every non-zero exclusive part in ms, the
+    overlap ratio in %."""
+    from shardline.profiling.tables import TERMINAL, TERMINAL_FLOAT, breakdown_table
 
     if table.empty:
         return "no work events to attribute\n"
-    parts = [c for c in EXCLUSIVE_COLUMNS if (table[c] != 0).any()]
-    shown = pd.DataFrame({"rank": table["rank"], "step": table["step"], "lanes": table["lanes"],
-                          "step_ms": table["step_ns"] / 1e6})
-    for column in parts:
-        shown[f"{column}_ms"] = table[column] / 1e6
-    shown["overlap_%"] = [f"{100 * v:.1f}" for v in table["overlap_ratio"]]  # one entry per rank x step
     header = ("exclusive parts (exposed communication) sum to step_ms; overlap_% = time(compute ∩ comm) / "
               "time(comm)\n")
-    return header + shown.to_string(index=False, float_format=lambda v: f"{v:.3f}") + "\n"
+    return header + breakdown_table(table, style=TERMINAL).to_string(index=False, float_format=TERMINAL_FLOAT) + "\n"
 
 
 def run_diff(args: argparse.Namespace) -> int:
     """Load both runs, attribute both, compare."""
-    from shardline.profiling.attribution import breakdown
+    from shardline.profiling.attribution import attribute
     from shardline.profiling.diff import diff_breakdowns
     from shardline.profiling.load import load
 
@@ -241,7 +230,7 @@ def run_diff(args: argparse.Namespace) -> int:
             for path in (args.before, args.after):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # an empty breakdown is refused by the diff, by name
-                    tables.append(breakdown(load(path)))
+                    tables.append(attribute(load(path), caller="breakdown").breakdown)
                 done()
             result = diff_breakdowns(*tables)
             _emit(render_diff(result, fmt=DiffFormat(args.format)), args.output)
@@ -270,12 +259,11 @@ def render_diff(result, *, fmt: DiffFormat) -> str:
     lines = [explain(result, rank=r) for r in [ALL_RANKS, *sorted(set(table["rank"]) - {ALL_RANKS})]]
     notes = [f"note: {n}" for n in result.notes]
     if fmt is DiffFormat.MD:
-        from shardline.profiling.report_md import markdown_table
-        from shardline.profiling.report_sections import ms_text
+        from shardline.profiling.tables import ms_text, pipe_table
 
         exact = display.assign(**{f"{c}_ms": ms_text(shown[f"{c}_ns"]) for c in ("before", "after", "delta")})
         return "\n".join(["# shardline profile diff", "", *[f"- {line}" for line in lines + notes], "",
-                          markdown_table(exact.astype(str)), ""])
+                          pipe_table(exact.astype(str)), ""])
     return "\n".join(lines + notes + ["", display.to_string(index=False, float_format=lambda v: f"{v:.3f}"), ""])
 
 

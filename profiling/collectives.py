@@ -34,7 +34,8 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.attribution import Lane, checked_events, step_windows, work_rows
+from shardline.profiling.attribution import attribute
+from shardline.profiling.classify import Lane
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES
 
@@ -46,17 +47,19 @@ class ClockAlignment(str, enum.Enum):
     ENDS = "ends"
 
 
-def comm_calls(events: pd.DataFrame) -> pd.DataFrame:
-    """One row per communication call per rank: rank, step, category, group, seq, start_ns, end_ns, dur_ns."""
+def comm_calls(source) -> pd.DataFrame:
+    """One row per communication call per rank: rank, step, category, group, seq, start_ns, end_ns, dur_ns.
+
+    ``source``: a ``TraceSet``, an events table or an ``Attribution``; the calls are its ranks' work rows of
+    the collective categories, in the windows the attribution gives them."""
     frames = []
-    for _, grp in events.groupby("rank", observed=True, sort=True):
-        work, lanes = work_rows(grp)
-        calls = work[work["category"].astype(str).isin(COLLECTIVE_CATEGORIES)]
-        if lanes == Lane.CPU.value:
+    for rank in attribute(source, caller="comm_calls").working:
+        calls = rank.work(_CALL_COLUMNS, categories=COLLECTIVE_CATEGORIES)
+        if rank.lanes == Lane.CPU.value:
             calls = _outermost(calls)
         if calls.empty:
             continue
-        windows = step_windows(grp, lanes=lanes, work=work)
+        windows = rank.windows
         start = calls["start_ns"].to_numpy()
         step = np.full(len(calls), -1, dtype=np.int64)
         if len(windows):
@@ -77,6 +80,10 @@ def comm_calls(events: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+#: What ``comm_calls`` reads of the work rows.
+_CALL_COLUMNS = ("rank", "category", "pg_name", "pg_ranks", "seq", "stream", "start_ns", "dur_ns")
+
+
 def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
     """Drop comm ops nested in an earlier comm op of the same thread (c10d op > record_param_comms > gloo:*)."""
     if calls.empty:
@@ -90,11 +97,11 @@ def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
     return calls[~nested]
 
 
-def match_collectives(traceset_or_events, *,
-                      clock: ClockAlignment = ClockAlignment.ENDS) -> pd.DataFrame:
-    """Matched calls, one row per (instance, rank), with aligned times, wait_ns, transfer_ns, is_last."""
-    events = checked_events(traceset_or_events, caller="match_collectives")
-    calls = comm_calls(events)
+def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) -> pd.DataFrame:
+    """Matched calls, one row per (instance, rank), with aligned times, wait_ns, transfer_ns, is_last.
+
+    ``source``: a ``TraceSet``, an events table or an ``Attribution``."""
+    calls = comm_calls(attribute(source, caller="match_collectives"))
     if calls.empty:
         raise AttributionError("no communication calls to match in this trace")
     calls["instance"] = _instance_ids(calls)

@@ -4,7 +4,8 @@
 are recognised by content and extension (``readers.sniff``): Kineto JSON (``.json``, ``.json.gz``,
 ``.pt.trace.json(.gz)``), NCCL_DEBUG logs (``.log``/``.txt`` with NCCL lines), Nsight Systems SQLite exports,
 flight-recorder JSON dumps and NCCL profiler-plugin dumps; anything else is ignored. The rows are
-classified (``classify.classify_events``) before they are returned.
+classified (``classify.classify_events``, with the ``layout`` given) before they are returned; the trace set
+keeps that layout and its attributions (``attribution.attribute``), so each is computed once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from shardline.profiling.classify import check_layout, classify_in_place
 from shardline.profiling.errors import MissingRankError, MixedJobsError, TraceFormatError, TraceWarning
 from shardline.profiling.readers import Format, ReadResult, sniff
 from shardline.profiling.schema import COLUMNS, category_texts, check_events, empty_events, text_dtype
@@ -49,7 +51,9 @@ class TraceSet:
     NCCL-log rows whose rank could not be told). ``metadata``: rank -> what the files said about it
     (``distributedInfo``, ``baseTimeNanoseconds``, ``deviceProperties``, the source file...).
     ``warnings``: every partial read, also issued as :class:`TraceWarning`. ``skipped``: recognised files
-    that hold no events (an execution trace, a memory timeline) -> what they are.
+    that hold no events (an execution trace, a memory timeline) -> what they are. ``layout``: the parallel
+    degrees (``dict(tp=, cp=, dp=, pp=)``) the events were classified with, or None. ``attributions``: the
+    ``attribution.Attribution`` of each layout asked for, kept by ``attribute`` (not to be filled by hand).
     """
 
     events: pd.DataFrame
@@ -58,10 +62,13 @@ class TraceSet:
     metadata: dict[int, dict] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     skipped: dict[Path, str] = field(default_factory=dict)
+    layout: Mapping[str, int] | None = None
+    attributions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None,
-         keep_python: bool = False, classify: bool = True, workers: int | None = None) -> TraceSet:
+         keep_python: bool = False, classify: bool = True, workers: int | None = None,
+         layout: Mapping[str, int] | None = None) -> TraceSet:
     """Read every recognised file under ``path`` into one :class:`TraceSet`.
 
     ``rank`` supplies ranks a trace does not record itself: an int for a single file, or a mapping from file
@@ -70,11 +77,16 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     raises :class:`MissingRankError` naming it. Files of different jobs (different world sizes or default
     groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
     ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
-    ``category``/``dim`` empty. ``workers``: processes reading files in parallel (default: one per core when
-    several large files are read; for small ones a thread of this process reads, gunzips and scans the next
-    file while this one decodes; 1 reads one file after another in this process).
+    ``category``/``dim`` empty. ``layout``: the parallel degrees (``dict(tp=2, dp=4)``) that name the dims of
+    groups whose description does not (``classify``); kept on the trace set. ``workers``: processes reading
+    files in parallel (default: one per core when several large files are read; for small ones a thread of
+    this process reads, gunzips and scans the next file while this one decodes; 1 reads one file after
+    another in this process).
     """
     root = Path(path)
+    if layout is not None:
+        check_layout(layout)
+        layout = dict(layout)
     files = _discover(root)
     if isinstance(rank, int) and not isinstance(rank, bool) and len(files) > 1:
         raise TraceFormatError(f"{root}: rank={rank} given for a folder of {len(files)} trace files; pass a "
@@ -105,13 +117,13 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
             _warnings.warn(note, TraceWarning, stacklevel=2)
         notes += joined_notes
     if classify:
-        events = _classify(events)
+        events = classify_in_place(events, layout=layout)  # the loaded table is ours alone: no copy
     check_events(events)
     ranks = tuple(sorted(int(r) for r in events["rank"].unique() if r >= 0)) if len(events) else tuple(
         sorted(r for r in metadata if r >= 0))
     skipped = {file: result.skipped for file, _, result in results if result.skipped}
     return TraceSet(events=events, ranks=ranks, files=file_ranks, metadata=metadata, warnings=tuple(notes),
-                    skipped=skipped)
+                    skipped=skipped, layout=layout)
 
 
 def _discover(root: Path) -> list[tuple[Path, Format]]:
@@ -384,17 +396,6 @@ def _text_categorical(column: pd.Series) -> pd.Categorical:
 
 
 _STR_DTYPE = pd.Index(["x"]).dtype
-
-
-def _classify(events: pd.DataFrame) -> pd.DataFrame:
-    """Part B's classifier when it is installed; until then rows stay unclassified (``category`` "")."""
-    try:
-        module = importlib.import_module("shardline.profiling.classify")
-    except ModuleNotFoundError as exc:
-        if exc.name != "shardline.profiling.classify":
-            raise
-        return events
-    return module.classify_in_place(events)  # the loaded table is ours alone: no copy
 
 
 class _CallableModule(types.ModuleType):

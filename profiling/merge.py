@@ -12,8 +12,8 @@ Layout of the file (loadable by chrome://tracing, Perfetto UI and XProf's trace 
   and ``sl_dim``, GPU ``device``/``stream``, and the collective fields in Kineto's spelling;
 - three added threads per rank: ``sl: steps`` (one slice per step window), ``sl: categories`` (the exclusive
   attribution as a timeline: each ns of a step window under the label that wins it, by ``attribution``'s priority
-  over ``attribution.label_sets``, so its per-window totals are the ``breakdown`` columns exactly) and
-  ``sl: pipeline bubbles`` (``bubbles.bubble_set``);
+  over the rank's label sets, so its per-window totals are the ``breakdown`` columns exactly) and
+  ``sl: pipeline bubbles`` (the rank's bubble set); all three read the trace set's ``Attribution``;
 - flow arrows (``"ph": "s"`` -> ``"ph": "f"``, ``"bp": "e"``) from the last-arriving rank of every matched
   collective instance (``match_collectives``) to each other member: the arrow points from the rank that was
   waited for to the ranks that waited.
@@ -44,6 +44,7 @@ import pandas as pd
 
 from shardline.profiling import intervals as iv
 from shardline.profiling.errors import AttributionError, TraceFormatError
+from shardline.profiling.partition import LABELS, segment_owners
 
 CHUNK_ROWS = 200_000
 ADDED_TRACKS = ("sl: steps", "sl: categories", "sl: pipeline bubbles")
@@ -54,13 +55,17 @@ _ARG_NAMES = {"collective": "Collective name", "pg_name": "Process Group Name",
               "seq": "Seq", "correlation": "correlation", "external_id": "External id"}
 
 
-def merged_trace(traceset, *, path: str | Path, progress: bool = False) -> Path:
-    """Write the merged trace of ``traceset`` (a ``TraceSet`` or an events table) to ``path`` and return it.
+def merged_trace(source, *, path: str | Path, progress: bool = False) -> Path:
+    """Write the merged trace of ``source`` (a ``TraceSet``, an events table or an ``Attribution``) to ``path``
+    and return it.
 
     ``path`` ending in ``.gz`` is gzip-compressed. ``progress`` shows a bar over the event chunks (tqdm).
     Raises ``TraceFormatError`` when ``path`` cannot be written.
     """
-    events = getattr(traceset, "events", traceset)
+    from shardline.profiling.attribution import attribute
+
+    attribution = attribute(source, caller="merged_trace")
+    events = attribution.events
     path = Path(path)
     base = int(events["start_ns"].min()) if len(events) else 0
     tracks = _tracks(events)
@@ -81,9 +86,9 @@ def merged_trace(traceset, *, path: str | Path, progress: bool = False) -> Path:
             lines = _event_lines(events.iloc[chunk:chunk + CHUNK_ROWS], tracks=tracks, base=base)
             if len(lines):
                 handle.write(",\n" + ",\n".join(lines.tolist()))
-        for line in _added_lines(events, tracks=tracks, base=base):
+        for line in _added_lines(attribution, tracks=tracks, base=base):
             handle.write(",\n" + line)
-        for line in _flow_lines(events, tracks=tracks, base=base):
+        for line in _flow_lines(attribution, tracks=tracks, base=base):
             handle.write(",\n" + line)
         handle.write("\n]}\n")
     return path
@@ -187,21 +192,20 @@ def _event_lines(chunk: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> np.
             + ', "cat": ' + cat + ', "args": {' + args + "}}")
 
 
-def category_segments(events: pd.DataFrame) -> pd.DataFrame:
+def category_segments(source) -> pd.DataFrame:
     """The exclusive attribution of one rank's step windows as a timeline: rows step, label, start_ns, end_ns.
 
-    Each elementary segment inside a window goes to the first ``LABELS`` entry whose set covers it (idle when
-    none), as in ``attribution.partition``; adjacent segments with one label are joined. Summing a window's
-    segments per label gives that window's ``breakdown`` columns exactly.
+    ``source``: a ``RankAttribution``, or the events table of one rank. Each elementary segment inside a
+    window goes to the first ``LABELS`` entry whose set covers it (idle when none), as in
+    ``partition.partition``; adjacent segments with one label are joined. Summing a window's segments per
+    label gives that window's ``breakdown`` columns exactly.
     """
-    from shardline.profiling.attribution import LABELS, label_sets, segment_owners, step_windows, work_rows
-
-    work, lanes = work_rows(events)
-    if work.empty:
+    rank = _one_rank(source)
+    if rank is None or not rank.has_work:
         return pd.DataFrame({"step": [], "label": [], "start_ns": [], "end_ns": []}).astype(
             {"step": "int64", "start_ns": "int64", "end_ns": "int64"})
-    windows = step_windows(events, lanes=lanes, work=work, whole=True)
-    sets = label_sets(events, work, lanes)
+    windows = rank.attributed_windows
+    sets = rank.label_sets
     points = iv.distinct(np.concatenate([windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()]
                                         + [a for s in sets.values() for a in s]), scratch=True)
     seg_s, seg_e = points[:-1], points[1:]
@@ -224,6 +228,18 @@ def category_segments(events: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def _one_rank(source):
+    """The ``RankAttribution`` of ``source`` (itself, or the one rank of an events table; None: no rows)."""
+    from shardline.profiling.attribution import RankAttribution, attribute
+
+    if isinstance(source, RankAttribution):
+        return source
+    ranks = attribute(source, caller="category_segments").ranks
+    if len(ranks) > 1:
+        raise AttributionError(f"category_segments takes one rank's events, got ranks {[r.rank for r in ranks]}")
+    return ranks[0] if ranks else None
+
+
 def _slice_lines(*, rank: int, tid: int, cat: str, names, start, end, base: int):
     """Complete events of one added track, yielded in chunks of ``CHUNK_ROWS`` lines."""
     start = np.asarray(start, dtype=np.int64)
@@ -236,38 +252,35 @@ def _slice_lines(*, rank: int, tid: int, cat: str, names, start, end, base: int)
                            + f', "cat": "{cat}"}}').tolist())
 
 
-def _added_lines(events: pd.DataFrame, *, tracks: pd.DataFrame, base: int):
-    from shardline.profiling.attribution import step_windows, work_rows
-    from shardline.profiling.bubbles import bubble_set
-
+def _added_lines(attribution, *, tracks: pd.DataFrame, base: int):
     tid_of = {(r.rank, r.label): r.tid for r in tracks[tracks["lane"] == "sl"].itertuples(index=False)}
-    for rank, grp in events.groupby("rank", observed=True, sort=True):
-        rank = int(rank)
-        work, lanes = work_rows(grp)
-        if work.empty:
-            continue
-        windows = step_windows(grp, lanes=lanes, work=work)
-        yield from _slice_lines(rank=rank, tid=tid_of[(rank, "sl: steps")], cat="sl_step",
+    for rank in attribution.working:
+        windows = rank.windows
+        yield from _slice_lines(rank=rank.rank, tid=tid_of[(rank.rank, "sl: steps")], cat="sl_step",
                                 names=[f"step {s}" for s in windows["step"]], start=windows["start_ns"],
                                 end=windows["end_ns"], base=base)
-        segments = category_segments(grp)
-        yield from _slice_lines(rank=rank, tid=tid_of[(rank, "sl: categories")], cat="sl_category",
+        segments = category_segments(rank)
+        yield from _slice_lines(rank=rank.rank, tid=tid_of[(rank.rank, "sl: categories")], cat="sl_category",
                                 names=segments["label"], start=segments["start_ns"], end=segments["end_ns"],
                                 base=base)
-        bubble_s, bubble_e = bubble_set(grp, lanes=lanes)
-        yield from _slice_lines(rank=rank, tid=tid_of[(rank, "sl: pipeline bubbles")], cat="sl_bubble",
+        bubble_s, bubble_e = rank.bubble
+        yield from _slice_lines(rank=rank.rank, tid=tid_of[(rank.rank, "sl: pipeline bubbles")], cat="sl_bubble",
                                 names=["bubble"] * len(bubble_s), start=bubble_s, end=bubble_e, base=base)
 
 
-def collective_flows(events: pd.DataFrame) -> pd.DataFrame:
+def collective_flows(source) -> pd.DataFrame:
     """Flow arrows of the merged trace: one row per (instance, waiting member) with the source (last arriver)
-    and target calls' rank, lane, device, stream and recorded start_ns. Empty when nothing matches."""
+    and target calls' rank, lane, device, stream and recorded start_ns. Empty when nothing matches.
+    ``source``: an ``Attribution``, a ``TraceSet`` or an events table."""
+    from shardline.profiling.attribution import attribute
     from shardline.profiling.collectives import match_collectives
 
+    attribution = attribute(source, caller="collective_flows")
+    events = attribution.events
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # uneven call counts: matched as far as possible, said by the core
-            matched = match_collectives(events)
+            matched = match_collectives(attribution)
     except AttributionError:
         return pd.DataFrame()
     matched = matched[matched["members"] > 1].copy()
@@ -283,8 +296,8 @@ def collective_flows(events: pd.DataFrame) -> pd.DataFrame:
     return src.merge(dst, on=key, suffixes=("_src", "_dst")).reset_index(drop=True)
 
 
-def _flow_lines(events: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> list[str]:
-    flows = collective_flows(events)
+def _flow_lines(attribution, *, tracks: pd.DataFrame, base: int) -> list[str]:
+    flows = collective_flows(attribution)
     if flows.empty:
         return []
     key = ["rank", "lane", "device", "stream"]

@@ -1,7 +1,7 @@
 """Figures of the breakdown, the per-dimension communication and the pipeline timeline, as PNG bytes.
 
 Shared by the HTML report and the TensorBoard writer. Presentation only: every figure draws the numbers it is
-given (a ``breakdown`` / ``comm_by_dim`` DataFrame, or the events table for the timeline) and recomputes none.
+given (a ``breakdown`` / ``comm_by_dim`` DataFrame, or the attribution for the timeline) and recomputes none.
 Matplotlib is driven through ``Figure`` + the Agg canvas directly, never ``pyplot``, so no global figure
 registry or backend switch leaks into the caller (a Lightning run, a TensorBoard server, a notebook).
 An empty input gives a figure that says so, never an exception: a report must render for any trace.
@@ -96,44 +96,42 @@ def comm_by_dim_figure(cbd: pd.DataFrame, *, title: str = "") -> bytes:
     return _png(fig)
 
 
-def timeline_spans(events: pd.DataFrame) -> pd.DataFrame:
+def timeline_spans(source) -> pd.DataFrame:
     """Spans of the pipeline timeline, one row per (rank, kind, start_ns, end_ns), from the ``sl:pp``
     annotations: ``F`` -> forward, ``B``/``W`` -> backward, the bubble set -> bubble, and the rank's
-    communication work inside its batch windows -> communication. Empty when there are no annotations."""
+    communication work inside its batch windows -> communication. Empty when there are no annotations.
+    ``source``: an ``Attribution``, a ``TraceSet`` or an events table (attributed first)."""
     from shardline.profiling import intervals as iv
-    from shardline.profiling.attribution import work_rows
-    from shardline.profiling.bubbles import _pp_rows, bubble_set
+    from shardline.profiling.attribution import attribute
     from shardline.profiling.schema import COMM_CATEGORIES
 
-    events = getattr(events, "events", events)
     frames = []
-    for rank, grp in events.groupby("rank", observed=True, sort=True):
-        work, lanes = work_rows(grp)
-        batches, actions = _pp_rows(grp, lanes)
+    for rank in attribute(source, caller="timeline_spans").ranks:
+        batches, actions = rank.pp_rows
         if batches.empty:
             continue
         kinds = np.where(actions["action"] == "F", "forward",
                          np.where(actions["action"].isin(["B", "W"]), "backward", ""))
         busy = actions.assign(kind=kinds)[kinds != ""]
         window = iv.union(batches["start_ns"], batches["end_ns"])
-        bubble = bubble_set(grp, lanes=lanes)
-        comm = work[work["category"].astype(str).isin(COMM_CATEGORIES)]
+        comm = rank.work(["start_ns", "dur_ns"], categories=COMM_CATEGORIES)
         comm_set = iv.intersect(iv.union(comm["start_ns"], comm["start_ns"] + comm["dur_ns"]), window)
-        frames.append(pd.DataFrame({"rank": int(rank), "kind": busy["kind"].to_numpy(),
+        frames.append(pd.DataFrame({"rank": rank.rank, "kind": busy["kind"].to_numpy(),
                                     "start_ns": busy["start_ns"].to_numpy(), "end_ns": busy["end_ns"].to_numpy()}))
-        for kind, (s, e) in (("bubble", bubble), ("communication", comm_set)):
-            frames.append(pd.DataFrame({"rank": int(rank), "kind": kind, "start_ns": s, "end_ns": e}))
+        for kind, (s, e) in (("bubble", rank.bubble), ("communication", comm_set)):
+            frames.append(pd.DataFrame({"rank": rank.rank, "kind": kind, "start_ns": s, "end_ns": e}))
     if not frames:
         return pd.DataFrame({"rank": pd.Series(dtype="int64"), "kind": pd.Series(dtype="str"),
                              "start_ns": pd.Series(dtype="int64"), "end_ns": pd.Series(dtype="int64")})
     return pd.concat(frames, ignore_index=True)
 
 
-def pipeline_timeline_figure(events: pd.DataFrame, *, title: str = "") -> bytes:
+def pipeline_timeline_figure(source, *, title: str = "") -> bytes:
     """PNG of the pipeline as executed: one row per rank, time (ms from the first batch start) across,
     forward / backward / bubble spans, communication as a thin band under each row. Needs the ``sl:pp``
-    annotations of ``shardline.profiling.annotations``; without them the figure says so."""
-    spans = timeline_spans(events)
+    annotations of ``shardline.profiling.annotations``; without them the figure says so. ``source`` as for
+    ``timeline_spans``."""
+    spans = timeline_spans(source)
     if spans.empty:
         return _empty("no pipeline annotations (sl:pp:*) in this trace", title=title)
     origin = int(spans["start_ns"].min())

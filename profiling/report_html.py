@@ -44,19 +44,30 @@ def _img(png: bytes, *, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
 
 
-def _figures(sec: ReportSections, events: pd.DataFrame | None) -> dict[Section, str]:
+def _figures(sec: ReportSections, events) -> dict[Section, str]:
     figures = {Section.BREAKDOWN: _img(plots.breakdown_figure(sec.breakdown), alt="stacked breakdown")}
     if len(sec.comm_by_dim):
         figures[Section.COMM_BY_DIM] = _img(plots.comm_by_dim_figure(sec.comm_by_dim), alt="communication by dim")
     if events is not None and len(sec.bubbles):
-        figures[Section.PIPELINE] = _img(plots.pipeline_timeline_figure(events), alt="pipeline timeline")
+        figures[Section.PIPELINE] = _img(plots.pipeline_timeline_figure(_timeline_source(sec, events)),
+                                         alt="pipeline timeline")
     return figures
 
 
-def render_html(sec: ReportSections, *, events: pd.DataFrame | None = None,
-                title: str = "shardline profile report", sources: tuple[str, ...] = ()) -> str:
-    """The report as one HTML document. ``events`` (the table the sections came from) draws the pipeline
-    timeline; ``sources`` lists the input files in the header."""
+def _timeline_source(sec: ReportSections, events):
+    """The sections' own attribution when ``events`` is its table (or its trace set): nothing is surveyed
+    again; else ``events`` itself."""
+    attribution = sec.attribution
+    if attribution is not None and (events is attribution
+                                    or getattr(events, "events", events) is attribution.events):
+        return attribution
+    return events
+
+
+def render_html(sec: ReportSections, *, events=None, title: str = "shardline profile report",
+                sources: tuple[str, ...] = ()) -> str:
+    """The report as one HTML document. ``events`` (the table, trace set or attribution the sections came
+    from) draws the pipeline timeline; ``sources`` lists the input files in the header."""
     tables = display_tables(sec)
     figures = _figures(sec, events)
     body = [f"<h1>{html.escape(title)}</h1>"]

@@ -1,9 +1,11 @@
 """The sections of a post-hoc report, as DataFrames, and their display tables (shared by HTML and markdown).
 
-``report_sections(traceset)`` runs each analysis once -- ``breakdown``, ``comm_by_dim``, ``match_collectives``
-(-> ``wait_transfer``, ``stragglers``), ``pipeline_bubbles`` -- and two summaries of the events table that no
-analysis gives: the top kernels (or ops) per category and the offload traffic. The renderers format these frames
-and never recompute them, so a number in a report is a number of a frame here.
+``report_sections(traceset)`` is the one orchestrator of the analyses: on the trace set's ``Attribution`` it
+runs each once -- ``breakdown``, ``comm_by_dim``, ``match_collectives`` (-> ``wait_transfer``, ``stragglers``),
+``pipeline_bubbles`` -- and two summaries of the attributed work rows that no analysis gives: the top kernels (or
+ops) per category and the offload traffic. The sections are kept on the attribution; the renderers (HTML,
+Markdown, TensorBoard) format these frames and never recompute them, so a number in a report is a number of a
+frame here.
 
 Offload traffic, per rank and direction (host->device, device->host), over the attributed work rows of the whole
 trace::
@@ -15,7 +17,7 @@ trace::
 ``pageable_copies`` counts copies from/to pageable host memory (they stage through a bounce buffer and block).
 
 Display numbers: durations are ms written exactly (``ms_text``: six decimals, so a value times 10^6 is the
-frame's integer ns); ratios and bandwidths are rounded to the stated decimals.
+frame's integer ns); ratios and bandwidths are rounded to the stated decimals (``tables``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+
+from shardline.profiling.tables import REPORT, breakdown_table, fixed, ms_text
 
 #: PCIe Gen5 x16 bandwidth per direction, GB/s (32 GT/s x 16 lanes, 128b/130b), the offload ceiling.
 PCIE_GEN5_X16_GBPS = 64.0
@@ -55,7 +59,9 @@ TITLES = {
 
 @dataclass(frozen=True)
 class ReportSections:
-    """The frames a report shows; ``notes[section]`` says why a section is empty or how to read it."""
+    """The frames a report shows; ``notes[section]`` says why a section is empty or how to read it.
+    ``matched``: the matched collectives ``wait_transfer`` and ``stragglers`` summarise (empty when none);
+    ``attribution``: the ``Attribution`` every frame was computed from."""
 
     breakdown: pd.DataFrame
     comm_by_dim: pd.DataFrame
@@ -65,46 +71,66 @@ class ReportSections:
     top_kernels: pd.DataFrame
     offload: pd.DataFrame
     notes: dict[Section, str] = field(default_factory=dict)
+    matched: pd.DataFrame = field(default_factory=pd.DataFrame)
+    attribution: object = None
 
 
-def report_sections(traceset, *, progress: bool = False, top: int = TOP_KERNELS) -> ReportSections:
-    """Every section's frame for ``traceset`` (a ``TraceSet`` or an events table); each analysis runs once."""
-    from shardline.profiling.attribution import breakdown, comm_by_dim
+def report_sections(source, *, progress: bool = False, top: int = TOP_KERNELS) -> ReportSections:
+    """Every section's frame for ``source`` (a ``TraceSet``, an events table or an ``Attribution``).
+
+    The one orchestrator of the analyses: each runs once on the source's attribution, and the sections are
+    kept on it, so every output of one trace set (HTML, Markdown, TensorBoard) shows the same frames."""
+    from shardline.profiling.attribution import attribute
+
+    attribution = attribute(source, caller="report_sections")
+    return attribution.cached(("report_sections", int(top)),
+                              lambda: _analyse(attribution, progress=progress, top=int(top)))
+
+
+def _analyse(attribution, *, progress: bool, top: int) -> ReportSections:
+    from shardline.profiling.attribution import comm_by_dim
     from shardline.profiling.bubbles import pipeline_bubbles
     from shardline.profiling.classify import match_names
     from shardline.profiling.collectives import match_collectives, stragglers, wait_transfer
     from shardline.profiling.errors import AttributionError
 
-    events = getattr(traceset, "events", traceset)
     notes: dict[Section, str] = {}
     bar = _bar(6, enabled=progress)
+    matched = pd.DataFrame()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        bd = breakdown(events)
+        bd = attribution.breakdown
         bar.update()
-        cbd = comm_by_dim(events)
+        cbd = comm_by_dim(attribution)
         bar.update()
         try:
-            matched = match_collectives(events)
+            matched = match_collectives(attribution)
             wt, sg = wait_transfer(matched), stragglers(matched)
         except AttributionError as exc:
             wt, sg = pd.DataFrame(), pd.DataFrame()
             notes[Section.COLLECTIVES] = str(exc)
         bar.update()
-        # Without sl:pp annotations pipeline_bubbles would re-run the breakdown for its p2p estimate; the
-        # breakdown's p2p_recv column already says that, so the section points there instead.
-        if match_names(events["name"], "^sl:pp:batch:").any():
-            bubbles = pipeline_bubbles(events)
+        # Without sl:pp annotations pipeline_bubbles gives the breakdown's p2p_recv column again; the section
+        # points there instead.
+        if match_names(attribution.events["name"], "^sl:pp:batch:").any():
+            bubbles = pipeline_bubbles(attribution)
         else:
             bubbles = pd.DataFrame()
             notes[Section.PIPELINE] = ("no pipeline annotations (sl:pp:*) in this trace; the time ranks spent "
                                        "in receives is the breakdown's p2p_recv column")
         bar.update()
-        kernels = top_kernels(events, top=top)
+        kernels = top_kernels(attribution, top=top)
         bar.update()
-        offload = offload_traffic(events, bd)
+        offload = offload_traffic(attribution, bd)
         bar.update()
     bar.close()
+    _note_findings(notes, caught=caught, cbd=cbd, offload=offload)
+    return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
+                          top_kernels=kernels, offload=offload, notes=notes, matched=matched,
+                          attribution=attribution)
+
+
+def _note_findings(notes: dict, *, caught, cbd: pd.DataFrame, offload: pd.DataFrame) -> None:
     if caught:
         notes.setdefault(Section.BREAKDOWN, "; ".join(sorted({str(w.message) for w in caught})))
     if cbd.empty:
@@ -116,8 +142,6 @@ def report_sections(traceset, *, progress: bool = False, top: int = TOP_KERNELS)
         notes[Section.OFFLOAD] = (f"pageable host memory in {int(flagged['pageable_copies'].sum())} copies on ranks "
                                   f"{sorted(set(flagged['rank'].tolist()))}: they stage through a bounce buffer and "
                                   "block the host; pin the offload buffers")
-    return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
-                          top_kernels=kernels, offload=offload, notes=notes)
 
 
 class _NoBar:
@@ -136,12 +160,14 @@ def _bar(total: int, *, enabled: bool):
     return tqdm(total=total, desc="analysing", unit="section", leave=False)
 
 
-def _per_rank_work(events: pd.DataFrame, keep):
-    """``keep(work)`` of each rank's attributed work rows, concatenated: one rank's rows are materialised at a
-    time, so a large trace set costs its events table plus one rank, never a second copy of everything."""
-    from shardline.profiling.attribution import work_rows
+def _per_rank_work(source, keep, *, columns, categories=None):
+    """``keep(work)`` of each rank's attributed work rows (only ``columns``; only ``categories`` when given),
+    concatenated: one rank's rows are materialised at a time, so a large trace set costs its events table plus
+    one rank, never a second copy of everything."""
+    from shardline.profiling.attribution import attribute
 
-    frames = [keep(work_rows(grp)[0]) for _, grp in events.groupby("rank", observed=True, sort=True)]
+    frames = [keep(rank.work(columns, categories=categories))
+              for rank in attribute(source, caller="report_sections").working]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else None
 
@@ -152,10 +178,10 @@ def _kernel_totals(work: pd.DataFrame) -> pd.DataFrame:
     return per["dur_ns"].agg(["size", "sum"]).reset_index()
 
 
-def top_kernels(events: pd.DataFrame, *, top: int = TOP_KERNELS) -> pd.DataFrame:
+def top_kernels(source, *, top: int = TOP_KERNELS) -> pd.DataFrame:
     """The ``top`` names by total time in each category, over the attributed work rows of all ranks: category,
     name, calls, total_ns, mean_ns, share (of the category's total)."""
-    per_rank = _per_rank_work(events, _kernel_totals)
+    per_rank = _per_rank_work(source, _kernel_totals, columns=("category", "name", "dur_ns"))
     if per_rank is None or per_rank.empty:
         return pd.DataFrame(columns=["category", "name", "calls", "total_ns", "mean_ns", "share"])
     per = per_rank.groupby(["category", "name"], as_index=False)[["size", "sum"]].sum()
@@ -167,9 +193,10 @@ def top_kernels(events: pd.DataFrame, *, top: int = TOP_KERNELS) -> pd.DataFrame
     return per.groupby("category").head(top).reset_index(drop=True)
 
 
-def offload_traffic(events: pd.DataFrame, bd: pd.DataFrame) -> pd.DataFrame:
+def offload_traffic(source, bd: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, direction): copies, bytes, busy_ns, achieved_gbps, of_limit, pageable_copies, exposed_ns."""
-    copies = _per_rank_work(events, lambda w: w[w["category"].astype(str).isin(["memcpy_h2d", "memcpy_d2h"])])
+    copies = _per_rank_work(source, lambda w: w, columns=("rank", "category", "msg_bytes", "dur_ns", "memory_kind"),
+                            categories=("memcpy_h2d", "memcpy_d2h"))
     if copies is None or copies.empty:
         return pd.DataFrame(columns=["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps",
                                      "of_limit", "pageable_copies", "exposed_ns"])
@@ -195,34 +222,11 @@ def offload_traffic(events: pd.DataFrame, bd: pd.DataFrame) -> pd.DataFrame:
 
 # --- display tables ---------------------------------------------------------------------------------------------
 
-def ms_text(ns) -> np.ndarray:
-    """Integer ns -> ms as exact decimal text with six decimals (``1234567`` -> ``"1.234567"``)."""
-    ns = np.asarray(ns, dtype=np.int64)
-    sign = np.where(ns < 0, "-", "").astype(object)
-    mag = np.abs(ns)
-    frac = pd.Series((mag % 1_000_000).astype(str)).str.zfill(6).to_numpy(dtype=object)
-    return sign + (mag // 1_000_000).astype(str).astype(object) + "." + frac
-
-
-def _fixed(values, digits: int) -> list[str]:
-    return ["" if pd.isna(v) else f"{v:.{digits}f}" for v in values]
-
-
 def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.DataFrame]]]:
     """Per section, its (table id, table of display strings) pairs; empty list where the section has no data."""
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
-
     out: dict[Section, list[tuple[str, pd.DataFrame]]] = {s: [] for s in Section}
-    bd = sec.breakdown
-    if len(bd):
-        parts = [c for c in EXCLUSIVE_COLUMNS if (bd[c] != 0).any()]
-        table = pd.DataFrame({"rank": bd["rank"].astype(str), "step": bd["step"].astype(str),
-                              "lanes": bd["lanes"].astype(str), "step_ms": ms_text(bd["step_ns"])})
-        for column in parts:
-            table[f"{column}_ms"] = ms_text(bd[column])
-        table["comm_ms"] = ms_text(bd["comm_ns"])
-        table["overlap_%"] = _fixed(100 * bd["overlap_ratio"], 2)
-        out[Section.BREAKDOWN].append(("breakdown-table", table))
+    if len(sec.breakdown):
+        out[Section.BREAKDOWN].append(("breakdown-table", breakdown_table(sec.breakdown, style=REPORT)))
     if len(sec.comm_by_dim):
         c = sec.comm_by_dim
         out[Section.COMM_BY_DIM].append(("comm-by-dim-table", pd.DataFrame({
@@ -234,7 +238,7 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
         out[Section.COLLECTIVES].append(("wait-transfer-table", pd.DataFrame({
             "rank": w["rank"].astype(str), "category": w["category"].astype(str), "calls": w["calls"].astype(str),
             "time_ms": ms_text(w["dur_ns"]), "wait_ms": ms_text(w["wait_ns"]),
-            "transfer_ms": ms_text(w["transfer_ns"]), "wait_%": _fixed(100 * w["wait_fraction"], 2)})))
+            "transfer_ms": ms_text(w["transfer_ns"]), "wait_%": fixed(100 * w["wait_fraction"], 2)})))
     if len(sec.stragglers):
         s = sec.stragglers
         out[Section.COLLECTIVES].append(("stragglers-table", pd.DataFrame({
@@ -245,18 +249,18 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
         out[Section.PIPELINE].append(("bubbles-table", pd.DataFrame({
             "rank": b["rank"].astype(str), "step": b["step"].astype(str), "schedule": b["schedule"].astype(str),
             "p": b["p"].astype(str), "m": b["m"].astype(str), "batch_ms": ms_text(b["batch_ns"]),
-            "bubble_ms": ms_text(b["bubble_ns"]), "bubble_%": _fixed(100 * b["bubble_fraction"], 2),
-            "ideal_%": _fixed(100 * b["ideal_fraction"], 2)})))
+            "bubble_ms": ms_text(b["bubble_ns"]), "bubble_%": fixed(100 * b["bubble_fraction"], 2),
+            "ideal_%": fixed(100 * b["ideal_fraction"], 2)})))
     if len(sec.top_kernels):
         k = sec.top_kernels
         out[Section.TOP_KERNELS].append(("top-kernels-table", pd.DataFrame({
             "category": k["category"], "name": k["name"], "calls": k["calls"].astype(str),
-            "total_ms": ms_text(k["total_ns"]), "share_%": _fixed(100 * k["share"], 2)})))
+            "total_ms": ms_text(k["total_ns"]), "share_%": fixed(100 * k["share"], 2)})))
     if len(sec.offload):
         o = sec.offload
         out[Section.OFFLOAD].append(("offload-table", pd.DataFrame({
             "rank": o["rank"].astype(str), "direction": o["direction"], "copies": o["copies"].astype(str),
             "bytes": o["bytes"].astype(str), "busy_ms": ms_text(o["busy_ns"]),
-            "achieved_GB/s": _fixed(o["achieved_gbps"], 3), "of_64_GB/s_%": _fixed(100 * o["of_limit"], 2),
+            "achieved_GB/s": fixed(o["achieved_gbps"], 3), "of_64_GB/s_%": fixed(100 * o["of_limit"], 2),
             "pageable_copies": o["pageable_copies"].astype(str), "exposed_ms": ms_text(o["exposed_ns"])})))
     return out

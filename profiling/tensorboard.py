@@ -22,14 +22,14 @@ What lands where (``R`` a global rank, ``s`` = ``step_offset`` + the trace's ``P
         the traces the plugin may serve (the merged trace of the window, the raw per-rank traces).
 
 Scalar values are float32 in the event file (TensorBoard's ``simple_value``): ms = ns / 1e6 rounded to float32.
-Nothing here recomputes the attribution: every number is a column of ``breakdown`` (or of ``comm_by_dim``,
-``match_collectives``, ``pipeline_bubbles``), converted to ms or summed over ranks for display.
+Nothing here recomputes the attribution: every number is a column of the frames ``report_sections`` keeps on the
+trace set's ``Attribution`` (``breakdown``, ``comm_by_dim``, the matched collectives, ``pipeline_bubbles``),
+converted to ms or summed over ranks for display; the markdown table is ``tables.breakdown_table``.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib
 import json
 import math
 import shutil
@@ -41,8 +41,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.errors import AttributionError, ProfilingError, TraceWarning
+from shardline.profiling.errors import ProfilingError, TraceWarning
 from shardline.profiling.schema import COMM_CATEGORIES
+from shardline.profiling.tables import breakdown_table, pipe_table, shown_parts, tensorboard_style
 
 PLUGIN_NAME = "shardline"
 MANIFEST = "manifest.json"
@@ -79,11 +80,13 @@ def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, lay
 
     ``step_offset`` is added to every step number (windows of one run keep distinct steps). ``layout`` is the
     parallel layout (e.g. ``HybridParallelStrategy.describe()``): written as hparams, and its tp/cp/dp/pp
-    degrees are given to the classifier. ``table``: a breakdown already computed for this traceset (the callback
-    passes its own); computed here when None. Returns ``logdir``. Raises :class:`TensorBoardError` for a bad
-    ``step_offset``/``layout`` and when there is nothing to attribute.
+    degrees are the layout of the attribution shown (the trace set's own when it was loaded with them).
+    ``table``: a breakdown to show instead of the attribution's (by default the attribution's own). Returns
+    ``logdir``. Raises :class:`TensorBoardError` for a bad ``step_offset``/``layout`` and when there is nothing
+    to attribute.
     """
-    from shardline.profiling.attribution import breakdown
+    from shardline.profiling.attribution import attribute
+    from shardline.profiling.report_sections import report_sections
 
     if isinstance(step_offset, bool) or not isinstance(step_offset, (int, np.integer)):
         raise TensorBoardError(f"step_offset={step_offset!r} must be an integer")
@@ -92,18 +95,19 @@ def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, lay
     if not hasattr(traceset, "events"):
         raise TensorBoardError(f"write_tensorboard expects a TraceSet, got {type(traceset).__name__}")
     logdir = Path(logdir)
-    dims = _degrees(layout)
-    if table is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TraceWarning)
-            table = breakdown(traceset, layout=dims)
+    attribution = attribute(traceset, layout=_degrees(layout), caller="write_tensorboard")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TraceWarning)
+        sections = report_sections(attribution)
+    table = sections.breakdown if table is None else table
     if table.empty:
         raise TensorBoardError(f"nothing to write to {logdir}: the traces hold no work events to attribute")
     table = table.assign(tb_step=table["step"].clip(lower=0).astype(np.int64) + int(step_offset))
-    extras = {key: _shift_steps(frame, int(step_offset)) for key, frame in _analyses(traceset, dims=dims).items()}
+    extras = {key: _shift_steps(frame, int(step_offset)) for key, frame in _analyses(sections).items()}
     for rank, rows in table.groupby("rank", sort=True):
-        _write_events(logdir / f"rank{int(rank)}", _rank_events(rows, labels=_shown_labels(table)))
-    _write_events(logdir, _root_events(table, traceset, extras=extras, layout=_hparams(layout, traceset, extras)))
+        _write_events(logdir / f"rank{int(rank)}", _rank_events(rows, labels=shown_parts(table)))
+    _write_events(logdir, _root_events(table, attribution, extras=extras,
+                                       layout=_hparams(layout, traceset, extras)))
     _write_plugin_data(logdir, traceset, table=table, extras=extras, layout=layout,
                        first_step=int(table["tb_step"].min()))
     return logdir
@@ -126,24 +130,21 @@ def _degrees(layout: Mapping | None) -> dict[str, int] | None:
     return out or None
 
 
-def _analyses(traceset, *, dims) -> dict[str, pd.DataFrame]:
-    """The other analyses the views show: per-dimension comm, collective wait/transfer, pipeline bubbles."""
-    from shardline.profiling.attribution import comm_by_dim
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
-    from shardline.profiling.collectives import match_collectives
+def _analyses(sections) -> dict[str, pd.DataFrame]:
+    """The other analyses the views show, from the report's sections: per-dimension comm, collective
+    wait/transfer per (rank, step, category), the pipeline bubbles measured from annotations."""
+    from shardline.profiling.bubbles import BubbleMethod
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TraceWarning)
-        by_dim = comm_by_dim(traceset, layout=dims)
-        try:
-            matched = match_collectives(traceset)
-            waits = matched.groupby(["rank", "step", "category"], as_index=False).agg(
-                calls=("instance", "size"), wait_ns=("wait_ns", "sum"), transfer_ns=("transfer_ns", "sum"))
-        except AttributionError:  # no collectives in this window
-            waits = pd.DataFrame(columns=["rank", "step", "category", "calls", "wait_ns", "transfer_ns"])
-        bubbles = pipeline_bubbles(traceset)
-    bubbles = bubbles[bubbles["method"] == BubbleMethod.ANNOTATIONS.value].reset_index(drop=True)
-    return {"comm_by_dim": by_dim, "wait_transfer": waits, "bubbles": bubbles}
+    matched = sections.matched
+    if matched.empty:  # no collectives in this window
+        waits = pd.DataFrame(columns=["rank", "step", "category", "calls", "wait_ns", "transfer_ns"])
+    else:
+        waits = matched.groupby(["rank", "step", "category"], as_index=False).agg(
+            calls=("instance", "size"), wait_ns=("wait_ns", "sum"), transfer_ns=("transfer_ns", "sum"))
+    bubbles = sections.bubbles
+    if "method" in bubbles:
+        bubbles = bubbles[bubbles["method"] == BubbleMethod.ANNOTATIONS.value].reset_index(drop=True)
+    return {"comm_by_dim": sections.comm_by_dim, "wait_transfer": waits, "bubbles": bubbles}
 
 
 def _shift_steps(frame: pd.DataFrame, offset: int) -> pd.DataFrame:
@@ -151,12 +152,6 @@ def _shift_steps(frame: pd.DataFrame, offset: int) -> pd.DataFrame:
         return frame
     step = frame["step"].astype(np.int64)
     return frame.assign(step=step.where(step < 0, step + offset))
-
-
-def _shown_labels(table: pd.DataFrame) -> list[str]:
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
-
-    return [label for label in EXCLUSIVE_COLUMNS if (table[label] != 0).any()]
 
 
 def _shown_comms(table: pd.DataFrame) -> list[str]:
@@ -186,7 +181,7 @@ def _rank_events(rows: pd.DataFrame, *, labels: list[str]) -> list[tuple[int, li
     return out
 
 
-def _root_events(table: pd.DataFrame, traceset, *, extras: dict, layout: dict) -> list[tuple[int, list]]:
+def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict) -> list[tuple[int, list]]:
     """The run "." : layout, spread over ranks, images, the markdown table, hparams."""
     first = int(table["tb_step"].min())
     events = [(first, [_custom_scalars_layout(table)])]
@@ -195,7 +190,7 @@ def _root_events(table: pd.DataFrame, traceset, *, extras: dict, layout: dict) -
         events.append((int(step), [_scalar(f"{Family.OVER_RANKS.value}/{k}", row[k] / 1e6)
                                    for k in ("mean", "min", "max")]))
     events.append((first, [_text(TEXT_TAG, markdown_table(table))]))
-    events.append((first, _images(table, traceset, has_pipeline=not extras["bubbles"].empty)))
+    events.append((first, _images(table, attribution, has_pipeline=not extras["bubbles"].empty)))
     events += [(first, [value]) for value in _hparams_values(layout)]
     events.append((first, [_scalar(Family.HPARAM_METRIC.value, table["step_ns"].mean() / 1e6)]))
     return [(step, values) for step, values in events if values]
@@ -234,17 +229,13 @@ def _text(tag: str, markdown: str):
 
 
 def markdown_table(table: pd.DataFrame) -> str:
-    """The window as a markdown table: step time and each non-zero part in ms, overlap in %."""
-    labels = _shown_labels(table)
-    decimals = 3 if table["step_ns"].min() >= 1_000_000 else 6  # sub-ms steps keep their ns
-    header = ["rank", "step", "step ms", *[f"{label} ms" for label in labels], "overlap %"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for row in table.sort_values(["rank", "tb_step"]).itertuples(index=False):
-        ratio = "" if math.isnan(row.overlap_ratio) else f"{100 * row.overlap_ratio:.1f}"
-        cells = [str(int(row.rank)), str(int(row.tb_step)), f"{row.step_ns / 1e6:.{decimals}f}",
-                 *[f"{getattr(row, label) / 1e6:.{decimals}f}" for label in labels], ratio]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "Exclusive parts (exposed communication) sum to the step time.\n\n" + "\n".join(lines) + "\n"
+    """The window as a markdown table (``tables.breakdown_table``): step time and each non-zero part in ms
+    (three decimals, six when a step is shorter than 1 ms), overlap in %."""
+    digits = 3 if table["step_ns"].min() >= 1_000_000 else 6  # sub-ms steps keep their ns
+    rows = table.sort_values(["rank", "tb_step"])
+    shown = breakdown_table(rows.assign(step=rows["tb_step"]), style=tensorboard_style(digits))
+    return ("Exclusive parts (exposed communication) sum to the step time.\n\n"
+            + pipe_table(shown, right_aligned=True) + "\n")
 
 
 def _custom_scalars_layout(table: pd.DataFrame):
@@ -268,20 +259,15 @@ def _custom_scalars_layout(table: pd.DataFrame):
                                      tensor=_string_tensor(layout.SerializeToString()))
 
 
-def _images(table: pd.DataFrame, traceset, *, has_pipeline: bool) -> list:
-    """PNG images from part A's ``plots`` (absent module: no images, with a warning)."""
+def _images(table: pd.DataFrame, attribution, *, has_pipeline: bool) -> list:
+    """PNG images from ``plots``: the stacked breakdown, and the pipeline timeline when there is one."""
     from tensorboard.compat.proto import summary_pb2
 
-    try:
-        plots = importlib.import_module("shardline.profiling.plots")
-    except ModuleNotFoundError as exc:
-        if exc.name != "shardline.profiling.plots":
-            raise
-        warnings.warn("shardline.profiling.plots is not available: no images written", TraceWarning, stacklevel=3)
-        return []
+    from shardline.profiling import plots  # matplotlib: imported when images are drawn
+
     pngs = [(ImageTag.STACKED, plots.breakdown_figure(table.drop(columns="tb_step"), title="step-time breakdown"))]
     if has_pipeline:
-        pngs.append((ImageTag.PIPELINE, plots.pipeline_timeline_figure(traceset.events, title="pipeline")))
+        pngs.append((ImageTag.PIPELINE, plots.pipeline_timeline_figure(attribution, title="pipeline")))
     values = []
     for tag, png in pngs:
         width, height = _png_size(png)
@@ -389,21 +375,14 @@ def _write_plugin_data(logdir: Path, traceset, *, table: pd.DataFrame, extras: d
 
 
 def _window_traces(logdir: Path, folder: Path, traceset, *, name: str) -> list[dict]:
-    """The traces the plugin may serve, as paths relative to ``logdir``: the merged trace of the window (when
-    ``merge`` is available) and every raw Kineto trace (kept in place inside ``logdir``, else copied in)."""
+    """The traces the plugin may serve, as paths relative to ``logdir``: the merged trace of the window and
+    every raw Kineto trace (kept in place inside ``logdir``, else copied in)."""
+    from shardline.profiling.merge import merged_trace
     from shardline.profiling.readers import Format, sniff
 
-    out = []
-    try:
-        merge = importlib.import_module("shardline.profiling.merge")
-    except ModuleNotFoundError as exc:
-        if exc.name != "shardline.profiling.merge":
-            raise
-        merge = None
-    if merge is not None:
-        merged = merge.merged_trace(traceset, path=folder / f"{name}.merged.trace.json.gz")
-        out.append({"label": "all ranks (merged)", "kind": "merged",
-                    "path": Path(merged).resolve().relative_to(logdir.resolve()).as_posix()})
+    merged = merged_trace(traceset, path=folder / f"{name}.merged.trace.json.gz")
+    out = [{"label": "all ranks (merged)", "kind": "merged",
+            "path": Path(merged).resolve().relative_to(logdir.resolve()).as_posix()}]
     root = logdir.resolve()
     for file, ranks in sorted(traceset.files.items()):
         file = Path(file).resolve()

@@ -8,7 +8,9 @@ rank, with the job's ``distributedInfo`` (world size, backend, process groups)::
 
 ``<dir>`` is ``output_dir``, else the trainer's ``log_dir`` (the first logger's directory, agreed by all ranks),
 else ``default_root_dir``. When training ends, after a barrier (every rank has written), rank 0 alone runs the
-profiling core (``shardline.profiling.load`` + ``breakdown``) on each window and publishes:
+profiling core on each window -- ``shardline.profiling.load`` with the strategy's layout, then the window's one
+``Attribution``, whose breakdown and report sections are computed once and read by every output -- and
+publishes:
 
 * to every ``TensorBoardLogger``: ``shardline.profiling.tensorboard.write_tensorboard`` into
   ``<its log_dir>/shardline_profile`` (runs ``shardline_profile`` and ``shardline_profile/rank{R}`` next to the
@@ -154,9 +156,10 @@ class StepProfiler(pl.Callback):
         trainer.strategy.barrier("shardline-step-profiler")  # every rank's traces are on disk
         if trainer.global_rank != 0 or not self.trace_dirs:
             return
-        from shardline.profiling.attribution import breakdown
+        from shardline.profiling.attribution import attribute
         from shardline.profiling.errors import TraceWarning
         from shardline.profiling.load import load
+        from shardline.profiling.tensorboard import write_tensorboard
 
         describe = getattr(trainer.strategy, "describe", None)
         layout = describe() if callable(describe) else None
@@ -165,14 +168,15 @@ class StepProfiler(pl.Callback):
         for folder in self.trace_dirs:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", TraceWarning)
-                traceset = load(folder)
-                table = breakdown(traceset, layout=dims or None)
-                self._write_html(traceset, name=folder.name)
+                # Classified once, with the layout; the attribution is kept on the trace set, so the HTML
+                # report, the table and TensorBoard below all read the same breakdown and sections.
+                traceset = load(folder, layout=dims or None)
+                attribution = attribute(traceset)
+                table = attribution.breakdown
+                self._write_html(traceset, attribution, name=folder.name)
             self.tables.append(table)
             for logger in loggers:
-                from shardline.profiling.tensorboard import write_tensorboard
-
-                write_tensorboard(traceset, logdir=Path(logger.log_dir) / TRACE_DIR, layout=layout, table=table)
+                write_tensorboard(traceset, logdir=Path(logger.log_dir) / TRACE_DIR, layout=layout)
         self.summary = self._summary_text()
         self._write_report()
         print(self.summary, flush=True)
@@ -204,11 +208,12 @@ class StepProfiler(pl.Callback):
                          f"n={n_plain}, first step excluded); run more steps than wait+warmup+active+1")
         return "\n".join(lines)
 
-    def _write_html(self, traceset, *, name: str) -> None:
+    def _write_html(self, traceset, attribution, *, name: str) -> None:
         from shardline.profiling.report_html import render_html
         from shardline.profiling.report_sections import report_sections
 
-        text = render_html(report_sections(traceset), events=traceset.events, title=f"shardline step profile: {name}",
+        text = render_html(report_sections(attribution), events=attribution,
+                           title=f"shardline step profile: {name}",
                            sources=tuple(str(f) for f in sorted(traceset.files)))
         (self.root / f"report_{name}.html").write_text(text)
 

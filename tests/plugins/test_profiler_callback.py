@@ -32,8 +32,25 @@ MICRO_BATCHES = 2
 MODEL = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=1, n_head=2, d_model=16, optimizer="sgd", lr=0.1)
 
 
+def _count_calls(module, name: str, counts: dict) -> None:
+    """Count calls of ``module.name`` (in this forked rank only) into ``counts[name]``."""
+    original = getattr(module, name)
+    counts[name] = 0
+
+    def counting(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counting)
+
+
 def _fit(rank, world, save_dir, strategy_kwargs, model_overrides):
+    import shardline.profiling.attribution as attribution
+
     adopt_process_group_in_lightning()
+    computed: dict[str, int] = {}  # the breakdown computation and its per-rank partition, counted here
+    for name in ("_compute_breakdown", "partition_columns"):
+        _count_calls(attribution, name, computed)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH * world * STEPS, SEQ + 1), generator=g)
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
@@ -45,9 +62,9 @@ def _fit(rank, world, save_dir, strategy_kwargs, model_overrides):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer.fit(GPTModule(**{**MODEL, **model_overrides}), DataLoader(data, batch_size=BATCH))
-    engines = getattr(trainer.strategy.pipeline, "_engines", {})
+    engines = getattr(trainer.strategy.pipeline_driver, "_engines", {})
     return {"stdout": out.getvalue(), "summary": profiler.summary, "trace_dirs": profiler.trace_dirs,
-            "log_dir": logger.log_dir, "tables": profiler.tables,
+            "log_dir": logger.log_dir, "tables": profiler.tables, "computed": computed,
             "always_annotate": [engine._always_annotate for engine in engines.values()]}
 
 
@@ -123,6 +140,14 @@ def test_summary_is_printed_with_overhead_and_report_written(profiled_run):
     assert summary in report and "window0" in report
     html = (Path(rank0["log_dir"]) / TRACE_DIR / "report_window0.html").read_text()
     assert '<section id="breakdown">' in html
+
+
+def test_one_window_computes_its_breakdown_once(profiled_run):
+    """The HTML report, the markdown table, TensorBoard's scalars, text, plugin data and merged trace of one
+    window all read one attribution: its breakdown is computed once, one partition per rank."""
+    rank0, rank1 = profiled_run
+    assert rank0["computed"] == {"_compute_breakdown": 1, "partition_columns": 2}
+    assert rank1["computed"] == {"_compute_breakdown": 0, "partition_columns": 0}  # rank 0 alone analyses
 
 
 def test_pipeline_run_publishes_bubbles_and_timeline(pipeline_run):

@@ -5,9 +5,7 @@ Tier 2 (forked gloo ranks, needs torch); the profiler itself never imports torch
 
 from __future__ import annotations
 
-import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 
 def _run_profiled(rank, world, folder, m):

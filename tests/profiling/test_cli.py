@@ -106,24 +106,6 @@ def test_merge_command_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("shardline profile merge: error:") and len(err.splitlines()) == 1
 
 
-def test_tensorboard_without_its_module_is_a_clear_error(trace_folder, tmp_path, monkeypatch, capsys):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "shardline.profiling.tensorboard", None)  # as if part C were absent
-    assert main(["profile", "report", str(trace_folder), "--format", "tensorboard", "-o", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "shardline.profiling.tensorboard is not available" in err and len(err.splitlines()) == 1
-
-
-def test_parquet_without_pyarrow_names_the_dependency(trace_folder, tmp_path, monkeypatch, capsys):
-    import shardline.profiling.cli as cli
-
-    real = cli.find_spec
-    monkeypatch.setattr(cli, "find_spec", lambda name: None if name == "pyarrow" else real(name))
-    assert main(["profile", "report", str(trace_folder), "-o", str(tmp_path / "b.parquet")]) == 2
-    assert "pip install pyarrow" in capsys.readouterr().err
-
-
 def test_reports_diff_and_merge_run_without_torch(trace_folder, tmp_path):
     """A fresh interpreter where importing torch fails: every profile command still works."""
     import subprocess

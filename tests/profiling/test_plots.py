@@ -6,7 +6,6 @@ import io
 
 import matplotlib.image as mpimg
 import numpy as np
-import pytest
 
 from shardline.profiling.attribution import breakdown, comm_by_dim
 from shardline.profiling.plots import (
@@ -90,7 +89,8 @@ def test_comm_by_dim_figure_on_a_real_trace(traces_dir):
 
 
 def test_figures_leave_no_pyplot_state_and_are_deterministic(synth):
-    plt = pytest.importorskip("matplotlib.pyplot")
+    import matplotlib.pyplot as plt
+
     before = plt.get_fignums()
     rows, _ = synth.one_f_one_b(2, 2)
     events = synth.to_frame(rows)

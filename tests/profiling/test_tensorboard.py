@@ -138,8 +138,7 @@ def test_pipeline_trace_records_pp_and_bubbles(synth, tmp_path):
     assert bubble == pytest.approx(truth["bubble_ns"] / 1e6, rel=1e-6)
 
 
-def test_images_when_plots_exist(zero_tp_traces, synth, tmp_path):
-    pytest.importorskip("shardline.profiling.plots", reason="part A's plots module has not landed")
+def test_stacked_and_pipeline_images(zero_tp_traces, synth, tmp_path):
     traceset, _ = zero_tp_traces
     acc = _accumulator(write_tensorboard(traceset, logdir=tmp_path / "tb"))
     (image,) = acc.Images("breakdown/stacked")
