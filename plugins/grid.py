@@ -1,6 +1,7 @@
 """The process grid: parallel degrees (:class:`ParallelDims`) and the process groups built from them (:class:`Grid`).
 
-Rank order is ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` (Megatron's ``tp-cp-dp-pp``)::
+Rank order is ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` (Megatron's ``tp-cp-dp-pp``), stated once in
+:mod:`shardline.profiling.layout` (which the profiler reads too)::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
@@ -17,9 +18,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from shardline.plugins.errors import LayoutError
+from shardline.profiling import layout as placement
 from shardline.profiling.annotations import group_desc
 
-AXES = ("tp", "cp", "dp", "pp")
+AXES = placement.AXES
 COMBINED_AXES = ("dp_cp", "mp", "embed")
 
 
@@ -70,7 +72,7 @@ class ParallelDims:
         problems = self._layout_problems()
         if problems:
             raise LayoutError(f"invalid parallel layout {self._summary()}: " + "; ".join(problems))
-        set_(self, "_strides", {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * self.dp})
+        set_(self, "_strides", placement.strides(self.degrees))
 
     def _degree_problems(self, dp: int | None) -> list[str]:
         problems = []
@@ -113,6 +115,11 @@ class ParallelDims:
         return (f"(world_size={self.world_size}, tp={self.tp}, cp={self.cp}, dp={self.dp}, pp={self.pp}, "
                 f"sp={self.sp.value!r}, gpus_per_node={self.gpus_per_node})")
 
+    @property
+    def degrees(self) -> dict[str, int]:
+        """``{"tp", "cp", "dp", "pp"}`` degrees: the mapping the profiler classifies with."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
     def size(self, axis: str) -> int:
         """Size of one group of ``axis`` (an entry of AXES or COMBINED_AXES)."""
         if axis in AXES:
@@ -129,7 +136,7 @@ class ParallelDims:
         """Coordinates of ``rank``: ``{"tp": .., "cp": .., "dp": .., "pp": ..}``."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise LayoutError(f"rank={rank!r} outside 0..{self.world_size - 1} for {self._summary()}")
-        return {axis: (rank // self._strides[axis]) % getattr(self, axis) for axis in AXES}
+        return placement.coords_of(rank, self.degrees)
 
     def rank_of(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Inverse of :meth:`coords`."""
@@ -137,7 +144,7 @@ class ParallelDims:
         bad = [f"{a}={c}" for a, c in coords.items() if not 0 <= c < getattr(self, a)]
         if bad:
             raise LayoutError(f"coordinates {', '.join(bad)} out of range for {self._summary()}")
-        return sum(c * self._strides[a] for a, c in coords.items())
+        return placement.rank_of(coords, self.degrees)
 
     def group_ranks(self, axis: str) -> list[list[int]]:
         """Every group of ``axis``, each a sorted list of ranks, groups ordered by their first rank."""
@@ -255,6 +262,11 @@ class Grid:
             raise LayoutError(f"rank {self.global_rank} belongs to no {axis!r} group")
         return members.index(self.global_rank)
 
+    @property
+    def degrees(self) -> dict[str, int]:
+        """``{"tp", "cp", "dp", "pp"}`` degrees: the mapping the profiler classifies with."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
     def size(self, axis: str) -> int:
         self._check_axis(axis)
         return self.dims.size(axis)
@@ -270,7 +282,7 @@ class Grid:
     def stage_rank(self, stage_index: int) -> int:
         """Global rank of pipeline rank ``stage_index`` in this rank's pipeline (same tp, cp, dp)."""
         return self.dims.rank_of(tp=self.coords["tp"], cp=self.coords["cp"], dp=self.coords["dp"],
-                                 pp=stage_index % self.dims.pp)
+                                 pp=placement.stage_rank(stage_index, pp=self.dims.pp))
 
     @property
     def mpu(self):

@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 import shardline.profiling.annotations as contract
+from shardline.profiling import layout as placement
 from shardline.profiling.errors import ClassificationError
 from shardline.profiling.schema import (
     COMM_CATEGORIES,
@@ -255,22 +256,17 @@ def desc_dim(desc: str) -> str:
 
 
 def layout_dim(ranks_text: str, *, size: int, layout: Mapping[str, int]) -> str:
-    """Dimension of a group from its ranks (or only its size) in ``layout`` (tp fastest, then cp, dp, pp)."""
-    axes = [a for a in ("tp", "cp", "dp", "pp") if int(layout.get(a, 1)) > 1]
-    degrees = {a: int(layout.get(a, 1)) for a in ("tp", "cp", "dp", "pp")}
+    """Dimension of a group from its ranks (or only its size) in ``layout``, by :mod:`shardline.profiling.layout`'s
+    rank order (tp fastest, then cp, dp, pp)."""
+    axes = [a for a in placement.AXES if int(layout.get(a, 1)) > 1]
+    degrees = {a: int(layout.get(a, 1)) for a in placement.AXES}
     world = int(np.prod(list(degrees.values())))
     ranks = [int(r) for r in re.findall(r"-?\d+", ranks_text)] if ranks_text else []
     if ranks:
         size = len(ranks)
         if size == world:
             return "world"
-        coords = np.array(ranks)
-        varying = []
-        for axis in ("tp", "cp", "dp", "pp"):
-            coord = coords % degrees[axis]
-            coords = coords // degrees[axis]
-            if len(np.unique(coord)) > 1:
-                varying.append(axis)
+        varying = placement.varying_axes(ranks, degrees)  # the training side's own rank order
         if varying == ["cp", "dp"]:
             return "dp_cp"
         return varying[0] if len(varying) == 1 else UNKNOWN_DIM

@@ -223,19 +223,30 @@ def _is_hybrid(class_path: Any) -> bool:
 
 # --- layer 2: fields together ------------------------------------------------------------------------------------
 
-def strategy_degrees(strategy: Any) -> dict[str, Any] | None:
-    """``tp, pp, cp, sp, gpus_per_node`` of a shardline strategy given as a registered name or class_path dict;
-    None for any other strategy."""
+#: HybridParallelStrategy's arguments that make up its Layout, and the Layout part each goes to.
+_LAYOUT_ARGS = {"tp": None, "pp": None, "cp": None, "sp": None, "gpus_per_node": None, "schedule": "pipeline",
+                "chunks": "pipeline", "micro_batches": "pipeline", "zero_stage": "zero", "offload_optimizer": "zero",
+                "offload_params": "zero", "nvme_path": "zero"}
+
+
+def strategy_layout(strategy: Any):
+    """The unbound :class:`~shardline.plugins.layout.Layout` of a shardline strategy given as a registered name
+    or class_path dict (the strategy's own value, built the way the strategy builds it); None for any other
+    strategy. Bad values raise the Layout's ContractError/LayoutError, naming them."""
+    from shardline.plugins.layout import Layout, PipelineSpec, ZeroSpec
     from shardline.plugins.lightning.registry import parse_strategy_name
 
     if isinstance(strategy, str) and strategy.startswith("shardline"):
-        parsed = parse_strategy_name(strategy)
-        return {"tp": parsed["tp"], "pp": parsed["pp"], "cp": 1, "sp": "none", "gpus_per_node": None}
-    if isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
+        args = parse_strategy_name(strategy)
+    elif isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
         args = strategy.get("init_args") or {}
-        return {"tp": args.get("tp", 1), "pp": args.get("pp", 1), "cp": args.get("cp", 1),
-                "sp": args.get("sp", "none"), "gpus_per_node": args.get("gpus_per_node")}
-    return None
+    else:
+        return None
+    parts: dict[str | None, dict] = {None: {}, "pipeline": {}, "zero": {}}
+    for key, part in _LAYOUT_ARGS.items():
+        if key in args:
+            parts[part][{"zero_stage": "stage"}.get(key, key)] = args[key]
+    return Layout(**parts[None], pipeline=PipelineSpec(**parts["pipeline"]), zero=ZeroSpec(**parts["zero"]))
 
 
 def _with_defaults(cls: type, section: Any) -> dict[str, Any]:
@@ -285,7 +296,6 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     """Cross-field checks (layout vs world, model shape, model vs layout, byte vocabulary); RecipeError naming
     ``source`` and the fields. Reuses ParallelDims and GPTConfig, whose messages name every value."""
     from shardline.plugins.errors import ContractError, LayoutError
-    from shardline.plugins.grid import ParallelDims
     from shardline.plugins.models.gpt import GPTConfig, _sp_context
     from shardline.recipes.data import VOCAB_SIZE, TextDataModule
     from shardline.recipes.lit_gpt import GPTModule
@@ -294,9 +304,9 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     model = _with_defaults(GPTModule, recipe.get("model"))
     problems, dims, config = [], None, None
     try:
-        degrees = strategy_degrees(trainer.get("strategy"))
-    except ContractError as error:
-        degrees, problems = None, [f"trainer.strategy: {error}"]
+        layout = strategy_layout(trainer.get("strategy"))
+    except (ContractError, LayoutError) as error:
+        layout, problems = None, [f"trainer.strategy: {error}"]
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
         problems += [f"trainer.strategy.init_args.{key} has no effect under HybridParallelStrategy (ZeRO comes "
@@ -306,11 +316,11 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     if isinstance(data_path, str) and not Path(data_path).expanduser().exists():
         problems.append(f"data.path={data_path!r} does not exist (relative paths are from the working folder)")
     devices, nodes = (_as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
-    if degrees is not None and isinstance(devices, int) and isinstance(nodes, int):
-        gpus_per_node = degrees.pop("gpus_per_node")
+    if layout is not None and isinstance(devices, int) and isinstance(nodes, int):
         try:
-            dims = ParallelDims(devices * nodes, gpus_per_node=gpus_per_node, **degrees)
+            dims = layout.for_world(devices * nodes)
         except LayoutError as error:
+            degrees = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "sp": layout.sp.value}
             problems.append(f"trainer.devices={devices} x trainer.num_nodes={nodes} with trainer.strategy "
                             f"{degrees}: {error}")
     config_fields = set(inspect.signature(GPTConfig).parameters)

@@ -17,3 +17,11 @@ def traces_dir() -> Path:
     if not TRACES_DIR.is_dir():
         pytest.skip(f"trace corpus not found at {TRACES_DIR} (set SHARDLINE_TRACES to its folder)")
     return TRACES_DIR
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_lightning_seed(monkeypatch):
+    """A test that runs LightningCLI or seed_everything leaves PL_GLOBAL_SEED in the environment, which changes
+    the DistributedSampler order of every later Trainer (and the forked ranks inherit it): each test starts
+    without it, so no result depends on test order."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)

@@ -43,6 +43,7 @@ from shardline.plugins.lightning.deepspeed_compat import (
 from shardline.plugins.pipeline.engine import PipelineEngine, PipelineHooks
 from shardline.plugins.pipeline.partition import build_stages, partition_layers, sync_tied_grads
 from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
+from shardline.profiling import layout as placement
 from shardline.profiling.annotations import comm_name
 
 #: ``micro_batches=None`` picks the smallest m dividing the batch with a bubble (p-1)/(v*m+p-1) under this.
@@ -117,7 +118,8 @@ class PipelineDriver:
         _require(module)
         grid = strategy.grid
         self.strategy, self.module = strategy, module
-        self.p, self.v, self.rank = grid.size("pp"), strategy.chunks, grid.rank("pp")
+        self.spec = strategy.layout.pipeline
+        self.p, self.v, self.rank = grid.size("pp"), self.spec.chunks, grid.rank("pp")
         self.n_stages = self.p * self.v
         layers = list(module.pipeline_layers())
         if len(layers) < self.n_stages:
@@ -126,7 +128,7 @@ class PipelineDriver:
         partition = partition_layers(layers, self.n_stages, method="uniform")
         bounds = partition.bounds
         stages = build_stages(layers, partition)
-        self.local = {s: stages[s] for s in range(self.rank, self.n_stages, self.p)}
+        self.local = {s: stages[s] for s in placement.stages_of_rank(self.rank, n_stages=self.n_stages, pp=self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
         self.tied = self._tied_parameters(layers, bounds, keep)
         hosted = list({id(p): p for i in keep for p in layers[i].parameters()}.values())
@@ -139,7 +141,7 @@ class PipelineDriver:
 
     def _tied_parameters(self, layers, bounds, keep) -> list[nn.Parameter]:
         """Parameters used by layers on two different pipeline ranks (must be first and last rank)."""
-        owner_of_layer = {i: s % self.p for s, (a, b) in enumerate(bounds) for i in range(a, b)}
+        owner_of_layer = {i: placement.stage_rank(s, pp=self.p) for s, (a, b) in enumerate(bounds) for i in range(a, b)}
         ranks_of: dict[int, set[int]] = {}
         params: dict[int, nn.Parameter] = {}
         for i, layer in enumerate(layers):
@@ -151,9 +153,9 @@ class PipelineDriver:
         if bad:
             raise ContractError(f"parameters shared across pipeline ranks {bad}: only a weight tied between the "
                                 f"first and the last stage (ranks 0 and {self.p - 1}) is supported")
-        if shared and self.strategy.zero_stage >= 2:
+        if shared and self.strategy.layout.zero.stage >= 2:
             raise ContractError(
-                f"zero_stage={self.strategy.zero_stage} with pp={self.p}: a weight tied across the first and last "
+                f"zero_stage={self.strategy.layout.zero.stage} with pp={self.p}: a weight tied across the first and last "
                 "pipeline stage (e.g. tie_embeddings=True) needs its gradients summed before ZeRO reduces them, "
                 "which ZeRO-2/3 do during backward; untie it (tie_embeddings=False) or use zero_stage <= 1")
         mine = {id(p) for layer_index in keep for p in layers[layer_index].parameters()}
@@ -177,12 +179,12 @@ class PipelineDriver:
     def engine_for(self, batch_size: int, *, evaluate: bool = False) -> PipelineEngine:
         """The engine for a batch of ``batch_size``: the training schedule, or with ``evaluate`` the
         forward-only schedule (its micro-batch count divides the batch: any count works for it)."""
-        m = self.strategy.micro_batches or default_microbatches(batch_size, p=self.p, v=self.v)
+        m = self.spec.micro_batches or default_microbatches(batch_size, p=self.p, v=self.v)
         if evaluate:
             m = math.gcd(m, batch_size)
         key = ("evaluate" if evaluate else "train", m)
         if key not in self._engines:
-            kind = ScheduleKind.FORWARD_ONLY if evaluate else self.strategy.schedule
+            kind = ScheduleKind.FORWARD_ONLY if evaluate else self.spec.schedule
             schedule = build_schedule(kind, n_ranks=self.p, n_microbatches=m, n_chunks=self.v)
             grid = self.strategy.grid
             self._engines[key] = PipelineEngine(
@@ -212,7 +214,7 @@ class PipelineDriver:
         return loss
 
     def _adapt_zero3(self) -> None:
-        if self.strategy.zero_stage == 3 and self._z3 is None:
+        if self.strategy.layout.zero.stage == 3 and self._z3 is None:
             self._z3 = Zero3PipelineSteps(self.strategy.deepspeed_engine)
 
     def _end_zero3_step(self) -> None:

@@ -34,14 +34,13 @@ from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
+from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
 from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
-from shardline.plugins.lightning.zero import Offload, derive_config, load_user_config, parse_offload
+from shardline.plugins.lightning.zero import derive_config, load_user_config
 
 log = logging.getLogger(__name__)
 
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class HybridParallelStrategy(DeepSpeedStrategy):
@@ -59,15 +58,11 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                  chunks: int = 1, activation_checkpointing: bool = False, pipeline_annotations: str = "when_profiling",
                  deepspeed_config: dict | str | None = None, gpus_per_node: int | None = None,
                  **lightning_kwargs: Any):
-        # Catch a wrong degree or mode now, with the world size still unknown (world_size=product checks it).
-        ParallelDims(tp * pp * cp, tp=tp, pp=pp, cp=cp, sp=sp)
-        if schedule not in SCHEDULES:
-            raise ContractError(f"schedule={schedule!r} must be one of {SCHEDULES}")
-        if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and schedule != "interleaved"):
-            raise ContractError(f"chunks={chunks!r} must be 1, or > 1 with schedule='interleaved' "
-                                f"(schedule={schedule!r})")
-        if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
-            raise ContractError(f"micro_batches={micro_batches!r} must be a positive integer or None")
+        # The one layout value, validated now (the world size still unknown) and bound once at setup.
+        self.layout = Layout(tp=tp, pp=pp, cp=cp, sp=sp, gpus_per_node=gpus_per_node,
+                             pipeline=PipelineSpec(schedule=schedule, chunks=chunks, micro_batches=micro_batches),
+                             zero=ZeroSpec(stage=zero_stage, offload_optimizer=offload_optimizer,
+                                           offload_params=offload_params, nvme_path=nvme_path))
         from shardline.plugins.pipeline.engine import Annotations
 
         try:
@@ -75,32 +70,36 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         except ValueError:
             raise ContractError(f"pipeline_annotations={pipeline_annotations!r} must be one of "
                                 f"{[a.value for a in Annotations]}") from None
-        self.degrees = {"tp": tp, "pp": pp, "cp": cp}
-        self.sp = SPMode(sp)
-        self.zero_stage = zero_stage
-        self.offload_optimizer = parse_offload(offload_optimizer, name="offload_optimizer")
-        self.offload_params = parse_offload(offload_params, name="offload_params")
-        self.micro_batches = micro_batches
-        self.schedule = schedule
-        self.chunks = chunks
         self.activation_checkpointing = activation_checkpointing
-        self.gpus_per_node = gpus_per_node
-        config = derive_config(zero_stage=zero_stage, offload_optimizer=self.offload_optimizer,
-                               offload_params=self.offload_params, nvme_path=nvme_path,
+        zero = self.layout.zero
+        config = derive_config(zero_stage=zero.stage, offload_optimizer=zero.offload_optimizer,
+                               offload_params=zero.offload_params, nvme_path=zero.nvme_path,
                                user_config=load_user_config(deepspeed_config))
         lightning_kwargs.setdefault("logging_level", logging.WARNING)
         super().__init__(config=config, **lightning_kwargs)
         self.grid: Grid | None = None
-        self.dims: ParallelDims | None = None
         self.pipeline_driver = None  # a PipelineDriver when pp > 1, built at setup
         self._pipeline_runs = 0  # strategy.pipeline() calls in the current step (exactly one under pp > 1)
         self.pipeline_meta_group = None
 
     # --- layout ------------------------------------------------------------------------------------------------
 
+    # Read-only views of the one layout (kept for callers; nothing here is a second copy).
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp}
+
+    @property
+    def dims(self) -> ParallelDims | None:
+        return self.layout.dims if self.layout.bound else None
+
+    @property
+    def zero_stage(self) -> int:
+        return self.layout.zero.stage
+
     def layout_for(self, world_size: int) -> ParallelDims:
         """The ParallelDims for ``world_size`` ranks (raises LayoutError naming every number if impossible)."""
-        return ParallelDims(world_size, sp=self.sp, gpus_per_node=self.gpus_per_node, **self.degrees)
+        return self.layout.for_world(world_size)
 
     def _configure_launcher(self) -> None:
         # Runs in the launching process, before any worker or process group exists: fail here, not in N copies.
@@ -114,7 +113,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        self.dims = self.layout_for(self.world_size)
+        self.layout = self.layout.bind(self.world_size)
         self._init_deepspeed_distributed()
         self.grid = Grid.build(self.dims)
         if self.dims.pp > 1 and self.grid.backend != "gloo":
@@ -139,7 +138,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def setup(self, trainer) -> None:
         self._install_gradient_syncs()
-        if self.degrees["pp"] > 1:
+        if self.layout.pp > 1:
             from shardline.plugins.lightning.pipeline_driver import PipelineDriver
 
             # Backward only accumulates; Lightning's one optimizer step per batch is DeepSpeed's boundary.
@@ -156,7 +155,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         installs the tied-weight sum."""
         module = self.lightning_module
         sum_sequence_parallel_gradients(module, group=self.grid.group("tp"))
-        if self.degrees["pp"] == 1:
+        if self.layout.pp == 1:
             set_norm_flags(list(module.parameters()), tp_rank=self.grid.rank("tp"), first_stage=True,
                            last_stage=True)
 
@@ -196,7 +195,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             lr_scheduler=None, model_parameters=[], dist_init_required=False, mpu=self.grid.mpu)
 
     def _check_pipeline_training(self, trainer) -> None:
-        p = self.degrees["pp"]
+        p = self.layout.pp
         if trainer.accumulate_grad_batches > 1:
             # Every optimizer step is DeepSpeed's reduction boundary under the pipeline (unmanaged accumulation).
             raise ContractError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} with pp={p}: the "
@@ -244,8 +243,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def layout_record(self) -> dict[str, Any]:
         """What must match for a sharded checkpoint to load: the degrees, the world and the ZeRO stage."""
-        record = self.describe()
-        record["world_size"] = self.world_size
+        record = self.layout.record()
         return {k: record[k] for k in ("world_size", "tp", "pp", "cp", "dp", "sp", "zero_stage", "chunks")}
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
@@ -325,7 +323,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         out = getattr(module, name)(*args, **kwargs)
         if self._pipeline_runs != 1:
             raise ContractError(f"{type(module).__name__}.{name} called self.trainer.strategy.pipeline(batch) "
-                                f"{self._pipeline_runs} times in one batch with pp={self.degrees['pp']}: with "
+                                f"{self._pipeline_runs} times in one batch with pp={self.layout.pp}: with "
                                 "pp > 1 the step must run the pipeline exactly once (its loss is the batch loss)")
         return out
 
@@ -368,11 +366,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def describe(self) -> dict[str, Any]:
         """The layout as plain values (for hparams, checkpoints and logs)."""
-        dims = self.dims
-        return {"tp": self.degrees["tp"], "pp": self.degrees["pp"], "cp": self.degrees["cp"],
-                "dp": dims.dp if dims else None, "sp": self.sp.value, "zero_stage": self.zero_stage,
-                "offload_optimizer": self.offload_optimizer.value, "offload_params": self.offload_params.value,
-                "micro_batches": self.micro_batches, "schedule": self.schedule, "chunks": self.chunks}
+        record = self.layout.record()
+        record.pop("world_size")
+        return record
 
 
 def _map_sequence_tensors(value: Any, fn, path: str = "batch") -> Any:

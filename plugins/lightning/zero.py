@@ -9,27 +9,12 @@ over the derived one key by key, recursively, so one option can be changed witho
 from __future__ import annotations
 
 import copy
-import enum
 import json
 from pathlib import Path
 from typing import Any
 
 from shardline.plugins.errors import ContractError
-
-
-class Offload(str, enum.Enum):
-    NONE = "none"
-    CPU = "cpu"
-    NVME = "nvme"
-
-
-def parse_offload(value: str | Offload | None, *, name: str) -> Offload:
-    if value is None:
-        return Offload.NONE
-    try:
-        return Offload(value)
-    except ValueError:
-        raise ContractError(f"{name}={value!r} must be None, 'cpu' or 'nvme'") from None
+from shardline.plugins.layout import Offload, parse_offload  # noqa: F401 - parse_offload is re-exported
 
 
 def load_user_config(config: dict | str | Path | None) -> dict:

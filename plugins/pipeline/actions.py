@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shardline.plugins.errors import ScheduleError
+from shardline.profiling import layout as placement
 
 
 class ActionKind(str, enum.Enum):
@@ -202,11 +203,11 @@ class Schedule:
         return self.n_stages // self.n_ranks
 
     def rank_of_stage(self, stage: int) -> int:
-        return stage % self.n_ranks
+        return placement.stage_rank(stage, pp=self.n_ranks)
 
     def stages_of_rank(self, rank: int) -> list[int]:
         """Stages hosted by ``rank``, in chunk order: ``[rank, rank + p, ...]``."""
-        return list(range(rank, self.n_stages, self.n_ranks))
+        return placement.stages_of_rank(rank, n_stages=self.n_stages, pp=self.n_ranks)
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         return self.actions[rank]

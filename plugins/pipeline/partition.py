@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardline.plugins.errors import LayoutError
+from shardline.profiling import layout as placement
 from shardline.profiling.annotations import comm_name
 
 
@@ -150,7 +151,7 @@ def stages_of_rank(stages: Sequence, *, rank: int, n_ranks: int) -> list:
     if len(stages) % n_ranks or not 0 <= rank < n_ranks:
         raise LayoutError(f"cannot place {len(stages)} stages on n_ranks={n_ranks} (rank={rank}): the number "
                           f"of stages must be a multiple of the ranks")
-    return list(stages[rank::n_ranks])
+    return [stages[s] for s in placement.stages_of_rank(rank, n_stages=len(stages), pp=n_ranks)]
 
 
 @dataclass
