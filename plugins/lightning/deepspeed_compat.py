@@ -7,7 +7,9 @@ document as API. Each is a function here, named after what it does for us:
   ``model_parallel``, ``ds_pipe_replicated``): :func:`set_norm_flags`, derived from the declared roles;
 - ZeRO-1/2's gradient accumulation buffer (``param.grad_accum``): :func:`accumulated_gradient`;
 - ZeRO-3's parameter coordinator (``optimizer.parameter_offload``, its forward pre-hook and its trace):
-  :class:`Zero3PipelineSteps`.
+  :class:`Zero3PipelineSteps`;
+- the engine's forward/backward with its gradient-accumulation scaling, as the pipeline engine's backend:
+  :class:`DeepSpeedStageBackend`.
 
 ``TESTED`` is the DeepSpeed range these were checked against (the suite runs them); another version gets one
 warning, since a private name may have moved.
@@ -17,9 +19,13 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardline.plugins.layers.roles import RoleKind, role_of
+from shardline.plugins.pipeline.backend import StageBackend
+from shardline.profiling.annotations import comm_name
 
 #: DeepSpeed versions whose private state this file was checked against (the package admits the same range).
 TESTED = ((0, 19, 8), (0, 20, 0))
@@ -92,3 +98,45 @@ class Zero3PipelineSteps:
         self.coordinator.reset_step()
         if not self.coordinator.is_invalid_trace():
             self.coordinator._invalidate_trace()
+
+
+class DeepSpeedStageBackend(StageBackend):
+    """The pipeline engine's backend under the strategy: every stage runs through one DeepSpeed engine.
+
+    ``forward``: ``engine(x, stage)`` (the engine wraps a :class:`~shardline.plugins.lightning.stage_host.StageHost`),
+    so ZeRO-3 gathers the stage's parameters and DeepSpeed's backward hooks attach to the output. ``backward``:
+    ``engine.backward``, on the last stage the micro-batch loss (already ``/ m``) scaled for gradient accumulation,
+    elsewhere ``(output * grad).sum()``, whose gradient with respect to the stage's parameters and input is
+    exactly ``output.backward(grad)``. ``end_batch``: after a training batch, the gradients of weights tied across
+    the first and last stage (``tied``, this rank's copies) are summed over ``embed_group`` in the buffer ZeRO
+    accumulates them in; then ZeRO-3's coordinator closes its step (:class:`Zero3PipelineSteps`).
+    """
+
+    def __init__(self, engine, *, device, tied: list[nn.Parameter], embed_group, zero_stage: int):
+        check_version()
+        self.engine, self._device = engine, torch.device(device)
+        self.tied, self.embed_group = tied, embed_group
+        self._zero3 = Zero3PipelineSteps(engine) if zero_stage == 3 else None
+
+    def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, stage)
+
+    def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if grad is None:  # the last stage's micro-batch loss, already divided by m
+            self.engine.backward(output, scale_wrt_gas=True)
+        else:
+            self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
+
+    def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:
+        if not forward_only and self.embed_group is not None:
+            for param in self.tied:
+                grad = accumulated_gradient(param)
+                if grad is None:  # a copy that got no gradient this batch counts as zero
+                    grad = param.grad = torch.zeros_like(param)
+                with torch.profiler.record_function(comm_name("embed", "all_reduce")):
+                    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.embed_group)
+        if self._zero3 is not None:
+            self._zero3.end_batch()
+
+    def device(self, stage: int) -> torch.device:
+        return self._device

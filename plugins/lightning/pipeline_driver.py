@@ -13,12 +13,12 @@ optimizer, DeepSpeed and checkpoints see exactly this rank's parameters. A param
 different pipeline ranks (tied input/output embeddings) keeps one copy on each; its gradients are summed over
 the grid's ``embed`` group after the batch's last backward.
 
-Per batch (Lightning's ``training_step``): the batch is split into ``m`` micro-batches and
-:class:`~shardline.plugins.pipeline.PipelineEngine` runs the validated schedule. Each stage's forward goes through
-the DeepSpeed engine (so ZeRO-3 gathers parameters and DeepSpeed's backward hooks attach), and each backward is
-``deepspeed_engine.backward``: the last stage's micro-batch loss (already ``/ m``) scaled by DeepSpeed for
-gradient accumulation, every other stage ``(output * received_grad).sum()``, whose gradient with respect to the
-stage's parameters and input is exactly ``output.backward(received_grad)``. DeepSpeed runs with
+Per batch (``strategy.pipeline(batch)``, from the module's own ``training_step``/``validation_step``): the batch
+is split into ``m`` micro-batches and :class:`~shardline.plugins.pipeline.PipelineEngine` runs the validated
+schedule (the forward-only one in evaluation), computing each stage through its backend,
+:class:`~shardline.plugins.lightning.deepspeed_compat.DeepSpeedStageBackend`: forwards through the DeepSpeed
+engine (ZeRO-3 gathers, DeepSpeed's backward hooks attach), backwards by ``deepspeed_engine.backward``, the
+tied-weight sum and ZeRO-3's step at the end of the batch. DeepSpeed runs with
 ``managed_gradient_accumulation=False``: backward only accumulates, and the optimizer step that Lightning calls
 once per batch is the one reduction boundary. That is how ZeRO-2 and ZeRO-3 (and offload) compose with
 pipelining, which DeepSpeed's own PipelineEngine forbids.
@@ -31,20 +31,14 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardline.plugins.errors import ContractError, LayoutError
-from shardline.plugins.lightning.deepspeed_compat import (
-    Zero3PipelineSteps,
-    accumulated_gradient,
-    set_norm_flags,
-)
-from shardline.plugins.pipeline.engine import PipelineEngine, PipelineHooks
-from shardline.plugins.pipeline.partition import build_stages, partition_layers, sync_tied_grads
+from shardline.plugins.lightning.deepspeed_compat import DeepSpeedStageBackend, set_norm_flags
+from shardline.plugins.pipeline.engine import PipelineEngine
+from shardline.plugins.pipeline.partition import build_stages, partition_layers
 from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
 from shardline.profiling import layout as placement
-from shardline.profiling.annotations import comm_name
 
 #: ``micro_batches=None`` picks the smallest m dividing the batch with a bubble (p-1)/(v*m+p-1) under this.
 TARGET_BUBBLE = 0.2
@@ -59,20 +53,6 @@ class _Placeholder(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise ContractError(f"pipeline layer {self.index} lives on another pipeline rank")
-
-
-class _StageCall(nn.Module):
-    """A parameter-free handle the engine calls: runs one local stage through the DeepSpeed engine."""
-
-    def __init__(self, driver: PipelineDriver, stage: int):
-        super().__init__()
-        object.__setattr__(self, "_driver", driver)
-        self.stage = stage
-        # It holds no parameters, so the engine cannot infer the device: received activations go here.
-        self.pipeline_device = driver.strategy.root_device
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._driver.run_stage(x, self.stage)
 
 
 def default_microbatches(batch_size: int, *, p: int, v: int) -> int:
@@ -136,8 +116,8 @@ class PipelineDriver:
                        last_stage=self.rank == self.p - 1, tied={id(p) for p in self.tied})
         _replace_layers(module, keep, layers)
         self.micro_losses: list[torch.Tensor] = []
-        self._engines: dict[int, PipelineEngine] = {}
-        self._z3: Zero3PipelineSteps | None = None
+        self._engines: dict[tuple[str, int], PipelineEngine] = {}
+        self._stage_backend: DeepSpeedStageBackend | None = None
 
     def _tied_parameters(self, layers, bounds, keep) -> list[nn.Parameter]:
         """Parameters used by layers on two different pipeline ranks (must be first and last rank)."""
@@ -161,19 +141,6 @@ class PipelineDriver:
         mine = {id(p) for layer_index in keep for p in layers[layer_index].parameters()}
         return [params[pid] for pid in shared if pid in mine]
 
-    # --- per stage ------------------------------------------------------------------------------------------
-
-    def run_stage(self, x: torch.Tensor, stage: int) -> torch.Tensor:
-        # Through DeepSpeed's engine, which wraps a StageHost: ZeRO-3 gathers, the backward hooks attach.
-        return self.strategy.model(x, stage)
-
-    def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
-        engine = self.strategy.deepspeed_engine
-        if grad is None:  # the last stage's micro-batch loss, already divided by m
-            engine.backward(output, scale_wrt_gas=True)
-        else:
-            engine.backward((output * grad).sum(), scale_wrt_gas=False)
-
     # --- per batch ------------------------------------------------------------------------------------------
 
     def engine_for(self, batch_size: int, *, evaluate: bool = False) -> PipelineEngine:
@@ -188,52 +155,30 @@ class PipelineDriver:
             schedule = build_schedule(kind, n_ranks=self.p, n_microbatches=m, n_chunks=self.v)
             grid = self.strategy.grid
             self._engines[key] = PipelineEngine(
-                {s: _StageCall(self, s) for s in self.local}, schedule=schedule, pp_rank=self.rank,
-                loss_fn=self.module.pipeline_loss, group=grid.group("pp"),
-                meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
-                hooks=None if evaluate else _TiedSync(self), backward=self.backward,
-                annotations=self.strategy.pipeline_annotations)
+                self.local, schedule=schedule, pp_rank=self.rank, loss_fn=self.module.pipeline_loss,
+                group=grid.group("pp"), meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
+                backend=self._backend(), annotations=self.strategy.pipeline_annotations)
         return self._engines[key]
 
+    def _backend(self) -> DeepSpeedStageBackend:
+        """One backend for every engine of this rank (built once DeepSpeed's engine exists)."""
+        if self._stage_backend is None:
+            strategy = self.strategy
+            self._stage_backend = DeepSpeedStageBackend(
+                strategy.model, device=strategy.root_device, tied=self.tied,
+                embed_group=strategy.grid.group("embed"), zero_stage=strategy.layout.zero.stage)
+        return self._stage_backend
+
     def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self._adapt_zero3()
         engine = self.engine_for(inputs.shape[0])
         loss = engine.run_batch(inputs, targets)
         self.micro_losses = list(engine.micro_losses)
-        self._end_zero3_step()
         return loss
 
     def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's loss on every pipeline rank, from the forward-only schedule on the same engine."""
-        self._adapt_zero3()
         engine = self.engine_for(inputs.shape[0], evaluate=True)
         with torch.no_grad():
             loss = engine.run_batch(inputs, targets)
         self.micro_losses = list(engine.micro_losses)
-        self._end_zero3_step()
         return loss
-
-    def _adapt_zero3(self) -> None:
-        if self.strategy.layout.zero.stage == 3 and self._z3 is None:
-            self._z3 = Zero3PipelineSteps(self.strategy.deepspeed_engine)
-
-    def _end_zero3_step(self) -> None:
-        if self._z3 is not None:
-            self._z3.end_batch()
-
-
-class _TiedSync(PipelineHooks):
-    def __init__(self, driver: PipelineDriver):
-        self.driver = driver
-
-    def after_batch(self, *, loss: torch.Tensor) -> None:
-        group = self.driver.strategy.grid.group("embed")
-        if group is None or not self.driver.tied:
-            return
-        for param in self.driver.tied:
-            grad = accumulated_gradient(param)
-            if grad is None:
-                sync_tied_grads([param], group=group)  # a missing gradient counts as zero
-                continue
-            with torch.profiler.record_function(comm_name("embed", "all_reduce")):
-                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)

@@ -61,6 +61,7 @@ from torch.profiler import record_function
 
 from shardline.plugins.errors import ContractError, LayoutError, ScheduleError
 from shardline.plugins.pipeline.actions import ActionKind, Schedule
+from shardline.plugins.pipeline.backend import AutogradBackend, StageBackend
 from shardline.plugins.pipeline.memory import SavedTensorMeter
 from shardline.plugins.pipeline.p2p import (
     DATA_TAG,
@@ -191,8 +192,7 @@ class PipelineEngine:
                  group: dist.ProcessGroup | None = None, meta_group: dist.ProcessGroup | None = None,
                  loss_reduction: LossReduction | str = LossReduction.MEAN,
                  memory: MemoryAccounting | str = MemoryAccounting.OFF, hooks: PipelineHooks | None = None,
-                 timeout_s: float = 300.0,
-                 backward: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
+                 timeout_s: float = 300.0, backend: StageBackend | None = None,
                  annotations: Annotations | str = Annotations.WHEN_PROFILING):
         validate(schedule)
         if not isinstance(pp_rank, int) or not 0 <= pp_rank < schedule.n_ranks:
@@ -209,14 +209,14 @@ class PipelineEngine:
         if size != schedule.n_ranks:
             raise LayoutError(f"the pp group has {size} ranks but schedule {schedule.name!r} has "
                               f"n_ranks={schedule.n_ranks}")
-        backend = dist.get_backend(group)
-        if meta_group is None and backend != "gloo":
-            raise ContractError(f"backend {backend!r} ignores message tags: pass meta_group, a gloo group over "
+        comm = dist.get_backend(group)
+        if meta_group is None and comm != "gloo":
+            raise ContractError(f"backend {comm!r} ignores message tags: pass meta_group, a gloo group over "
                                 f"the same ranks, for the shape headers")
         self.meta_group = group if meta_group is None else meta_group
         self._meta_tag = HEADER_TAG if meta_group is None else 0
         self._meta_device = torch.device("cpu") if dist.get_backend(self.meta_group) == "gloo" else None
-        if backend == "nccl":
+        if comm == "nccl":
             # torch requires every rank of a group in its first batch_isend_irecv (the NCCL communicator is
             # created there); a barrier creates it here instead, so construction is collective over the group.
             dist.barrier(group=group)
@@ -224,9 +224,11 @@ class PipelineEngine:
         self.memory = _enum(MemoryAccounting, memory, "memory")
         self._always_annotate = _enum(Annotations, annotations, "annotations") is Annotations.ALWAYS
         self.hooks = hooks or PipelineHooks()
-        # How a stage's output is back-propagated: ``backward(output, grad)``, grad None for the last stage's
-        # (scaled) loss. The default is plain autograd; a ZeRO strategy passes its engine's backward instead.
-        self._backward_fn = backward or _autograd_backward
+        # How a stage is computed (forward, backward, end of batch): plain autograd by default; the strategy
+        # passes its DeepSpeed backend (see pipeline.backend).
+        self.backend = backend if backend is not None else AutogradBackend(self.stages)
+        if not isinstance(self.backend, StageBackend):
+            raise ContractError(f"backend={backend!r} must be a StageBackend")
         if not timeout_s > 0:
             raise ContractError(f"timeout_s={timeout_s!r} must be > 0")
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -236,7 +238,7 @@ class PipelineEngine:
         self._batch_name = pp_batch_name(schedule.name, p=schedule.n_ranks, m=schedule.n_microbatches,
                                          v=schedule.n_chunks)
         # gloo: the engine's own transport (see p2p); other backends: batch_isend_irecv and a loss broadcast.
-        self._links = None if backend != "gloo" else GlooLinks(
+        self._links = None if comm != "gloo" else GlooLinks(
             group or dist.group.WORLD, plan=self._plan, loss_rank=self._loss_rank,
             has_last_stage=self._last_stage in self.stages, wait=self._wait)
         self._failed = False
@@ -279,6 +281,7 @@ class PipelineEngine:
                     self._exchange_coalesced(steps)
             loss = self._batch_loss()
             self._failed = False
+            self.backend.end_batch(loss=loss, forward_only=self.schedule.forward_only)
             self.hooks.after_batch(loss=loss)
         self.stats.end_ns = time.perf_counter_ns()
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
@@ -346,7 +349,7 @@ class PipelineEngine:
         else:
             x = st["recv"].pop((s, mb))
         self.hooks.before_forward(stage=s, microbatch=mb)
-        out = self.stages[s](x)
+        out = self.backend.forward(s, x)
         if s == self._last_stage:
             loss = self.loss_fn(out, self._micro_tgt[mb])
             self._losses.append(loss.detach())
@@ -374,7 +377,7 @@ class PipelineEngine:
         else:
             grad = st["recv"].pop((s, mb))
         self.hooks.before_backward(stage=s, microbatch=mb, last=last)
-        self._backward_fn(out, grad)
+        self.backend.backward(s, out, grad)
         del out  # the graph and its saved activations go now, not at the end of the batch
         if s > 0:  # an input the output does not depend on gets a zero gradient, not None
             st["grad"][(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -508,13 +511,7 @@ class PipelineEngine:
                 state["meta_in"][st.stage] = (*decode_header(header), self._device_of(st.stage))
 
     def _device_of(self, stage: int) -> torch.device:
-        # A stage module may declare where its activations live (a parameter-free wrapper, as the strategy's);
-        # otherwise its first parameter tells.
-        declared = getattr(self.stages[stage], "pipeline_device", None)
-        if declared is not None:
-            return torch.device(declared)
-        param = next(self.stages[stage].parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
+        return self.backend.device(stage)
 
     # ---------------------------------------------------------------- loss
     def _batch_loss(self) -> torch.Tensor:
@@ -537,7 +534,3 @@ class PipelineEngine:
         elif links is None and n_ranks > 1:
             dist.broadcast(loss, group=self.group, group_src=self._loss_rank)
         return loss
-
-
-def _autograd_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
-    torch.autograd.backward(output, grad_tensors=grad)

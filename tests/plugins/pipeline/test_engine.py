@@ -455,8 +455,11 @@ def test_a_parameter_free_stage_declares_its_device():
         def forward(self, x):
             return x
 
+    from shardline.plugins.pipeline.backend import AutogradBackend
+
     engine = PipelineEngine.__new__(PipelineEngine)
     engine.stages = {0: Wrapper(), 1: torch.nn.Linear(2, 2)}
+    engine.backend = AutogradBackend(engine.stages)  # the default backend the engine builds
     assert engine._device_of(0) == torch.device("meta")
     assert engine._device_of(1) == torch.device("cpu")
 
@@ -507,3 +510,47 @@ def test_forward_only_schedule_validates_and_has_gpipe_forward_makespan():
                         if a.microbatch == 0]], n_stages=1, n_microbatches=2, name="broken")
     with pytest.raises(ScheduleError, match=r"stage 0 micro-batch 1 lacks \['F1'\]|lacks F"):
         validate(broken)
+
+
+def _run_counting_backend(rank, world, kind):
+    from shardline.plugins.pipeline.backend import AutogradBackend
+
+    class Counting(AutogradBackend):
+        def __init__(self, stages):
+            super().__init__(stages)
+            self.calls = []
+
+        def forward(self, stage, x):
+            self.calls.append(("F", stage))
+            return super().forward(stage, x)
+
+        def backward(self, stage, output, grad):
+            self.calls.append(("B", stage))
+            super().backward(stage, output, grad)
+
+        def end_batch(self, *, loss, forward_only):
+            self.calls.append(("end", forward_only))
+
+    layers = make_layers(world, shared_head=False)
+    partition, _ = _my_layers(layers, world, rank, world)
+    stages = stages_of_rank(build_stages(layers, partition), rank=rank, n_ranks=world)
+    schedule = build_schedule(kind, n_ranks=world, n_microbatches=4)
+    backend = Counting({rank: stages[0]})
+    engine = PipelineEngine(stages, schedule=schedule, pp_rank=rank, loss_fn=loss_fn, backend=backend)
+    context = torch.no_grad() if schedule.forward_only else torch.enable_grad()
+    with context:
+        loss = engine.run_batch(*make_batch(3, 0))
+    return backend.calls, loss
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "forward_only"])
+def test_the_engine_computes_every_stage_through_its_backend(kind):
+    # The seam: every F and B action of the rank's program is one backend call, in program order, then one
+    # end_batch after the loss exchange (told whether the batch was forward-only).
+    results = run_ranks(_run_counting_backend, 2, kind, timeout=60)
+    reference_loss = reference(2, (3,))[0][0]
+    for rank, (calls, loss) in enumerate(results):
+        program = build_schedule(kind, n_ranks=2, n_microbatches=4)[rank]
+        expected = [(a.kind.value, a.stage) for a in program if a.kind.is_compute]
+        assert calls == [*expected, ("end", kind == "forward_only")]
+        torch.testing.assert_close(loss, reference_loss)  # float64 behind micro-batch means: defaults

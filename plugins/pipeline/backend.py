@@ -1,0 +1,58 @@
+"""The seam between the pipeline engine and whatever runs a stage: :class:`StageBackend`.
+
+The engine owns the schedule, the transport, the micro-batching and the loss; a backend owns how one stage is
+computed. Three calls, each once per action of the schedule (``end_batch`` once per batch):
+
+- ``forward(stage, x) -> output``: run ``stage`` on its input (the last stage's output goes to ``loss_fn``);
+- ``backward(stage, output, grad)``: back-propagate ``output`` (``grad`` None for the last stage's scaled
+  micro-batch loss, else the gradient received for it), accumulating parameter gradients;
+- ``end_batch(loss=..., forward_only=...)``: after the batch's last action and the loss exchange (a training
+  backend sums what must be summed across stages here, e.g. tied weights).
+
+and ``device(stage)``, where the stage's activations live (received tensors are allocated there).
+
+:class:`AutogradBackend` is plain torch: the stage modules called directly, ``torch.autograd.backward``. The
+strategy's DeepSpeed backend (``shardline.plugins.lightning.deepspeed_compat.DeepSpeedStageBackend``) runs each
+stage through a DeepSpeed engine instead. This module never imports Lightning or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+
+class StageBackend:
+    """How one rank's stages are computed (see the module docstring); subclasses implement ``forward``."""
+
+    def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        torch.autograd.backward(output, grad_tensors=grad)
+
+    def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:
+        """Nothing by default."""
+
+    def device(self, stage: int) -> torch.device:
+        return torch.device("cpu")
+
+
+class AutogradBackend(StageBackend):
+    """The stage modules called directly; plain autograd. A stage's device is the one it declares
+    (``pipeline_device``: a parameter-free stage), else its first parameter's, else the CPU."""
+
+    def __init__(self, stages: Mapping[int, nn.Module]):
+        self.stages = dict(stages)
+
+    def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        return self.stages[stage](x)
+
+    def device(self, stage: int) -> torch.device:
+        declared = getattr(self.stages[stage], "pipeline_device", None)
+        if declared is not None:
+            return torch.device(declared)
+        param = next(self.stages[stage].parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
