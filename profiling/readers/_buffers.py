@@ -2,43 +2,31 @@
 
 Kept apart from the Kineto reader (which imports msgspec and builds its decoders: ~5 ms) and light to import,
 so that ``load``'s prefetch thread reads, gunzips and scans the first trace while the main thread is still
-importing the reader. ``SHARDLINE_KINETO_NATIVE=0`` turns the native scanner (``_kscan``, optional at build
-time) off.
+importing the reader. Whether a file is mapped, read ahead or scanned natively is the plan's (``_plan``).
 """
 
 from __future__ import annotations
 
 import gzip
 import mmap
-import os
+import sys
+import types
 import zlib
 from pathlib import Path
 from typing import NamedTuple
 
 from shardline.profiling.errors import TraceFormatError
+from shardline.profiling.readers import _plan
 
 try:
     from shardline.profiling.readers import _kscan
-except ImportError:  # built without a C compiler: the ordinary paths read every trace
+except ImportError:  # built without a C compiler: the other paths read every trace
     _kscan = None
-
-NATIVE_ENABLED = os.environ.get("SHARDLINE_KINETO_NATIVE", "1") not in ("0", "false", "no", "off")
-#: Documents up to this size are read whole by the native scanner; bigger ones go in bounded chunks.
-NATIVE_MAX_BYTES = 64 << 20
-#: Plain files at least this big are memory-mapped and their pages released as they are decoded.
-MAP_MIN_BYTES = 32 << 20
-#: The output buffer a gzip's size trailer may ask for, at most, per compressed byte (a damaged trailer
-#: could claim 4 GiB; JSON traces compress ~10-30x, so a bigger real file only grows its buffer as it goes).
-_MAX_RATIO = 256
 
 
 def native_available() -> bool:
-    return _kscan is not None and NATIVE_ENABLED
-
-
-def native_reads(data) -> bool:
-    """Whether the native scanner reads this buffer (a whole document in memory, not too big)."""
-    return native_available() and not isinstance(data, mmap.mmap) and len(data) <= NATIVE_MAX_BYTES
+    """Whether the native scanner is built and not switched off (``SHARDLINE_KINETO_NATIVE=0``), now."""
+    return _kscan is not None and _plan.native_on()
 
 
 def native_scan(data) -> dict | None:
@@ -72,7 +60,7 @@ def gunzip(data: bytes) -> bytes:
     """
     if len(data) < 18:
         return gzip.decompress(data)
-    size = min(int.from_bytes(data[-4:], "little"), _MAX_RATIO * len(data))
+    size = min(int.from_bytes(data[-4:], "little"), _plan.GZIP_MAX_RATIO * len(data))
     try:
         inflate = zlib.decompressobj(wbits=31)  # 31: a gzip member, checked against its CRC and size
         head = inflate.decompress(data, 1)
@@ -84,49 +72,42 @@ def gunzip(data: bytes) -> bytes:
     return out
 
 
-def trace_buffer(path: Path) -> bytes | mmap.mmap:
-    """The trace's bytes: a read-only memory map for big plain files (its pages can be released as they are
-    decoded, so the file never has to sit in memory whole), else the bytes, gunzipped when gzip."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            magic = handle.read(2)
-            if magic != b"\x1f\x8b" and size >= MAP_MIN_BYTES:
-                return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:
-        raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
+def trace_buffer(path: Path, *, mapped: bool | None = None) -> bytes | mmap.mmap:
+    """The trace's bytes: a read-only memory map where the plan maps the file (big plain files: their pages
+    are released as they are decoded, so the file never sits in memory whole), else the bytes, gunzipped
+    when gzip. ``mapped``: the caller's plan already decided."""
+    if mapped is None:
+        mapped = _plan.plan(path).mapped
+    if mapped:
+        try:
+            with open(path, "rb") as handle:
+                if handle.read(2) != b"\x1f\x8b":
+                    return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
     return read_bytes(path)
 
 
 def worth_prefetching(path: Path) -> bool:
-    """Whether reading this file ahead pays: the native scanner will read it whole (a plain file below the
-    memory-map size, or a gzip whose size trailer says at most ``NATIVE_MAX_BYTES``). A bigger trace is
-    decoded in bounded chunks, and holding it whole ahead of its turn would only add its size to the peak."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            if handle.read(2) != b"\x1f\x8b":
-                return size < MAP_MIN_BYTES
-            if size < 18:
-                return True
-            handle.seek(-4, os.SEEK_END)
-            return int.from_bytes(handle.read(4), "little") <= NATIVE_MAX_BYTES
-    except OSError:
-        return True  # the read itself reports the problem, naming the file
+    """Whether reading this file ahead pays (the plan's ``prefetch``: a document read whole)."""
+    return _plan.plan(path).prefetch
 
 
 class Prefetched(NamedTuple):
     """The first steps of reading a Kineto trace, done ahead of ``read_kineto`` (``load``'s prefetch thread)."""
 
     data: bytes | mmap.mmap  # trace_buffer(path)
-    scanned: dict | None  # native_scan(data); None where the scanner does not read the document
+    scanned: dict | None  # native_scan(data); None where the plan does not start with the scanner
+    plan: _plan.ReadPlan | None = None  # the plan for data
 
 
 def prefetch(path: Path) -> Prefetched:
     """Read the file's bytes (gunzipped) and run the native scanner over them: the parts of reading a trace
     that run without the GIL."""
     data = trace_buffer(path)
-    return Prefetched(data, native_scan(data) if native_reads(data) else None)
+    chosen = _plan.plan(path, data=data)
+    first = chosen.paths[0] if chosen.paths else None
+    return Prefetched(data, native_scan(data) if first is _plan.DecodePath.NATIVE else None, chosen)
 
 
 def utf8_repaired(data) -> bytes | None:
@@ -142,3 +123,16 @@ def utf8_repaired(data) -> bytes | None:
     except UnicodeDecodeError:
         return raw.decode("utf-8", errors="replace").encode("utf-8")
     return None
+
+
+class _OldNames(types.ModuleType):
+    """Two thresholds that now live in ``_plan``, still settable here under their old names
+    (``tests/profiling/test_load.py`` patches ``_buffers.NATIVE_MAX_BYTES`` and ``_buffers.MAP_MIN_BYTES``)."""
+
+    NATIVE_MAX_BYTES = property(lambda self: _plan.NATIVE_MAX_BYTES,
+                                lambda self, value: setattr(_plan, "NATIVE_MAX_BYTES", value))
+    MAP_MIN_BYTES = property(lambda self: _plan.MAP_MIN_BYTES,
+                             lambda self, value: setattr(_plan, "MAP_MIN_BYTES", value))
+
+
+sys.modules[__name__].__class__ = _OldNames

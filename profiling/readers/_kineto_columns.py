@@ -7,16 +7,19 @@ exact ns times, lanes, message sizes, memcpy host-memory kind, B/E pairing and `
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
+from shardline.profiling.readers._plan import DecodePath
 from shardline.profiling.schema import (
     COLUMNS,
     category_texts,
@@ -26,8 +29,6 @@ from shardline.profiling.schema import (
     text_dtype,
 )
 
-#: Events decoded per batch: big enough to amortise the per-batch cost, small enough to bound memory.
-BATCH = 200_000
 #: Kineto categories of activity recorded on a GPU stream (current and 2021 legacy spellings).
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "Kernel", "Memcpy",
                       "Memset", "gpu_instant_event"})
@@ -137,8 +138,9 @@ def _factorize(values: list) -> pd.Categorical:
     return pd.Categorical.from_codes(codes, dtype=text_dtype(list(index)), validate=False)
 
 
-def columns_from_events(events: list, *, keep_python: bool) -> dict:
-    """One batch of decoded events -> dict of numpy arrays (times still as parsed ns, not yet offset).
+def columns_from_events(events: list, *, keep_python: bool, arrow: bool = True) -> Columns:
+    """One batch of decoded events (msgspec ``Event`` structs) -> its columns; ``arrow``: the time texts may
+    be cast by Arrow (else numpy parses them: the same ns).
 
     Every field is pulled out with ``operator.attrgetter`` over the whole batch (a C loop, no Python frame
     per event) and converted to an array in one call; per-value Python runs only for mixed-type fields.
@@ -169,7 +171,7 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
     tid = _field(kept, "tid", overflow)
     arg_device = _field(args, "device", overflow)
     arg_stream = _field(args, "stream", overflow)
-    scaled, bad = _times_ns([*map(_get("ts"), kept), *map(_get("dur"), kept)])
+    scaled, bad = _times_ns([*map(_get("ts"), kept), *map(_get("dur"), kept)], arrow=arrow)
     ts, dur = scaled[:n], scaled[n:]
     external = _ints_or_else(args, "external_id", "external_id_legacy", overflow)
     dst = _ints_or_else(args, "dst_rank", "src_rank", overflow)
@@ -187,34 +189,68 @@ def columns_from_events(events: list, *, keep_python: bool) -> dict:
 _TEXT_ARGS = ("collective", "pg_name", "pg_desc", "pg_ranks", "dtype")
 
 
+@dataclasses.dataclass(slots=True)
+class Columns:
+    """One batch of kept events as columns: what every decode path returns (built by :func:`assemble`).
+
+    Times are as parsed (ns, before the time base); ``bad_time`` marks rows whose ts/dur is not a number or
+    beyond int64 ns; ``overflow`` counts integer args beyond int64 (set to -1); ``ph`` and ``pid`` only serve
+    B/E pairing (``pid`` is all -1 where the batch has no B/E rows). Categoricals: ``ph``, ``cat``, ``name``,
+    ``lane`` and the args texts; every other column is a numpy array.
+    """
+
+    ph: pd.Categorical
+    cat: pd.Categorical
+    name: pd.Categorical
+    lane: pd.Categorical
+    device: np.ndarray
+    stream: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    bad_time: np.ndarray
+    correlation: np.ndarray
+    external_id: np.ndarray
+    collective: pd.Categorical
+    pg_name: pd.Categorical
+    pg_desc: pd.Categorical
+    pg_ranks: pd.Categorical
+    pg_size: np.ndarray
+    msg_bytes: np.ndarray
+    seq: np.ndarray
+    peer: np.ndarray
+    pid: np.ndarray
+    overflow: int
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(Columns))
+
+
+class Decoded(NamedTuple):
+    """What a decode path made of a document: its top-level keys as raw JSON (``traceEvents`` left out), its
+    column batches, and which path it was."""
+
+    top: dict
+    batches: list[Columns]
+    path: DecodePath
+
+
 def assemble(ph, cat, name, *, gpu, pid, tid, arg_device, arg_stream, ts, dur, bad_time, correlation, external,
-             texts: dict, group_size, in_nelems, out_nelems, nbytes, seq, dst, overflow: int) -> dict:
-    """The column dict of one batch, whichever path read it, from its kept rows' fields: ``texts`` holds the
+             texts: dict, group_size, in_nelems, out_nelems, nbytes, seq, dst, overflow: int) -> Columns:
+    """The columns of one batch, whichever path read it, from its kept rows' fields: ``texts`` holds the
     args text categoricals by ``_TEXT_ARGS`` name, ``dst`` the peer (Dst Rank, else Src Rank)."""
-    columns = {
-        "ph": ph,
-        "cat": cat,
-        "name": name,
-        "lane": pd.Categorical.from_codes(gpu.astype(np.int8), dtype=_LANES, validate=False),
-        "device": np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
-        "stream": np.where(gpu & (arg_stream >= 0), arg_stream, tid),
-        "ts": ts, "dur": dur, "bad_time": bad_time,
-        "correlation": correlation,
-        "external_id": external,
-        "collective": texts["collective"],
-        "pg_name": texts["pg_name"],
-        "pg_desc": texts["pg_desc"],
-        "pg_ranks": texts["pg_ranks"],
-        "pg_size": group_size.astype(np.int32),
-        "msg_bytes": _message_bytes(in_nelems=in_nelems, out_nelems=out_nelems, dtype=texts["dtype"],
-                                    nbytes=nbytes),
-        "seq": seq,
-        "peer": dst.astype(np.int32),
-        "overflow": overflow,
-    }
-    # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
-    columns["pid"] = pid if has_begin_end(ph) else np.full(len(gpu), -1, dtype=np.int64)
-    return columns
+    return Columns(
+        ph=ph, cat=cat, name=name,
+        lane=pd.Categorical.from_codes(gpu.astype(np.int8), dtype=_LANES, validate=False),
+        device=np.where(gpu, np.where(arg_device >= 0, arg_device, pid), -1).astype(np.int32),
+        stream=np.where(gpu & (arg_stream >= 0), arg_stream, tid),
+        ts=ts, dur=dur, bad_time=bad_time, correlation=correlation, external_id=external,
+        collective=texts["collective"], pg_name=texts["pg_name"], pg_desc=texts["pg_desc"],
+        pg_ranks=texts["pg_ranks"], pg_size=group_size.astype(np.int32),
+        msg_bytes=_message_bytes(in_nelems=in_nelems, out_nelems=out_nelems, dtype=texts["dtype"], nbytes=nbytes),
+        seq=seq, peer=dst.astype(np.int32),
+        # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
+        pid=pid if has_begin_end(ph) else np.full(len(gpu), -1, dtype=np.int64),
+        overflow=overflow)
 
 
 def has_begin_end(ph: pd.Categorical) -> bool:
@@ -229,11 +265,11 @@ _LANES = pd.CategoricalDtype(pd.Index(["cpu", "gpu"], dtype=_STR))
 _get = operator.attrgetter
 
 
-def _times_ns(raws: list) -> tuple[np.ndarray, np.ndarray]:
+def _times_ns(raws: list, *, arrow: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``(ns, bad)`` of µs number texts (msgspec ``Raw`` slices), exactly: Arrow's decimal(38, 3) cast over
     all of them at once when it can read every one exactly, else the numpy text path (which also rounds
     digits beyond the third decimal and marks what is not a number)."""
-    values = _arrow_times_ns(raws)
+    values = _arrow_times_ns(raws) if arrow else None
     if values is not None:
         return values, np.zeros(len(raws), dtype=bool)
     texts = np.array([*map(bytes, raws)] or [b"0"], dtype="S")
@@ -242,7 +278,7 @@ def _times_ns(raws: list) -> tuple[np.ndarray, np.ndarray]:
 
 def _arrow_times_ns(raws: list) -> np.ndarray | None:
     """The texts joined into one Arrow string array (offsets from their lengths: no object per text) and
-    cast to decimal(38, 3); the unscaled integers are the ns. None when Arrow is off or unavailable, or
+    cast to decimal(38, 3); the unscaled integers are the ns. None when Arrow is not installed, or
     when any text is not a plain number with at most 3 decimals whose ns fit int64."""
     from shardline.profiling.readers import _kineto_arrow
 
@@ -308,27 +344,28 @@ class _NoArgs:
 _NO_ARGS = _NoArgs()
 
 
-def _concat(batches: list[dict]) -> dict:
+def _concat(batches: list[Columns]) -> dict:
+    """The batches' columns joined, as a dict (each batch's part is freed as soon as it is merged)."""
     if not batches:
         batches = [columns_from_events([], keep_python=False)]
     out = {}
-    for key, first in batches[0].items():
+    for key in _FIELDS:
+        first = getattr(batches[0], key)
         if key == "overflow":
-            out[key] = sum(b[key] for b in batches)
-        elif isinstance(first, pd.Categorical) and len(batches) > 1:
-            out[key] = union_categoricals([b[key] for b in batches])
-            for b in batches:
-                b[key] = None  # free each batch's part as soon as it is merged
-        elif isinstance(first, pd.Categorical):
+            out[key] = sum(b.overflow for b in batches)
+        elif len(batches) == 1:
             out[key] = first
         else:
-            out[key] = np.concatenate([b[key] for b in batches]) if len(batches) > 1 else first
+            parts = [getattr(b, key) for b in batches]
+            out[key] = union_categoricals(parts) if isinstance(first, pd.Categorical) else np.concatenate(parts)
+            del parts
             for b in batches:
-                b[key] = None
+                setattr(b, key, None)
     return out
 
 
-def finish_frame(path: Path, batches: list[dict], *, base_ns: int, rank: int, warnings: list[str]) -> pd.DataFrame:
+def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
+                 warnings: list[str]) -> pd.DataFrame:
     """Concatenate batches, apply the time base, pair B/E, and derive sizes, memory kinds and steps.
 
     Works on the column dict and builds the frame once, in the schema's column order and dtypes (so

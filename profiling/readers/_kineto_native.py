@@ -6,12 +6,13 @@ time. ``_kscan.scan`` walks the document once and hands back each event's fields
 text codes, every text interned per field (first-appearance order), so Python only works per *unique* text
 (unescaping, number texts such as ``"pid": "Spans"``) and per column (numpy).
 
-The result is :func:`columns_from_events`' column dict value for value, category order included (the
-reader's tests compare the two on every shared trace and on mutated ones). The scanner refuses - and the
-ordinary path then reads the file, with its salvage and warnings - whatever it does not read exactly as
-that path would: invalid JSON, a field of another type, integers beyond int64, times with more than three
-decimals or beyond int64 ns, escaped keys, duplicated known keys (see ``_kscan.c``). It is built only where
-a C compiler was present at install time; ``SHARDLINE_KINETO_NATIVE=0`` turns it off (``_buffers``).
+The result is the ``Columns`` of :func:`columns_from_events`, value for value, category order included (the
+reader's tests check every path against an independent reading of every shared trace). The scanner
+refuses - and the next path of the plan then reads the file, with its salvage and warnings - whatever it
+does not read exactly as msgspec would: invalid JSON, a field of another type, integers beyond int64, times
+with more than three decimals or beyond int64 ns, escaped keys, duplicated known keys (see ``_kscan.c``).
+It is built only where a C compiler was present at install time; ``SHARDLINE_KINETO_NATIVE=0`` turns it
+off (``_plan``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from shardline.profiling.readers._kineto_columns import (
     DROP_CATS,
     GPU_CATS,
     PYTHON_CATS,
+    Columns,
+    Decoded,
     _int,
     assemble,
     columns_from_events,
     empty_texts,
     sorted_texts,
 )
+from shardline.profiling.readers._plan import DecodePath
 from shardline.profiling.schema import text_dtype
 
 # Column order of the scanner's rows (``_kscan.c``: the I_* and T_* enums).
@@ -48,12 +52,11 @@ _DECODE_TEXT = msgspec.json.Decoder(str)
 _NOT_SCANNED = object()
 
 
-def read(data, *, keep_python: bool, scanned=_NOT_SCANNED) -> tuple[dict, list[dict]] | None:
-    """``(top-level raw values except traceEvents, [column batch])`` of a whole trace document in memory, or
-    None when the scanner is unavailable or refuses the document (the ordinary path then reads it).
-    ``scanned``: ``_buffers.native_scan(data)``, when the caller has already run it (``load``'s prefetch)."""
-    if not _buffers.native_available():
-        return None
+def read(data, *, keep_python: bool, scanned=_NOT_SCANNED) -> Decoded | None:
+    """The top-level raw values (except traceEvents) and the one column batch of a whole trace document in
+    memory, or None when the scanner is unavailable or refuses the document (the plan's next path then
+    reads it). ``scanned``: ``_buffers.native_scan(data)``, when the caller has already run it (``load``'s
+    prefetch)."""
     out = _buffers.native_scan(data) if scanned is _NOT_SCANNED else scanned
     if out is None:
         return None
@@ -63,10 +66,10 @@ def read(data, *, keep_python: bool, scanned=_NOT_SCANNED) -> tuple[dict, list[d
     n = out["rows"]
     top = {key: data[start:end] for key, (start, end) in out["top"].items()}
     if n == 0:
-        return top, [columns_from_events([], keep_python=keep_python)]
+        return Decoded(top, [columns_from_events([], keep_python=keep_python)], DecodePath.NATIVE)
     ints = np.frombuffer(out["i64"], dtype=np.int64).reshape(n, len(_I64))
     codes = np.frombuffer(out["txt"], dtype=np.int32).reshape(n, len(_TXT))
-    return top, [_columns(ints, codes, texts, keep_python=keep_python)]
+    return Decoded(top, [_columns(ints, codes, texts, keep_python=keep_python)], DecodePath.NATIVE)
 
 
 def _decode(raws: list) -> list | None:
@@ -130,8 +133,8 @@ def _texts(codes: np.ndarray, texts: list) -> pd.Categorical:
     return sorted_texts(extended, [text if used[i] else None for i, text in enumerate([*texts, ""])])
 
 
-def _columns(ints: np.ndarray, codes: np.ndarray, texts: list, *, keep_python: bool) -> dict:
-    """The column dict of :func:`columns_from_events` from the scanner's rows."""
+def _columns(ints: np.ndarray, codes: np.ndarray, texts: list, *, keep_python: bool) -> Columns:
+    """The columns of :func:`columns_from_events` from the scanner's rows."""
     drop = DROP_CATS if keep_python else DROP_CATS | PYTHON_CATS
     ph_codes, ph_texts = _merged(codes[:, _T["ph"]], texts[_T["ph"]])
     cat_codes, cat_texts = _merged(codes[:, _T["cat"]], texts[_T["cat"]])

@@ -1,14 +1,13 @@
-"""Streaming read of a big memory-mapped Kineto trace: the events array is cut into chunks at event
-boundaries and each chunk is decoded, turned into columns and its file pages released before the next one,
-so memory holds one chunk of text and its structs at a time, never the whole file.
+"""The plan's ``STREAM`` path: the events array of a trace (memory-mapped when big and plain) is cut into chunks
+at event boundaries and each chunk is decoded, turned into columns and its file pages released before the
+next one, so memory holds one chunk of text and its structs at a time, never the whole file.
 
 Boundaries: a chunk ends at a ``}`` followed by ``,`` and ``{`` (whitespace allowed), found by a regular
 expression near the target size. Such a pattern can also occur inside a string literal; cutting there leaves
-an unterminated string, so the chunk fails to decode and the whole file is read the ordinary way instead
-(correct, only slower). The metadata keys are
-read from the text before ``"traceEvents"`` and from the tail after the array (current Kineto writes
-``baseTimeNanoseconds`` there). Anything unexpected returns None and the caller reads the file the ordinary
-way (which also handles damaged files).
+an unterminated string, so the chunk fails to decode and the whole file is read by the plan's next path
+instead (correct, only slower). The metadata keys are read from the text before ``"traceEvents"`` and from
+the tail after the array (current Kineto writes ``baseTimeNanoseconds`` there). Anything unexpected returns
+None and the plan's next path reads the file (the last one also handles damaged files).
 """
 
 from __future__ import annotations
@@ -22,9 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
-#: Bytes of event text per chunk.
-CHUNK = 24 << 20
+from shardline.profiling.readers._kineto_columns import Decoded
+from shardline.profiling.readers._plan import DecodePath
+
 _BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # JSON whitespace only
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -44,47 +45,62 @@ def release_pages(buffer: mmap.mmap, upto: int) -> None:
         buffer.madvise(mmap.MADV_DONTNEED, 0, upto)
 
 
-def stream_mapped(path: Path, buffer: mmap.mmap, *, decode_events: Callable, decode_batch: Callable,
-                  to_columns: Callable, warnings: list[str], fast: Callable | None = None
-                  ) -> tuple[dict, list[dict]] | None:
-    """``(top-level keys as raw JSON, column batches)`` of a mapped trace, or None to read it another way.
+def stream_mapped(path: Path, buffer: mmap.mmap, *, chunk_bytes: int, decode_events: Callable,
+                  decode_batch: Callable, to_columns: Callable, warnings: list[str]) -> Decoded | None:
+    """The top-level keys (raw JSON) and column batches of a mapped trace, or None to read it another way
+    (an in-memory buffer is cut the same way, unmapped: a forced ``STREAM`` plan on a gzip file).
 
-    ``fast(events_text)`` (optional) turns a chunk of event text into a column batch directly, or returns
-    None; then ``decode_events(text)`` decodes the chunk (a JSON array) into structs in one call; when it
-    refuses the chunk, ``decode_batch(path, raws, warnings)`` decodes its raw event slices one by one,
+    ``decode_events(text)`` decodes a chunk (a JSON array) into structs in one call; when it refuses the chunk, ``decode_batch(path, raws, warnings)`` decodes its raw event slices one by one,
     salvaging what it can. ``to_columns(structs)`` turns the structs into a column batch.
     """
     noted = len(warnings)
     try:
         top, start, close = _bounds(buffer)
-        batches = read_chunks(path, buffer, start, close, fast=fast, decode_events=decode_events,
+        batches = read_chunks(path, buffer, start, close, chunk_bytes=chunk_bytes, decode_events=decode_events,
                               decode_batch=decode_batch, to_columns=to_columns, warnings=warnings)
-        return top, batches
+        return Decoded(top, batches, DecodePath.STREAM)
     except Fallback:
         del warnings[noted:]  # the whole-file read will say the same again
-        release_pages(buffer, len(buffer))
+        if isinstance(buffer, mmap.mmap):
+            release_pages(buffer, len(buffer))
         return None
 
 
-def read_chunks(path: Path, buffer, start: int, close: int, *, fast: Callable | None, decode_events: Callable,
-                decode_batch: Callable, to_columns: Callable, warnings: list[str]) -> list[dict]:
+def read_chunks(path: Path, buffer, start: int, close: int, *, chunk_bytes: int, decode_events: Callable,
+                decode_batch: Callable, to_columns: Callable, warnings: list[str]) -> list:
     """Column batches of the events text ``buffer[start:close]`` (between the array's brackets), one chunk
     at a time; raises ``Fallback`` when the chunks cannot be cut at event boundaries."""
     batches = []
     mapped = isinstance(buffer, mmap.mmap)
     with memoryview(buffer) as view:
-        for chunk_start, chunk_end in _chunks(buffer, start, close):
+        for chunk_start, chunk_end in _chunks(buffer, start, close, chunk_bytes):
             with view[chunk_start:chunk_end] as events_text:
-                batch = fast(events_text) if fast is not None else None
-                text = _bracketed(events_text) if batch is None else None
+                text = _bracketed(events_text)
             if mapped:
                 release_pages(buffer, chunk_end)
-            if batch is None:
-                batch = to_columns(_decode_chunk(path, text, decode_events, decode_batch, warnings))
-                del text
-            batches.append(batch)
+            batches.append(to_columns(_decode_chunk(path, text, decode_events, decode_batch, warnings)))
+            del text
             trim_heap()
     return batches
+
+
+class PageReleaser:
+    """Drops the pages of a mapped trace that lie wholly before a decoded event (they are clean file pages:
+    the kernel re-reads them if touched again). A no-op for in-memory buffers."""
+
+    def __init__(self, buffer) -> None:
+        self.map = buffer if isinstance(buffer, mmap.mmap) else None
+        self.base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data if self.map is not None else 0
+        self.done = 0
+
+    def release(self, upto=None) -> None:
+        if self.map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = len(self.map) if upto is None else np.frombuffer(upto, dtype=np.uint8).ctypes.data - self.base
+        end -= end % mmap.PAGESIZE
+        if end > self.done:
+            self.map.madvise(mmap.MADV_DONTNEED, 0, end)
+            self.done = end if upto is not None else 0
 
 
 def _load_trim():
@@ -130,7 +146,7 @@ def _decode_chunk(path: Path, text: bytearray, decode_events: Callable, decode_b
     return decode_batch(path, raws, warnings)
 
 
-def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
+def _bounds(buffer) -> tuple[dict, int, int]:
     """Top-level metadata (head and tail keys) and the byte range of the events array's contents."""
     key = buffer.find(b'"traceEvents"', 0, _HEAD_LIMIT)
     if key < 0 or buffer[:key].lstrip()[:1] != b"{":
@@ -160,10 +176,10 @@ def _bounds(buffer: mmap.mmap) -> tuple[dict, int, int]:
     raise Fallback("no end of the events array")
 
 
-def _chunks(buffer: mmap.mmap, start: int, close: int):
-    """``(begin, end)`` byte ranges of whole events, about ``CHUNK`` bytes each, covering ``[start, close)``."""
+def _chunks(buffer, start: int, close: int, chunk: int):
+    """``(begin, end)`` byte ranges of whole events, about ``chunk`` bytes each, covering ``[start, close)``."""
     while start < close:
-        match = _BOUNDARY.search(buffer, start + CHUNK, close) if close - start > CHUNK * 3 // 2 else None
+        match = _BOUNDARY.search(buffer, start + chunk, close) if close - start > chunk * 3 // 2 else None
         if match is None:
             yield start, _last_brace(buffer, start, close)
             return
@@ -175,4 +191,8 @@ def _last_brace(buffer, start: int, close: int) -> int:
     end = buffer.rfind(b"}", start, close)
     if end < 0:
         raise Fallback("events array without an object")
+    trailing = bytes(buffer[end + 1:close])
+    # An element after the last object (not the array's end, then other keys): the whole-array read judges it.
+    if trailing.strip() and b"]" not in trailing:
+        raise Fallback("the events array does not end with an object")
     return end + 1

@@ -11,35 +11,27 @@ Times: ``start_ns = baseTimeNanoseconds + ts·1000`` and ``dur_ns = dur·1000``,
 ``stream`` is the thread id. Kept: complete events (``ph`` X) and B/E pairs; dropped: metadata, flows,
 instant events, the profiler's own ``Trace`` span, and ``python_function`` stacks unless ``keep_python``.
 
-Decoding is columnar. A trace held in memory (gzip, or plain under 32 MB) of at most 64 MB (its columns are
-built whole: a 31 MB one peaks 81 MB above the start, 147 MB the ordinary way) is first read by the native
-scanner (``_kineto_native``: one C pass, columns out, no Python object per event) where it was built; a
-document it cannot read exactly goes the ways below, which give the same columns. Each chunk of event text
-is first parsed by Arrow's JSON reader straight into typed
-columns (``_kineto_arrow``: no Python object per event, several threads); a chunk that path cannot read
-exactly (type conflicts, damage, invalid UTF-8, ...) is decoded the ordinary way, which gives the same
-columns: events are decoded in batches into typed msgspec structs holding only the fields used
-here, each batch becomes numpy columns and its structs are dropped, so no Python object per event outlives
-its batch. Big plain files are memory-mapped and streamed chunk by chunk (``_kineto_stream``), releasing
-each chunk's pages once decoded; gzip files and damaged files are decoded from memory, where msgspec first
-splits ``traceEvents`` into raw per-event slices (and damage keeps the events before it, with a warning).
+Decoding is columnar, by one of five paths that give the same columns (``_kineto_columns.Columns``): the
+native C scanner, a memory-mapped stream of chunks, msgspec in one call, Arrow chunks, and msgspec slices
+with salvage (damage keeps the events before it, with a warning). Which path reads a trace, and what each
+hands on when it cannot read it exactly, is the plan's (``_plan.plan``, which logs its choice at debug level).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import mmap
 import re
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
 from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult, _buffers, _kineto_native
+from shardline.profiling.readers import ReadResult, _buffers, _kineto_native, _plan
 from shardline.profiling.readers._buffers import Prefetched
-from shardline.profiling.readers._kineto_columns import BATCH, columns_from_events, finish_frame
+from shardline.profiling.readers._kineto_columns import Decoded, columns_from_events, finish_frame
+from shardline.profiling.readers._kineto_stream import PageReleaser, stream_mapped
+from shardline.profiling.readers._plan import DecodePath
 from shardline.profiling.schema import conform, empty_events
 
 
@@ -88,25 +80,6 @@ _BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)(?![\d])", re.IGNORECASE)
 
 
-class _PageReleaser:
-    """Drops the pages of a mapped trace that lie wholly before a decoded event (they are clean file pages:
-    the kernel re-reads them if touched again). A no-op for in-memory buffers."""
-
-    def __init__(self, buffer) -> None:
-        self.map = buffer if isinstance(buffer, mmap.mmap) else None
-        self.base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data if self.map is not None else 0
-        self.done = 0
-
-    def release(self, upto=None) -> None:
-        if self.map is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        end = len(self.map) if upto is None else np.frombuffer(upto, dtype=np.uint8).ctypes.data - self.base
-        end -= end % mmap.PAGESIZE
-        if end > self.done:
-            self.map.madvise(mmap.MADV_DONTNEED, 0, end)
-            self.done = end if upto is not None else 0
-
-
 def rank_from_name(path: Path) -> int | None:
     """Rank written in a file name (``rank-3``, ``rank_3``, ``rank3``, ``worker3``); None when absent."""
     match = _RANK_IN_NAME.search(path.name)
@@ -114,35 +87,31 @@ def rank_from_name(path: Path) -> int | None:
 
 
 def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False,
-                prefetched: Prefetched | None = None) -> ReadResult:
+                prefetched: Prefetched | None = None, force: DecodePath | str | None = None) -> ReadResult:
     """Read one Kineto trace into events (see the module docstring for the mapping).
 
     The rank is ``distributedInfo.rank``, else ``rank``, else one written in the file name; none of them
     raises :class:`MissingRankError` from ``load`` (here it is returned as ``-1`` in ``metadata``). A trace
     truncated or corrupted part-way gives a warning and the events before the damage. ``prefetched``:
-    ``prefetch(path)``, when the caller has already run it.
+    ``prefetch(path)``, when the caller has already run it. ``force``: decode with this path only
+    (``_plan.plan``), raising ``PathRefused`` where it cannot read the trace exactly.
     """
     path = Path(path)
-    data = _buffers.trace_buffer(path) if prefetched is None else prefetched.data
+    if prefetched is not None:
+        data, scanned, chosen = prefetched.data, prefetched.scanned, prefetched.plan
+    else:
+        data = _buffers.trace_buffer(path) if force is None else \
+            _buffers.trace_buffer(path, mapped=_plan.plan(path, force=force).mapped)
+        scanned, chosen = _NOT_SCANNED, None
+    if chosen is None or force is not None:
+        chosen = _plan.plan(path, data=data, force=force)
     warnings: list[str] = []
-    streamed = None
-    if _buffers.native_reads(data):
-        options = {} if prefetched is None else {"scanned": prefetched.scanned}
-        streamed = _kineto_native.read(data, keep_python=keep_python, **options)
-    if isinstance(data, mmap.mmap):
-        with _gc_paused():
-            from shardline.profiling.readers._kineto_stream import stream_mapped
-
-            streamed = stream_mapped(path, data, decode_events=_DECODE_EVENTS.decode, decode_batch=_decode_batch,
-                                     warnings=warnings, fast=_fast_columns(keep_python),
-                                     to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
-    if streamed is None:
-        loaded = _batches_in_memory(path, data, keep_python=keep_python, warnings=warnings)
-        if isinstance(loaded, ReadResult):
-            return loaded
-        streamed = loaded
-    top, batches = streamed
-    del data, streamed
+    decoded = _Decoding(path, data, chosen, keep_python=keep_python, warnings=warnings).run(scanned)
+    del data
+    if isinstance(decoded, ReadResult):
+        return decoded
+    top, batches, _ = decoded
+    del decoded
     metadata = _metadata(path, top, warnings)
     info = metadata.get("distributedInfo") if isinstance(metadata.get("distributedInfo"), dict) else {}
     file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
@@ -161,88 +130,101 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
                       warnings=warnings)
 
 
-def _batches_in_memory(path: Path, data, *, keep_python: bool, warnings: list[str]):
-    """``(top-level raw keys, column batches)`` of a whole in-memory (or mapped) buffer, salvaging damage;
-    a ReadResult instead when the JSON is not a trace (execution trace, memory timeline)."""
-    top, events_raw = _split_top(path, data, warnings)
-    if events_raw is None:
-        return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, top))
-    if isinstance(events_raw, msgspec.Raw) and events_raw is not data:
-        batches = _small_in_one_call(events_raw, keep_python=keep_python)
-        if batches is not None:
-            return {k: v for k, v in top.items() if k != "traceEvents"}, batches
-    fast = _fast_columns(keep_python, validated=True)  # _split_top decoded (so checked) the whole file
-    if fast is not None and isinstance(events_raw, msgspec.Raw) and events_raw is not data:
-        batches = _chunked_in_memory(path, data, events_raw, fast=fast, keep_python=keep_python,
-                                     warnings=warnings)
-        if batches is not None:
-            return {k: v for k, v in top.items() if k != "traceEvents"}, batches
-    raws = _event_slices(path, events_raw, warnings)
-    if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
-        return ReadResult(empty_events(), warnings=warnings, skipped=_what_it_is(path, {}))
-    pages = _PageReleaser(data)
-    pages.release()  # the slicing pass touched every page; decoding re-touches them one batch at a time
-    # Millions of short-lived objects would otherwise trigger full collections that rescan every live one.
-    with _gc_paused():
-        batches = _decode_all(path, raws, keep_python=keep_python, warnings=warnings, pages=pages)
-    return {k: v for k, v in top.items() if k != "traceEvents"}, batches
+_NOT_SCANNED = object()
 
 
-#: An events array up to this size is decoded in one call (no chunking: its structs are a few MB at most).
-_ONE_CALL_MAX_BYTES = 4 << 20
+class _Decoding:
+    """One document decoded by its plan: each path in turn until one reads it (``run``). A path returns
+    ``Decoded``, or None to refuse (the plan notes it, and raises when forced); the ONE_CALL and SLICES paths
+    share one split of the top level, which may also find the JSON is no trace (a ReadResult)."""
 
+    def __init__(self, path: Path, data, plan: _plan.ReadPlan, *, keep_python: bool, warnings: list[str]):
+        self.path, self.data, self.plan = path, data, plan
+        self.keep_python, self.warnings = keep_python, warnings
+        self._split = None
 
-def _small_in_one_call(events_raw: msgspec.Raw, *, keep_python: bool) -> list[dict] | None:
-    """The column batch of a small, intact events array decoded in one call; None when it is big, when the
-    Arrow path would take it (``_kineto_arrow.MIN_BYTES``), or when some event does not decode (the careful
-    paths then salvage what they can and warn)."""
-    from shardline.profiling.readers import _kineto_arrow
+    def run(self, scanned) -> Decoded | ReadResult:
+        for step in self.plan.paths:
+            try:
+                out = getattr(self, step.value)(scanned) if step is DecodePath.NATIVE else getattr(self, step.value)()
+            except _NotATrace as skip:
+                return skip.result
+            if out is not None:
+                _plan.log.debug("%s: read by the %s path", self.path, step.value)
+                return out
+        raise AssertionError(f"{self.path}: no path of the plan read it ({self.plan})")  # SLICES never refuses
 
-    size = len(memoryview(events_raw))
-    if size > _ONE_CALL_MAX_BYTES or (_kineto_arrow.available() and size >= _kineto_arrow.MIN_BYTES):
-        return None
-    try:
+    def _columns(self, events: list):
+        return columns_from_events(events, keep_python=self.keep_python, arrow=self.plan.arrow)
+
+    def _refused(self, step: DecodePath, why: str) -> None:
+        self.plan.refused(self.path, step, why)
+
+    def native(self, scanned) -> Decoded | None:
+        out = _kineto_native.read(self.data, keep_python=self.keep_python,
+                                  **({} if scanned is _NOT_SCANNED else {"scanned": scanned}))
+        if out is None:
+            self._refused(DecodePath.NATIVE, "not exactly readable by the scanner")
+        return out
+
+    def stream(self) -> Decoded | None:
+        noted = len(self.warnings)
         with _gc_paused():
-            events = _DECODE_EVENTS.decode(events_raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-        return None
-    return [columns_from_events(events, keep_python=keep_python)]
+            out = stream_mapped(self.path, self.data, chunk_bytes=self.plan.chunk_bytes,
+                                decode_events=_DECODE_EVENTS.decode, decode_batch=_decode_batch,
+                                warnings=self.warnings, to_columns=self._columns)
+        if out is None:
+            del self.warnings[noted:]
+            self._refused(DecodePath.STREAM, "the events array cannot be cut into chunks")
+        return out
+
+    def split(self) -> tuple[dict, msgspec.Raw | bytes]:
+        """Top-level keys as raw slices and the raw ``traceEvents`` (once); raises ``_NotATrace``."""
+        if self._split is None:
+            top, events_raw = _split_top(self.path, self.data, self.warnings)
+            if events_raw is None:
+                raise _NotATrace(ReadResult(empty_events(), warnings=self.warnings, skipped=_what_it_is(self.path, top)))
+            self._split = {k: v for k, v in top.items() if k != "traceEvents"}, events_raw
+        return self._split
+
+    def one_call(self) -> Decoded | None:
+        """The events array decoded in one call; refused when it is not an intact array (damaged, bare) or
+        some event does not decode (the slices then salvage what they can, and warn)."""
+        top, events_raw = self.split()
+        if not isinstance(events_raw, msgspec.Raw) or events_raw is self.data:
+            self._refused(DecodePath.ONE_CALL, "not an intact traceEvents array")
+            return None
+        try:
+            with _gc_paused():
+                events = _DECODE_EVENTS.decode(events_raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            self._refused(DecodePath.ONE_CALL, "some event does not decode")
+            return None
+        return Decoded(top, [self._columns(events)], DecodePath.ONE_CALL)
+
+    def slices(self) -> Decoded | ReadResult:
+        top, events_raw = self.split()
+        raws = _event_slices(self.path, events_raw, self.warnings)
+        if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
+            return ReadResult(empty_events(), warnings=self.warnings, skipped=_what_it_is(self.path, {}))
+        pages = PageReleaser(self.data)
+        pages.release()  # the slicing pass touched every page; decoding re-touches them one batch at a time
+        # Millions of short-lived objects would otherwise trigger full collections that rescan every live one.
+        with _gc_paused():
+            batches = []
+            step = self.plan.batch_events
+            for start in range(0, len(raws), step):
+                decoded = _decode_batch(self.path, raws[start:start + step], self.warnings)
+                batches.append(self._columns(decoded))
+                del decoded
+                pages.release(raws[min(start + step, len(raws)) - 1])
+        return Decoded(top, batches, DecodePath.SLICES)
 
 
-def _fast_columns(keep_python: bool, *, validated: bool = False):
-    """The Arrow fast path for a chunk of event text (None when it is unavailable or turned off);
-    ``validated``: the whole file's JSON syntax was already checked."""
-    from shardline.profiling.readers import _kineto_arrow
-
-    if not _kineto_arrow.available():
-        return None
-    return lambda text: _kineto_arrow.columns_from_text(text, keep_python=keep_python, validated=validated)
-
-
-def _chunked_in_memory(path: Path, data, events_raw: msgspec.Raw, *, fast, keep_python: bool,
-                       warnings: list[str]) -> list[dict] | None:
-    """Column batches of a valid in-memory events array read chunk by chunk through the fast path (a chunk
-    it refuses is decoded the ordinary way); None when the array cannot be cut into chunks."""
-    with memoryview(events_raw) as raw_view:
-        size = len(raw_view)
-        offset = (np.frombuffer(raw_view, dtype=np.uint8).ctypes.data
-                  - np.frombuffer(data, dtype=np.uint8).ctypes.data) if size else -1
-    if size < 2 or not 0 <= offset <= len(data) - size or data[offset:offset + 1] != b"[" \
-            or data[offset + size - 1:offset + size] != b"]":
-        return None
-    start, close = offset + 1, offset + size - 1
-    if not bytes(data[start:min(close, start + 4096)]).strip():
-        return [columns_from_events([], keep_python=keep_python)]
-    noted = len(warnings)
-    from shardline.profiling.readers._kineto_stream import Fallback, read_chunks
-
-    try:
-        return read_chunks(path, data, start, close, fast=fast, decode_events=_DECODE_EVENTS.decode,
-                           decode_batch=_decode_batch, warnings=warnings,
-                           to_columns=lambda events: columns_from_events(events, keep_python=keep_python))
-    except Fallback:
-        del warnings[noted:]
-        return None
+class _NotATrace(Exception):
+    def __init__(self, result: ReadResult):
+        super().__init__(result.skipped)
+        self.result = result
 
 
 def _metadata(path: Path, top: dict, warnings: list[str]) -> dict:
@@ -395,17 +377,6 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-def _decode_all(path: Path, raws: list, *, keep_python: bool, warnings: list[str],
-                pages: _PageReleaser) -> list[dict]:
-    batches = []
-    for start in range(0, len(raws), BATCH):
-        decoded = _decode_batch(path, raws[start:start + BATCH], warnings)
-        batches.append(columns_from_events(decoded, keep_python=keep_python))
-        del decoded
-        pages.release(raws[min(start + BATCH, len(raws)) - 1])
-    return batches
 
 
 def _decode_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:

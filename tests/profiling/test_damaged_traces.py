@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.readers import _buffers, _kineto_arrow, kineto
+from shardline.profiling.readers import kineto
 
 # Names that put an event boundary's look-alike ("}, {") inside a string literal.
 NAMES = st.sampled_from(["aten::mm", "x}, {y", "}, {", "a} ,{b", "nccl:all_reduce"])
@@ -37,8 +37,8 @@ def test_damage_keeps_the_events_before_it(tmp_path_factory, names, data):
     path = tmp_path_factory.mktemp("t") / "rank0.json"
     path.write_text(text)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_buffers, "NATIVE_ENABLED", False)
-        patch.setattr(_kineto_arrow, "ENABLED", False)
+        patch.setenv("SHARDLINE_KINETO_NATIVE", "0")
+        patch.setenv("SHARDLINE_KINETO_ARROW", "0")
         result = kineto.read_kineto(path)
     # The event cut by the damage is lost with everything after it; a missing comma damages the event
     # after the one it follows.
@@ -52,8 +52,8 @@ def test_the_result_does_not_depend_on_the_decoders_error_text(tmp_path, monkeyp
     events[31] = events[31].replace('"ts": ', '"ts": }', 1)
     path = tmp_path / "rank0.json"
     path.write_text('{"traceEvents": [' + ", ".join(events) + "]}")
-    monkeypatch.setattr(_buffers, "NATIVE_ENABLED", False)
-    monkeypatch.setattr(_kineto_arrow, "ENABLED", False)
+    monkeypatch.setenv("SHARDLINE_KINETO_NATIVE", "0")
+    monkeypatch.setenv("SHARDLINE_KINETO_ARROW", "0")
     expected = kineto.read_kineto(path).events
 
     class Mute:  # a decoder that fails as msgspec does, saying nothing about where

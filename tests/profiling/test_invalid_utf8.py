@@ -1,7 +1,7 @@
 """Invalid UTF-8 in a trace's texts: the event is kept, the bad bytes become U+FFFD, one warning counts them.
 
-Pinned on every decode path of the Kineto reader (native scanner, Arrow chunks, msgspec one-call, batches
-with salvage, the memory-mapped stream, gzip) and on whatever msgspec the environment has: msgspec up to 0.22
+Pinned on every decode path of the Kineto reader (native scanner, chunks in memory, msgspec one-call,
+batches with salvage, the memory-mapped stream, gzip) and on whatever msgspec the environment has: msgspec up to 0.22
 raises ``UnicodeDecodeError`` on invalid UTF-8 and 0.23 raises ``msgspec.DecodeError`` with another text, so
 a reader that trusted either dropped the event on one of them. CI runs this file at the lowest admitted
 msgspec too (``.ci/floors``).
@@ -17,8 +17,7 @@ import msgspec
 import pytest
 
 from shardline.profiling.errors import TraceWarning
-from shardline.profiling.readers import _buffers, _kineto_arrow, _kineto_native, kineto
-from shardline.profiling.readers import _kineto_stream as stream
+from shardline.profiling.readers import _buffers, _kineto_native, _plan, kineto
 
 BAD = b"\xff\xfe"  # two bytes that start no UTF-8 sequence: two U+FFFD
 CUT = b"\xe2\x82"  # a three-byte sequence cut short: one U+FFFD
@@ -55,10 +54,11 @@ def _spy(monkeypatch, module, name, calls):
 # path -> (settings, the function that must have run on that path)
 PATHS = {
     "native scanner first": ({}, (_kineto_native, "read")),
-    "arrow chunks": ({"native": False, "arrow": True}, (_kineto_arrow, "columns_from_text")),
-    "msgspec one call": ({"native": False, "arrow": False}, (kineto, "_small_in_one_call")),
-    "batches with salvage": ({"native": False, "arrow": False, "one_call": 0}, (kineto, "_decode_all")),
-    "memory-mapped stream": ({"native": False, "map": 0}, (stream, "stream_mapped")),
+    "chunks in memory": ({"native": False, "one_call": 0}, (kineto, "stream_mapped")),
+    "msgspec one call": ({"native": False, "arrow": False}, (kineto._Decoding, "one_call")),
+    "batches with salvage": ({"native": False, "arrow": False, "one_call": 0, "chunks": False},
+                             (kineto._Decoding, "slices")),
+    "memory-mapped stream": ({"native": False, "map": 0}, (kineto, "stream_mapped")),
 }
 
 
@@ -77,16 +77,17 @@ def test_invalid_utf8_is_kept_as_replacement_characters_on_every_decode_path(tmp
     file = tmp_path / ("rank0.json.gz" if compressed else "rank0.json")
     file.write_bytes(gzip.compress(data) if compressed else data)
     if options.get("native") is False:
-        monkeypatch.setattr(_buffers, "NATIVE_ENABLED", False)
+        monkeypatch.setenv("SHARDLINE_KINETO_NATIVE", "0")
     if "arrow" in options:
-        monkeypatch.setattr(_kineto_arrow, "ENABLED", options["arrow"])
-        monkeypatch.setattr(_kineto_arrow, "MIN_BYTES", 0)
-        monkeypatch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
+        monkeypatch.setenv("SHARDLINE_KINETO_ARROW", "1" if options["arrow"] else "0")
     if "one_call" in options:
-        monkeypatch.setattr(kineto, "_ONE_CALL_MAX_BYTES", options["one_call"])
+        monkeypatch.setattr(_plan, "ONE_CALL_MAX_BYTES", options["one_call"] - 1)  # then chunks, then slices
+        monkeypatch.setattr(_plan, "CHUNK_BYTES", 1_000)
+    if options.get("chunks") is False:  # a chunk that does not decode is salvaged in the stream itself
+        monkeypatch.setattr(kineto._Decoding, "stream", lambda self: None)
     if "map" in options:
-        monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", options["map"])
-        monkeypatch.setattr(stream, "CHUNK", 1_000)
+        monkeypatch.setattr(_plan, "MAP_MIN_BYTES", options["map"])
+        monkeypatch.setattr(_plan, "CHUNK_BYTES", 1_000)
     calls: list[str] = []
     _spy(monkeypatch, module, function, calls)
     result = kineto.read_kineto(file)
@@ -106,10 +107,10 @@ def test_invalid_utf8_is_kept_as_replacement_characters_on_every_decode_path(tmp
 
 
 def test_counts_of_several_batches_make_one_warning_per_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(_buffers, "NATIVE_ENABLED", False)
-    monkeypatch.setattr(_kineto_arrow, "ENABLED", False)
-    monkeypatch.setattr(kineto, "_ONE_CALL_MAX_BYTES", 0)
-    monkeypatch.setattr(kineto, "BATCH", 4)  # ten batches, a bad name in each of the first five
+    monkeypatch.setenv("SHARDLINE_KINETO_NATIVE", "0")
+    monkeypatch.setenv("SHARDLINE_KINETO_ARROW", "0")
+    monkeypatch.setattr(_plan, "ONE_CALL_MAX_BYTES", -1)
+    monkeypatch.setattr(_plan, "BATCH_EVENTS", 4)  # ten batches, a bad name in each of the first five
     events = [_event(i, name=b"x" + BAD if i % 8 == 0 else b"aten::add") for i in range(40)]
     events[3] = events[3].replace(b'"tid": 2', b'"tid": [2]')
     events[13] = events[13].replace(b'"tid": 2', b'"tid": {}')

@@ -1,8 +1,9 @@
-"""The Arrow fast path of the Kineto reader gives exactly the ordinary path's events, or steps aside.
+"""Inputs written for the (since dropped, see ``_plan``) Arrow chunk path: every decode path reads each exactly,
+or steps aside.
 
-Every check reads the same file twice, with the fast path on and off, and compares the whole events frame,
-the warnings and the metadata; each also says whether the fast path must have been used (so a fast path
-that silently never runs, or runs where it cannot be exact, fails here).
+Every check reads the file on every decode path (the ``read_paths`` fixture: each path forced alone and
+checked against the independent ``json`` + ``Decimal`` reading of ``conftest``; where that reading declines
+the input, the native path must refuse it).
 """
 
 from __future__ import annotations
@@ -12,35 +13,10 @@ import json
 
 import pytest
 
-from shardline.profiling.load import _discover
-from shardline.profiling.readers import _buffers, _kineto_arrow
+from shardline.profiling.readers import _plan
 from shardline.profiling.readers._kineto_columns import _int
 
 BASE = 1_700_000_000_000_000_000
-
-
-def _kineto_files(traces_dir):
-    return [path for path, fmt in _discover(traces_dir) if "kineto" in str(fmt).lower()]
-
-
-#: Shared traces the fast path must refuse (and why): the ordinary path reads them.
-REFUSED = {
-    "mi250_minitoy_train_ROCm6_2_kineto.json.gz": "ROCm writes args stream/device as text",
-}
-
-
-def test_every_shared_kineto_trace_reads_the_same_both_ways(traces_dir, read_both):
-    files = _kineto_files(traces_dir)
-    assert len(files) >= 30
-    used_by = {}
-    for path in files:
-        events, used = read_both(path)
-        used_by[path.name] = used
-        if len(events) and path.name not in REFUSED:
-            assert used, f"{path}: the fast path did not read this trace"
-        if path.name in REFUSED:
-            assert not used, f"{path}: expected the fast path to refuse it ({REFUSED[path.name]})"
-    assert sum(1 for used in used_by.values() if used) >= 30
 
 
 def _write(tmp_path, events: list[str], *, separator: str = ",\n  ", name: str = "rank0.json", base=BASE) -> object:
@@ -61,7 +37,7 @@ def _kernel(ts="20.5", stream="7", correlation=5) -> str:
             f'"ts": {ts}, "dur": 3, "args": {{"device": 0, "stream": {stream}, "correlation": {correlation}}}}}')
 
 
-def test_text_pids_and_tids_are_read_as_the_ordinary_path_reads_them(tmp_path, read_both):
+def test_text_pids_and_tids_are_read_as_the_ordinary_path_reads_them(tmp_path, read_paths):
     events = [
         '{"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",'
         ' "ts": 1, "dur": 100}',
@@ -71,27 +47,24 @@ def test_text_pids_and_tids_are_read_as_the_ordinary_path_reads_them(tmp_path, r
         '{"ph": "X", "cat": "cpu_op", "name": "x", "pid": "", "tid":"0x1f", "ts": 7, "dur": 1}',
         _op(),
     ]
-    events_frame, used = read_both(_write(tmp_path, events))
-    assert used == 1
+    events_frame = read_paths(_write(tmp_path, events))
     assert events_frame["stream"].tolist() == [5555, 7, 31, 2]
     assert events_frame["device"].tolist() == [-1, 0, -1, -1]
     assert _int("stream 7", []) == 7 and _int("0x1f", []) == 31  # the rules both paths share
 
 
-def test_many_text_tids_use_the_bulk_rename(tmp_path, read_both):
+def test_many_text_tids_use_the_bulk_rename(tmp_path, read_paths):
     events = [f'{{"ph": "X", "cat": "Operator", "name": "op{i % 3}", "pid": 12, "tid": "{5000 + i % 4}",'
               f' "ts": {i}, "dur": 1}}' for i in range(200)]
-    events_frame, used = read_both(_write(tmp_path, events))
-    assert used == 1
+    events_frame = read_paths(_write(tmp_path, events))
     assert events_frame["stream"].tolist() == [5000 + i % 4 for i in range(200)]
 
 
-def test_absolute_microseconds_keep_every_nanosecond(tmp_path, read_both):
+def test_absolute_microseconds_keep_every_nanosecond(tmp_path, read_paths):
     # 17 significant digits: a double would move these by up to 125 ns; the decimal read does not.
     events = [_op(ts="1712195495519689.047", dur="63.813"), _op(ts="1712195495519689.048", dur="0.001"),
               _kernel(ts="1712195495519690.999")]
-    events_frame, used = read_both(_write(tmp_path, events, base=None))
-    assert used == 1
+    events_frame = read_paths(_write(tmp_path, events, base=None))
     assert events_frame["start_ns"].tolist() == [1712195495519689047, 1712195495519689048, 1712195495519690999]
     assert events_frame["dur_ns"].tolist() == [63813, 1, 3000]
 
@@ -111,15 +84,14 @@ def test_absolute_microseconds_keep_every_nanosecond(tmp_path, read_both):
     ("a float where an int belongs", [_op(args='"External id": 7.0'), _op()], ",\n  "),
     ("a raw newline inside a name (invalid JSON)", [_op(name="two\nlines"), _op()], ", "),
 ])
-def test_refused_chunks_read_the_ordinary_way(tmp_path, case, events, separator, read_both):
+def test_refused_chunks_read_the_ordinary_way(tmp_path, case, events, separator, read_paths):
     if separator == "MIXED":
         body = events[0] + ",\n  " + events[1] + ", " + events[2]
         events, separator = [body], ""
-    _, used = read_both(_write(tmp_path, events, separator=separator))
-    assert used == 0, case
+    _ = read_paths(_write(tmp_path, events, separator=separator))
 
 
-def test_missing_times_and_args_match_the_ordinary_defaults(tmp_path, read_both):
+def test_missing_times_and_args_match_the_ordinary_defaults(tmp_path, read_paths):
     events = ['{"ph": "X", "cat": "cpu_op", "name": "no dur", "pid": 1, "tid": 2, "ts": 4}',
               '{"ph": "X", "cat": "cpu_op", "name": "null args", "pid": 1, "tid": 2, "ts": 5, "dur": 1,'
               ' "args": null}',
@@ -127,20 +99,18 @@ def test_missing_times_and_args_match_the_ordinary_defaults(tmp_path, read_both)
               '{"ph": "E", "cat": "user_annotation", "name": "range", "pid": 1, "tid": 2, "ts": 9}',
               '{"ph": "i", "cat": "cpu_instant_event", "name": "dropped", "pid": 1, "tid": 2, "ts": 7}',
               '{"ph": "M", "name": "process_name", "pid": "Spans", "args": {"name": "Spans"}}']
-    events_frame, used = read_both(_write(tmp_path, events))
-    assert used == 1
+    events_frame = read_paths(_write(tmp_path, events))
     assert sorted(events_frame["name"]) == ["no dur", "null args", "range"]
     assert events_frame.set_index("name").loc["range", "dur_ns"] == 3000
 
 
-def test_collective_args_and_texts(tmp_path, read_both):
+def test_collective_args_and_texts(tmp_path, read_paths):
     args = ('"External id": 9, "Collective name": "allreduce", "Process Group Name": "3",'
             ' "Process Group Description": "tp", "Process Group Ranks": "[0, 1]", "Group size": 2,'
             ' "In msg nelems": 1024, "Out msg nelems": 1024, "dtype": "BFloat16", "Seq": 4')
     events = [_op(name="record_param_comms", args=args), _op(args='"Dst Rank": 1, "bytes": 64'),
               _op(args='"Src Rank": 3')]
-    events_frame, used = read_both(_write(tmp_path, events, separator=", "))
-    assert used == 1
+    events_frame = read_paths(_write(tmp_path, events, separator=", "))
     first = events_frame.iloc[0]
     assert (first["collective"], first["pg_desc"], first["pg_size"], first["msg_bytes"], first["seq"]) == \
         ("allreduce", "tp", 2, 2048, 4)
@@ -148,24 +118,21 @@ def test_collective_args_and_texts(tmp_path, read_both):
     assert events_frame["msg_bytes"].tolist() == [2048, 64, -1]
 
 
-def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_dir, read_both):
+def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_dir, read_paths):
     # A plain file is memory-mapped and read in chunks; with small chunks every one must take the fast path
-    # and the whole still equal the ordinary read (compact and pretty separators alike).
-    import shardline.profiling.readers._kineto_stream as stream
-
+    # and the whole still equal the reference (compact and pretty separators alike).
     seed = json.loads(gzip.decompress(
         (traces_dir / "hta" / "trace_filter" / "sampled_rank-0.json.gz").read_bytes()))
-    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "CHUNK", 100_000)
+    monkeypatch.setattr(_plan, "MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_plan, "CHUNK_BYTES", 100_000)
     for indent in (None, 2):
         path = tmp_path / f"rank0-{indent}.json"
         path.write_text(json.dumps(seed, indent=indent, separators=(",", ":") if indent is None else None))
-        events_frame, used = read_both(path)
+        events_frame = read_paths(path)
         assert len(events_frame) > 4000
-        assert used >= path.stat().st_size // 150_000, (indent, used)
 
 
-def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, traces_dir, read_both):
+def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, traces_dir, read_paths):
     # Arrow cuts its input into 4 MB blocks; pretty-printed events span lines, so the cut must not fall
     # inside an event (one chunk of ~9 MB here, read in memory).
     seed = json.loads(gzip.decompress(
@@ -174,18 +141,5 @@ def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, traces_dir, read_both
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps(seed, indent=4))
     assert path.stat().st_size > 2 * (4 << 20)
-    events_frame, used = read_both(path)
-    assert used == 1 and len(events_frame) > 16_000
-
-
-def test_fast_path_only_where_it_is_faster(monkeypatch):
-    # Small chunks, and chunks of few (big) events, are left to the ordinary path, which is faster there.
-    dense = ",".join([_op()] * 40_000)  # ~5 MB, ~8,000 events per MB
-    sparse = ",".join([_op(name="x" * 2000)] * 3_000)  # ~6 MB, ~500 events per MB
-    assert len(dense) > _kineto_arrow.MIN_BYTES and len(sparse) > _kineto_arrow.MIN_BYTES
-    assert _kineto_arrow.columns_from_text(dense.encode(), keep_python=False) is not None
-    assert _kineto_arrow.columns_from_text(sparse.encode(), keep_python=False) is None
-    assert _kineto_arrow.columns_from_text(",".join([_op()] * 100).encode(), keep_python=False) is None
-    monkeypatch.setattr(_kineto_arrow, "MIN_BYTES", 0)
-    monkeypatch.setattr(_kineto_arrow, "MIN_EVENTS_PER_MB", 0)
-    assert _kineto_arrow.columns_from_text(sparse.encode(), keep_python=False) is not None
+    events_frame = read_paths(path)
+    assert len(events_frame) > 16_000

@@ -1,16 +1,16 @@
-"""Malformed and unusual inputs where the Arrow fast path must equal the ordinary path (frame, warnings,
-metadata): written in review, each failing test was a difference, now fixed (see _kineto_arrow._suspicious,
-_valid_json, _check_utf8 and the JSON-whitespace separators).
+"""Malformed and unusual inputs, written in review of the (since dropped, see ``_plan``) Arrow chunk path: every
+decode path must read each exactly or refuse it.
 
-Each test reads one small trace with the fast path forced on and with it off (the ``read_both`` fixture) and compares the results. A failing test here is a difference between the paths.
+Each test reads one small trace on every decode path (the ``read_paths`` fixture): a path reads it as the
+independent ``json`` + ``Decimal`` reading of ``conftest`` does, or, where that reading declines the input
+(a null, a mistyped field, damage), the native path must refuse it.
 """
 
 from __future__ import annotations
 
 import pytest
 
-import shardline.profiling.readers._kineto_stream as stream
-from shardline.profiling.readers import _buffers
+from shardline.profiling.readers import _plan
 
 BASE = 1_700_000_000_000_000_000
 
@@ -37,8 +37,8 @@ def op(**kw):
 
 
 def _streamed(monkeypatch, chunk=200):
-    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "CHUNK", chunk)
+    monkeypatch.setattr(_plan, "MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_plan, "CHUNK_BYTES", chunk)
 
 
 # --- explicit nulls: msgspec refuses null for a str/int field (event dropped + warning), Arrow reads a null
@@ -52,63 +52,63 @@ def _streamed(monkeypatch, chunk=200):
     op(args='"Collective name": null'),
     op(ph="null"),  # same events either way, but only the ordinary path warns
 ], ids=["name", "cat", "pid", "tid", "args.correlation", "args.External id", "args.Collective name", "ph"])
-def test_review_explicit_null_fields(tmp_path, event, read_both):
-    read_both(_write(tmp_path, [event, op()]))
+def test_review_explicit_null_fields(tmp_path, event, read_paths):
+    read_paths(_write(tmp_path, [event, op()]))
 
 
 # --- a time written as a JSON string: the ordinary path drops the event (not a number), Arrow parses it
 @pytest.mark.parametrize("event", [op(ts='"10.5"'), op(dur='"5"')], ids=["ts", "dur"])
-def test_review_time_as_string(tmp_path, event, read_both):
-    read_both(_write(tmp_path, [event, op()]))
+def test_review_time_as_string(tmp_path, event, read_paths):
+    read_paths(_write(tmp_path, [event, op()]))
 
 
 # --- ts key written with an escape, value null: the explicit-null regex does not see it
 @pytest.mark.parametrize("key", ["t\\u0073", "d\\u0075r"])
-def test_review_escaped_time_key_null(tmp_path, key, read_both):
+def test_review_escaped_time_key_null(tmp_path, key, read_paths):
     event = ('{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 2, "' + key + '": null'
              + (', "dur": 1}' if key.startswith("t") else ', "ts": 3}'))
-    read_both(_write(tmp_path, [event, op()]))
+    read_paths(_write(tmp_path, [event, op()]))
 
 
-def test_review_escaped_keys_with_numbers_agree(tmp_path, read_both):
+def test_review_escaped_keys_with_numbers_agree(tmp_path, read_paths):
     # Escapes in keys are decoded by both parsers, but a chunk with any \u escape is left to the ordinary path
     # (an escape could spell a key the fast path's literal checks look for).
     event = '{"\\u0070h": "X", "c\\u0061t": "cpu_op", "name": "a", "p\\u0069d": 1, "tid": 2, "t\\u0073": 3.5, "dur": 1}'
-    events, used = read_both(_write(tmp_path, [event, op()]))
-    assert used == 0 and events["start_ns"].tolist()[0] == BASE + 3500
+    events = read_paths(_write(tmp_path, [event, op()]))
+    assert events["start_ns"].tolist()[0] == BASE + 3500
 
 
 # --- a key the ordinary path ignores but the fast path reads (the renamed-key namespace)
-def test_review_literal_tid_text_key(tmp_path, read_both):
+def test_review_literal_tid_text_key(tmp_path, read_paths):
     # fast: stream 99 (tid_text read as the tid); ordinary: stream 2 (tid_text is an unknown key)
-    read_both(_write(tmp_path, [op(extra=', "tid_text": "99"'), op()]))
+    read_paths(_write(tmp_path, [op(extra=', "tid_text": "99"'), op()]))
 
 
-def test_review_literal_pid_text_key_breaks_begin_end_pairing(tmp_path, read_both):
+def test_review_literal_pid_text_key_breaks_begin_end_pairing(tmp_path, read_paths):
     # fast: the B event's pid is 3, so B/E do not pair (dropped + warning); ordinary: pid 1, paired
     events = [op(), '{"ph": "B", "cat": "user_annotation", "name": "r", "pid": 1, "pid_text": "3", "tid": 2, "ts": 1}',
               '{"ph": "E", "cat": "user_annotation", "name": "r", "pid": 1, "tid": 2, "ts": 20}']
-    read_both(_write(tmp_path, events))
+    read_paths(_write(tmp_path, events))
 
 
 # --- text tids: the ordinary path converts an all-numeric batch with numpy (int() rules), the fast path
 #     always with _int (last run of digits)
 @pytest.mark.parametrize("tid", ['"-5"', '"1_000"'])
-def test_review_text_tid_numpy_vs_int_rules(tmp_path, tid, read_both):
-    read_both(_write(tmp_path, [op(tid=tid), op()]))
+def test_review_text_tid_numpy_vs_int_rules(tmp_path, tid, read_paths):
+    read_paths(_write(tmp_path, [op(tid=tid), op()]))
 
 
 # --- invalid UTF-8 in an event the fast path filters out before validating its texts
-def test_review_invalid_utf8_in_dropped_event(tmp_path, read_both):
+def test_review_invalid_utf8_in_dropped_event(tmp_path, read_paths):
     meta = '{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "caf\udce9"}}'
     meta_name = '{"ph": "M", "name": "caf\udce9", "pid": 1}'
-    read_both(_write(tmp_path, [meta_name, meta, op()]))
+    read_paths(_write(tmp_path, [meta_name, meta, op()]))
 
 
 # --- numbers that both read the same (no difference expected)
 @pytest.mark.parametrize("ts", ["-0", "1E3", "1.0e-3", "100e-5", "1.0005e3", "-5.5", "1.2300000", "0.1e1"])
-def test_review_number_forms_agree(tmp_path, ts, read_both):
-    read_both(_write(tmp_path, [op(ts=ts), op()]))
+def test_review_number_forms_agree(tmp_path, ts, read_paths):
+    read_paths(_write(tmp_path, [op(ts=ts), op()]))
 
 
 @pytest.mark.parametrize("event", [
@@ -118,71 +118,68 @@ def test_review_number_forms_agree(tmp_path, ts, read_both):
     op(extra=', "External id": "5"'),
     op(args='"device": 0, "stream": 7, "x": "id\\": \\"5"'),
 ], ids=["nested args", "other key", "unicode", "top-level External id text", "quote-id in value"])
-def test_review_misc_agree(tmp_path, event, read_both):
-    read_both(_write(tmp_path, [event, op()]))
+def test_review_misc_agree(tmp_path, event, read_paths):
+    read_paths(_write(tmp_path, [event, op()]))
 
 
 @pytest.mark.parametrize("sep", [",\r\n", "\t,\t", " ,\n\t", "\r\n,\r\n"])
-def test_review_separators_agree(tmp_path, sep, read_both):
-    _, used = read_both(_write(tmp_path, [op(), op(ts="11"), op(ts="12")], separator=sep))
-    assert used == 1
+def test_review_separators_agree(tmp_path, sep, read_paths):
+    _ = read_paths(_write(tmp_path, [op(), op(ts="11"), op(ts="12")], separator=sep))
 
 
 # --- streamed (memory-mapped) files: the fast path sees a chunk before msgspec has validated the file
 @pytest.mark.parametrize("sep", [",\x0c", "\x0b,"], ids=["formfeed", "vtab"])
-def test_review_streamed_non_json_whitespace_separator(tmp_path, monkeypatch, sep, read_both):
+def test_review_streamed_non_json_whitespace_separator(tmp_path, monkeypatch, sep, read_paths):
     _streamed(monkeypatch)
-    read_both(_write(tmp_path, [op(ts=str(i)) for i in range(20)], separator=sep))
+    read_paths(_write(tmp_path, [op(ts=str(i)) for i in range(20)], separator=sep))
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
-def test_review_streamed_nan_in_unread_field(tmp_path, monkeypatch, value, read_both):
+def test_review_streamed_nan_in_unread_field(tmp_path, monkeypatch, value, read_paths):
     _streamed(monkeypatch)
     events = [op(ts=str(i)) for i in range(20)]
     events[12] = op(ts="12", args=f'"weird": {value}')
-    read_both(_write(tmp_path, events))
+    read_paths(_write(tmp_path, events))
 
 
-def test_review_streamed_single_event_chunks(tmp_path, monkeypatch, read_both):
+def test_review_streamed_single_event_chunks(tmp_path, monkeypatch, read_paths):
     _streamed(monkeypatch, chunk=1)
-    _, used = read_both(_write(tmp_path, [op(ts=str(i)) for i in range(10)], separator=","))
-    assert used >= 1
+    _ = read_paths(_write(tmp_path, [op(ts=str(i)) for i in range(10)], separator=","))
 
 
-def test_review_gz_in_memory(tmp_path, read_both):
+def test_review_gz_in_memory(tmp_path, read_paths):
     import gzip
     path = _write(tmp_path, [op(ts=str(i)) for i in range(10)])
     gz = tmp_path / "rank0.json.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))
-    _, used = read_both(gz)
-    assert used == 1
+    _ = read_paths(gz)
 
 
-def test_review_streamed_missing_comma_between_events(tmp_path, monkeypatch, read_both):
+def test_review_streamed_missing_comma_between_events(tmp_path, monkeypatch, read_paths):
     # invalid JSON (two events without a comma): Arrow reads a sequence of objects, msgspec refuses
     _streamed(monkeypatch)
     events = [op(ts=str(i)) for i in range(20)]
     events[11] = events[11] + " " + events[12]
     del events[12]
-    read_both(_write(tmp_path, events, separator=","))
+    read_paths(_write(tmp_path, events, separator=","))
 
 
-def test_review_bom_and_bare_array_agree(tmp_path, monkeypatch, read_both):
+def test_review_bom_and_bare_array_agree(tmp_path, monkeypatch, read_paths):
     path = _write(tmp_path, [op(), op(ts="11")])
     bom = tmp_path / "bom_rank0.json"
     bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
-    read_both(bom)
+    read_paths(bom)
     bare = tmp_path / "bare_rank0.json"
     bare.write_text("[" + ",".join([op(), op(ts="11")]) + "]")
-    read_both(bare)
+    read_paths(bare)
     _streamed(monkeypatch)
-    read_both(bom)
-    read_both(bare)
+    read_paths(bom)
+    read_paths(bare)
 
 
 # --- a bounded fuzz over event shapes, leaving out the difference classes confirmed above (explicit nulls,
 #     time strings, *_text keys, signed/underscored text ids); anything it finds is a new class.
-def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch, read_both):
+def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch, read_paths):
     import json
 
     from hypothesis import HealthCheck, given, settings
@@ -223,8 +220,8 @@ def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch, read_both):
         path.write_text(body)
         with monkeypatch.context() as m:
             if streamed:
-                m.setattr(_buffers, "MAP_MIN_BYTES", 0)
-                m.setattr(stream, "CHUNK", 60)
-            read_both(path)
+                m.setattr(_plan, "MAP_MIN_BYTES", 0)
+                m.setattr(_plan, "CHUNK_BYTES", 60)
+            read_paths(path)
 
     check()

@@ -1,8 +1,9 @@
-"""The native Kineto scanner (``_kscan``) gives exactly the ordinary path's events, or refuses the document.
+"""The native Kineto scanner (``_kscan``) reads a document exactly, or refuses it.
 
-Every comparison reads one file with the scanner and with it turned off (the ordinary msgspec path) and
-compares the whole events frame, the warnings and the metadata; each case also says whether the scanner must
-have accepted or refused it, so a scanner that silently never runs, or runs where it cannot be exact, fails.
+Every case reads one file on every decode path (the ``read_paths`` fixture: each path forced alone, checked
+against the independent ``json`` + ``Decimal`` reading of ``conftest``, and where that reading declines the
+input, the native path must refuse it); each case also says whether the scanner must have
+accepted or refused it, so a scanner that silently never runs, or runs where it cannot be exact, fails.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import json
 import shutil
 from pathlib import Path
 
-import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardline.profiling.load import _discover
 from shardline.profiling.readers import _buffers, _kineto_native, kineto
+from shardline.profiling.readers._plan import DecodePath
 
 _kscan = _buffers._kscan
 needs_scanner = pytest.mark.skipif(_kscan is None, reason="the native scanner was not built (no C compiler)")
@@ -32,50 +33,22 @@ def test_scanner_is_built_where_a_compiler_exists():
         pytest.skip("no C compiler on this machine")
 
 
-def _assert_same(a: pd.DataFrame, b: pd.DataFrame) -> None:
-    """Frames equal column by column: names, dtypes, values, and for categoricals the category order too
-    (as strict as ``assert_frame_equal`` here, and much faster on big frames of Arrow-backed categories)."""
-    assert list(a.columns) == list(b.columns)
-    assert a.index.equals(b.index)
-    for column in a.columns:
-        x, y = a[column], b[column]
-        assert x.dtype == y.dtype, column
-        if isinstance(x.dtype, pd.CategoricalDtype):
-            assert x.cat.categories.tolist() == y.cat.categories.tolist(), column
-            assert (x.cat.codes.to_numpy() == y.cat.codes.to_numpy()).all(), column
-        else:
-            assert (x.to_numpy() == y.to_numpy()).all(), column
-
-
-def _read(path: Path, monkeypatch, *, keep_python: bool = False):
-    """(native-on result, ordinary result), asserted equal in events, warnings and metadata."""
-    native = kineto.read_kineto(path, keep_python=keep_python)
-    with monkeypatch.context() as patch:
-        patch.setattr(_buffers, "NATIVE_ENABLED", False)
-        ordinary = kineto.read_kineto(path, keep_python=keep_python)
-    _assert_same(native.events, ordinary.events)
-    assert native.warnings == ordinary.warnings
-    assert native.metadata == ordinary.metadata
-    assert native.skipped == ordinary.skipped
-    return native, ordinary
-
-
 def _accepts(path: Path) -> bool:
     """Whether the native path reads the file (the scanner, then the unescaping of its texts)."""
     return _kineto_native.read(_buffers.read_bytes(path), keep_python=False) is not None
 
 
 @needs_scanner
-def test_every_shared_kineto_trace_reads_natively(traces_dir, monkeypatch):
-    # The comparison with the ordinary path on every shared trace is the ``read_both`` check of
-    # test_kineto_arrow.py (which reads each file natively too); here: the scanner takes every one of them, and
-    # the traces read with ``keep_python`` (Python stacks kept) agree too.
+def test_every_shared_kineto_trace_reads_natively(traces_dir, read_paths):
+    # The check of every path against the reference on every shared trace is test_reader_paths.py; here: the
+    # scanner takes every one of them, and the traces read with ``keep_python`` (Python stacks kept) read as
+    # the reference too.
     files = [path for path, fmt in _discover(traces_dir) if "kineto" in str(fmt).lower()]
     assert len(files) >= 30
     for path in files:
         if path.stat().st_size < 4 << 20:
-            native, _ = _read(path, monkeypatch, keep_python=True)
-            skipped = bool(native.skipped)
+            read_paths(path, keep_python=True)
+            skipped = bool(kineto.read_kineto(path).skipped)
         else:  # the big shared files are all traces
             skipped = False
         # Every shared Kineto trace is intact, typed as the ordinary path expects: the scanner takes them all
@@ -174,31 +147,29 @@ RAW_CASES = [
 
 @needs_scanner
 @pytest.mark.parametrize("case,events,accepted", CASES, ids=[c[0] for c in CASES])
-def test_crafted_events(tmp_path, monkeypatch, case, events, accepted):
+def test_crafted_events(tmp_path, case, events, accepted, read_paths):
     path = _write(tmp_path, events)
     assert _accepts(path) is accepted, case
-    _read(path, monkeypatch)
-    _read(path, monkeypatch, keep_python=True)
+    read_paths(path)
+    read_paths(path, keep_python=True)
 
 
 @needs_scanner
 @pytest.mark.parametrize("case,raw,accepted", RAW_CASES, ids=[c[0] for c in RAW_CASES])
-def test_crafted_documents(tmp_path, monkeypatch, case, raw, accepted):
+def test_crafted_documents(tmp_path, case, raw, accepted, read_paths):
     path = _write(tmp_path, [], raw=raw)
     assert _accepts(path) is accepted, case
     try:
-        _read(path, monkeypatch)
-    except Exception as exc:  # a refused document the ordinary path rejects: it must reject it the same way
-        with monkeypatch.context() as patch:
-            patch.setattr(_buffers, "NATIVE_ENABLED", False)
-            with pytest.raises(type(exc)) as ordinary:
-                kineto.read_kineto(path)
+        read_paths(path)
+    except Exception as exc:  # a refused document the salvaging path rejects: it must reject it the same way
+        with pytest.raises(type(exc)) as ordinary:
+            kineto.read_kineto(path, force=DecodePath.SLICES)
         assert str(ordinary.value) == str(exc)
         assert not accepted
 
 
 @needs_scanner
-def test_exact_values_against_hand_computed(tmp_path, monkeypatch):
+def test_exact_values_against_hand_computed(tmp_path, read_paths):
     # An independent check of the numbers (not only agreement between two of our paths).
     path = _write(tmp_path, [_op(ts="1694128201435418.123", dur="0.5", pid='"Spans"', args=_COMM),
                              _kernel(ts="-0.25", args='"stream": 7, "correlation": 5, "device": 3')],
@@ -210,18 +181,18 @@ def test_exact_values_against_hand_computed(tmp_path, monkeypatch):
     assert op["msg_bytes"] == 1024 * 2 and op["seq"] == 4 and op["pg_size"] == 2 and op["correlation"] == 9
     assert kernel["start_ns"] == -250 and kernel["dur_ns"] == 1000
     assert kernel["lane"] == "gpu" and kernel["device"] == 3 and kernel["stream"] == 7
-    _read(path, monkeypatch)
+    read_paths(path)
 
 
 @needs_scanner
-def test_gzip_and_keep_python(tmp_path, monkeypatch, traces_dir):
+def test_gzip_and_keep_python(tmp_path, traces_dir, read_paths):
     source = traces_dir / "hta" / "trace_filter"
     first = sorted(source.iterdir())[0]
     data = _buffers.read_bytes(first)
     path = tmp_path / "rank0.json.gz"
     path.write_bytes(gzip.compress(data))
-    native, _ = _read(path, monkeypatch, keep_python=True)
-    assert len(native.events) > 1000
+    native = read_paths(path, keep_python=True)
+    assert len(native) > 1000
 
 
 _FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
@@ -249,26 +220,24 @@ def _event(draw):
 @needs_scanner
 @_FUZZ
 @given(st.lists(_event(), max_size=8), st.sampled_from([",", ",\n  ", ", "]))
-def test_fuzz_generated_events_agree(tmp_path_factory, monkeypatch, events, separator):
-    # Any mix of field types: the scanner either refuses the document or reads exactly what msgspec reads.
+def test_fuzz_generated_events_agree(tmp_path_factory, read_paths, events, separator):
+    # Any mix of field types: the scanner either refuses the document or reads it as the reference does.
     path = tmp_path_factory.mktemp("fuzz") / "rank0.json"
     body = '{"traceEvents": [' + separator.join(json.dumps(e) for e in events) + '], "baseTimeNanoseconds": 7}'
     path.write_text(body)
     try:
-        _read(path, monkeypatch)
-    except Exception as exc:  # both paths must fail alike (e.g. the ordinary path's own refusal)
-        with monkeypatch.context() as patch:
-            patch.setattr(_buffers, "NATIVE_ENABLED", False)
-            with pytest.raises(type(exc)):
-                kineto.read_kineto(path)
+        read_paths(path)
+    except Exception as exc:  # the salvaging path must fail alike (its own refusal)
         assert not isinstance(exc, AssertionError), exc
+        with pytest.raises(type(exc)):
+            kineto.read_kineto(path, force=DecodePath.SLICES)
 
 
 @needs_scanner
 @_FUZZ
 @given(st.data())
-def test_fuzz_mutated_real_trace_agrees(tmp_path_factory, monkeypatch, traces_dir, data):
-    # Byte-level damage to a real trace: never a crash; refused, or read exactly as the ordinary path reads it.
+def test_fuzz_mutated_real_trace_agrees(tmp_path_factory, read_paths, traces_dir, data):
+    # Byte-level damage to a real trace: never a crash; refused, or read exactly as the reference reads it.
     source = _buffers.read_bytes(traces_dir / "hta" / "call_stack" / "backward_thread.json")[:6000]
     cut = source.rfind(b"},", 0, 6000)
     text = bytearray(source[:cut + 1] + b"]}")
@@ -280,11 +249,9 @@ def test_fuzz_mutated_real_trace_agrees(tmp_path_factory, monkeypatch, traces_di
     result = _kscan.scan(bytes(text))
     assert result is None or isinstance(result, dict)
     try:
-        _read(path, monkeypatch)
+        read_paths(path)
     except AssertionError:
         raise
     except Exception as exc:
-        with monkeypatch.context() as patch:
-            patch.setattr(_buffers, "NATIVE_ENABLED", False)
-            with pytest.raises(type(exc)):
-                kineto.read_kineto(path)
+        with pytest.raises(type(exc)):
+            kineto.read_kineto(path, force=DecodePath.SLICES)

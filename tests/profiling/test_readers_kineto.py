@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shardline.profiling.errors import MissingRankError
 from shardline.profiling.load import load
-from shardline.profiling.readers import _buffers
+from shardline.profiling.readers import _buffers, _plan
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
 from shardline.profiling.schema import check_events
 
@@ -254,18 +254,13 @@ def test_decimal_text_parser_matches_decimal_reference(numbers, exponent_form):
 def test_memory_mapped_read_matches_in_memory_read(tmp_path, monkeypatch, traces_dir):
     # Big plain files are memory-mapped and released page by page; force that path on a real trace (decompressed
     # into tmp_path) with tiny batches and compare every column with the ordinary in-memory read.
-    import shardline.profiling.readers._kineto_columns as columns
-    import shardline.profiling.readers._kineto_stream as stream
-    import shardline.profiling.readers.kineto as kineto
-
     source = traces_dir / "hta" / "trace_filter" / "sampled_rank-1.json.gz"
     plain = tmp_path / "sampled_rank-1.json"
     plain.write_bytes(gzip.decompress(source.read_bytes()))
     expected = load(source, classify=False).events
-    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
-    monkeypatch.setattr(kineto, "BATCH", 333)
-    monkeypatch.setattr(columns, "BATCH", 333)
-    monkeypatch.setattr(stream, "CHUNK", 50_000)  # many chunks, cut at event boundaries
+    monkeypatch.setattr(_plan, "MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_plan, "BATCH_EVENTS", 333)
+    monkeypatch.setattr(_plan, "CHUNK_BYTES", 50_000)  # many chunks, cut at event boundaries
     assert isinstance(_buffers.trace_buffer(plain), __import__("mmap").mmap)
     got = load(plain, classify=False).events
     assert got.astype(str).equals(expected.astype(str))
@@ -274,12 +269,10 @@ def test_memory_mapped_read_matches_in_memory_read(tmp_path, monkeypatch, traces
 def test_streamed_read_falls_back_when_a_cut_lands_in_a_string(tmp_path, monkeypatch):
     # Names containing "}, {" offer false event boundaries; the streamed read must then fall back to the
     # whole-file read and still give every event exactly.
-    import shardline.profiling.readers._kineto_stream as stream
-
     events = [_EVENT_TEXT.format(name="lambda}, {x" * 20, ts=10 * i + 0.125) for i in range(400)]
     path = _write(tmp_path, "t.json", _trace(events))
-    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "CHUNK", 2_000)
+    monkeypatch.setattr(_plan, "MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(_plan, "CHUNK_BYTES", 2_000)
     ev = load(path, classify=False).events
     assert ev["start_ns"].tolist() == [BASE + 10_000 * i + 125 for i in range(400)]
     assert set(ev["name"]) == {"lambda}, {x" * 20}
@@ -312,7 +305,7 @@ def test_step_numbers_are_ascii_digits_that_fit_the_int32_step_column(tmp_path):
     assert ev.loc[ev["name"] == "op", "step"].tolist() == [-1, -1, 7]
 
 
-def test_the_int64_minimum_time_is_out_of_range_on_every_path(tmp_path, read_both):
+def test_the_int64_minimum_time_is_out_of_range_on_every_path(tmp_path, read_paths):
     """-9223372036854775.808 µs is exactly int64's minimum in ns: the numpy parser counts it out of range,
     and so must the Arrow casts (the JSON fast path and the time-text cast), whichever reads the file."""
     events = ['{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 100.5, "dur": 5}',
@@ -321,5 +314,5 @@ def test_the_int64_minimum_time_is_out_of_range_on_every_path(tmp_path, read_bot
     with pytest.warns(Warning, match="dropped 1 events whose ts/dur"):
         ev = load(path, classify=False).events
     assert ev["name"].tolist() == ["a"]
-    both, _ = read_both(path)  # Arrow's JSON path forced vs the ordinary path: equal frames and warnings
+    both = read_paths(path)  # every path, each against the reference reading
     assert both["name"].tolist() == ["a"]
