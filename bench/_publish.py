@@ -14,15 +14,16 @@ STAMP = re.compile(r"^Measured at commit `(?P<commit>[0-9a-f]{7,40})` \((?P<tree
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    # Not stripped: a porcelain status line starts with a space that is part of its two-letter code.
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
 def stamp() -> str:
     """``Measured at commit `<sha>` (clean tree | dirty tree: N files differ ...), <UTC time>``: the tree the
     numbers came from. Files under bench/results/ do not count as dirt (they are the output)."""
-    commit = _git("rev-parse", "HEAD")
+    commit = _git("rev-parse", "HEAD").strip()
     changed = [line[3:] for line in _git("status", "--porcelain").splitlines()
-               if not line[3:].startswith("bench/results/")]
+               if line.strip() and not line[3:].startswith("bench/results/")]
     tree = "clean tree" if not changed else \
         f"dirty tree: {len(changed)} files differ from it ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})"
     return f"Measured at commit `{commit[:12]}` ({tree}), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC."
