@@ -203,6 +203,7 @@ class PipelineEngine:
             raise ScheduleError(f"rank {pp_rank}, step {splits[0][0]}: {splits[0][1]} is a split weight "
                                 f"backward, which this engine does not execute (F and B only)")
         self.schedule, self.pp_rank, self.loss_fn = schedule, pp_rank, loss_fn
+        self._forward_only = schedule.forward_only  # a scan of every action: once, not per action
         self.stages = _as_stage_map(stages, schedule.stages_of_rank(pp_rank))
         self.group = group
         size = dist.get_world_size(group)
@@ -281,7 +282,7 @@ class PipelineEngine:
                     self._exchange_coalesced(steps)
             loss = self._batch_loss()
             self._failed = False
-            self.backend.end_batch(loss=loss, forward_only=self.schedule.forward_only)
+            self.backend.end_batch(loss=loss, forward_only=self._forward_only)
             self.hooks.after_batch(loss=loss)
         self.stats.end_ns = time.perf_counter_ns()
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
@@ -341,7 +342,7 @@ class PipelineEngine:
 
     def _forward(self, s: int, mb: int) -> None:
         st = self._state
-        evaluating = self.schedule.forward_only
+        evaluating = self._forward_only
         if s == 0:
             x = self._micro_in[mb]
         elif (s - 1) in self.stages:  # local hand-over (one rank hosting neighbouring stages)
@@ -471,7 +472,7 @@ class PipelineEngine:
             outputs = self._state["output"]
             key = (st.stage, st.microbatch)
             # A forward-only schedule has no backward to keep it for: the pending send holds the buffer.
-            out = outputs.pop(key) if self.schedule.forward_only else outputs[key]
+            out = outputs.pop(key) if self._forward_only else outputs[key]
             return out.detach().contiguous()
         return self._state["grad"].pop((st.stage, st.microbatch)).contiguous()
 
