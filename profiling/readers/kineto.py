@@ -30,7 +30,6 @@ from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult, _buffers, _kineto_native, _plan
 from shardline.profiling.readers._buffers import Prefetched
 from shardline.profiling.readers._kineto_columns import Decoded, columns_from_events, finish_frame
-from shardline.profiling.readers._kineto_stream import PageReleaser, stream_mapped
 from shardline.profiling.readers._plan import DecodePath
 from shardline.profiling.schema import conform, empty_events
 
@@ -168,6 +167,10 @@ class _Decoding:
         return out
 
     def stream(self) -> Decoded | None:
+        # Imported here, not at the top: it loads ctypes and looks libc up (malloc_trim), which a small trace
+        # read by the native scanner never needs (~3 ms of a ~35 ms fresh-process read).
+        from shardline.profiling.readers._kineto_stream import stream_mapped
+
         noted = len(self.warnings)
         with _gc_paused():
             out = stream_mapped(self.path, self.data, chunk_bytes=self.plan.chunk_bytes,
@@ -207,6 +210,8 @@ class _Decoding:
         raws = _event_slices(self.path, events_raw, self.warnings)
         if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
             return ReadResult(empty_events(), warnings=self.warnings, skipped=_what_it_is(self.path, {}))
+        from shardline.profiling.readers._kineto_stream import PageReleaser
+
         pages = PageReleaser(self.data)
         pages.release()  # the slicing pass touched every page; decoding re-touches them one batch at a time
         # Millions of short-lived objects would otherwise trigger full collections that rescan every live one.

@@ -18,6 +18,7 @@ import pytest
 
 from shardline.profiling.errors import TraceWarning
 from shardline.profiling.readers import _buffers, _kineto_native, _plan, kineto
+from shardline.profiling.readers import _kineto_stream as stream
 
 BAD = b"\xff\xfe"  # two bytes that start no UTF-8 sequence: two U+FFFD
 CUT = b"\xe2\x82"  # a three-byte sequence cut short: one U+FFFD
@@ -54,11 +55,11 @@ def _spy(monkeypatch, module, name, calls):
 # path -> (settings, the function that must have run on that path)
 PATHS = {
     "native scanner first": ({}, (_kineto_native, "read")),
-    "chunks in memory": ({"native": False, "one_call": 0}, (kineto, "stream_mapped")),
+    "chunks in memory": ({"native": False, "one_call": 0}, (stream, "stream_mapped")),
     "msgspec one call": ({"native": False, "arrow": False}, (kineto._Decoding, "one_call")),
     "batches with salvage": ({"native": False, "arrow": False, "one_call": 0, "chunks": False},
                              (kineto._Decoding, "slices")),
-    "memory-mapped stream": ({"native": False, "map": 0}, (kineto, "stream_mapped")),
+    "memory-mapped stream": ({"native": False, "map": 0}, (stream, "stream_mapped")),
 }
 
 
