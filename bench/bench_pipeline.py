@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as torch_f
+from _publish import publish
 from torch import nn
 
 from shardline.plugins.pipeline.engine import PipelineEngine
@@ -209,10 +210,7 @@ def main() -> str:
         "communication as free and equals the closed form when F and B are uniform; simulate(F,B,comm) adds "
         "the measured one-way latency of an activation message (half a gloo ping-pong) to every transfer.",
     ])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(table + "\n")
-    print(table)
-    return table
+    return publish([*table.split("\n"), ""], RESULTS)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import psutil
+from _publish import publish
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -250,10 +251,7 @@ def main() -> None:
                 print(f"{label} (1 process): ours {single}", file=sys.stderr)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report = render(rows)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(report)
-    print(report)
+    publish(render(rows).split("\n"), RESULTS)
 
 
 def _seconds(side: dict) -> str:

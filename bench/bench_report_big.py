@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _publish import publish
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -61,9 +63,7 @@ def main() -> None:
             "|---:|---:|---:|---:|---:|---:|",
             f"| {size_mb:.0f} | 2 | {wall:.1f} | {peak_mb:.0f} | {peak_mb / size_mb:.2f} | {sections} |",
         ])
-        out = HERE / "results" / "bench_report_big.md"
-        out.write_text(table + "\n")
-        print(table)
+        publish([*table.split("\n"), ""], HERE / "results" / "bench_report_big.md")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

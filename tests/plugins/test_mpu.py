@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
+import deepspeed  # a hard dependency: a broken install must fail here, not skip
 import torch
 import torch.distributed as dist
 
 from shardline.plugins.grid import Grid, ParallelDims
 from shardline.plugins.testing import run_ranks
-
-deepspeed = pytest.importorskip("deepspeed")
 
 N_PARAMS = 10 * 30 + 30 + 30 * 7 + 7  # the model below: 547 parameters
 
