@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -25,3 +26,21 @@ def _no_inherited_lightning_seed(monkeypatch):
     the DistributedSampler order of every later Trainer (and the forked ranks inherit it): each test starts
     without it, so no result depends on test order."""
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
+def _imported_roots(path: Path) -> set[str]:
+    """Module names imported anywhere in ``path`` (inside functions too), with their top-level packages
+    (``torch.distributed`` -> ``torch.distributed`` and ``torch``); relative imports are not counted."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names | {name.split(".")[0] for name in names}
+
+
+@pytest.fixture(scope="session")
+def imported_roots():
+    """``imported_roots(path)``: the static import check the dependency-contract tests share."""
+    return _imported_roots

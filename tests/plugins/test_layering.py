@@ -4,7 +4,6 @@ and the public API is importable from ``shardline.plugins``."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -19,20 +18,10 @@ PUBLIC = ("HybridParallelStrategy", "StepProfiler", "ParallelDims", "Grid", "run
           "ulysses_attention", "GPT", "GPTConfig")
 
 
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module)
-    return names | {name.split(".")[0] for name in names}
-
-
 @pytest.mark.parametrize("path", [p for folder in FREE_OF_ADAPTERS for p in sorted((PLUGINS / folder).glob("*.py"))],
                          ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_layer_pipeline_and_model_modules_never_import_lightning_or_deepspeed(path):
-    imported = _imports(path)
+def test_layer_pipeline_and_model_modules_never_import_lightning_or_deepspeed(path, imported_roots):
+    imported = imported_roots(path)
     assert not imported & FORBIDDEN, f"{path}: imports {sorted(imported & FORBIDDEN)}"
     assert not any(name.startswith("shardline.plugins.lightning") for name in imported), path
 

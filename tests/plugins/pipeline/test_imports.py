@@ -6,7 +6,6 @@ verdict is about these modules alone and not about what a parent package happens
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,8 @@ PIPELINE = Path(__file__).resolve().parents[3] / "plugins" / "pipeline"
 SCHEDULE_LAYER = ("actions.py", "simulate.py", "schedule.py", "render.py")
 
 
-def imported_roots(path: Path) -> set[str]:
-    """Top-level module names imported by ``path`` (``torch.distributed`` -> ``torch.distributed`` and ``torch``)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module)
-    return names | {name.split(".")[0] for name in names}
-
-
 @pytest.mark.parametrize("name", SCHEDULE_LAYER)
-def test_schedule_layer_is_pure_python(name):
+def test_schedule_layer_is_pure_python(name, imported_roots):
     imported = imported_roots(PIPELINE / name)
     assert "torch" not in imported
     assert {n for n in imported if n.startswith("shardline")} <= {
@@ -36,13 +24,13 @@ def test_schedule_layer_is_pure_python(name):
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in PIPELINE.glob("*.py")))
-def test_pipeline_never_imports_deepspeed_or_lightning(name):
+def test_pipeline_never_imports_deepspeed_or_lightning(name, imported_roots):
     imported = imported_roots(PIPELINE / name)
     assert not imported & {"deepspeed", "pytorch_lightning", "lightning"}
     assert not any(n.startswith("shardline.plugins.lightning.strategy") for n in imported)
 
 
-def test_the_checker_sees_imports_inside_functions(tmp_path):
+def test_the_checker_sees_imports_inside_functions(tmp_path, imported_roots):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    import torch.distributed as dist\n    from deepspeed import x\n")
     assert {"torch", "torch.distributed", "deepspeed"} <= imported_roots(probe)
