@@ -116,6 +116,7 @@ class PipelineDriver:
                        last_stage=self.rank == self.p - 1, tied={id(p) for p in self.tied})
         _replace_layers(module, keep, layers)
         self.micro_losses: list[torch.Tensor] = []
+        self.micro_outputs: list[torch.Tensor] = []
         self._engines: dict[tuple[str, int], PipelineEngine] = {}
         self._stage_backend: DeepSpeedStageBackend | None = None
 
@@ -169,16 +170,16 @@ class PipelineDriver:
                 embed_group=strategy.grid.group("embed"), zero_stage=strategy.layout.zero.stage)
         return self._stage_backend
 
-    def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        engine = self.engine_for(inputs.shape[0])
-        loss = engine.run_batch(inputs, targets)
-        self.micro_losses = list(engine.micro_losses)
-        return loss
+    def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor, *, outputs: bool = False) -> torch.Tensor:
+        return self._run(self.engine_for(inputs.shape[0]), inputs, targets, outputs)
 
-    def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_batch(self, inputs: torch.Tensor, targets: torch.Tensor, *, outputs: bool = False) -> torch.Tensor:
         """The batch's loss on every pipeline rank, from the forward-only schedule on the same engine."""
-        engine = self.engine_for(inputs.shape[0], evaluate=True)
         with torch.no_grad():
-            loss = engine.run_batch(inputs, targets)
-        self.micro_losses = list(engine.micro_losses)
+            return self._run(self.engine_for(inputs.shape[0], evaluate=True), inputs, targets, outputs)
+
+    def _run(self, engine: PipelineEngine, inputs, targets, outputs: bool) -> torch.Tensor:
+        engine.keep_outputs = outputs
+        loss = engine.run_batch(inputs, targets)
+        self.micro_losses, self.micro_outputs = list(engine.micro_losses), list(engine.micro_outputs)
         return loss

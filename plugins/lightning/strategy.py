@@ -327,7 +327,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                                 "pp > 1 the step must run the pipeline exactly once (its loss is the batch loss)")
         return out
 
-    def pipeline(self, batch: Any) -> torch.Tensor:
+    def pipeline(self, batch: Any, *, outputs: bool = False) -> torch.Tensor | tuple[torch.Tensor, list | None]:
         """Run the model's pipeline on ``batch`` (an ``(inputs, targets)`` pair; this CP rank's share) and
         return the batch loss: the mean of the micro-batch losses, the same float64 value on every rank of the
         pipeline. In training (``trainer.training``) the micro-batches' backwards run inside it, following the
@@ -335,8 +335,10 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
         Call it once from ``training_step``/``validation_step``. With pp = 1 it runs the module's
         ``pipeline_layers()`` in order and returns ``pipeline_loss`` with its graph (Lightning then runs the
-        backward), so one step body serves every layout. The last batch's per-micro-batch losses are in
-        ``pipeline_driver.micro_losses`` on the rank holding the last stage.
+        backward), so one step body serves every layout. ``outputs=True`` returns ``(loss, outputs)``: the last
+        stage's output of every micro-batch, in order and detached (what ``pipeline_loss`` received), on the
+        rank holding the last stage, and None on the others (with pp = 1, one output: the whole batch's).
+        The per-micro-batch losses are in ``pipeline_driver.micro_losses`` there.
         """
         inputs, targets = self._pipeline_batch(batch)
         module = self.lightning_module
@@ -344,11 +346,15 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             x = inputs
             for layer in module.pipeline_layers():
                 x = layer(x)
-            return module.pipeline_loss(x, targets)
+            loss = module.pipeline_loss(x, targets)
+            return (loss, [x.detach()]) if outputs else loss
         self._pipeline_runs += 1
-        if module.trainer.training:
-            return self.pipeline_driver.train_batch(inputs, targets)
-        return self.pipeline_driver.eval_batch(inputs, targets)
+        driver = self.pipeline_driver
+        run = driver.train_batch if module.trainer.training else driver.eval_batch
+        loss = run(inputs, targets, outputs=outputs)
+        if not outputs:
+            return loss
+        return loss, (driver.micro_outputs if self.grid.is_last_stage else None)
 
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         # With pp > 1 the pipeline engine already ran every micro-batch's backward inside training_step: only

@@ -246,6 +246,10 @@ class PipelineEngine:
         self.stats = EngineStats()
         #: The last batch's per-micro-batch losses (detached), on the rank holding the last stage; else empty.
         self.micro_losses: tuple[torch.Tensor, ...] = ()
+        #: With ``keep_outputs = True``: the last batch's per-micro-batch outputs of the last stage (what
+        #: ``loss_fn`` received, detached), on the rank holding it; else empty. Off by default: they cost memory.
+        self.keep_outputs = False
+        self.micro_outputs: tuple[torch.Tensor, ...] = ()
 
     # ---------------------------------------------------------------- the batch
     def run_batch(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,6 +263,7 @@ class PipelineEngine:
         self._meta_sent: set[int] = set()
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
+        self._outputs: list[torch.Tensor] = []
         self.stats = EngineStats(start_ns=time.perf_counter_ns())
         meter = None
         if self.memory is MemoryAccounting.SAVED_TENSORS:
@@ -287,7 +292,7 @@ class PipelineEngine:
         self.stats.end_ns = time.perf_counter_ns()
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
         self._state = {}
-        self.micro_losses = tuple(self._losses)
+        self.micro_losses, self.micro_outputs = tuple(self._losses), tuple(self._outputs)
         return loss
 
     def _drop_state_if_failed(self) -> None:
@@ -354,6 +359,8 @@ class PipelineEngine:
         if s == self._last_stage:
             loss = self.loss_fn(out, self._micro_tgt[mb])
             self._losses.append(loss.detach())
+            if self.keep_outputs:
+                self._outputs.append(out.detach())
             out = loss / self.schedule.n_microbatches if self.loss_reduction is LossReduction.MEAN else loss
         if not evaluating:
             st["input"][(s, mb)] = x
