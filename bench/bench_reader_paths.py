@@ -179,7 +179,7 @@ def main() -> None:
         "brackets: of the three left where the scanner is not built, no C compiler at install), and",
         "`refused` = traces that path declines (a forced path reads the whole input itself or refuses it).",
         "`default` is the plan's own choice (native scanner first where built, see `profiling/readers/_plan.py`).",
-        f"Machine: {os.cpu_count()} cores. Corpus: `{TRACES}`.",
+        f"Machine: {os.cpu_count()} cores. Corpus: `$SHARDLINE_TRACES` ({_shown(TRACES)}).",
         "",
         "| input | default | " + " | ".join(PATHS) + " |",
         "|---|" + "---|" * (len(PATHS) + 1),
@@ -193,3 +193,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _shown(path: Path) -> str:
+    """The corpus folder as the results file names it: relative to the checkout's parent when it lies there (a
+    results file must not carry one machine's absolute paths)."""
+    try:
+        return f"`../{Path(path).resolve().relative_to(HERE.parent.parent.resolve())}`"
+    except ValueError:
+        return f"`{Path(path).name}`"
