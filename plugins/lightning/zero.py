@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.plugins.errors import ContractError
-from shardline.plugins.layout import Offload, parse_offload  # noqa: F401 - parse_offload is re-exported
+from shardline.plugins.layout import Offload
 
 
 def load_user_config(config: dict | str | Path | None) -> dict:
