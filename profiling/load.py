@@ -186,8 +186,7 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].stat().st_size)
     with tempfile.TemporaryDirectory(prefix="shardline-load-") as spill:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            threads = None if workers < (os.cpu_count() or 1) else False
-            tasks = [(jobs[i], Path(spill) / str(i), threads) for i in order]
+            tasks = [(jobs[i], Path(spill) / str(i)) for i in order]
             done = dict(zip(order, pool.map(_read_job_spilled, tasks)))
         # The workers have exited; their columns are files, mapped here and copied once by the concatenation.
         return [_unspill(done[i]) for i in range(len(jobs))]
@@ -226,11 +225,8 @@ def _read_prefetched(jobs: list) -> list[ReadResult]:
 def _read_job_spilled(task: tuple) -> ReadResult:
     """A worker's read, its events written column by column to ``.npy`` files instead of being pickled
     back: a pickled frame would be a second copy in the worker and a third in the parent's pipe buffer."""
-    job, folder, threads = task
+    job, folder = task
     _worker_malloc()
-    from shardline.profiling.readers import _kineto_arrow
-
-    _kineto_arrow.THREADS = threads  # this process is ours alone and exits after the read
     result = _read_job(job)
     folder.mkdir()
     frame, columns = result.events, {}

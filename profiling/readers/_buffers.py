@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gzip
 import mmap
-import sys
-import types
 import zlib
 from pathlib import Path
 from typing import NamedTuple
@@ -123,16 +121,3 @@ def utf8_repaired(data) -> bytes | None:
     except UnicodeDecodeError:
         return raw.decode("utf-8", errors="replace").encode("utf-8")
     return None
-
-
-class _OldNames(types.ModuleType):
-    """Two thresholds that now live in ``_plan``, still settable here under their old names
-    (``tests/profiling/test_load.py`` patches ``_buffers.NATIVE_MAX_BYTES`` and ``_buffers.MAP_MIN_BYTES``)."""
-
-    NATIVE_MAX_BYTES = property(lambda self: _plan.NATIVE_MAX_BYTES,
-                                lambda self, value: setattr(_plan, "NATIVE_MAX_BYTES", value))
-    MAP_MIN_BYTES = property(lambda self: _plan.MAP_MIN_BYTES,
-                             lambda self, value: setattr(_plan, "MAP_MIN_BYTES", value))
-
-
-sys.modules[__name__].__class__ = _OldNames

@@ -23,7 +23,7 @@ from shardline.profiling.errors import (
     TraceWarning,
 )
 from shardline.profiling.load import load, union_texts
-from shardline.profiling.readers import _buffers, kineto
+from shardline.profiling.readers import _buffers, _plan, kineto
 from shardline.profiling.schema import check_events, text_dtype
 
 _EVENT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1.5}}'
@@ -396,12 +396,12 @@ def test_only_traces_read_whole_are_prefetched(tmp_path, monkeypatch):
     (tmp_path / "rank0.json.gz").write_bytes(small)
     (tmp_path / "rank1.json.gz").write_bytes(big)
     (tmp_path / "rank2.json").write_text(_trace(5, rank=2))
-    monkeypatch.setattr(_buffers, "NATIVE_MAX_BYTES", len(gzip.decompress(small)) + 100)
-    assert len(gzip.decompress(big)) > _buffers.NATIVE_MAX_BYTES
+    monkeypatch.setattr(_plan, "NATIVE_MAX_BYTES", len(gzip.decompress(small)) + 100)
+    assert len(gzip.decompress(big)) > _plan.NATIVE_MAX_BYTES
     assert _buffers.worth_prefetching(tmp_path / "rank0.json.gz")
     assert not _buffers.worth_prefetching(tmp_path / "rank1.json.gz")
     assert _buffers.worth_prefetching(tmp_path / "rank2.json")
-    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 10)  # now the plain file would be memory-mapped
+    monkeypatch.setattr(_plan, "MAP_MIN_BYTES", 10)  # now the plain file would be memory-mapped
     assert not _buffers.worth_prefetching(tmp_path / "rank2.json")
     log = _spy_reads(monkeypatch)
     ts = load(tmp_path)

@@ -15,7 +15,7 @@ import logging
 import pytest
 
 from shardline.profiling.load import _discover
-from shardline.profiling.readers import _buffers, _plan, kineto
+from shardline.profiling.readers import _plan, kineto
 from shardline.profiling.readers._plan import DecodePath, PathRefused
 
 #: Corpus traces a path must refuse, and why (every other trace it must read): none today.
@@ -129,9 +129,3 @@ def test_a_forced_path_raises_where_it_refuses_and_the_plan_hands_on_otherwise(t
     assert result.events["name"].tolist() == ["b"]
     assert any("dropped 1 events" in w for w in result.warnings)
 
-
-def test_old_threshold_names_still_reach_the_plan(monkeypatch):
-    monkeypatch.setattr(_buffers, "NATIVE_MAX_BYTES", 123)
-    monkeypatch.setattr(_buffers, "MAP_MIN_BYTES", 45)
-    assert _plan.NATIVE_MAX_BYTES == 123 == _buffers.NATIVE_MAX_BYTES
-    assert _plan.MAP_MIN_BYTES == 45 == _buffers.MAP_MIN_BYTES
