@@ -5,7 +5,7 @@ document as API. Each is a function here, named after what it does for us:
 
 - the gradient-norm flags DeepSpeed reads on parameters (``tensor_model_parallel``, ``partition_dim``,
   ``model_parallel``, ``ds_pipe_replicated``): :func:`set_norm_flags`, derived from the declared roles;
-- ZeRO-1/2's gradient accumulation buffer (``param.grad_accum``): :func:`accumulated_gradient`;
+- ZeRO-1's gradient accumulation buffer (``param.grad_accum``): :func:`_zero_accumulator`;
 - ZeRO-3's parameter coordinator (``optimizer.parameter_offload``, its forward pre-hook and its trace):
   :class:`Zero3PipelineSteps`;
 - the engine's forward/backward with its gradient-accumulation scaling, as the pipeline engine's backend:
@@ -20,12 +20,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.pipeline.backend import StageBackend
-from shardline.profiling.annotations import comm_name
+from shardline.plugins.pipeline.partition import sync_tied_grads
 
 #: DeepSpeed versions whose private state this file was checked against (the package admits the same range).
 TESTED = ((0, 19, 8), (0, 20, 0))
@@ -70,11 +69,10 @@ def set_norm_flags(params: list[nn.Parameter], *, tp_rank: int, first_stage: boo
             param.model_parallel = True
 
 
-def accumulated_gradient(param: nn.Parameter):
-    """The buffer holding ``param``'s accumulated gradient: ZeRO-1 moves each backward's gradient into
-    ``grad_accum``; without it, ``param.grad``."""
-    accum = getattr(param, "grad_accum", None)
-    return accum if accum is not None else param.grad
+def _zero_accumulator(param: nn.Parameter):
+    """ZeRO-1's buffer of ``param``'s accumulated gradient (it moves each backward's gradient into
+    ``grad_accum``); None where the gradient stays in ``param.grad``."""
+    return getattr(param, "grad_accum", None)
 
 
 class Zero3PipelineSteps:
@@ -128,13 +126,8 @@ class DeepSpeedStageBackend(StageBackend):
             self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
 
     def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:
-        if not forward_only and self.embed_group is not None:
-            for param in self.tied:
-                grad = accumulated_gradient(param)
-                if grad is None:  # a copy that got no gradient this batch counts as zero
-                    grad = param.grad = torch.zeros_like(param)
-                with torch.profiler.record_function(comm_name("embed", "all_reduce")):
-                    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.embed_group)
+        if not forward_only:
+            sync_tied_grads(self.tied, group=self.embed_group, buffer_of=_zero_accumulator)
         if self._zero3 is not None:
             self._zero3.end_batch()
 

@@ -110,8 +110,8 @@ class PipelineDriver:
         stages = build_stages(layers, partition)
         self.local = {s: stages[s] for s in placement.stages_of_rank(self.rank, n_stages=self.n_stages, pp=self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
-        self.tied = self._tied_parameters(layers, bounds, keep)
         hosted = list({id(p): p for i in keep for p in layers[i].parameters()}.values())
+        self.tied = self._tied_parameters(layers, bounds, {id(p) for p in hosted})
         set_norm_flags(hosted, tp_rank=strategy.grid.rank("tp"), first_stage=self.rank == 0,
                        last_stage=self.rank == self.p - 1, tied={id(p) for p in self.tied})
         _replace_layers(module, keep, layers)
@@ -120,8 +120,9 @@ class PipelineDriver:
         self._engines: dict[tuple[str, int], PipelineEngine] = {}
         self._stage_backend: DeepSpeedStageBackend | None = None
 
-    def _tied_parameters(self, layers, bounds, keep) -> list[nn.Parameter]:
-        """Parameters used by layers on two different pipeline ranks (must be first and last rank)."""
+    def _tied_parameters(self, layers, bounds, hosted: set[int]) -> list[nn.Parameter]:
+        """This rank's copies (``hosted``: ids of its parameters) of parameters used by layers on two different
+        pipeline ranks (which must be the first and the last)."""
         owner_of_layer = {i: placement.stage_rank(s, pp=self.p) for s, (a, b) in enumerate(bounds) for i in range(a, b)}
         ranks_of: dict[int, set[int]] = {}
         params: dict[int, nn.Parameter] = {}
@@ -139,8 +140,7 @@ class PipelineDriver:
                 f"zero_stage={self.strategy.layout.zero.stage} with pp={self.p}: a weight tied across the first and last "
                 "pipeline stage (e.g. tie_embeddings=True) needs its gradients summed before ZeRO reduces them, "
                 "which ZeRO-2/3 do during backward; untie it (tie_embeddings=False) or use zero_stage <= 1")
-        mine = {id(p) for layer_index in keep for p in layers[layer_index].parameters()}
-        return [params[pid] for pid in shared if pid in mine]
+        return [params[pid] for pid in shared if pid in hosted]
 
     # --- per batch ------------------------------------------------------------------------------------------
 
