@@ -4,8 +4,8 @@ shardline drives DeepSpeed's ordinary engine per pipeline stage and relies on a 
 document as API. Each is a function here, named after what it does for us:
 
 - the gradient-norm flags DeepSpeed reads on parameters (``tensor_model_parallel``, ``partition_dim``,
-  ``model_parallel``, ``ds_pipe_replicated``): :func:`set_norm_flags`, derived from the declared roles;
-- ZeRO-1's gradient accumulation buffer (``param.grad_accum``): :func:`_zero_accumulator`;
+  ``model_parallel``): :func:`set_norm_flags`, derived from the declared roles;
+- the loss scale an fp16 optimizer multiplied the gradients by, and gathering a ZeRO-3 partitioned weight, for weights tied across stages: :class:`TiedAcrossStages`;
 - ZeRO-3's parameter coordinator (``optimizer.parameter_offload``, its forward pre-hook and its trace):
   :class:`Zero3PipelineSteps`;
 - the engine's forward/backward with its gradient-accumulation scaling, as the pipeline engine's backend:
@@ -17,14 +17,17 @@ warning, since a private name may have moved.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from shardline.plugins.errors import ContractError
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.pipeline.backend import StageBackend
-from shardline.plugins.pipeline.partition import sync_tied_grads
+from shardline.profiling.annotations import comm_name
 
 #: DeepSpeed versions whose private state this file was checked against (the package admits the same range).
 TESTED = ((0, 19, 8), (0, 20, 0))
@@ -45,20 +48,17 @@ def check_version() -> None:
                       stacklevel=2)
 
 
-def set_norm_flags(params: list[nn.Parameter], *, tp_rank: int, first_stage: bool, last_stage: bool,
-                   tied: set[int] = frozenset()) -> None:
+def set_norm_flags(params: list[nn.Parameter], *, tp_rank: int, first_stage: bool) -> None:
     """Mark ``params`` (one pipeline rank's) so DeepSpeed's global gradient norm counts each dense element once.
 
     DeepSpeed counts a parameter on every rank when it is "model parallel" and otherwise only on model-parallel
     rank 0 (tp x pp). So: a ``SHARDED`` parameter is model parallel (each TP rank holds a different slice); a
     replicated one on a later pipeline stage is marked model parallel on TP rank 0 only (it lives on no first
-    stage, so model-parallel rank 0 would never count it); and the last stage's copy of a weight tied to the
-    first stage (``tied``: ids of such parameters) is a pipeline replica, which the norm skips.
+    stage, so model-parallel rank 0 would never count it). A weight tied across the first and last stage is a
+    parameter of the first stage only (:class:`TiedAcrossStages`), so it is counted there, once.
     """
     for param in params:
         role = role_of(param)
-        if last_stage and id(param) in tied:
-            param.ds_pipe_replicated = True
         if role.kind is RoleKind.SHARDED:
             param.tensor_model_parallel = True
             param.partition_dim = role.dim
@@ -67,12 +67,6 @@ def set_norm_flags(params: list[nn.Parameter], *, tp_rank: int, first_stage: boo
         param.partition_dim = -1
         if not first_stage and tp_rank == 0:
             param.model_parallel = True
-
-
-def _zero_accumulator(param: nn.Parameter):
-    """ZeRO-1's buffer of ``param``'s accumulated gradient (it moves each backward's gradient into
-    ``grad_accum``); None where the gradient stays in ``param.grad``."""
-    return getattr(param, "grad_accum", None)
 
 
 class Zero3PipelineSteps:
@@ -88,7 +82,9 @@ class Zero3PipelineSteps:
 
     def __init__(self, engine) -> None:
         check_version()
-        offload = engine.optimizer.parameter_offload
+        # Training: the ZeRO-3 optimizer holds the coordinator's owner; inference (``validate``/``test`` with
+        # no optimizer): DeepSpeed's "optimizer" is that owner itself.
+        offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
         offload.fwd_pre_hook.remove()
         self.coordinator = offload.get_param_coordinator()
 
@@ -98,6 +94,149 @@ class Zero3PipelineSteps:
             self.coordinator._invalidate_trace()
 
 
+def _grad_scale(engine) -> float:
+    """The factor ``engine.backward`` multiplies a loss by before back-propagating it (fp16 loss scaling; 1 for
+    bf16 and fp32), found the way the engine applies it: by scaling a unit loss."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    unit = torch.ones((), requires_grad=True)
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        return float(engine.optimizer.scale_if_loss(unit))
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(scaler.scale(unit)) if scaler is not None else 1.0
+
+
+class TiedAcrossStages:
+    """Weights tied across the first and the last pipeline stage (input embedding and output head) under any
+    ZeRO stage, with or without offload.
+
+    ZeRO-2 and ZeRO-3 reduce each micro-batch's gradient during its backward, into a partition of the stage's
+    own flattened parameters, so the two stages' copies cannot be summed after the batch (ZeRO-1 could) and the
+    partitions of the two stages do not line up. So the weight is a parameter of the first stage only: DeepSpeed
+    optimises and partitions it there, and the gradient norm counts it there, once. On the last stage its place
+    in the hosted layers is taken by a *shadow*, a plain leaf tensor that DeepSpeed never sees (set up by
+    :meth:`shadow` before ``deepspeed.initialize``):
+
+    - before a batch after an optimizer step (and before the first), the first stage sends the weight (gathered
+      when ZeRO-3 partitions it) to the shadow over the ``embed`` group (:meth:`begin_batch`);
+    - the shadow accumulates its gradient by plain autograd over the batch's micro-batches; after the last
+      stage's final backward it goes to the first stage (:meth:`after_last_backward`), unscaled by the last
+      stage's loss scale;
+    - the first stage adds it, rescaled by its own loss scale, to the weight's gradient in its final
+      micro-batch backward, through a tensor hook that runs before ZeRO's gradient hooks (:meth:`final_backward`),
+      so ZeRO reduces the sum of both uses. Summation is linear, so that equals summing per micro-batch.
+
+    ``first``: on the first stage's rank, its tied parameters; ``shadows``: on the last stage's rank, one
+    shadow per tied parameter, in the same order (the order of the model's parameters on both ranks).
+    """
+
+    def __init__(self, *, group, peer: int, first: list[nn.Parameter] | None = None,
+                 shadows: list[torch.Tensor] | None = None, holders=None):
+        if (first is None) == (shadows is None):
+            raise ContractError("TiedAcrossStages is built with the first stage's weights or the last's shadows")
+        self.group, self.peer = group, peer
+        self.first, self.shadows = first, shadows
+        self._holders = holders or []  # (module, attribute name, index into shadows) for re-allocating
+        self._stale = True  # the shadow has never been filled
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # a send and the buffer it reads
+
+    @classmethod
+    def shadow(cls, layers: list[nn.Module], tied: list[nn.Parameter], *, group, peer: int) -> TiedAcrossStages:
+        """On the last stage's rank: take every tied parameter out of the hosted ``layers`` and put a shadow of
+        its shape in its place (an attribute of the same name, so the layer's ``forward`` reads it as before)."""
+        shadows, holders = [], []
+        index = {id(p): i for i, p in enumerate(tied)}
+        for param in tied:
+            shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 has partitioned it already
+            shadows.append(torch.zeros(shape, dtype=param.dtype, device=param.device, requires_grad=True))
+        for layer in layers:
+            for module in layer.modules():
+                for name, param in list(module._parameters.items()):
+                    if param is not None and id(param) in index:
+                        del module._parameters[name]
+                        setattr(module, name, shadows[index[id(param)]])
+                        holders.append((module, name, index[id(param)]))
+        return cls(group=group, peer=peer, shadows=shadows, holders=holders)
+
+    def place(self, engine, device: torch.device) -> None:
+        """After ``deepspeed.initialize``: give the shadows the dtype and device the parameters have now (the
+        precision plugin and DeepSpeed cast them after the shadows were made)."""
+        if self.shadows is None:
+            return
+        now = next((p.dtype for p in engine.module.parameters() if p.is_floating_point()), None)
+        for i, old in enumerate(self.shadows):
+            dtype = now or old.dtype
+            if old.dtype != dtype or old.device != device:
+                self.shadows[i] = torch.zeros(old.shape, dtype=dtype, device=device, requires_grad=True)
+        for module, name, i in self._holders:
+            setattr(module, name, self.shadows[i])
+
+    def _gathered(self):
+        """The first stage's weights whole for the duration (ZeRO-3 partitions them)."""
+        if any(hasattr(p, "ds_id") for p in self.first):
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(self.first, modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def begin_batch(self) -> None:
+        """Fill the shadows from the first stage's weights when an optimizer step may have changed them."""
+        if not self._stale:
+            return
+        self._stale = False
+        with torch.profiler.record_function(comm_name("embed", "broadcast")):
+            if self.first is not None:
+                me = dist.get_rank()
+                with self._gathered(), torch.no_grad():
+                    for weight in self.first:
+                        dist.broadcast(weight.data, src=me, group=self.group)
+            else:
+                with torch.no_grad():
+                    for shadow in self.shadows:
+                        dist.broadcast(shadow.data, src=self.peer, group=self.group)
+
+    def after_last_backward(self, engine) -> None:
+        """Last stage: send the shadows' accumulated gradients to the first stage (in the true scale)."""
+        scale = _grad_scale(engine)
+        for shadow in self.shadows:
+            grad = shadow.grad if shadow.grad is not None else torch.zeros_like(shadow)
+            if scale != 1.0:
+                grad = grad / scale
+            grad = grad.contiguous()
+            self._pending.append((dist.broadcast(grad, src=dist.get_rank(), group=self.group, async_op=True), grad))
+
+    @contextlib.contextmanager
+    def final_backward(self, engine):
+        """First stage: receive the last stage's gradients and add them to the weights' gradients of the
+        backward run inside this context (the stage's final one of the batch)."""
+        scale = _grad_scale(engine)
+        received = []
+        with torch.profiler.record_function(comm_name("embed", "broadcast")):
+            for weight in self.first:
+                shape = tuple(getattr(weight, "ds_shape", weight.shape))
+                buf = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+                dist.broadcast(buf, src=self.peer, group=self.group)
+                received.append(buf * scale if scale != 1.0 else buf)
+        handles = [weight.register_hook(lambda grad, extra=extra: grad + extra.to(grad.dtype))
+                   for weight, extra in zip(self.first, received, strict=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def end_batch(self) -> None:
+        """After a training batch: the sends are done, the shadows' gradients cleared, the shadows stale (the
+        optimizer step comes next)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        if self.shadows is not None:
+            for shadow in self.shadows:
+                shadow.grad = None
+        self._stale = True
+
+
 class DeepSpeedStageBackend(StageBackend):
     """The pipeline engine's backend under the strategy: every stage runs through one DeepSpeed engine.
 
@@ -105,29 +244,42 @@ class DeepSpeedStageBackend(StageBackend):
     so ZeRO-3 gathers the stage's parameters and DeepSpeed's backward hooks attach to the output. ``backward``:
     ``engine.backward``, on the last stage the micro-batch loss (already ``/ m``) scaled for gradient accumulation,
     elsewhere ``(output * grad).sum()``, whose gradient with respect to the stage's parameters and input is
-    exactly ``output.backward(grad)``. ``end_batch``: after a training batch, the gradients of weights tied across
-    the first and last stage (``tied``, this rank's copies) are summed over ``embed_group`` in the buffer ZeRO
-    accumulates them in; then ZeRO-3's coordinator closes its step (:class:`Zero3PipelineSteps`).
+    exactly ``output.backward(grad)``. Weights tied across the first and last stage (``tied``) are exchanged
+    around the batch by :class:`TiedAcrossStages`: the weights before it, the last stage's gradient into the first
+    stage's final backward. ``end_batch``: ZeRO-3's coordinator closes its step (:class:`Zero3PipelineSteps`).
     """
 
-    def __init__(self, engine, *, device, tied: list[nn.Parameter], embed_group, zero_stage: int):
+    def __init__(self, engine, *, device, tied: TiedAcrossStages | None, first_stage: int, last_stage: int,
+                 zero_stage: int):
         check_version()
         self.engine, self._device = engine, torch.device(device)
-        self.tied, self.embed_group = tied, embed_group
+        self.tied, self._first, self._last = tied, first_stage, last_stage
+        if tied is not None:
+            tied.place(engine, self._device)
         self._zero3 = Zero3PipelineSteps(engine) if zero_stage == 3 else None
+
+    def begin_batch(self, *, forward_only: bool) -> None:
+        if self.tied is not None:
+            self.tied.begin_batch()
 
     def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
         return self.engine(x, stage)
 
-    def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None) -> None:
-        if grad is None:  # the last stage's micro-batch loss, already divided by m
-            self.engine.backward(output, scale_wrt_gas=True)
-        else:
-            self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
+    def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None, *, last: bool) -> None:
+        exchange = self.tied is not None and last
+        context = (self.tied.final_backward(self.engine) if exchange and stage == self._first and self.tied.first
+                   else contextlib.nullcontext())
+        with context:
+            if grad is None:  # the last stage's micro-batch loss, already divided by m
+                self.engine.backward(output, scale_wrt_gas=True)
+            else:
+                self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
+        if exchange and stage == self._last and self.tied.shadows:
+            self.tied.after_last_backward(self.engine)
 
     def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:
-        if not forward_only:
-            sync_tied_grads(self.tied, group=self.embed_group, buffer_of=_zero_accumulator)
+        if self.tied is not None and not forward_only:
+            self.tied.end_batch()
         if self._zero3 is not None:
             self._zero3.end_batch()
 

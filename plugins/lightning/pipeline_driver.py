@@ -9,16 +9,19 @@ The LightningModule contract for pp > 1 (checked at setup, with an error that sa
 
 At setup the layers are cut into ``pp * chunks`` stages (uniform by layer count); stage ``c * pp + r`` goes to
 pipeline rank ``r``. Every layer this rank does not host is replaced by an empty placeholder in the module, so the
-optimizer, DeepSpeed and checkpoints see exactly this rank's parameters. A parameter shared by two layers on
-different pipeline ranks (tied input/output embeddings) keeps one copy on each; its gradients are summed over
-the grid's ``embed`` group after the batch's last backward.
+optimizer, DeepSpeed and checkpoints see exactly this rank's parameters. A parameter shared by the first and
+the last pipeline stage (tied input/output embeddings) is a parameter of the first stage only; the last stage
+computes with a shadow of it, kept equal to it and whose gradient joins the first stage's before ZeRO reduces it
+(:class:`~shardline.plugins.lightning.deepspeed_compat.TiedAcrossStages`), so it trains under every ZeRO
+stage, with or without offload. These two cuts (placeholders, the shadow) are the one place the user's module
+is changed; they go once models are built per rank (only the hosted layers, the shadow in place).
 
 Per batch (``strategy.pipeline(batch)``, from the module's own ``training_step``/``validation_step``): the batch
 is split into ``m`` micro-batches and :class:`~shardline.plugins.pipeline.PipelineEngine` runs the validated
 schedule (the forward-only one in evaluation), computing each stage through its backend,
 :class:`~shardline.plugins.lightning.deepspeed_compat.DeepSpeedStageBackend`: forwards through the DeepSpeed
 engine (ZeRO-3 gathers, DeepSpeed's backward hooks attach), backwards by ``deepspeed_engine.backward``, the
-tied-weight sum and ZeRO-3's step at the end of the batch. DeepSpeed runs with
+tied-weight exchange around the batch and ZeRO-3's step at its end. DeepSpeed runs with
 ``managed_gradient_accumulation=False``: backward only accumulates, and the optimizer step that Lightning calls
 once per batch is the one reduction boundary. That is how ZeRO-2 and ZeRO-3 (and offload) compose with
 pipelining, which DeepSpeed's own PipelineEngine forbids.
@@ -34,7 +37,11 @@ import torch
 from torch import nn
 
 from shardline.plugins.errors import ContractError, LayoutError
-from shardline.plugins.lightning.deepspeed_compat import DeepSpeedStageBackend, set_norm_flags
+from shardline.plugins.lightning.deepspeed_compat import (
+    DeepSpeedStageBackend,
+    TiedAcrossStages,
+    set_norm_flags,
+)
 from shardline.plugins.pipeline.engine import PipelineEngine
 from shardline.plugins.pipeline.partition import build_stages, partition_layers
 from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
@@ -111,9 +118,10 @@ class PipelineDriver:
         self.local = {s: stages[s] for s in placement.stages_of_rank(self.rank, n_stages=self.n_stages, pp=self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
         hosted = list({id(p): p for i in keep for p in layers[i].parameters()}.values())
-        self.tied = self._tied_parameters(layers, bounds, {id(p) for p in hosted})
-        set_norm_flags(hosted, tp_rank=strategy.grid.rank("tp"), first_stage=self.rank == 0,
-                       last_stage=self.rank == self.p - 1, tied={id(p) for p in self.tied})
+        tied = self._tied_parameters(layers, bounds, {id(p) for p in hosted})
+        self.tied = self._tie(tied, [layers[i] for i in sorted(keep)])
+        set_norm_flags([p for p in hosted if self.rank == 0 or all(p is not t for t in tied)],
+                       tp_rank=strategy.grid.rank("tp"), first_stage=self.rank == 0)
         _replace_layers(module, keep, layers)
         self.micro_losses: list[torch.Tensor] = []
         self.micro_outputs: list[torch.Tensor] = []
@@ -135,12 +143,25 @@ class PipelineDriver:
         if bad:
             raise ContractError(f"parameters shared across pipeline ranks {bad}: only a weight tied between the "
                                 f"first and the last stage (ranks 0 and {self.p - 1}) is supported")
-        if shared and self.strategy.layout.zero.stage >= 2:
-            raise ContractError(
-                f"zero_stage={self.strategy.layout.zero.stage} with pp={self.p}: a weight tied across the first and last "
-                "pipeline stage (e.g. tie_embeddings=True) needs its gradients summed before ZeRO reduces them, "
-                "which ZeRO-2/3 do during backward; untie it (tie_embeddings=False) or use zero_stage <= 1")
         return [params[pid] for pid in shared if pid in hosted]
+
+    def _tie(self, tied: list[nn.Parameter], hosted_layers: list[nn.Module]) -> TiedAcrossStages | None:
+        """The tied weights' exchange: on the first stage's rank its parameters, on the last's their shadows
+        (taken out of the hosted layers here, before DeepSpeed sees them)."""
+        if not tied:
+            return None
+        grid = self.strategy.grid
+        group = grid.group("embed")
+        (peer,) = [r for r in grid.ranks("embed") if r != grid.global_rank]
+        if self.rank == 0:
+            return TiedAcrossStages(group=group, peer=peer, first=tied)
+        return TiedAcrossStages.shadow(hosted_layers, tied, group=group, peer=peer)
+
+    def rebind(self) -> None:
+        """For a new DeepSpeed engine over the same, already cut module (a second ``setup``): its engines and
+        backend are rebuilt when next needed; the stages and the tied-weight exchange stay."""
+        self._engines.clear()
+        self._stage_backend = None
 
     # --- per batch ------------------------------------------------------------------------------------------
 
@@ -166,8 +187,8 @@ class PipelineDriver:
         if self._stage_backend is None:
             strategy = self.strategy
             self._stage_backend = DeepSpeedStageBackend(
-                strategy.model, device=strategy.root_device, tied=self.tied,
-                embed_group=strategy.grid.group("embed"), zero_stage=strategy.layout.zero.stage)
+                strategy.model, device=strategy.root_device, tied=self.tied, first_stage=0,
+                last_stage=self.n_stages - 1, zero_stage=strategy.layout.zero.stage)
         return self._stage_backend
 
     def train_batch(self, inputs: torch.Tensor, targets: torch.Tensor, *, outputs: bool = False) -> torch.Tensor:

@@ -144,7 +144,11 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             # Backward only accumulates; Lightning's one optimizer step per batch is DeepSpeed's boundary.
             self._check_pipeline_training(trainer)
             self.config["managed_gradient_accumulation"] = False
-            self.pipeline_driver = PipelineDriver(self, self.lightning_module)
+            driver = self.pipeline_driver
+            if driver is not None and driver.module is self.lightning_module:
+                driver.rebind()  # e.g. validate() after fit(): the module is already cut into this rank's stages
+            else:
+                self.pipeline_driver = PipelineDriver(self, self.lightning_module)
         super().setup(trainer)
 
     def _install_gradient_syncs(self) -> None:
@@ -156,8 +160,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         sum_sequence_parallel_gradients(module, group=self.grid.group("tp"))
         if self.layout.pp == 1:
-            set_norm_flags(list(module.parameters()), tp_rank=self.grid.rank("tp"), first_stage=True,
-                           last_stage=True)
+            set_norm_flags(list(module.parameters()), tp_rank=self.grid.rank("tp"), first_stage=True)
 
     @contextlib.contextmanager
     def model_sharded_context(self):

@@ -1,11 +1,14 @@
 """The seam between the pipeline engine and whatever runs a stage: :class:`StageBackend`.
 
 The engine owns the schedule, the transport, the micro-batching and the loss; a backend owns how one stage is
-computed. Three calls, each once per action of the schedule (``end_batch`` once per batch):
+computed. One call per compute action of the schedule, bracketed by one call before and one after the batch:
 
+- ``begin_batch(forward_only=...)``: before the batch's first action (a backend makes copies of weights
+  held on two stages equal here, e.g. after an optimizer step);
 - ``forward(stage, x) -> output``: run ``stage`` on its input (the last stage's output goes to ``loss_fn``);
-- ``backward(stage, output, grad)``: back-propagate ``output`` (``grad`` None for the last stage's scaled
-  micro-batch loss, else the gradient received for it), accumulating parameter gradients;
+- ``backward(stage, output, grad, last=...)``: back-propagate ``output`` (``grad`` None for the last stage's
+  scaled micro-batch loss, else the gradient received for it), accumulating parameter gradients; ``last`` is
+  True for the stage's final backward of the batch (after it, the stage's gradients are complete);
 - ``end_batch(loss=..., forward_only=...)``: after the batch's last action and the loss exchange (a training
   backend sums what must be summed across stages here, e.g. tied weights).
 
@@ -30,7 +33,10 @@ class StageBackend:
     def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def begin_batch(self, *, forward_only: bool) -> None:
+        """Nothing by default."""
+
+    def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None, *, last: bool) -> None:
         torch.autograd.backward(output, grad_tensors=grad)
 
     def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:

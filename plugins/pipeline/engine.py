@@ -276,6 +276,7 @@ class PipelineEngine:
                 stack.enter_context(meter)
             self.hooks.before_batch(n_microbatches=self.schedule.n_microbatches)
             self._failed = True  # until the batch's messages are all accounted for
+            self.backend.begin_batch(forward_only=self._forward_only)
             if self._links is not None:
                 self._links.begin(self._device_of)
             for compute, steps, n_recv in self._plan:
@@ -385,7 +386,7 @@ class PipelineEngine:
         else:
             grad = st["recv"].pop((s, mb))
         self.hooks.before_backward(stage=s, microbatch=mb, last=last)
-        self.backend.backward(s, out, grad)
+        self.backend.backward(s, out, grad, last=last)
         del out  # the graph and its saved activations go now, not at the end of the batch
         if s > 0:  # an input the output does not depend on gets a zero gradient, not None
             st["grad"][(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)

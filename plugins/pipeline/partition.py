@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,19 +172,12 @@ class TiedWeight:
         sync_tied_grads([] if self.weight is None else [self.weight], group=self.group)
 
 
-def sync_tied_grads(weights: Sequence[nn.Parameter], *, group: dist.ProcessGroup | None,
-                    buffer_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> None:
-    """Sum each weight's gradient over ``group`` (a missing one counts as zero). No-op for ``group=None``.
-
-    The gradient is ``buffer_of(weight)`` when that gives a tensor (an optimizer that accumulates it elsewhere,
-    e.g. ZeRO-1), else ``.grad``."""
+def sync_tied_grads(weights: Sequence[nn.Parameter], *, group: dist.ProcessGroup | None) -> None:
+    """Sum each weight's ``.grad`` over ``group`` (a missing grad counts as zero). No-op for ``group=None``."""
     if group is None or dist.get_world_size(group) == 1:
         return
     for weight in weights:
-        grad = buffer_of(weight) if buffer_of is not None else None
-        if grad is None:
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-            grad = weight.grad
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
         with torch.profiler.record_function(comm_name("embed", "all_reduce")):
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=group)

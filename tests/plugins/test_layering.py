@@ -56,3 +56,37 @@ def test_the_public_api_is_reexported():
     assert plugins.HybridParallelStrategy.__module__ == "shardline.plugins.lightning.strategy"
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         plugins.Nope  # noqa: B018
+
+
+#: DeepSpeed's undocumented state that shardline relies on (parameter and optimizer internals).
+DEEPSPEED_PRIVATE = ("ds_id", "ds_shape", "ds_tensor", "ds_status", "grad_accum", "parameter_offload",
+                     "fwd_pre_hook", "get_param_coordinator", "_invalidate_trace", "is_invalid_trace",
+                     "scale_if_loss", "torch_autocast_z0_gradscaler", "ds_pipe_replicated", "model_parallel",
+                     "tensor_model_parallel", "partition_dim", "single_partition_of_fp32_groups")
+
+
+def _sources():
+    root = PLUGINS.parent
+    return [p for folder in ("plugins", "recipes") for p in sorted((root / folder).rglob("*.py"))]
+
+
+def test_deepspeed_private_state_is_touched_in_one_file():
+    import re
+
+    users = {}
+    for path in _sources():
+        text = path.read_text()
+        found = [name for name in DEEPSPEED_PRIVATE if re.search(rf"\b{re.escape(name)}\b", text)]
+        if found:
+            users[f"{path.parent.name}/{path.name}"] = found
+    assert set(users) == {"lightning/deepspeed_compat.py"}, users
+
+
+def test_no_attribute_is_forced_onto_another_object():
+    # object.__setattr__ only on an object's own (frozen) self: never on the user's module.
+    import re
+
+    offenders = [f"{path.name}:{i}" for path in _sources()
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"object\.__setattr__\((?!self\b)", line)]
+    assert not offenders, offenders

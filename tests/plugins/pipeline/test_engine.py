@@ -524,9 +524,9 @@ def _run_counting_backend(rank, world, kind):
             self.calls.append(("F", stage))
             return super().forward(stage, x)
 
-        def backward(self, stage, output, grad):
+        def backward(self, stage, output, grad, *, last):
             self.calls.append(("B", stage))
-            super().backward(stage, output, grad)
+            super().backward(stage, output, grad, last=last)
 
         def end_batch(self, *, loss, forward_only):
             self.calls.append(("end", forward_only))
