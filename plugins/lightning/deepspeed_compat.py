@@ -5,7 +5,8 @@ document as API. Each is a function here, named after what it does for us:
 
 - the gradient-norm flags DeepSpeed reads on parameters (``tensor_model_parallel``, ``partition_dim``,
   ``model_parallel``): :func:`set_norm_flags`, derived from the declared roles;
-- the loss scale an fp16 optimizer multiplied the gradients by, and gathering a ZeRO-3 partitioned weight, for weights tied across stages: :class:`TiedAcrossStages`;
+- a ZeRO-3 partitioned weight's whole shape (``ds_shape``, ``ds_id``) and gathering it, for weights tied across
+  the first and last stage: :class:`TiedAcrossStages`;
 - ZeRO-3's parameter coordinator (``optimizer.parameter_offload``, its forward pre-hook and its trace):
   :class:`Zero3PipelineSteps`;
 - the engine's forward/backward with its gradient-accumulation scaling, as the pipeline engine's backend:
@@ -94,18 +95,6 @@ class Zero3PipelineSteps:
             self.coordinator._invalidate_trace()
 
 
-def _grad_scale(engine) -> float:
-    """The factor ``engine.backward`` multiplies a loss by before back-propagating it (fp16 loss scaling; 1 for
-    bf16 and fp32), found the way the engine applies it: by scaling a unit loss."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    unit = torch.ones((), requires_grad=True)
-    if isinstance(engine.optimizer, ZeROOptimizer):
-        return float(engine.optimizer.scale_if_loss(unit))
-    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-    return float(scaler.scale(unit)) if scaler is not None else 1.0
-
-
 class TiedAcrossStages:
     """Weights tied across the first and the last pipeline stage (input embedding and output head) under any
     ZeRO stage, with or without offload.
@@ -120,11 +109,12 @@ class TiedAcrossStages:
     - before a batch after an optimizer step (and before the first), the first stage sends the weight (gathered
       when ZeRO-3 partitions it) to the shadow over the ``embed`` group (:meth:`begin_batch`);
     - the shadow accumulates its gradient by plain autograd over the batch's micro-batches; after the last
-      stage's final backward it goes to the first stage (:meth:`after_last_backward`), unscaled by the last
-      stage's loss scale;
-    - the first stage adds it, rescaled by its own loss scale, to the weight's gradient in its final
-      micro-batch backward, through a tensor hook that runs before ZeRO's gradient hooks (:meth:`final_backward`),
+      stage's final backward it goes to the first stage (:meth:`after_last_backward`);
+    - the first stage adds it to the weight's gradient in its final micro-batch backward, through a tensor hook that runs before ZeRO's gradient hooks (:meth:`final_backward`),
       so ZeRO reduces the sum of both uses. Summation is linear, so that equals summing per micro-batch.
+
+    Both gradients are in the same scale: fp16 loss scaling (a per-engine scale) is refused under pp > 1 by
+    the strategy, and bf16/fp32 scale nothing.
 
     ``first``: on the first stage's rank, its tied parameters; ``shadows``: on the last stage's rank, one
     shadow per tied parameter, in the same order (the order of the model's parameters on both ranks).
@@ -195,28 +185,23 @@ class TiedAcrossStages:
                     for shadow in self.shadows:
                         dist.broadcast(shadow.data, src=self.peer, group=self.group)
 
-    def after_last_backward(self, engine) -> None:
-        """Last stage: send the shadows' accumulated gradients to the first stage (in the true scale)."""
-        scale = _grad_scale(engine)
+    def after_last_backward(self) -> None:
+        """Last stage: send the shadows' accumulated gradients to the first stage."""
         for shadow in self.shadows:
-            grad = shadow.grad if shadow.grad is not None else torch.zeros_like(shadow)
-            if scale != 1.0:
-                grad = grad / scale
-            grad = grad.contiguous()
+            grad = (shadow.grad if shadow.grad is not None else torch.zeros_like(shadow)).contiguous()
             self._pending.append((dist.broadcast(grad, src=dist.get_rank(), group=self.group, async_op=True), grad))
 
     @contextlib.contextmanager
-    def final_backward(self, engine):
+    def final_backward(self):
         """First stage: receive the last stage's gradients and add them to the weights' gradients of the
         backward run inside this context (the stage's final one of the batch)."""
-        scale = _grad_scale(engine)
         received = []
         with torch.profiler.record_function(comm_name("embed", "broadcast")):
             for weight in self.first:
                 shape = tuple(getattr(weight, "ds_shape", weight.shape))
                 buf = torch.empty(shape, dtype=weight.dtype, device=weight.device)
                 dist.broadcast(buf, src=self.peer, group=self.group)
-                received.append(buf * scale if scale != 1.0 else buf)
+                received.append(buf)
         handles = [weight.register_hook(lambda grad, extra=extra: grad + extra.to(grad.dtype))
                    for weight, extra in zip(self.first, received, strict=True)]
         try:
@@ -267,7 +252,7 @@ class DeepSpeedStageBackend(StageBackend):
 
     def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None, *, last: bool) -> None:
         exchange = self.tied is not None and last
-        context = (self.tied.final_backward(self.engine) if exchange and stage == self._first and self.tied.first
+        context = (self.tied.final_backward() if exchange and stage == self._first and self.tied.first
                    else contextlib.nullcontext())
         with context:
             if grad is None:  # the last stage's micro-batch loss, already divided by m
@@ -275,7 +260,7 @@ class DeepSpeedStageBackend(StageBackend):
             else:
                 self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
         if exchange and stage == self._last and self.tied.shadows:
-            self.tied.after_last_backward(self.engine)
+            self.tied.after_last_backward()
 
     def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:
         if self.tied is not None and not forward_only:
