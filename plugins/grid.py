@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from shardline.plugins.errors import LayoutError
+from shardline.plugins.layers.tp_comm import StandInGroup
 from shardline.profiling import layout as placement
 from shardline.profiling.annotations import group_desc
 
@@ -209,6 +210,10 @@ class Grid:
     Build it with :meth:`build` after ``torch.distributed`` is initialised. ``grid.group(axis)`` is this rank's
     group of that axis; ``grid.mpu`` is the object DeepSpeed's ``initialize(mpu=...)`` expects, so ZeRO
     partitions over the data-parallel group (``dp_cp`` when the sequence is sharded), never over TP ranks.
+
+    :meth:`stand_in` is the same grid for "rank r of this layout" in any process, with no process group: its
+    groups are :class:`~shardline.plugins.layers.tp_comm.StandInGroup` descriptions, so a model built on it
+    (on the meta device, say) is exactly rank r's part, while any collective over it is refused.
     """
 
     def __init__(self, dims: ParallelDims, *, rank: int, groups: dict, group_ranks: dict, backend: str):
@@ -241,6 +246,23 @@ class Grid:
                 if rank in ranks:
                     groups[axis], mine[axis] = group, ranks
         return cls(dims, rank=rank, groups=groups, group_ranks=mine, backend=backend)
+
+    @classmethod
+    def stand_in(cls, dims: ParallelDims, *, rank: int) -> Grid:
+        """Rank ``rank``'s grid of ``dims`` without ``torch.distributed``: every group a stand-in (no
+        communication), every size, rank and rank list as :meth:`build` would give on that rank."""
+        if not 0 <= rank < dims.world_size:
+            raise LayoutError(f"rank={rank} is outside the layout's world_size={dims.world_size} {dims._summary()}")
+        groups, mine = {}, {}
+        for axis in AXES + COMBINED_AXES:
+            for ranks in dims.group_ranks(axis):
+                if rank in ranks:
+                    groups[axis], mine[axis] = StandInGroup(axis, tuple(ranks), rank), list(ranks)
+        return cls(dims, rank=rank, groups=groups, group_ranks=mine, backend="stand-in")
+
+    @property
+    def is_stand_in(self) -> bool:
+        return self.backend == "stand-in"
 
     def group(self, axis: str):
         """This rank's process group of ``axis`` (None for ``embed`` on a middle pipeline stage)."""

@@ -18,33 +18,64 @@ function                       forward                          backward
 the sequence pair acts on ``dim=1`` by default (activations are ``[batch, seq, hidden]``). Chunks are contiguous
 and in group-rank order: rank ``r`` of a group of size ``n`` holds elements ``[r*L/n, (r+1)*L/n)``.
 
-``group`` None or of size 1 makes every function the identity (the dense model). Every collective runs inside a
+``group`` None or of size 1 makes every function the identity (the dense model). ``group`` may also be a
+:class:`StandInGroup` (a description of a group, no communicator: a rank's part of a layout built in one
+process, e.g. on the meta device, to count its bytes); sizes and ranks answer as the real group's would, and a
+collective over it raises ``ContractError``. Every collective runs inside a
 ``torch.profiler.record_function`` named by :func:`shardline.profiling.annotations.comm_name`, so the profiler can
 attribute its time. No function here holds a process group: the group is always an argument.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardline.plugins.errors import LayoutError
+from shardline.plugins.errors import ContractError, LayoutError
 from shardline.profiling.annotations import comm_name
 
-# torch >= 2.10 renamed the single-tensor collectives; older releases (we support >= 2.4) have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = dist.all_gather_single
+_reduce_scatter_single = dist.reduce_scatter_single
+
+
+@dataclass(frozen=True)
+class StandInGroup:
+    """The description of one process group (its axis, its global ranks in group order, and which of them is
+    "this" rank) standing where a real group would, with no communicator behind it."""
+
+    axis: str
+    ranks: tuple[int, ...]
+    rank: int
+
+    def __post_init__(self):
+        if self.rank not in self.ranks:
+            raise LayoutError(f"stand-in {self.axis} group {list(self.ranks)} does not hold rank {self.rank}")
+
+    def refuse(self, what: str):
+        raise ContractError(f"{what} over a stand-in {self.axis} group {list(self.ranks)} (rank {self.rank}): a "
+                            "stand-in grid describes a layout for building and counting in one process; it "
+                            "cannot communicate (build the model on a Grid.build grid to run it)")
 
 
 def group_size(group) -> int:
     """Size of ``group``; 1 for None (dense) so callers need no special case."""
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    if isinstance(group, StandInGroup):
+        return len(group.ranks)
+    return dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This rank's index in ``group``; 0 for None."""
-    return 0 if group is None else dist.get_rank(group)
+    if group is None:
+        return 0
+    if isinstance(group, StandInGroup):
+        return group.ranks.index(group.rank)
+    return dist.get_rank(group)
 
 
 def check_divisible(length: int, *, n: int, what: str, by: str) -> None:
@@ -57,6 +88,8 @@ def all_reduce(x: torch.Tensor, *, group, dim_name: str = "tp") -> torch.Tensor:
     """Sum ``x`` over ``group`` (out of place: the autograd input must not be mutated)."""
     if group_size(group) == 1:
         return x
+    if isinstance(group, StandInGroup):
+        group.refuse("all_reduce")
     out = x.contiguous().clone()
     with record_function(comm_name(dim_name, "all_reduce")):
         dist.all_reduce(out, group=group)
@@ -68,6 +101,8 @@ def all_gather(x: torch.Tensor, *, group, dim: int, dim_name: str = "tp") -> tor
     n = group_size(group)
     if n == 1:
         return x
+    if isinstance(group, StandInGroup):
+        group.refuse("all_gather")
     dim = dim % x.dim()
     # The single-tensor collective gathers along dim 0; move ``dim`` to the front and back.
     front = x.movedim(dim, 0).contiguous()
@@ -82,6 +117,8 @@ def reduce_scatter(x: torch.Tensor, *, group, dim: int, dim_name: str = "tp") ->
     n = group_size(group)
     if n == 1:
         return x
+    if isinstance(group, StandInGroup):
+        group.refuse("reduce_scatter")
     dim = dim % x.dim()
     check_divisible(x.shape[dim], n=n, what=f"reduce-scatter length of dim {dim}", by="group size")
     front = x.movedim(dim, 0).contiguous()

@@ -138,6 +138,28 @@ def test_grid_build_on_fake_backend(world, tp, cp, pp):
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize(("world", "tp", "cp", "pp"), [(64, 8, 2, 2), (64, 4, 1, 4), (32, 2, 2, 2), (16, 1, 1, 16)])
+def test_stand_in_grid_answers_as_the_built_grid(world, tp, cp, pp):
+    # Rank r's stand-in (no process group) against an independent derivation of the groups, every axis.
+    from shardline.plugins.layers.tp_comm import group_rank, group_size
+
+    dims = ParallelDims(world, tp=tp, cp=cp, pp=pp, sp="ring" if cp > 1 else "none")
+    expected = reference_groups(world, tp, cp, pp)
+    assert not dist.is_initialized()
+    for rank in range(world):
+        grid = Grid.stand_in(dims, rank=rank)
+        assert grid.is_stand_in and grid.coords == dims.coords(rank)
+        for axis in (*AXES, "dp_cp", "mp", "embed"):
+            mine = next((g for g in expected[axis] if rank in g), None)
+            if mine is None:
+                assert axis == "embed" and grid.group(axis) is None and grid.ranks(axis) == []
+                continue
+            assert grid.ranks(axis) == mine and grid.rank(axis) == mine.index(rank)
+            assert group_size(grid.group(axis)) == len(mine) and group_rank(grid.group(axis)) == mine.index(rank)
+    with pytest.raises(LayoutError, match="rank=16 is outside the layout's world_size=16"):
+        Grid.stand_in(ParallelDims(16, tp=2), rank=16)
+
+
 def test_grid_build_needs_initialised_world_of_the_right_size():
     with pytest.raises(LayoutError, match="needs torch.distributed initialised"):
         Grid.build(ParallelDims(4))
@@ -167,3 +189,31 @@ def test_grid_groups_allreduce_on_gloo(world, tp, cp, pp):
         for axis, value in sums.items():
             group = next(g for g in expected[axis] if rank in g)
             assert value == float(sum(group)), (rank, axis)  # exact: small integers in float32
+
+
+def _gpt_state_on_real_grid(rank, world, tp, pp):
+    from shardline.plugins.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=4, d_model=16)
+    grid = Grid.build(ParallelDims(world, tp=tp, pp=pp))
+    return {k: v.clone() for k, v in GPT(config, grid=grid, seed=3).state_dict().items()}
+
+
+def test_a_model_built_on_a_stand_in_grid_is_that_ranks_part():
+    # Every rank's GPT built on real gloo groups equals, tensor for tensor, the same rank's GPT built in this
+    # process on a stand-in grid; running it over the stand-in is refused (our error, naming the group).
+    from shardline.plugins.errors import ContractError
+    from shardline.plugins.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=4, d_model=16)
+    real = run_ranks(_gpt_state_on_real_grid, 4, 2, 2, timeout=120)
+    dims = ParallelDims(4, tp=2, pp=2)
+    for rank in range(4):
+        stand_in = GPT(config, grid=Grid.stand_in(dims, rank=rank), seed=3).state_dict()
+        assert stand_in.keys() == real[rank].keys()
+        for name, tensor in stand_in.items():
+            assert torch.equal(tensor, real[rank][name]), (rank, name)
+    assert not torch.equal(real[0]["embedding.wte.weight"], real[1]["embedding.wte.weight"])  # shards differ
+    model = GPT(config, grid=Grid.stand_in(dims, rank=1), seed=3)
+    with pytest.raises(ContractError, match=r"stand-in tp group \[0, 1\] \(rank 1\)"):
+        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
