@@ -6,14 +6,15 @@
   ring attention, Ulysses); torch only;
 - ``pipeline``: schedules as data, their validation and simulation, and the engine that runs them; no
   Lightning or DeepSpeed;
-- ``models``: models built from the layers (``models.gpt``);
+- ``models``: models built from the layers on one decoder skeleton (``models.decoder``): ``models.gpt`` (GPT-2
+  style) and ``models.llama`` (the Llama family: RMSNorm, SwiGLU, rotary, grouped-query attention, Qwen2 bias);
 - ``lightning``: the Lightning strategy, its registered names, the per-stage DeepSpeed driver, the ZeRO config
   and the StepProfiler callback; the one package here that imports Lightning or DeepSpeed.
 
 The public API is re-exported here, each name imported on first use (so ``import shardline.plugins`` stays
 light): HybridParallelStrategy, StepProfiler, ParallelDims, Grid, run_ranks, ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, ring_attention, ulysses_attention,
-GPT, GPTConfig.
+GPT, GPTConfig, Llama, LlamaConfig, RopeScaling.
 
 The strategy names (``"shardline"``, ``"shardline_tp2_pp2_zero2"``, ...) are registered with Lightning as soon as
 both this package and ``pytorch_lightning`` are imported, in either order, so
@@ -44,6 +45,9 @@ _LAZY = {
     "ulysses_attention": "shardline.plugins.layers.sequence_parallel",
     "GPT": "shardline.plugins.models.gpt",
     "GPTConfig": "shardline.plugins.models.gpt",
+    "Llama": "shardline.plugins.models.llama",
+    "LlamaConfig": "shardline.plugins.models.llama",
+    "RopeScaling": "shardline.plugins.layers.rotary",
 }
 __all__ = sorted(_LAZY)
 

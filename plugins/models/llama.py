@@ -1,0 +1,192 @@
+"""The Llama family (Llama 2/3, Mistral-style GQA, Qwen2's q/k/v bias) on the shared decoder skeleton of
+:mod:`shardline.plugins.models.decoder`; the same function at every layout.
+
+Block (pre-norm, no biases except Qwen2's optional q/k/v bias)::
+
+    h = RMSNorm(x);  q, k, v = h W_q^T, h W_k^T, h W_v^T          (n_head q heads, n_kv_head k/v heads)
+    q, k = RoPE(q, pos), RoPE(k, pos)                               (pos: each token's global position)
+    x = x + O(causal_attention(q, k, v))                            (q head i reads kv head i // (n_head/n_kv_head))
+    x = x + Down(silu(Gate(RMSNorm(x))) * Up(RMSNorm(x)))
+
+then a final RMSNorm and the (untied by default) vocabulary projection.
+
+Layouts (the skeleton's, plus): q/k/v are column-parallel by heads in one :class:`FusedColumnParallelLinear`
+(one entry collective). With ``tp <= n_kv_head`` every rank holds ``n_kv_head/tp`` whole KV heads; with
+``tp > n_kv_head`` each KV head serves ``tp/n_kv_head`` consecutive ranks: it is stored sharded (each of those
+ranks holds ``head_dim*n_kv_head/tp`` of its rows, a plain ``SHARDED(0)`` slice of the dense weight), all-gathered
+for use in forward and reduce-scattered in backward, which sums the gradient contributions of every rank sharing
+the head (see :mod:`shardline.plugins.layers.tp_fused`). Gate/up are column-parallel (one fused layer), O and Down
+row-parallel. Rotary angles are taken at each token's global position (:func:`~.decoder.token_positions`): the
+CP rank's BALANCED tokens, so ring and Ulysses attention see the dense model's rotated q and k. Under Megatron-SP
+the rotation happens after the sequence all-gather, on the CP rank's whole local sequence.
+
+Initialisation is layout-independent (every weight drawn full from the seeded generator, then sliced): linear
+weights by the ``nn.Linear`` rule ``U(-1/sqrt(in), 1/sqrt(in))``, q/k/v biases likewise, embeddings
+``N(0, init_std^2)``, norms one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import nn
+
+from shardline.plugins.errors import ContractError
+from shardline.plugins.grid import ParallelDims
+from shardline.plugins.layers.norms import RMSNorm
+from shardline.plugins.layers.rotary import RopeScaling, Rotary, apply_rotary
+from shardline.plugins.layers.tensor_parallel import RowParallelLinear
+from shardline.plugins.layers.tp_fused import FusedColumnParallelLinear, head_partition_problems
+from shardline.plugins.models.decoder import (
+    DecoderBlock,
+    DecoderHead,
+    DecoderLM,
+    SPContext,
+    TokenEmbedding,
+    layout_problems,
+    token_positions,
+)
+
+__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "RopeScaling"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and options of a Llama-family model; validated at construction (ContractError naming every bad field).
+
+    ``n_kv_head`` defaults to ``n_head`` (no grouping) and must divide it; ``head_dim`` defaults to
+    ``d_model // n_head``; ``seq_len`` is the longest sequence the model accepts (Hugging Face's
+    ``max_position_embeddings``). ``rope_scaling``: None, a :class:`RopeScaling`, or Hugging Face's dict
+    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` (stored as a RopeScaling). ``qkv_bias``: Qwen2's biases on q/k/v.
+    ``activation_checkpointing`` recomputes every block in backward.
+    """
+
+    vocab_size: int
+    seq_len: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    d_ff: int
+    n_kv_head: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | dict | None = None
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    dropout: float = 0.0
+    activation_checkpointing: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        if self.n_kv_head is None:
+            set_(self, "n_kv_head", self.n_head)
+        if self.head_dim is None and isinstance(self.d_model, int) and isinstance(self.n_head, int) \
+                and self.n_head > 0:
+            set_(self, "head_dim", self.d_model // self.n_head)
+        problems, valid = [], set()
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+            else:
+                valid.add(name)
+        if {"n_head", "n_kv_head"} <= valid and self.n_head % self.n_kv_head:
+            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if "head_dim" in valid and self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even (rotary pairs)")
+        for name, value in (("rope_theta", self.rope_theta), ("rms_norm_eps", self.rms_norm_eps),
+                            ("init_std", self.init_std)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                problems.append(f"{name}={value!r} must be a positive number")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
+        try:
+            set_(self, "rope_scaling", RopeScaling.from_value(self.rope_scaling))
+        except ContractError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ContractError("invalid LlamaConfig: " + "; ".join(problems))
+
+
+class LlamaBlock(DecoderBlock):
+    """One Llama block on the skeleton (see the module docstring). Parameters: ``attn_norm.weight``,
+    ``qkv.{q,k,v}_weight`` (and ``_bias`` with ``qkv_bias``), ``o_proj.weight``, ``mlp_norm.weight``,
+    ``gate_up.{gate,up}_weight``, ``down.weight``."""
+
+    def __init__(self, config: LlamaConfig, *, ctx: SPContext, rotary: Rotary, generator, dtype=None, device=None):
+        super().__init__(config, ctx=ctx)
+        d, g, sp, hd = config.d_model, ctx.tp_group, ctx.megatron, config.head_dim
+        kw = dict(generator=generator, dtype=dtype, device=device)
+        norm = dict(eps=config.rms_norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.attn_norm = RMSNorm(d, **norm)
+        self.qkv = FusedColumnParallelLinear(
+            d, {"q": (config.n_head, hd), "k": (config.n_kv_head, hd), "v": (config.n_kv_head, hd)}, group=g,
+            bias=config.qkv_bias, sequence_parallel=sp, **kw)
+        self.o_proj = RowParallelLinear(config.n_head * hd, d, group=g, bias=False, sequence_parallel=sp, **kw)
+        self.mlp_norm = RMSNorm(d, **norm)
+        self.gate_up = FusedColumnParallelLinear(d, {"gate": config.d_ff, "up": config.d_ff}, group=g,
+                                                 sequence_parallel=sp, **kw)
+        self.down = RowParallelLinear(config.d_ff, d, group=g, bias=False, sequence_parallel=sp, **kw)
+
+    def pre_attention(self, x):
+        return self.attn_norm(x)
+
+    def project_qkv(self, h):
+        hd = self.config.head_dim
+        q, k, v = (t.view(*t.shape[:2], -1, hd).transpose(1, 2) for t in self.qkv(h))  # [b, heads, s_cp, hd]
+        s = q.shape[2]  # the CP rank's whole local sequence (after the Megatron-SP all-gather)
+        pos = token_positions(self.ctx, s, max_len=self.config.seq_len, device=q.device)
+        cos, sin = self.rotary.tables(pos, dtype=q.dtype, device=q.device, key=s)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def project_out(self, a):
+        return self.o_proj(a)
+
+    def pre_mlp(self, x):
+        return self.mlp_norm(x)
+
+    def feed_forward(self, h):
+        gate, up = self.gate_up(h)
+        return self.down(F.silu(gate) * up)
+
+
+class Llama(DecoderLM):
+    """A Llama-family decoder: ``embedding -> n_layer LlamaBlocks -> final RMSNorm + vocab projection``.
+
+    ``seed`` seeds a private generator that draws every weight, so two models built with the same seed compute
+    the same function at any layout. ``model(ids, targets)`` returns the global mean loss; ``model(ids)`` this
+    rank's vocab-sharded logits. :meth:`check_layout` refuses a layout from its ``ParallelDims`` alone.
+    """
+
+    config_type = LlamaConfig
+    model_name = "Llama"
+
+    @classmethod
+    def layout_problems(cls, config: LlamaConfig, dims: ParallelDims) -> list[str]:
+        tp = dims.tp
+        problems = []
+        if config.n_head % tp:
+            problems.append(f"n_head={config.n_head} is not divisible by tp={tp}")
+        problems += head_partition_problems(config.n_kv_head, config.head_dim, tp=tp, what="n_kv_head")
+        if config.d_ff % tp:
+            problems.append(f"d_ff={config.d_ff} is not divisible by tp={tp}")
+        if config.vocab_size < tp:
+            problems.append(f"vocab_size={config.vocab_size} is smaller than tp={tp} (a rank would hold only "
+                            f"padding rows)")
+        return problems + layout_problems(dims, n_head=config.n_head, seq_len=config.seq_len,
+                                          n_layer=config.n_layer)
+
+    def build(self, config: LlamaConfig, *, ctx: SPContext, generator, dtype, device) -> None:
+        kw = dict(ctx=ctx, generator=generator, dtype=dtype, device=device)
+        rotary = Rotary(config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling)
+        self.embedding = TokenEmbedding(config, **kw)
+        self.blocks = nn.ModuleList([LlamaBlock(config, rotary=rotary, **kw) for _ in range(config.n_layer)])
+        norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, sequence_parallel=ctx.megatron, dtype=dtype,
+                       device=device)
+        self.head = DecoderHead(config, norm=norm,
+                                tied_weight=self.embedding.wte.weight if config.tie_embeddings else None, **kw)
