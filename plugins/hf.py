@@ -1,0 +1,542 @@
+"""Hugging Face checkpoints in and out: :func:`from_pretrained` and :func:`save_pretrained`.
+
+A Hugging Face model folder is ``config.json`` plus one ``model.safetensors`` or several shards with their
+``model.safetensors.index.json``. Supported architectures (``config.json``'s ``architectures``):
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (shardline's :class:`~.models.llama.Llama`)
+and ``GPT2LMHeadModel`` (:class:`~.models.gpt.GPT`).
+
+Loading builds the model for ``grid``'s layout on the meta device (nothing random is drawn, nothing is
+allocated), then gives each parameter this rank's slice only, read lazily from the safetensors file
+(``safe_open(...).get_slice``): a rank never holds more of a checkpoint tensor than it keeps. Every name,
+fused tensor and padding lives in one table per architecture (:func:`_llama_table`, :func:`_gpt2_table`):
+
+- Llama family: one tensor each; q/k/v stay separate (their per-head shards are plain row slices, also when
+  ``tp > n_kv_heads``); the vocabulary is zero-padded to a multiple of tp on load and cut back on save;
+- GPT-2: Conv1D weights are stored transposed (``[in, out]``) and ``c_attn`` fuses q, k and v as three blocks of
+  columns, where shardline's fused projection interleaves them per head: both are converted here; the output
+  projection is tied to ``wte``.
+
+Saving streams tensor by tensor: each tensor's shards go to rank 0 (from the tp ranks of the pipeline stage that
+hosts it, at dp = cp = 0), which converts it to Hugging Face's layout and writes a safetensors shard file whenever
+``max_shard_bytes`` is reached, so rank 0 holds at most one shard file's worth. The folder loads with
+``transformers.AutoModelForCausalLM.from_pretrained``; a load-save round trip is exact (names, dtypes, values).
+
+Bad input raises :class:`CheckpointError` naming the folder, file, tensor and numbers, before any weight is used:
+no config, an unsupported architecture or option, a config the layout cannot take, a missing, extra or misshapen
+tensor, a damaged file. Known gaps (issue 16): under pp > 1 every rank still loads its TP shard of every layer
+(the pipeline then drops the layers it does not host), and loading inside ZeRO-3's partitioned construction is
+not supported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardline.plugins.errors import ShardlineError
+from shardline.plugins.layers.roles import RoleKind, role_of
+from shardline.plugins.layers.tp_comm import group_rank, group_size
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+                 "GPT2LMHeadModel": "gpt2"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "GPT2LMHeadModel": "gpt2"}
+#: Tensors a Hugging Face checkpoint may hold that are not weights (old GPT-2 files keep attention masks).
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class CheckpointError(ShardlineError, ValueError):
+    """A Hugging Face folder that cannot be loaded or written as asked; names the file, tensor and numbers."""
+
+
+# --- the tables ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    """Where one shardline parameter comes from: ``name`` in the checkpoint and how it is laid out there.
+
+    ``kind``: ``plain`` (same layout), ``vocab`` (rows are the vocabulary: shardline's may be zero-padded),
+    ``conv1d`` (GPT-2's transposed weight), ``gpt2_qkv`` (GPT-2's ``c_attn``: transposed, q|k|v column blocks),
+    ``gpt2_qkv_bias`` (its bias)."""
+
+    name: str
+    kind: str = "plain"
+
+
+def _llama_table(config, hf: dict) -> dict[str, Source]:
+    table = {"embedding.wte.weight": Source("model.embed_tokens.weight", "vocab"),
+             "head.ln_f.weight": Source("model.norm.weight")}
+    if not config.tie_embeddings:
+        table["head.weight"] = Source("lm_head.weight", "vocab")
+    for i in range(config.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        table.update({
+            ours + "attn_norm.weight": Source(theirs + "input_layernorm.weight"),
+            ours + "mlp_norm.weight": Source(theirs + "post_attention_layernorm.weight"),
+            ours + "o_proj.weight": Source(theirs + "self_attn.o_proj.weight"),
+            ours + "gate_up.gate_weight": Source(theirs + "mlp.gate_proj.weight"),
+            ours + "gate_up.up_weight": Source(theirs + "mlp.up_proj.weight"),
+            ours + "down.weight": Source(theirs + "mlp.down_proj.weight")})
+        for x in "qkv":
+            table[ours + f"qkv.{x}_weight"] = Source(theirs + f"self_attn.{x}_proj.weight")
+            if config.qkv_bias:
+                table[ours + f"qkv.{x}_bias"] = Source(theirs + f"self_attn.{x}_proj.bias")
+    return table
+
+
+def _gpt2_table(config, hf: dict) -> dict[str, Source]:
+    table = {"embedding.wte.weight": Source("transformer.wte.weight", "vocab"),
+             "embedding.wpe": Source("transformer.wpe.weight"),
+             "head.ln_f.weight": Source("transformer.ln_f.weight"),
+             "head.ln_f.bias": Source("transformer.ln_f.bias")}
+    for i in range(config.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        table.update({
+            ours + "ln1.weight": Source(theirs + "ln_1.weight"), ours + "ln1.bias": Source(theirs + "ln_1.bias"),
+            ours + "ln2.weight": Source(theirs + "ln_2.weight"), ours + "ln2.bias": Source(theirs + "ln_2.bias"),
+            ours + "qkv.weight": Source(theirs + "attn.c_attn.weight", "gpt2_qkv"),
+            ours + "qkv.bias": Source(theirs + "attn.c_attn.bias", "gpt2_qkv_bias"),
+            ours + "proj.weight": Source(theirs + "attn.c_proj.weight", "conv1d"),
+            ours + "proj.bias": Source(theirs + "attn.c_proj.bias"),
+            ours + "fc1.weight": Source(theirs + "mlp.c_fc.weight", "conv1d"),
+            ours + "fc1.bias": Source(theirs + "mlp.c_fc.bias"),
+            ours + "fc2.weight": Source(theirs + "mlp.c_proj.weight", "conv1d"),
+            ours + "fc2.bias": Source(theirs + "mlp.c_proj.bias")})
+    return table
+
+
+# --- configs ---------------------------------------------------------------------------------------------------
+
+def read_config(folder: str | os.PathLike) -> tuple[str, dict, object]:
+    """``(architecture, config.json as a dict, shardline config)`` of a Hugging Face folder."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (a Hugging Face model folder has config.json and "
+                              f"*.safetensors)")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: not readable JSON ({error})") from None
+    archs = hf.get("architectures") or []
+    supported = [a for a in archs if a in ARCHITECTURES]
+    if not supported:
+        raise CheckpointError(f"{path}: architectures={archs} is not supported (supported: {sorted(ARCHITECTURES)})")
+    arch = supported[0]
+    maker = _llama_config if ARCHITECTURES[arch] == "llama" else _gpt2_config
+    return arch, hf, maker(arch, hf, path)
+
+
+def _need(hf: dict, key: str, path: Path):
+    if key not in hf:
+        raise CheckpointError(f"{path}: {key!r} is missing")
+    return hf[key]
+
+
+def _rope(hf: dict, path: Path) -> tuple[float, dict | None]:
+    """``(theta, llama3 scaling or None)`` from transformers 5's ``rope_parameters`` or the older
+    ``rope_theta``/``rope_scaling`` pair."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta, scaling = params["rope_theta"], dict(params)
+        scaling.pop("rope_theta")
+    else:
+        theta, scaling = hf.get("rope_theta", 10000.0), dict(hf.get("rope_scaling") or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise CheckpointError(f"{path}: rope type {kind!r} is not supported (only the default and 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys if k in scaling}}
+
+
+def _llama_config(arch: str, hf: dict, path: Path):
+    from shardline.plugins.errors import ContractError
+    from shardline.plugins.models.llama import LlamaConfig
+
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{path}: hidden_act={act!r} is not supported (the Llama family uses 'silu')")
+    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise CheckpointError(f"{path}: attention_bias=True (a bias on o_proj too) is not supported")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{path}: mlp_bias=True is not supported")
+    seq_len = _need(hf, "max_position_embeddings", path)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    if isinstance(window, int) and window < seq_len:
+        raise CheckpointError(f"{path}: sliding_window={window} < max_position_embeddings={seq_len}: windowed "
+                              "attention is not implemented")
+    theta, scaling = _rope(hf, path)
+    n_head = _need(hf, "num_attention_heads", path)
+    try:
+        return LlamaConfig(
+            vocab_size=_need(hf, "vocab_size", path), seq_len=seq_len, n_layer=_need(hf, "num_hidden_layers", path),
+            n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
+            d_model=_need(hf, "hidden_size", path), d_ff=_need(hf, "intermediate_size", path),
+            head_dim=hf.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM")
+    except ContractError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+
+
+def _gpt2_config(arch: str, hf: dict, path: Path):
+    from shardline.plugins.errors import ContractError
+    from shardline.plugins.models.gpt import GPTConfig
+
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: activation_function={act!r} is not supported (GPT-2's tanh GELU only)")
+    if not hf.get("tie_word_embeddings", True):
+        raise CheckpointError(f"{path}: tie_word_embeddings=False is not supported for GPT-2")
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        raise CheckpointError(f"{path}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    try:
+        return GPTConfig(vocab_size=_need(hf, "vocab_size", path), seq_len=_need(hf, "n_positions", path),
+                         n_layer=_need(hf, "n_layer", path), n_head=_need(hf, "n_head", path),
+                         d_model=_need(hf, "n_embd", path), d_ff=hf.get("n_inner"),
+                         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=True)
+    except ContractError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+
+
+def _model_class(arch: str):
+    if ARCHITECTURES[arch] == "llama":
+        from shardline.plugins.models.llama import Llama
+
+        return Llama
+    from shardline.plugins.models.gpt import GPT
+
+    return GPT
+
+
+def _table(arch: str, config, hf: dict) -> dict[str, Source]:
+    return (_llama_table if ARCHITECTURES[arch] == "llama" else _gpt2_table)(config, hf)
+
+
+# --- reading ---------------------------------------------------------------------------------------------------
+
+class _Files:
+    """The folder's safetensors files, opened lazily; tensor name -> file from the index (or the one file)."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder, self._open, self._handles = folder, safe_open, {}
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as error:
+                raise CheckpointError(f"{index}: not a safetensors index ({error!r})") from None
+            self.where = {name: folder / file for name, file in weight_map.items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder}: no *.safetensors file (and no model.safetensors.index.json)")
+            self.where = {}
+            for file in files:
+                for name in self._handle(file).keys():
+                    self.where[name] = file
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: named by the index but missing")
+            try:
+                self._handles[file] = self._open(str(file), framework="pt")
+            except Exception as error:  # safetensors raises its own SafetensorError for damage
+                raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+        return self._handles[file]
+
+    def slice(self, name: str):
+        file = self.where[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except Exception as error:
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({error})") from None
+
+
+def _read(files: _Files, source: Source, dense_shape: tuple[int, ...], shard: tuple[int | None, int, int], *,
+          n_head: int | None, padding: int, what: str) -> torch.Tensor:
+    """This rank's part of one parameter: ``shard`` = (dim, start, stop) of the dense tensor of ``dense_shape``
+    (dim None: all of it). The checkpoint tensor must have exactly the dense shape in its own layout (a
+    vocabulary may be up to ``padding`` rows shorter: shardline's zero rows)."""
+    sl = files.slice(source.name)
+    shape = tuple(sl.get_shape())
+    dim, start, stop = shard
+    if dim is None:
+        dim, start, stop = 0, 0, dense_shape[0]
+    if source.kind == "vocab":
+        want = (dense_shape[0] - padding, *dense_shape[1:])
+        ok = len(shape) == len(dense_shape) and shape[1:] == dense_shape[1:] and want[0] <= shape[0] <= dense_shape[0]
+    elif source.kind == "conv1d":
+        want = (dense_shape[1], dense_shape[0])
+    elif source.kind == "gpt2_qkv":  # ours [3d, d] (head-interleaved); theirs [d, 3d] (q|k|v blocks)
+        want = (dense_shape[1], dense_shape[0])
+    else:  # plain, and gpt2_qkv_bias ([3d] on both sides)
+        want = dense_shape
+    if source.kind != "vocab":
+        ok = shape == tuple(want)
+    if not ok:
+        raise CheckpointError(f"{files.where[source.name]}: tensor {source.name!r} has shape {list(shape)}, "
+                              f"{what} needs {list(want)}")
+    index = [slice(None)] * len(shape)
+    if source.kind in ("plain", "vocab"):
+        index[dim] = slice(min(start, shape[dim]), min(stop, shape[dim]))
+        part = sl[tuple(index)]
+        pad = (stop - start) - part.shape[dim]
+        return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))]) if pad else part
+    if source.kind == "conv1d":
+        index[1 - dim] = slice(start, stop)
+        return sl[tuple(index)].t().contiguous()
+    # GPT-2's c_attn: ours rows ordered (head, q|k|v, head_dim); theirs columns ordered (q|k|v, head, head_dim)
+    bias = source.kind == "gpt2_qkv_bias"
+    d_model = dense_shape[0] // 3
+    head_dim = d_model // n_head
+    h0, h1 = start // (3 * head_dim), stop // (3 * head_dim)
+    parts = []
+    for j in range(3):
+        cols = slice(j * d_model + h0 * head_dim, j * d_model + h1 * head_dim)
+        block = sl[cols] if bias else sl[:, cols].t()
+        parts.append(block.reshape(h1 - h0, head_dim, *block.shape[1:]))
+    return torch.stack(parts, dim=1).reshape(3 * (h1 - h0) * head_dim, *parts[0].shape[2:]).contiguous()
+
+
+def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None):
+    """The shardline model of the Hugging Face folder ``path`` for ``grid``'s layout (dense when None).
+
+    Built on the meta device, then each parameter is given this rank's slice from the checkpoint (see the module
+    docstring); ``dtype`` defaults to torch's default dtype (float32), ``device`` to the CPU. The model keeps the
+    folder's ``config.json`` as ``model.hf_config`` for :func:`save_pretrained`.
+    """
+    folder = Path(path)
+    arch, hf, config = read_config(folder)
+    cls = _model_class(arch)
+    if grid is not None:
+        problems = cls.layout_problems(config, grid.dims)
+        if problems:
+            raise CheckpointError(f"{folder / 'config.json'}: the layout {grid.dims._summary()} cannot take this "
+                                  f"model: " + "; ".join(problems))
+    files = _Files(folder)
+    dtype = dtype or torch.get_default_dtype()
+    model = cls(config, grid=grid, dtype=dtype, device="meta")
+    table = _table(arch, config, hf)
+    tp_group = grid.group("tp") if grid is not None else None
+    tp, tp_rank = group_size(tp_group), group_rank(tp_group)
+    params = dict(model.named_parameters())
+    missing = sorted(table[name].name for name in params if name in table and table[name].name not in files.where)
+    unmapped = sorted(set(params) - set(table))
+    if unmapped:
+        raise CheckpointError(f"{folder}: shardline parameters with no checkpoint source: {unmapped}")
+    if missing:
+        raise CheckpointError(f"{folder}: tensors missing from the checkpoint: {missing}")
+    used = {s.name for s in table.values()}
+    extra = sorted(n for n in files.where if n not in used and not n.endswith(IGNORED_SUFFIXES)
+                   and not (n == "lm_head.weight" and getattr(config, "tie_embeddings", False)))
+    if extra:
+        raise CheckpointError(f"{folder}: checkpoint tensors shardline has no place for: {extra}")
+    device = torch.device(device or "cpu")
+    values = {}
+    for name, param in params.items():
+        source = table[name]
+        role = role_of(param)
+        dense, shard = list(param.shape), (None, 0, 0)
+        if role.kind is RoleKind.SHARDED:
+            length = param.shape[role.dim]
+            dense[role.dim] = length * tp
+            shard = (role.dim, tp_rank * length, (tp_rank + 1) * length)
+        padding = dense[0] - config.vocab_size if source.kind == "vocab" else 0
+        tensor = _read(files, source, tuple(dense), shard, n_head=getattr(config, "n_head", None),
+                       padding=padding, what=f"{name} (dense {dense}, this rank's {list(param.shape)})")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(f"{files.where[source.name]}: tensor {source.name!r} gives {list(tensor.shape)} "
+                                  f"for {name}, which needs {list(param.shape)} on this rank")
+        values[name] = tensor.to(dtype=dtype, device=device)
+    _materialise(model, values)
+    model.hf_config = {**hf, "architectures": [arch]}
+    return model
+
+
+def _materialise(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Replace every meta parameter by a real one holding ``values[name]``, in every module slot that shares it
+    (a tied weight stays one Parameter), keeping its attributes (the declared role)."""
+    slots: dict[int, list] = {}
+    for module in model.modules():
+        for slot, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, slot))
+    for name, param in list(model.named_parameters()):
+        real = torch.nn.Parameter(values.pop(name), requires_grad=param.requires_grad)
+        real.__dict__.update(param.__dict__)
+        for module, slot in slots[id(param)]:
+            module._parameters[slot] = real
+
+
+# --- writing ---------------------------------------------------------------------------------------------------
+
+def _hf_config_of(model) -> tuple[str, dict]:
+    """``(architecture, config.json)`` for ``model``: the loaded folder's, else derived from its config."""
+    config = model.config
+    if getattr(model, "hf_config", None):
+        hf = dict(model.hf_config)
+        return hf["architectures"][0], hf
+    from shardline.plugins.models.llama import LlamaConfig
+
+    if isinstance(config, LlamaConfig):
+        arch = "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
+        hf = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": config.vocab_size,
+              "max_position_embeddings": config.seq_len, "num_hidden_layers": config.n_layer,
+              "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
+              "hidden_size": config.d_model, "intermediate_size": config.d_ff, "head_dim": config.head_dim,
+              "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_embeddings,
+              "hidden_act": "silu", "rope_theta": config.rope_theta}
+        if config.rope_scaling is not None:
+            s = config.rope_scaling
+            hf["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                                  "high_freq_factor": s.high_freq_factor,
+                                  "original_max_position_embeddings": s.original_max_position_embeddings}
+        if arch == "Qwen2ForCausalLM":
+            hf["use_sliding_window"] = False
+        return arch, hf
+    hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+          "n_positions": config.seq_len, "n_layer": config.n_layer, "n_head": config.n_head,
+          "n_embd": config.d_model, "n_inner": config.d_ff, "layer_norm_epsilon": config.layer_norm_eps,
+          "activation_function": "gelu_new", "tie_word_embeddings": True}
+    return "GPT2LMHeadModel", hf
+
+
+def _to_hf(source: Source, dense: torch.Tensor, *, vocab: int, n_head: int) -> torch.Tensor:
+    """One dense shardline tensor in the checkpoint's layout (the inverse of :func:`_read` on a whole tensor)."""
+    if source.kind == "vocab":
+        return dense[:vocab]
+    if source.kind == "conv1d":
+        return dense.t()
+    if source.kind in ("gpt2_qkv", "gpt2_qkv_bias"):
+        d_model = dense.shape[0] // 3
+        head_dim = d_model // n_head
+        grouped = dense.reshape(n_head, 3, head_dim, *dense.shape[1:]).transpose(0, 1)  # (3, heads, hd, ...)
+        flat = grouped.reshape(3 * d_model, *dense.shape[1:])
+        return flat if source.kind == "gpt2_qkv_bias" else flat.t()
+    return dense
+
+
+@dataclass
+class _Writer:
+    """Safetensors shard files of at most ``limit`` bytes each (one tensor may exceed it alone)."""
+
+    folder: Path
+    limit: int
+    pending: dict
+    size: int = 0
+    files: list = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.limit:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.size += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        self.files = self.files or []
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        self.files.append((name, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+
+def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_bytes: int = 2 << 30) -> None:
+    """Write ``model`` (this rank's part of ``grid``'s layout; the whole model when None) as a Hugging Face folder.
+
+    Collective when ``grid`` is given: every rank calls it. Rank 0 writes ``config.json``, the safetensors shard
+    files and ``model.safetensors.index.json``; tensors reach it one at a time (module docstring)."""
+    folder = Path(path)
+    arch, hf = _hf_config_of(model)
+    config = model.config
+    table = _table(arch, config, hf)
+    order = list(table)
+    me = 0 if grid is None else grid.global_rank
+    if me == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    local = dict(model.named_parameters())
+    dtype = next(iter(local.values())).dtype if local else torch.float32
+    writer = _Writer(folder, max_shard_bytes, {}) if me == 0 else None
+    n_head = getattr(config, "n_head", 1)
+    if grid is None:
+        for name in order:
+            writer.add(table[name].name, _to_hf(table[name], local[name].detach().cpu(), vocab=config.vocab_size,
+                                                n_head=n_head))
+    else:
+        _gather_and_write(grid, model, local, order, table, writer, config, n_head)
+    if me != 0:
+        if dist.is_initialized():
+            dist.barrier()
+        return
+    writer.flush()
+    weight_map = {tensor: file for file, names in writer.files for tensor in names}
+    total = sum((folder / file).stat().st_size for file, _ in writer.files)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+    hf = {**hf, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    if grid is not None and dist.is_initialized():
+        dist.barrier()
+
+
+def _gather_and_write(grid, model, local, order, table, writer, config, n_head) -> None:
+    """Every tensor, in ``order``: its shards from the tp ranks (dp = cp = 0) of the stage hosting it, to rank 0."""
+    me, dims = grid.global_rank, grid.dims
+    hosted = [name for name in order if name in local and local[name].device.type != "meta"]
+    everyone: list = [None] * dims.world_size
+    dist.all_gather_object(everyone, (grid.coords, hosted))
+    for name in order:
+        holders = [rank for rank, (coords, names) in enumerate(everyone)
+                   if name in names and coords["dp"] == 0 and coords["cp"] == 0]
+        pp_ranks = sorted({everyone[r][0]["pp"] for r in holders})
+        if not pp_ranks:
+            raise CheckpointError(f"no rank holds {name} (layout {dims._summary()})")
+        stage = [r for r in holders if everyone[r][0]["pp"] == pp_ranks[0]]
+        stage.sort(key=lambda r: everyone[r][0]["tp"])
+        shards = []
+        if me in stage:
+            tensor = local[name].detach().contiguous()
+            shape = torch.tensor(tensor.shape, dtype=torch.int64)
+            role = role_of(local[name])
+            meta = torch.tensor([tensor.dim(), role.dim if role.kind is RoleKind.SHARDED else -1], dtype=torch.int64)
+            if me != 0:
+                dist.send(meta, dst=0)
+                dist.send(shape, dst=0)
+                dist.send(tensor, dst=0)
+            else:
+                shards.append((tensor, int(meta[1])))
+        if me == 0:
+            for src in stage:
+                if src == 0:
+                    continue
+                meta = torch.empty(2, dtype=torch.int64)
+                dist.recv(meta, src=src)
+                shape = torch.empty(int(meta[0]), dtype=torch.int64)
+                dist.recv(shape, src=src)
+                dtype = next(iter(local.values())).dtype
+                tensor = torch.empty(tuple(shape.tolist()), dtype=dtype)
+                dist.recv(tensor, src=src)
+                shards.append((tensor, int(meta[1])))
+            dim = shards[0][1]
+            dense = shards[0][0] if dim < 0 else torch.cat([t for t, _ in shards], dim=dim)
+            writer.add(table[name].name, _to_hf(table[name], dense.cpu(), vocab=config.vocab_size, n_head=n_head))
+
+
+__all__ = ["from_pretrained", "save_pretrained", "read_config", "CheckpointError", "ARCHITECTURES"]
