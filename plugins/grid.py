@@ -17,8 +17,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from shardline.plugins.errors import LayoutError
-from shardline.plugins.layers.tp_comm import StandInGroup
+from shardline.plugins.errors import ContractError, LayoutError
 from shardline.profiling import layout as placement
 from shardline.profiling.annotations import group_desc
 
@@ -204,6 +203,25 @@ class ParallelDims:
         return self.gpus_per_node is not None and len({r // self.gpus_per_node for r in ranks}) > 1
 
 
+@dataclass(frozen=True)
+class StandInGroup:
+    """The description of one process group (its axis, its global ranks in group order, and which of them is
+    "this" rank) standing where a real group would, with no communicator behind it."""
+
+    axis: str
+    ranks: tuple[int, ...]
+    rank: int
+
+    def __post_init__(self):
+        if self.rank not in self.ranks:
+            raise LayoutError(f"stand-in {self.axis} group {list(self.ranks)} does not hold rank {self.rank}")
+
+    def refuse(self, what: str):
+        raise ContractError(f"{what} over a stand-in {self.axis} group {list(self.ranks)} (rank {self.rank}): a "
+                            "stand-in grid describes a layout for building and counting in one process; it "
+                            "cannot communicate (build the model on a Grid.build grid to run it)")
+
+
 class Grid:
     """The process groups of one :class:`ParallelDims`, created once on every rank and passed explicitly.
 
@@ -212,7 +230,7 @@ class Grid:
     partitions over the data-parallel group (``dp_cp`` when the sequence is sharded), never over TP ranks.
 
     :meth:`stand_in` is the same grid for "rank r of this layout" in any process, with no process group: its
-    groups are :class:`~shardline.plugins.layers.tp_comm.StandInGroup` descriptions, so a model built on it
+    groups are :class:`StandInGroup` descriptions, so a model built on it
     (on the meta device, say) is exactly rank r's part, while any collective over it is refused.
     """
 

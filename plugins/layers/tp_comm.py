@@ -19,7 +19,7 @@ the sequence pair acts on ``dim=1`` by default (activations are ``[batch, seq, h
 and in group-rank order: rank ``r`` of a group of size ``n`` holds elements ``[r*L/n, (r+1)*L/n)``.
 
 ``group`` None or of size 1 makes every function the identity (the dense model). ``group`` may also be a
-:class:`StandInGroup` (a description of a group, no communicator: a rank's part of a layout built in one
+:class:`~shardline.plugins.grid.StandInGroup` (a description of a group, no communicator: a rank's part of a layout built in one
 process, e.g. on the meta device, to count its bytes); sizes and ranks answer as the real group's would, and a
 collective over it raises ``ContractError``. Every collective runs inside a
 ``torch.profiler.record_function`` named by :func:`shardline.profiling.annotations.comm_name`, so the profiler can
@@ -28,36 +28,16 @@ attribute its time. No function here holds a process group: the group is always 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.errors import LayoutError
+from shardline.plugins.grid import StandInGroup
 from shardline.profiling.annotations import comm_name
 
 _all_gather_single = dist.all_gather_single
 _reduce_scatter_single = dist.reduce_scatter_single
-
-
-@dataclass(frozen=True)
-class StandInGroup:
-    """The description of one process group (its axis, its global ranks in group order, and which of them is
-    "this" rank) standing where a real group would, with no communicator behind it."""
-
-    axis: str
-    ranks: tuple[int, ...]
-    rank: int
-
-    def __post_init__(self):
-        if self.rank not in self.ranks:
-            raise LayoutError(f"stand-in {self.axis} group {list(self.ranks)} does not hold rank {self.rank}")
-
-    def refuse(self, what: str):
-        raise ContractError(f"{what} over a stand-in {self.axis} group {list(self.ranks)} (rank {self.rank}): a "
-                            "stand-in grid describes a layout for building and counting in one process; it "
-                            "cannot communicate (build the model on a Grid.build grid to run it)")
 
 
 def group_size(group) -> int:
