@@ -30,6 +30,7 @@ not supported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -311,15 +312,18 @@ def _read(files: _Files, source: Source, dense_shape: tuple[int, ...], shard: tu
 
 
 def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None):
+                    device: torch.device | str | None = None, activation_checkpointing: bool = False):
     """The shardline model of the Hugging Face folder ``path`` for ``grid``'s layout (dense when None).
 
     Built on the meta device, then each parameter is given this rank's slice from the checkpoint (see the module
-    docstring); ``dtype`` defaults to torch's default dtype (float32), ``device`` to the CPU. The model keeps the
-    folder's ``config.json`` as ``model.hf_config`` for :func:`save_pretrained`.
+    docstring); ``dtype`` defaults to torch's default dtype (float32), ``device`` to the CPU;
+    ``activation_checkpointing`` recomputes every block in backward. The model keeps the folder's
+    ``config.json`` as ``model.hf_config`` for :func:`save_pretrained`.
     """
     folder = Path(path)
     arch, hf, config = read_config(folder)
+    if activation_checkpointing:
+        config = dataclasses.replace(config, activation_checkpointing=True)
     cls = _model_class(arch)
     if grid is not None:
         problems = cls.layout_problems(config, grid.dims)

@@ -1,5 +1,6 @@
-"""Byte-level language-modelling data that needs no download: the Python standard library's sources, or the
-user's own text.
+"""Language-modelling data that needs no download: the Python standard library's sources, or the user's own
+text; byte-level, or tokenised with a Hugging Face tokenizer (``tokenizer``: a ``tokenizer.json`` or a folder
+holding one, e.g. the checkpoint given as ``model.init_from``).
 
 The corpus is one byte string: the files in a fixed order (sorted by their path relative to the root, compared
 as POSIX strings), each followed by one ``\\n``, truncated at ``max_bytes``. The vocabulary is the 256 byte
@@ -11,7 +12,9 @@ A split of ``n`` bytes holds ``(n - 1) // seq_len`` windows; window ``i`` is
     ids     = corpus[start + i*seq_len     : start + (i+1)*seq_len]
     targets = corpus[start + i*seq_len + 1 : start + (i+1)*seq_len + 1]
 
-(int64 tensors of length ``seq_len``), i.e. every byte after the first is predicted exactly once per epoch.
+(int64 tensors of length ``seq_len``), i.e. every byte after the first is predicted exactly once per epoch. With a
+tokenizer the same holds for token ids: the corpus is decoded as UTF-8 (invalid bytes replaced), encoded once
+without special tokens, and cut into windows of tokens.
 Nothing is random here: shuffling is the sampler's business (Lightning's distributed sampler, seeded).
 """
 
@@ -74,12 +77,47 @@ def read_corpus(files: list[Path], *, max_bytes: int) -> bytes:
     return b"".join(chunks)[:max_bytes]
 
 
+def tokenizer_file(path: str | Path | None) -> Path | None:
+    """The ``tokenizer.json`` that ``path`` names (the file, or a folder holding one); None when there is none."""
+    if not path:
+        return None
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return path
+    candidate = path / "tokenizer.json"
+    return candidate if candidate.is_file() else None
+
+
+def tokenizer_class(path: Path):
+    """``tokenizers.Tokenizer``; RecipeError naming ``path`` and the extra to install when it is missing."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise RecipeError(f"{path}: reading a Hugging Face tokenizer needs the tokenizers package: "
+                          "pip install 'shardline[hf]'") from None
+    return Tokenizer
+
+
+def tokenize(corpus: bytes, tokenizer: Path) -> torch.Tensor:
+    """The corpus's token ids (int32) under the Hugging Face tokenizer at ``tokenizer``."""
+    Tokenizer = tokenizer_class(tokenizer)
+
+    try:
+        encoder = Tokenizer.from_file(str(tokenizer))
+    except Exception as error:  # the tokenizers library raises its own Exception for a bad file
+        raise RecipeError(f"data.tokenizer={str(tokenizer)!r} is not a readable tokenizer.json ({error})") from None
+    ids = encoder.encode(corpus.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+    return torch.tensor(ids, dtype=torch.int32)
+
+
 class ByteWindows(Dataset):
-    """Fixed ``seq_len`` windows over a byte tensor; item ``i`` is ``(ids, targets)`` as in the module docstring."""
+    """Fixed ``seq_len`` windows over a 1-d tensor of bytes (uint8) or token ids (int32/int64); item ``i`` is
+    ``(ids, targets)`` as in the module docstring."""
 
     def __init__(self, data: torch.Tensor, *, seq_len: int):
-        if data.dtype != torch.uint8 or data.dim() != 1:
-            raise TypeError(f"data must be a 1-d uint8 tensor, got {data.dtype} with shape {tuple(data.shape)}")
+        if data.dtype not in (torch.uint8, torch.int32, torch.int64) or data.dim() != 1:
+            raise TypeError(f"data must be a 1-d uint8/int32/int64 tensor, got {data.dtype} with shape "
+                            f"{tuple(data.shape)}")
         self.data = data
         self.seq_len = seq_len
 
@@ -95,7 +133,7 @@ class ByteWindows(Dataset):
 
 
 class TextDataModule(pl.LightningDataModule):
-    """Byte-level LM over the stdlib sources (``path=None``) or a text file/folder; see the module docstring.
+    """LM data over the stdlib sources (``path=None``) or a text file/folder; see the module docstring.
 
     Args:
         path: a text file or a folder; None for the Python standard library's sources.
@@ -105,11 +143,13 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: share of the corpus, taken from its end, that is the validation split.
         max_bytes: the corpus is cut here (bytes).
         num_workers: DataLoader worker processes.
+        tokenizer: a ``tokenizer.json`` or a folder with one; None (or a folder without one) for bytes. The fit
+            command links it to ``model.init_from``.
     """
 
     def __init__(self, path: str | None = None, pattern: str | None = None, seq_len: int = 128,
                  batch_size: int = 8, val_fraction: float = 0.05, max_bytes: int = 4_000_000,
-                 num_workers: int = 0):
+                 num_workers: int = 0, tokenizer: str | None = None):
         super().__init__()
         problems = [f"data.{name}={value!r} must be an integer >= 1" for name, value in
                     (("seq_len", seq_len), ("batch_size", batch_size), ("max_bytes", max_bytes))
@@ -122,6 +162,7 @@ class TextDataModule(pl.LightningDataModule):
         self.path, self.pattern = path, pattern
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
         self.val_fraction, self.max_bytes = val_fraction, max_bytes
+        self.tokenizer = tokenizer_file(tokenizer)
         self.train_set: ByteWindows | None = None
         self.val_set: ByteWindows | None = None
 
@@ -129,11 +170,14 @@ class TextDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         corpus = read_corpus(corpus_files(self.path, pattern=self.pattern), max_bytes=self.max_bytes)
-        data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+        if self.tokenizer is not None:
+            data, unit = tokenize(corpus, self.tokenizer), "tokens"
+        else:
+            data, unit = torch.frombuffer(bytearray(corpus), dtype=torch.uint8), "bytes"
         windows = (len(data) - 1) // self.seq_len
         n_val = max(1, round(windows * self.val_fraction))
         if windows - n_val < 1:
-            raise RecipeError(f"the corpus ({len(data)} bytes) is too small for one training and one validation "
+            raise RecipeError(f"the corpus ({len(data)} {unit}) is too small for one training and one validation "
                               f"window of data.seq_len={self.seq_len} (data.val_fraction={self.val_fraction})")
         split = (windows - n_val) * self.seq_len
         # Training windows end at byte split (their last target is data[split]); validation starts there.

@@ -1,4 +1,4 @@
-"""``shardline fit``: the main job. LightningCLI over GPTModule, TextDataModule and the strategy, from a recipe.
+"""``shardline fit``: the main job. LightningCLI over LanguageModule, TextDataModule and the strategy, from a recipe.
 
     shardline fit --config recipes/tiny.yaml                      # or: --config tiny (a packaged recipe)
     shardline fit --config tiny --trainer.max_steps 20 --model.n_layer 2 --trainer.strategy.init_args.tp 1
@@ -35,8 +35,9 @@ def add_commands(subparsers) -> None:
         # No option of its own: with a prefix character no argument can start with (NUL cannot occur in argv),
         # argparse hands every argument, --help included, to the REMAINDER positional untouched.
         "fit", add_help=False, prefix_chars="\x00",
-        help="train a GPT from a recipe (LightningCLI; try: shardline fit --config tiny)",
-        description="LightningCLI fit over shardline's GPT, byte-level text data and HybridParallelStrategy.")
+        help="train a GPT-2 or Llama model from a recipe (LightningCLI; try: shardline fit --config tiny)",
+        description="LightningCLI fit over shardline's language models (GPT-2, Llama family; random or from a "
+                    "Hugging Face checkpoint), text data and HybridParallelStrategy.")
     parser.add_argument("lightning_args", nargs=argparse.REMAINDER,
                         help="LightningCLI arguments: --config RECIPE and any --section.field VALUE override")
     parser.set_defaults(func=_command)
@@ -120,7 +121,7 @@ def _define_fit_cli():
 
     import shardline.plugins  # noqa: F401 - registers the strategy names (shardline_tp2_zero1, ...)
     from shardline.recipes.data import TextDataModule
-    from shardline.recipes.lit_gpt import GPTModule
+    from shardline.recipes.lit_lm import LanguageModule
 
     class FitCLI(LightningCLI):
         """LightningCLI with recipe validation; ``typed`` is what the user typed after ``fit``."""
@@ -128,11 +129,13 @@ def _define_fit_cli():
         def __init__(self, *, typed: list[str], source: str, **kwargs):
             self.user_argv, self.source = typed, source
             kwargs.setdefault("parser_kwargs", {"exit_on_error": False, "fit": {"exit_on_error": False}})
-            super().__init__(GPTModule, TextDataModule, save_config_kwargs={"overwrite": True},
+            super().__init__(LanguageModule, TextDataModule, save_config_kwargs={"overwrite": True},
                              auto_configure_optimizers=False, **kwargs)
 
         def add_arguments_to_parser(self, parser) -> None:
             parser.link_arguments("model.seq_len", "data.seq_len")
+            # a checkpoint's tokenizer (tokenizer.json beside config.json), when it has one
+            parser.link_arguments("model.init_from", "data.tokenizer")
 
         def parse_arguments(self, parser, args) -> None:
             # LightningCLI warns when both ``args`` and sys.argv are set; here they are the same command line.

@@ -3,7 +3,7 @@
 A recipe is LightningCLI's ``fit`` configuration as YAML, with four sections (all optional):
 ``seed_everything``, ``trainer`` (``pytorch_lightning.Trainer`` arguments; ``trainer.strategy`` is a registered
 name such as ``shardline_tp2_zero1`` or ``{class_path: shardline.plugins.lightning.strategy.HybridParallelStrategy,
-init_args: {...}}``), ``model`` (:class:`~shardline.recipes.lit_gpt.GPTModule` arguments) and ``data``
+init_args: {...}}``), ``model`` (:class:`~shardline.recipes.lit_lm.LanguageModule` arguments) and ``data``
 (:class:`~shardline.recipes.data.TextDataModule` arguments; ``data.seq_len`` is not a recipe field: the fit
 command links it to ``model.seq_len``). ``ckpt_path`` resumes a run.
 
@@ -14,9 +14,10 @@ Validation has two layers, both raising :class:`RecipeError` with the file and e
    bool, str, None, Literal, list, dict and unions of them). Fields of richer types (a logger, callbacks) are
    left to jsonargparse, which LightningCLI runs next.
 2. :func:`check_recipe` checks what no single field shows: the parallel layout against the world
-   (``ParallelDims``: ``tp*pp*cp`` must divide ``devices*num_nodes``), the model shape (``GPTConfig``), the model
-   against the layout (heads and FFN divisible by tp, ...), the pipeline (a layer per stage, micro-batches
-   dividing ``data.batch_size``), the byte vocabulary, and that ``data.path`` exists. The fit command runs it on the file alone and again on the configuration LightningCLI parsed,
+   (``ParallelDims``: ``tp*pp*cp`` must divide ``devices*num_nodes``), the model shape (``GPTConfig`` or
+   ``LlamaConfig``, or ``model.init_from``'s config.json), the model against the layout (heads, KV heads and FFN
+   against tp, ...), the pipeline (a layer per stage, micro-batches dividing ``data.batch_size``), the
+   vocabulary (the bytes', or ``init_from``'s tokenizer's), and that ``data.path`` exists. The fit command runs it on the file alone and again on the configuration LightningCLI parsed,
    command-line overrides included (jsonargparse's own errors become RecipeError there too).
 """
 
@@ -34,7 +35,7 @@ import yaml
 from shardline.plugins.errors import ShardlineError
 
 SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
-LINKED = {"data.seq_len": "model.seq_len"}  # fields the fit command sets from another; not recipe fields
+LINKED = {"data.seq_len": "model.seq_len", "data.tokenizer": "model.init_from"}  # fields the fit command sets from another; not recipe fields
 HYBRID_CLASS = "shardline.plugins.lightning.strategy.HybridParallelStrategy"
 _SIMPLE = (int, float, bool, str, type(None), list, dict)
 # DeepSpeedStrategy arguments that take effect whatever its DeepSpeed config is. Its others only build a default
@@ -100,14 +101,14 @@ def section_fields() -> dict[str, dict[str, Any]]:
 
     from shardline.plugins.lightning.strategy import HybridParallelStrategy
     from shardline.recipes.data import TextDataModule
-    from shardline.recipes.lit_gpt import GPTModule
+    from shardline.recipes.lit_lm import LanguageModule
 
     data = _signature_hints(TextDataModule)
     for field in LINKED:
         data.pop(field.split(".", 1)[1])
     strategy = {k: v for k, v in _signature_hints(DeepSpeedStrategy).items() if k in DEEPSPEED_ARGS_KEPT}
     strategy.update(_signature_hints(HybridParallelStrategy))
-    return {"model": _signature_hints(GPTModule), "data": data, "trainer": _signature_hints(pl.Trainer),
+    return {"model": _signature_hints(LanguageModule), "data": data, "trainer": _signature_hints(pl.Trainer),
             "strategy": strategy}
 
 
@@ -177,7 +178,7 @@ def structure_problems(recipe: dict[str, Any]) -> list[str]:
         if key in recipe and not _type_ok(recipe[key], annotation):
             problems.append(f"{key}={recipe[key]!r} is a {type(recipe[key]).__name__}, expected {annotation}")
     fields = section_fields()
-    problems += _field_problems("model", recipe.get("model"), fields["model"], what="GPTModule")
+    problems += _field_problems("model", recipe.get("model"), fields["model"], what="LanguageModule")
     problems += _field_problems("data", recipe.get("data"), fields["data"], what="TextDataModule")
     trainer = recipe.get("trainer")
     problems += _field_problems("trainer", trainer, fields["trainer"], what="Trainer")
@@ -256,7 +257,7 @@ def _with_defaults(cls: type, section: Any) -> dict[str, Any]:
     return {**defaults, **(section if isinstance(section, dict) else {})}
 
 
-def _pipeline_problems(strategy: Any, model: dict[str, Any], data: dict[str, Any]) -> list[str]:
+def _pipeline_problems(strategy: Any, n_layer: Any, data: dict[str, Any]) -> list[str]:
     """With pp > 1: every stage needs a layer, and the micro-batches must divide the per-replica batch."""
     if not (isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path"))):
         return []
@@ -265,7 +266,7 @@ def _pipeline_problems(strategy: Any, model: dict[str, Any], data: dict[str, Any
     if not (isinstance(pp, int) and pp > 1 and isinstance(chunks, int)):
         return []
     problems = []
-    n_layer, batch = model.get("n_layer"), data.get("batch_size")
+    batch = data.get("batch_size")
     if isinstance(n_layer, int) and n_layer + 2 < pp * chunks:
         problems.append(f"model.n_layer={n_layer}: the pipeline cuts its n_layer + 2 = {n_layer + 2} layers "
                         f"(embedding, blocks, head) into pp*chunks = {pp}*{chunks} = {pp * chunks} non-empty stages")
@@ -279,30 +280,16 @@ def _as_int(value: Any) -> Any:
     return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
-class _LayoutProbe:
-    """Stands in for a Grid when checking a model against a layout before any process group exists."""
-
-    def __init__(self, dims):
-        self.dims = dims
-
-    def group(self, axis: str):
-        return None
-
-    def rank(self, axis: str) -> int:
-        return 0
-
-
 def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
-    """Cross-field checks (layout vs world, model shape, model vs layout, byte vocabulary); RecipeError naming
-    ``source`` and the fields. Reuses ParallelDims and GPTConfig, whose messages name every value."""
-    from shardline.plugins.errors import ContractError, LayoutError
-    from shardline.plugins.models.gpt import GPTConfig, _sp_context
-    from shardline.recipes.data import VOCAB_SIZE, TextDataModule
-    from shardline.recipes.lit_gpt import GPTModule
+    """Cross-field checks (layout vs world, model shape, model vs layout, vocabulary); RecipeError naming
+    ``source`` and the fields. Reuses ParallelDims and the model configs, whose messages name every value."""
+    from shardline.plugins.errors import ContractError, LayoutError, ShardlineError
+    from shardline.recipes.data import VOCAB_SIZE, TextDataModule, tokenizer_class, tokenizer_file
+    from shardline.recipes.lit_lm import LanguageModule, model_config
 
     trainer = recipe.get("trainer") or {}
-    model = _with_defaults(GPTModule, recipe.get("model"))
-    problems, dims, config = [], None, None
+    model = _with_defaults(LanguageModule, recipe.get("model"))
+    problems, dims, config, model_class = [], None, None, None
     try:
         layout = strategy_layout(trainer.get("strategy"))
     except (ContractError, LayoutError) as error:
@@ -323,17 +310,29 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
             degrees = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "sp": layout.sp.value}
             problems.append(f"trainer.devices={devices} x trainer.num_nodes={nodes} with trainer.strategy "
                             f"{degrees}: {error}")
-    config_fields = set(inspect.signature(GPTConfig).parameters)
+    init_from = model.get("init_from")
     try:
-        config = GPTConfig(**{k: v for k, v in model.items() if k in config_fields})
-    except ContractError as error:
-        problems.append(f"model: {error}")
-    problems += _pipeline_problems(trainer.get("strategy"), model, _with_defaults(TextDataModule, recipe.get("data")))
-    if config is not None and config.vocab_size < VOCAB_SIZE:
-        problems.append(f"model.vocab_size={config.vocab_size} is below the byte vocabulary ({VOCAB_SIZE})")
+        model_class, config = model_config(model)
+    except ShardlineError as error:
+        problems.append(f"model{'.init_from' if init_from else ''}: {error}")
+    n_layer = config.n_layer if config is not None else model.get("n_layer")
+    problems += _pipeline_problems(trainer.get("strategy"), n_layer,
+                                   _with_defaults(TextDataModule, recipe.get("data")))
+    if config is not None:
+        tokenizer = tokenizer_file(init_from) if init_from else None
+        vocab, what = VOCAB_SIZE, "the byte vocabulary"
+        if tokenizer is not None:
+            try:
+                vocab = tokenizer_class(tokenizer).from_file(str(tokenizer)).get_vocab_size()
+                what = f"the tokenizer {tokenizer}"
+            except RecipeError:
+                raise
+            except Exception as error:  # the tokenizers library raises a bare Exception for a bad file
+                problems.append(f"model.init_from: {tokenizer} is not a readable tokenizer.json ({error})")
+                vocab = 0
+        if config.vocab_size < vocab:
+            field = "model.init_from's vocab_size" if init_from else "model.vocab_size"
+            problems.append(f"{field}={config.vocab_size} is below {what} ({vocab})")
     if config is not None and dims is not None:
-        try:
-            _sp_context(config, _LayoutProbe(dims))
-        except LayoutError as error:
-            problems.append(f"model vs trainer.strategy: {error}")
+        problems += [f"model vs trainer.strategy: {p}" for p in model_class.layout_problems(config, dims)]
     _fail(source, problems)

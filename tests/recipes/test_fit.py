@@ -53,9 +53,10 @@ def _command() -> tuple[list[str], str]:
 
 
 @pytest.mark.slow
-def test_shardline_fit_tiny_end_to_end(tmp_path):
+@pytest.mark.parametrize("recipe", ["tiny", "llama_tiny"])
+def test_shardline_fit_tiny_end_to_end(tmp_path, recipe):
     head, _ = _command()
-    command = [*head, "fit", "--config", str(RECIPES_DIR / "tiny.yaml"),
+    command = [*head, "fit", "--config", str(RECIPES_DIR / f"{recipe}.yaml"),
                "--trainer.max_steps", str(STEPS), "--trainer.limit_val_batches", "1",
                "--trainer.val_check_interval", str(STEPS), "--trainer.log_every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
@@ -66,7 +67,7 @@ def test_shardline_fit_tiny_end_to_end(tmp_path):
         assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/4" in result.stdout
     assert f"{STEPS}/{STEPS}" in result.stdout and "train_loss=" in result.stdout
 
-    scalars = _scalars(tmp_path / "runs" / "tiny")
+    scalars = _scalars(tmp_path / "runs" / recipe)
     train = scalars["train_loss"]
     assert [step for step, _ in train] == list(range(STEPS))
     losses = [value for _, value in train]
@@ -76,7 +77,7 @@ def test_shardline_fit_tiny_end_to_end(tmp_path):
     assert len(scalars["val_loss"]) == 1 and math.isfinite(scalars["val_loss"][0][1])
 
     # The saved configuration is the recipe plus the command-line overrides.
-    saved = yaml.safe_load(next((tmp_path / "runs" / "tiny").rglob("config.yaml")).read_text())
+    saved = yaml.safe_load(next((tmp_path / "runs" / recipe).rglob("config.yaml")).read_text())
     layout = saved["trainer"]["strategy"]["init_args"]
     assert saved["trainer"]["max_steps"] == STEPS and (layout["tp"], layout["pp"], layout["zero_stage"]) == (2, 2, 1)
     assert "seq_len" not in saved["data"] and saved["model"]["seq_len"] == 128  # data.seq_len follows the model

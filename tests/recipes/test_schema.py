@@ -42,7 +42,7 @@ def test_packaged_tiny_recipe_is_valid_and_resolvable():
 
 
 @pytest.mark.parametrize(("sections", "fragments"), [
-    (dict(model={"n_layr": 2}), ["model.n_layr is not a GPTModule argument (did you mean model.n_layer?)"]),
+    (dict(model={"n_layr": 2}), ["model.n_layr is not a LanguageModule argument (did you mean model.n_layer?)"]),
     (dict(model={"n_layer": "two"}), ["model.n_layer='two' is a str, expected int"]),
     (dict(model={"lr": True}), ["model.lr=True is a bool, expected float"]),
     (dict(data={"batch_size": 2.5, "pth": "x"}),
@@ -98,7 +98,7 @@ def test_yaml_syntax_and_shape_errors(tmp_path):
         load_recipe(_write(tmp_path, "model:\n  n_layer: 2\n    d_model: 3\n"))
     with pytest.raises(RecipeError, match="must be a mapping of sections"):
         load_recipe(_write(tmp_path, "- just\n- a list\n"))
-    with pytest.raises(RecipeError, match="model must be a mapping of GPTModule arguments, got int 3"):
+    with pytest.raises(RecipeError, match="model must be a mapping of LanguageModule arguments, got int 3"):
         load_recipe(_write(tmp_path, "model: 3\n"))
     with pytest.raises(RecipeError, match="cannot be read"):
         load_recipe(tmp_path / "missing.yaml")

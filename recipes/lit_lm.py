@@ -1,0 +1,161 @@
+"""The LightningModule of the main job: a GPT-2 or Llama-family language model under any shardline layout, from
+random weights or from a Hugging Face checkpoint (``init_from``).
+
+It meets the strategy's contract and is its worked example: the model is built in ``configure_model()`` from the
+strategy's grid (dense when the strategy is not shardline's); ``training_step`` and ``validation_step`` are the
+module's own at every layout (its logging runs under pp > 1 too) and return the replica's mean loss, which under
+pp > 1 comes from ``self.trainer.strategy.pipeline(batch)`` (called once per batch) and otherwise from the model;
+``pipeline_layers``/``pipeline_loss`` describe the model to the pipeline. Gradient synchronisation is not the
+module's business: the strategy installs the Megatron-SP sums, the tied-weight exchange and DeepSpeed's norm
+flags from the parameters' declared roles. One layout detail lives here because it is a property of the loss,
+not of the optimizer:
+
+* CP: the model's loss is the global mean and each CP rank's gradient is its share of it, so the replica's
+  gradient is the sum over CP. DeepSpeed given ``mpu=grid.mpu`` divides the ``dp x cp`` reduction by
+  ``dp x cp / cp``, i.e. sums over CP and averages over DP: exactly that, with no loss scaling. (The parity
+  tests use SGD, which, unlike Adam, would expose a wrong constant factor.)
+
+Model fields: ``architecture`` (``gpt2`` or ``llama``) and the shape. The Llama-only ones (``n_kv_head``,
+``rope_theta``, ``rms_norm_eps``, ``qkv_bias``) are ignored by GPT-2; ``d_ff`` defaults to ``4 * d_model``.
+With ``init_from`` (a Hugging Face folder, see :mod:`shardline.plugins.hf`) the architecture and shape come from
+its ``config.json`` and the weights from its safetensors, each rank reading only its slices; the recipe's shape
+fields are then not used (a warning names those that differ from the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal
+
+import pytorch_lightning as pl
+import torch
+
+from shardline.plugins.errors import ContractError
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
+
+log = logging.getLogger(__name__)
+#: Recipe fields that set the model's shape; with ``init_from`` the checkpoint's config.json sets them instead.
+SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "rope_theta",
+                "rms_norm_eps", "qkv_bias", "tie_embeddings")
+
+
+def model_config(fields: dict):
+    """``(model class, config)`` for the module's fields: from ``init_from``'s config.json, else from the
+    fields. ContractError naming the field for a bad combination."""
+    if fields.get("init_from"):
+        from shardline.plugins import hf
+
+        arch, _, config = hf.read_config(fields["init_from"])
+        return hf._model_class(arch), config
+    architecture = fields.get("architecture", "gpt2")
+    shape = dict(vocab_size=fields["vocab_size"], seq_len=fields["seq_len"], n_layer=fields["n_layer"],
+                 n_head=fields["n_head"], d_model=fields["d_model"], dropout=fields.get("dropout", 0.0),
+                 tie_embeddings=fields.get("tie_embeddings", True))
+    if architecture == "gpt2":
+        from shardline.plugins.models.gpt import GPT, GPTConfig
+
+        return GPT, GPTConfig(**shape, d_ff=fields.get("d_ff"))
+    if architecture == "llama":
+        from shardline.plugins.models.llama import Llama, LlamaConfig
+
+        d_model = fields["d_model"]
+        d_ff = fields.get("d_ff") or (4 * d_model if isinstance(d_model, int) else d_model)
+        return Llama, LlamaConfig(**shape, d_ff=d_ff, n_kv_head=fields.get("n_kv_head"),
+                                  rope_theta=fields.get("rope_theta", 10000.0),
+                                  rms_norm_eps=fields.get("rms_norm_eps", 1e-6), qkv_bias=fields.get("qkv_bias", False))
+    raise ContractError(f"model.architecture={architecture!r} must be 'gpt2' or 'llama'")
+
+
+class LanguageModule(pl.LightningModule):
+    """A causal language model: ``batch = (ids [b, S], targets [b, S])``, AdamW (or SGD) with linear warm-up."""
+
+    #: The attribute the model lives under (its parameters' names start with it).
+    MODEL_ATTRIBUTE = "lm"
+
+    def __init__(self, architecture: Literal["gpt2", "llama"] = "gpt2", vocab_size: int = 256, seq_len: int = 128,
+                 n_layer: int = 4, n_head: int = 4, d_model: int = 128, d_ff: int | None = None,
+                 n_kv_head: int | None = None, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+                 qkv_bias: bool = False, dropout: float = 0.0, tie_embeddings: bool = True,
+                 init_from: str | None = None, lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10,
+                 seed: int = 0, optimizer: str = "adamw"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_class, self.config = model_config(dict(self.hparams))
+        setattr(self, self.MODEL_ATTRIBUTE, None)
+        if init_from:
+            self._warn_ignored_shape_fields()
+
+    def _warn_ignored_shape_fields(self) -> None:
+        config = dataclasses.asdict(self.config)
+        differ = [f"{name}={self.hparams[name]!r} (checkpoint: {config[name]!r})"
+                  for name in SHAPE_FIELDS if name in config and self.hparams[name] is not None
+                  and self.hparams[name] != config[name]]
+        if differ:
+            log.warning("model.init_from=%s sets the model's shape; these recipe fields are not used: %s",
+                        self.hparams.init_from, ", ".join(differ))
+
+    @property
+    def network(self):
+        """The language model (``GPT`` or ``Llama``), once ``configure_model`` has built it."""
+        return getattr(self, self.MODEL_ATTRIBUTE)
+
+    @property
+    def grid(self):
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        return strategy.grid if isinstance(strategy, HybridParallelStrategy) else None
+
+    def configure_model(self) -> None:
+        if self.network is not None:
+            return
+        grid = self.grid
+        checkpointing = bool(getattr(self._trainer and self.trainer.strategy, "activation_checkpointing", False))
+        if self.hparams.init_from:
+            from shardline.plugins import hf
+
+            model = hf.from_pretrained(self.hparams.init_from, grid=grid, activation_checkpointing=checkpointing)
+        else:
+            config = self.config
+            if checkpointing and not config.activation_checkpointing:
+                config = dataclasses.replace(config, activation_checkpointing=True)
+            model = self.model_class(config, grid=grid, seed=self.hparams.seed)
+        setattr(self, self.MODEL_ATTRIBUTE, model)
+
+    # The pipeline contract (pp > 1): the layers in order and the loss of one micro-batch.
+    def pipeline_layers(self):
+        return self.network.pipeline_layers()
+
+    def pipeline_loss(self, output, targets):
+        return self.network.loss(output, targets)
+
+    def _loss(self, batch):
+        """The batch loss: through the strategy's pipeline when pp > 1 (``strategy.pipeline`` runs the
+        micro-batches, their backwards too when training), else the model on the whole batch."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, HybridParallelStrategy) and strategy.pipeline_driver is not None:
+            return strategy.pipeline(batch)
+        ids, targets = batch
+        return self.network(ids, targets)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.last_loss = loss.detach()
+        self.log("train_loss", self.last_loss.float(), prog_bar=True, sync_dist=True)  # the mean over replicas
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("val_loss", loss.detach().float(), prog_bar=True, sync_dist=True)  # the mean over replicas
+        return loss
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":  # scale-sensitive: what parity tests need
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        elif self.hparams.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
+                                          weight_decay=self.hparams.weight_decay, betas=(0.9, 0.95))
+        else:
+            raise ContractError(f"optimizer={self.hparams.optimizer!r} must be 'adamw' or 'sgd'")
+        warmup = max(1, self.hparams.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
