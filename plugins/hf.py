@@ -23,9 +23,8 @@ hosts it, at dp = cp = 0), which converts it to Hugging Face's layout and writes
 
 Bad input raises :class:`CheckpointError` naming the folder, file, tensor and numbers, before any weight is used:
 no config, an unsupported architecture or option, a config the layout cannot take, a missing, extra or misshapen
-tensor, a damaged file. Known gaps (issue 16): under pp > 1 every rank still loads its TP shard of every layer
-(the pipeline then drops the layers it does not host), and loading inside ZeRO-3's partitioned construction is
-not supported.
+tensor, a damaged file. Under pp > 1 a rank builds and reads only its own stages. Known gap: loading inside
+ZeRO-3's partitioned construction (``deepspeed.zero.Init``) is not supported.
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ class Source:
 def _llama_table(config, hf: dict) -> dict[str, Source]:
     table = {"embedding.wte.weight": Source("model.embed_tokens.weight", "vocab"),
              "head.ln_f.weight": Source("model.norm.weight")}
-    if not config.tie_embeddings:
-        table["head.weight"] = Source("lm_head.weight", "vocab")
+    # tied: a model built per rank holds a copy of the embedding as the last stage's head.weight
+    table["head.weight"] = Source("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight", "vocab")
     for i in range(config.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         table.update({
@@ -95,7 +94,8 @@ def _gpt2_table(config, hf: dict) -> dict[str, Source]:
     table = {"embedding.wte.weight": Source("transformer.wte.weight", "vocab"),
              "embedding.wpe": Source("transformer.wpe.weight"),
              "head.ln_f.weight": Source("transformer.ln_f.weight"),
-             "head.ln_f.bias": Source("transformer.ln_f.bias")}
+             "head.ln_f.bias": Source("transformer.ln_f.bias"),
+             "head.weight": Source("transformer.wte.weight", "vocab")}  # tied: the last stage's copy, per rank
     for i in range(config.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         table.update({
@@ -312,12 +312,14 @@ def _read(files: _Files, source: Source, dense_shape: tuple[int, ...], shard: tu
 
 
 def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None, activation_checkpointing: bool = False):
+                    device: torch.device | str | None = None, activation_checkpointing: bool = False,
+                    chunks: int = 1):
     """The shardline model of the Hugging Face folder ``path`` for ``grid``'s layout (dense when None).
 
     Built on the meta device, then each parameter is given this rank's slice from the checkpoint (see the module
     docstring); ``dtype`` defaults to torch's default dtype (float32), ``device`` to the CPU;
-    ``activation_checkpointing`` recomputes every block in backward. The model keeps the folder's
+    ``activation_checkpointing`` recomputes every block in backward; under pp > 1 only this rank's stages of a
+    ``pp * chunks`` cut are built and read (the model's per-rank construction). The model keeps the folder's
     ``config.json`` as ``model.hf_config`` for :func:`save_pretrained`.
     """
     folder = Path(path)
@@ -332,7 +334,7 @@ def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | 
                                   f"model: " + "; ".join(problems))
     files = _Files(folder)
     dtype = dtype or torch.get_default_dtype()
-    model = cls(config, grid=grid, dtype=dtype, device="meta")
+    model = cls(config, grid=grid, dtype=dtype, device="meta", chunks=chunks)
     table = _table(arch, config, hf)
     tp_group = grid.group("tp") if grid is not None else None
     tp, tp_rank = group_size(tp_group), group_rank(tp_group)
@@ -471,7 +473,12 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
     arch, hf = _hf_config_of(model)
     config = model.config
     table = _table(arch, config, hf)
-    order = list(table)
+    written: set[str] = set()
+    order = []  # each checkpoint tensor once (a tied head copy is the embedding)
+    for name, source in table.items():
+        if source.name not in written:
+            written.add(source.name)
+            order.append(name)
     me = 0 if grid is None else grid.global_rank
     if me == 0:
         folder.mkdir(parents=True, exist_ok=True)

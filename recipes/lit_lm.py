@@ -109,16 +109,20 @@ class LanguageModule(pl.LightningModule):
         if self.network is not None:
             return
         grid = self.grid
-        checkpointing = bool(getattr(self._trainer and self.trainer.strategy, "activation_checkpointing", False))
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        checkpointing = bool(getattr(strategy, "activation_checkpointing", False))
+        # Built per rank: under pp > 1 only this rank's stages of the strategy's cut (chunks included).
+        chunks = strategy.layout.pipeline.chunks if isinstance(strategy, HybridParallelStrategy) else 1
         if self.hparams.init_from:
             from shardline.plugins import hf
 
-            model = hf.from_pretrained(self.hparams.init_from, grid=grid, activation_checkpointing=checkpointing)
+            model = hf.from_pretrained(self.hparams.init_from, grid=grid, activation_checkpointing=checkpointing,
+                                       chunks=chunks)
         else:
             config = self.config
             if checkpointing and not config.activation_checkpointing:
                 config = dataclasses.replace(config, activation_checkpointing=True)
-            model = self.model_class(config, grid=grid, seed=self.hparams.seed)
+            model = self.model_class(config, grid=grid, seed=self.hparams.seed, chunks=chunks)
         setattr(self, self.MODEL_ATTRIBUTE, model)
 
     # The pipeline contract (pp > 1): the layers in order and the loss of one micro-batch.

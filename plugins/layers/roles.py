@@ -15,8 +15,9 @@ correct by construction under every layout:
   partial sum: the dense gradient is the sum over the TP group, which the strategy installs as a gradient hook
   (during backward, before any ZeRO bucket reduces it over the data-parallel group).
 
-Tied across pipeline stages is not declared: it follows from the same Parameter object appearing in layers placed
-on two pipeline ranks, which the pipeline partition detects.
+Tied across pipeline stages: the same Parameter object in layers placed on two pipeline ranks (a model built whole
+on every rank), or, for a model built per rank, a copy on each of the two ranks declared with :func:`tie` under
+one key; the pipeline driver keeps such weights one.
 
 An undeclared parameter is ``REPLICATED`` (what an ordinary ``nn.Module`` parameter is under TP).
 """
@@ -76,6 +77,21 @@ def declare(param: nn.Parameter, role: ParamRole) -> nn.Parameter:
         raise ContractError(f"parameter of shape {list(param.shape)} is declared {previous} and now {role}")
     setattr(param, ROLE_ATTRIBUTE, role)
     return param
+
+
+TIE_ATTRIBUTE = "shardline_tie"
+
+
+def tie(param: nn.Parameter, key: str) -> nn.Parameter:
+    """Declare ``param`` one copy of the weight ``key`` whose other copy lives on another pipeline rank (the
+    input embedding of the first stage and the output head of the last). Returns ``param``."""
+    setattr(param, TIE_ATTRIBUTE, key)
+    return param
+
+
+def tie_key(param: nn.Parameter) -> str | None:
+    """The key :func:`tie` declared, or None."""
+    return getattr(param, TIE_ATTRIBUTE, None)
 
 
 def role_of(param: nn.Parameter) -> ParamRole:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.layers.roles import tie_key
 from shardline.plugins.lightning.deepspeed_compat import (
     DeepSpeedStageBackend,
     TiedAcrossStages,
@@ -129,8 +130,16 @@ class PipelineDriver:
         self._stage_backend: DeepSpeedStageBackend | None = None
 
     def _tied_parameters(self, layers, bounds, hosted: set[int]) -> list[nn.Parameter]:
-        """This rank's copies (``hosted``: ids of its parameters) of parameters used by layers on two different
-        pipeline ranks (which must be the first and the last)."""
+        """This rank's copies (``hosted``: ids of its parameters) of weights used on two pipeline ranks (which
+        must be the first and the last): declared copies (``roles.tie``, a model built per rank), in key
+        order, else one Parameter object used by layers on both ranks (a model built whole)."""
+        declared = sorted({id(p): p for layer in layers for p in layer.parameters()
+                           if tie_key(p) is not None and id(p) in hosted}.values(), key=tie_key)
+        if declared:
+            if self.rank not in (0, self.p - 1):
+                raise ContractError(f"tied weights {[tie_key(p) for p in declared]} on pipeline rank "
+                                    f"{self.rank}: a weight may be tied only between the first and last stage")
+            return declared
         owner_of_layer = {i: placement.stage_rank(s, pp=self.p) for s, (a, b) in enumerate(bounds) for i in range(a, b)}
         ranks_of: dict[int, set[int]] = {}
         params: dict[int, nn.Parameter] = {}

@@ -45,6 +45,7 @@ before the data-parallel reduction. The strategy installs it from the roles; out
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import ParallelDims, SPMode
+from shardline.plugins.layers.roles import tie
 from shardline.plugins.layers.sequence_parallel import (
     SequenceLayout,
     local_positions,
@@ -248,18 +250,59 @@ class DecoderHead(nn.Module):
         return F.linear(h, self.weight)
 
 
+#: The tie key of a weight shared by the input embedding and the output head (``roles.tie``).
+TIED_EMBEDDING = "embedding.wte.weight"
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed of pipeline layer ``index``'s generator: every layer draws from its own, so a rank draws only
+    the layers it hosts and the weights are the same at every layout."""
+    return (seed << 20) + index
+
+
+def hosted_layers(n_layers: int, grid, *, chunks: int = 1) -> frozenset[int]:
+    """The pipeline layers (indices into ``[embedding, *blocks, head]``) this rank hosts: the pipeline's uniform
+    cut into ``pp * chunks`` stages, stage ``s`` on pipeline rank ``s % pp`` (what the strategy's pipeline
+    driver cuts). All of them without a grid or at pp = 1."""
+    if grid is None or grid.dims.pp == 1:
+        return frozenset(range(n_layers))
+    from shardline.plugins.pipeline.partition import partition_layers
+    from shardline.profiling import layout as placement
+
+    pp = grid.dims.pp
+    bounds = partition_layers(n_layers, pp * chunks, method="uniform").bounds
+    stages = placement.stages_of_rank(grid.rank("pp"), n_stages=pp * chunks, pp=pp)
+    return frozenset(i for s in stages for i in range(*bounds[s]))
+
+
+class LayerPlaceholder(nn.Module):
+    """Stands where a pipeline layer hosted by another rank would be; it holds nothing and refuses to run."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise ContractError(f"pipeline layer {self.index} lives on another pipeline rank")
+
+
 class DecoderLM(nn.Module):
     """``embedding -> n_layer blocks -> head``, the layout machinery of every family (see the module docstring).
 
     A family sets ``config_type`` and ``model_name`` and implements :meth:`layout_problems` (classmethod; every
-    reason a layout cannot take the config, each naming its numbers) and :meth:`build` (create ``embedding``,
-    ``blocks`` and ``head`` from the private generator, in the order that fixes the random stream).
+    reason a layout cannot take the config, each naming its numbers) and the three ``make_*`` methods (one
+    layer from its generator); :meth:`prepare` makes what its layers share.
+
+    Per-rank construction: with a grid of pp > 1 (and the pipeline's ``chunks``) only this rank's stages are
+    built (:attr:`hosted`); the others are placeholders (:class:`LayerPlaceholder`), so nothing of them is drawn or
+    allocated. Every layer draws from a generator of its own (:func:`layer_seed`), which is what keeps the
+    weights layout-independent when a rank skips layers.
     """
 
     config_type: type = object
     model_name = "decoder"
 
-    def __init__(self, config, *, grid=None, seed: int = 0, dtype=None, device=None):
+    def __init__(self, config, *, grid=None, seed: int = 0, dtype=None, device=None, chunks: int = 1):
         super().__init__()
         if not isinstance(config, self.config_type):
             raise ContractError(f"{type(self).__name__} needs a {self.config_type.__name__}, got "
@@ -267,8 +310,56 @@ class DecoderLM(nn.Module):
         self.config, self.grid = config, grid
         problems = [] if grid is None else self.layout_problems(config, grid.dims)
         self.ctx = layout_context(grid, problems, model=self.model_name)
-        gen = torch.Generator().manual_seed(seed)
-        self.build(config, ctx=self.ctx, generator=gen, dtype=dtype, device=device)
+        #: Indices into :meth:`pipeline_layers` this rank builds (all of them unless the grid has pp > 1).
+        self.hosted = hosted_layers(config.n_layer + 2, grid, chunks=chunks)
+        # On the meta device nothing is drawn either: every factory call makes a meta tensor (counting a rank's
+        # bytes, or the frame from_pretrained fills, costs no memory and no random numbers).
+        on_meta = device is not None and torch.device(device).type == "meta"
+        self.prepare(config, ctx=self.ctx)  # shared tables stay real (on the CPU)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            self.build(config, ctx=self.ctx, seed=seed, dtype=dtype, device=device)
+
+    def build(self, config, *, ctx: SPContext, seed: int, dtype, device) -> None:
+        """``embedding``, ``blocks`` and ``head``: each hosted layer from its own generator (:func:`layer_seed`),
+        a :class:`LayerPlaceholder` for every other one. A tied head on a rank without the embedding draws its
+        own copy of the embedding's weight (the same generator, the same first draw) and both declare the tie
+        (``roles.tie``), so the pipeline keeps the two copies one weight."""
+        kw = dict(ctx=ctx, dtype=dtype, device=device)
+        n = config.n_layer + 2
+
+        def layer(index, make):
+            if index not in self.hosted:
+                return LayerPlaceholder(index)
+            return make(torch.Generator().manual_seed(layer_seed(seed, index)))
+
+        self.embedding = layer(0, lambda g: self.make_embedding(config, generator=g, **kw))
+        self.blocks = nn.ModuleList([layer(i + 1, lambda g, i=i: self.make_block(config, i, generator=g, **kw))
+                                     for i in range(config.n_layer)])
+        if n - 1 not in self.hosted:
+            self.head = LayerPlaceholder(n - 1)
+            if config.tie_embeddings and 0 in self.hosted:
+                tie(self.embedding.wte.weight, TIED_EMBEDDING)
+            return
+        if config.tie_embeddings and 0 in self.hosted:
+            self.head = self.make_head(config, tied_weight=self.embedding.wte.weight, generator=None, **kw)
+            return
+        index = 0 if config.tie_embeddings else n - 1  # a tied copy is drawn as the embedding's weight was
+        self.head = self.make_head(config, tied_weight=None, generator=torch.Generator().manual_seed(
+            layer_seed(seed, index)), **kw)
+        if config.tie_embeddings:
+            tie(self.head.weight, TIED_EMBEDDING)
+
+    def prepare(self, config, *, ctx: SPContext) -> None:
+        """Objects the layers share (no parameters), made before any layer; nothing by default."""
+
+    def make_embedding(self, config, *, generator, ctx, dtype, device) -> nn.Module:
+        raise NotImplementedError
+
+    def make_block(self, config, index: int, *, generator, ctx, dtype, device) -> nn.Module:
+        raise NotImplementedError
+
+    def make_head(self, config, *, tied_weight, generator, ctx, dtype, device) -> nn.Module:
+        raise NotImplementedError
 
     @classmethod
     def layout_problems(cls, config, dims: ParallelDims) -> list[str]:
@@ -280,9 +371,6 @@ class DecoderLM(nn.Module):
         problems = cls.layout_problems(config, dims)
         if problems:
             raise LayoutError(f"{cls.model_name} does not fit layout {dims._summary()}: " + "; ".join(problems))
-
-    def build(self, config, *, ctx: SPContext, generator, dtype, device) -> None:
-        raise NotImplementedError
 
     def pipeline_layers(self) -> list[nn.Module]:
         """``[embedding, *blocks, head]``: the cut points of a pipeline (see the module docstring)."""

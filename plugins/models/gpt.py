@@ -167,11 +167,14 @@ class GPT(DecoderLM):
         return problems + layout_problems(dims, n_head=config.n_head, seq_len=config.seq_len,
                                           n_layer=config.n_layer)
 
-    def build(self, config: GPTConfig, *, ctx: SPContext, generator, dtype, device) -> None:
-        kw = dict(ctx=ctx, generator=generator, dtype=dtype, device=device)
-        self.embedding = GPTEmbedding(config, **kw)
-        self.blocks = nn.ModuleList([Block(config, **kw) for _ in range(config.n_layer)])
-        self.head = GPTHead(config, tied_weight=self.embedding.wte.weight if config.tie_embeddings else None, **kw)
+    def make_embedding(self, config: GPTConfig, *, generator, ctx, dtype, device) -> nn.Module:
+        return GPTEmbedding(config, ctx=ctx, generator=generator, dtype=dtype, device=device)
+
+    def make_block(self, config: GPTConfig, index: int, *, generator, ctx, dtype, device) -> nn.Module:
+        return Block(config, ctx=ctx, generator=generator, dtype=dtype, device=device)
+
+    def make_head(self, config: GPTConfig, *, tied_weight, generator, ctx, dtype, device) -> nn.Module:
+        return GPTHead(config, ctx=ctx, tied_weight=tied_weight, generator=generator, dtype=dtype, device=device)
 
 
 def _sp_context(config: GPTConfig, grid) -> SPContext:

@@ -181,12 +181,17 @@ class Llama(DecoderLM):
         return problems + layout_problems(dims, n_head=config.n_head, seq_len=config.seq_len,
                                           n_layer=config.n_layer)
 
-    def build(self, config: LlamaConfig, *, ctx: SPContext, generator, dtype, device) -> None:
-        kw = dict(ctx=ctx, generator=generator, dtype=dtype, device=device)
-        rotary = Rotary(config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling)
-        self.embedding = TokenEmbedding(config, **kw)
-        self.blocks = nn.ModuleList([LlamaBlock(config, rotary=rotary, **kw) for _ in range(config.n_layer)])
+    def prepare(self, config: LlamaConfig, *, ctx: SPContext) -> None:
+        self._rotary = Rotary(config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling)
+
+    def make_embedding(self, config: LlamaConfig, *, generator, ctx, dtype, device) -> nn.Module:
+        return TokenEmbedding(config, ctx=ctx, generator=generator, dtype=dtype, device=device)
+
+    def make_block(self, config: LlamaConfig, index: int, *, generator, ctx, dtype, device) -> nn.Module:
+        return LlamaBlock(config, ctx=ctx, rotary=self._rotary, generator=generator, dtype=dtype, device=device)
+
+    def make_head(self, config: LlamaConfig, *, tied_weight, generator, ctx, dtype, device) -> nn.Module:
         norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, sequence_parallel=ctx.megatron, dtype=dtype,
                        device=device)
-        self.head = DecoderHead(config, norm=norm,
-                                tied_weight=self.embedding.wte.weight if config.tie_embeddings else None, **kw)
+        return DecoderHead(config, ctx=ctx, norm=norm, tied_weight=tied_weight, generator=generator, dtype=dtype,
+                           device=device)

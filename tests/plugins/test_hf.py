@@ -90,8 +90,8 @@ def _sharded_loss(rank, world, folder, tp, pp):
         with torch.no_grad():
             return model(ids, targets).item()
     from shardline.plugins.pipeline import PipelineEngine
-    from shardline.plugins.pipeline.schedule import build_schedule
     from shardline.plugins.pipeline.partition import build_stages, partition_layers
+    from shardline.plugins.pipeline.schedule import build_schedule
     from shardline.profiling import layout as placement
 
     layers = model.pipeline_layers()

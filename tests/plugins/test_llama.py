@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.layers.roles import RoleKind, role_of, sum_sequence_parallel_gradients
+from shardline.plugins.layers.roles import RoleKind, role_of, sum_sequence_parallel_gradients, tie_key
 from shardline.plugins.layers.rotary import RopeScaling, rotary_frequencies
 from shardline.plugins.layers.sequence_parallel import local_positions
 from shardline.plugins.models.llama import Llama, LlamaConfig
@@ -215,10 +215,12 @@ def _sharded_worker(rank, world, variant, tp, cp, sp, pp, checkpointing):
         engine = PipelineEngine(mine, schedule=one_f_one_b(pp, 2), pp_rank=grid.rank("pp"), loss_fn=model.loss,
                                 group=grid.group("pp"))
         loss = engine.run_batch(*_batch(cfg, ignored=False))
-        if cfg.tie_embeddings:
-            ends = grid.is_first_stage or grid.is_last_stage
-            TiedWeight(model.embedding.wte.weight if ends else None, grid.group("embed")).sync_grads()
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in hosted]
+        if cfg.tie_embeddings:  # built per rank: the first stage's embedding and the last's head are the copies
+            copy = (model.embedding.wte.weight if grid.is_first_stage else
+                    model.head.weight if grid.is_last_stage else None)
+            TiedWeight(copy, grid.group("embed")).sync_grads()
+    # a tied copy is compared as the weight it copies (the dense model names it once)
+    named = [(tie_key(p) or n, p) for n, p in model.named_parameters() if id(p) in hosted]
     before = {n: p.grad.clone() for n, p in named}
     if not hooks:
         model.allreduce_sequence_parallel_grads()
