@@ -40,6 +40,7 @@ from shardline.plugins.layers.tp_comm import (
     gather_from_tp,
     group_rank,
     group_size,
+    owned,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     split_to_tp,
@@ -78,7 +79,7 @@ def _uniform_full(shape, *, bound: float, generator) -> torch.Tensor:
 def _shard(full: torch.Tensor, *, group, dim: int, dtype, device) -> nn.Parameter:
     n = group_size(group)
     part = full.chunk(n, dim=dim)[group_rank(group)] if n > 1 else full
-    return nn.Parameter(part.to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
+    return nn.Parameter(owned(part, dtype=dtype, device=device))
 
 
 class ColumnParallelLinear(nn.Module):

@@ -58,6 +58,18 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def owned(part: torch.Tensor, *, dtype=None, device=None) -> torch.Tensor:
+    """``part`` (a slice of a freshly drawn dense tensor) in ``dtype``/``device``, contiguous, in storage of its
+    own. A row slice is already contiguous, so ``.to(...).contiguous()`` would return a view that keeps the
+    whole dense tensor alive (every TP rank would hold the dense weight)."""
+    out = part.to(dtype=dtype or torch.get_default_dtype(), device=device)
+    if out.device.type == "meta":
+        return out.contiguous()
+    if not out.is_contiguous() or out.untyped_storage().nbytes() > out.numel() * out.element_size():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
 def check_divisible(length: int, *, n: int, what: str, by: str) -> None:
     """Raise LayoutError naming both numbers when ``length`` is not a multiple of ``n``."""
     if length % n:

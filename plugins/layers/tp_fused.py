@@ -38,7 +38,7 @@ from torch import nn
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
-from shardline.plugins.layers.tp_comm import copy_to_tp, gather_from_sequence, group_rank, group_size
+from shardline.plugins.layers.tp_comm import copy_to_tp, gather_from_sequence, group_rank, group_size, owned
 
 __all__ = ["FusedColumnParallelLinear", "head_partition_problems"]
 
@@ -102,7 +102,7 @@ class FusedColumnParallelLinear(nn.Module):
                 tensors.append(("bias", _uniform(shape[:1], bound, generator)))
             for kind, full in tensors:
                 part = full.chunk(n, dim=0)[r] if n > 1 else full
-                param = declare(nn.Parameter(part.to(**target).contiguous()), ParamRole.sharded(0))
+                param = declare(nn.Parameter(owned(part, **target)), ParamRole.sharded(0))
                 self.register_parameter(f"{name}_{kind}", param)
         if not bias:
             for name in self.names:

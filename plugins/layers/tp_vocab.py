@@ -20,6 +20,7 @@ from shardline.plugins.layers.roles import ParamRole, declare
 from shardline.plugins.layers.tp_comm import (
     group_rank,
     group_size,
+    owned,
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
@@ -54,7 +55,7 @@ def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, ini
     start, end = vocab_shard_range(padded, group=group)
     full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator) * init_std
     full = F.pad(full, (0, 0, 0, padded - num_embeddings))
-    weight = nn.Parameter(full[start:end].to(dtype=dtype or torch.get_default_dtype(), device=device).contiguous())
+    weight = nn.Parameter(owned(full[start:end], dtype=dtype, device=device))
     return declare(weight, ParamRole.sharded(0))
 
 

@@ -46,6 +46,8 @@ def test_each_rank_builds_exactly_its_stages_and_shards(cls, config, tp, pp, chu
             key = tie_key(param) if name == "head.weight" else None  # the last stage's copy of the embedding
             want = _dense_slice(dense[key or name].detach(), param, role_of(param), tp=tp, tp_rank=grid.rank("tp"))
             assert torch.equal(param.detach(), want), (rank, name)  # exact: the same draws, sliced
+            # in storage of its own: a slice that shares the dense draw's storage keeps the dense weight alive
+            assert param.untyped_storage().nbytes() == param.numel() * param.element_size(), (rank, name)
             covered.add(key or name)
         if config.tie_embeddings and grid.is_last_stage and not grid.is_first_stage:
             assert tie_key(model.head.weight) == "embedding.wte.weight"
