@@ -53,9 +53,13 @@ def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, ini
     ``generator``, zero-padded to ``V'`` rows, then sliced (layout-independent). Declared ``SHARDED`` along dim 0."""
     padded = pad_vocab(num_embeddings, tp=group_size(group))
     start, end = vocab_shard_range(padded, group=group)
-    full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator) * init_std
-    full = F.pad(full, (0, 0, 0, padded - num_embeddings))
-    weight = nn.Parameter(owned(full[start:end], dtype=dtype, device=device))
+    # one dense draw, scaled in place; only this rank's rows are padded (a padded copy of the whole would be a
+    # second dense-sized tensor at once)
+    full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator).mul_(init_std)
+    rows = full[min(start, num_embeddings):min(end, num_embeddings)]
+    if rows.shape[0] < end - start:
+        rows = F.pad(rows, (0, 0, 0, end - start - rows.shape[0]))
+    weight = nn.Parameter(owned(rows, dtype=dtype, device=device))
     return declare(weight, ParamRole.sharded(0))
 
 
