@@ -204,11 +204,15 @@ def _read_prefetched(jobs: list) -> list[ReadResult]:
     start than it saves, and a thread per file would fight over the GIL for the Python part of decoding. One
     file ahead at most, and only a trace the native scanner reads whole (at most 64 MB), so a big trace is
     never held ahead of its turn."""
-    from shardline.profiling.readers._buffers import prefetch, worth_prefetching  # light: starts at once
+    from shardline.profiling.readers._buffers import prefetch  # light: starts at once
+    from shardline.profiling.readers._plan import plan
 
     def fetch(index: int):
-        if index < len(jobs) and jobs[index][1] is Format.KINETO and worth_prefetching(jobs[index][0]):
-            return pool.submit(prefetch, jobs[index][0])
+        if index < len(jobs) and jobs[index][1] is Format.KINETO:
+            planned = plan(jobs[index][0])  # from the file on disk: is it worth reading ahead (and mapped?)
+            if planned.prefetch:
+                # Its plan goes along: every Python step the thread takes waits for the GIL this thread holds.
+                return pool.submit(prefetch, jobs[index][0], mapped=planned.mapped)
         return None  # the reader reads it itself, in its turn
 
     results = []

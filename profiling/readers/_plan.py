@@ -29,7 +29,6 @@ import importlib.util
 import mmap
 import os
 import sys
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -77,9 +76,14 @@ class PathRefused(Exception):
     """A forced path could not read the document (or one of its chunks) exactly."""
 
 
-@dataclass(frozen=True)
 class ReadPlan:
-    """The decode paths to try, in order, and the settings they run with."""
+    """The decode paths to try, in order, and the settings they run with (an immutable value).
+
+    A plain class, not a dataclass: building a frozen dataclass costs ~0.8 ms at import, and this module is
+    imported inside a fresh small read's critical path (``load`` imports it before its prefetch thread starts).
+    """
+
+    __slots__ = ("paths", "mapped", "arrow", "strict", "chunk_bytes", "batch_events", "reason", "prefetch")
 
     paths: tuple[DecodePath, ...]
     #: read the file through a memory map (``STREAM``), not into memory
@@ -87,20 +91,36 @@ class ReadPlan:
     #: Arrow may cast the time texts msgspec leaves raw (else numpy parses them: the same ns)
     arrow: bool
     #: a refusal raises ``PathRefused`` (a forced plan) instead of handing the document on
-    strict: bool = False
+    strict: bool
     #: the thresholds below, as this module had them when the plan was made (tests may change them)
-    chunk_bytes: int = -1
-    batch_events: int = -1
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        for name, value in (("chunk_bytes", CHUNK_BYTES), ("batch_events", BATCH_EVENTS)):
-            if getattr(self, name) < 0:
-                object.__setattr__(self, name, value)
-
+    chunk_bytes: int
+    batch_events: int
+    reason: str
     #: reading the file ahead of its turn pays (``load``'s prefetch): a document read whole, at most
     #: ``NATIVE_MAX_BYTES``; a bigger one is decoded in bounded chunks, and holding it early only adds to the peak
-    prefetch: bool = False
+    prefetch: bool
+
+    def __init__(self, paths: tuple[DecodePath, ...], *, mapped: bool, arrow: bool, strict: bool = False,
+                 chunk_bytes: int = -1, batch_events: int = -1, reason: str = "", prefetch: bool = False):
+        values = (tuple(paths), mapped, arrow, strict, CHUNK_BYTES if chunk_bytes < 0 else chunk_bytes,
+                  BATCH_EVENTS if batch_events < 0 else batch_events, reason, prefetch)
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"ReadPlan is immutable: cannot set {name}")
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other) -> bool:
+        return self._values() == other._values() if type(other) is ReadPlan else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return "ReadPlan(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
 
     def refused(self, path: Path, what: DecodePath, why: str) -> None:
         """Note a refusal; raises ``PathRefused`` in a forced plan."""
@@ -110,11 +130,23 @@ class ReadPlan:
 
 
 def native_built() -> bool:
-    return importlib.util.find_spec("shardline.profiling.readers._kscan") is not None
+    return _installed("shardline.profiling.readers._kscan")
 
 
 def arrow_installed() -> bool:
-    return importlib.util.find_spec("pyarrow") is not None
+    return _installed("pyarrow")
+
+
+_INSTALLED: dict[str, bool] = {}
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, looked up once per process: the lookup stats a folder, and in
+    ``load``'s prefetch thread every such call gives up the GIL and waits to get it back from the busy reader."""
+    found = _INSTALLED.get(module)
+    if found is None:
+        found = _INSTALLED[module] = importlib.util.find_spec(module) is not None
+    return found
 
 
 def _switch(name: str) -> bool:

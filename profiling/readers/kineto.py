@@ -113,9 +113,11 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     del decoded
     metadata = _metadata(path, top, warnings)
     info = metadata.get("distributedInfo") if isinstance(metadata.get("distributedInfo"), dict) else {}
-    file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
+    file_rank = _int32_rank(path, info.get("rank"), "distributedInfo.rank", warnings) \
+        if isinstance(info.get("rank"), int) else None
     if file_rank is None:
-        file_rank = rank if rank is not None else rank_from_name(path)
+        file_rank = _int32_rank(path, rank, "the rank argument", warnings) if rank is not None else \
+            _int32_rank(path, rank_from_name(path), "the file name", warnings)
     base = metadata.get("baseTimeNanoseconds")
     base_ns = base if isinstance(base, int) and not isinstance(base, bool) else 0
     if base is not None and not base_ns:
@@ -130,6 +132,14 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
 
 
 _NOT_SCANNED = object()
+
+
+def _int32_rank(path: Path, rank: int | None, source: str, warnings: list[str]) -> int | None:
+    """``rank``, or None (no rank, with a warning) when it does not fit the int32 ``rank`` column."""
+    if rank is None or -(2**31) <= rank < 2**31:
+        return rank
+    warnings.append(f"{path}: rank {rank} from {source} is beyond int32 (the rank column); not used")
+    return None
 
 
 class _Decoding:

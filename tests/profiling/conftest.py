@@ -40,6 +40,9 @@ class NotModelled(Exception):
 
 
 _INT64 = (-(2**63), 2**63 - 1)
+_INT32 = (-(2**31), 2**31 - 1)
+#: the columns the events table stores as int32, that a trace's integers fill (``rank`` aside)
+NARROW = ("device", "pg_size", "peer")
 _GPU = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "Kernel", "Memcpy", "Memset",
         "gpu_instant_event"}
 _DROPPED = {"Trace", "ac2g", "fwdbwd", "async", "flow"}
@@ -160,21 +163,32 @@ def _event_row(event, overflow: list) -> dict:
     return row
 
 
-def _columns_of(row: dict) -> dict:
+def _columns_of(row: dict, narrowed: dict) -> dict:
+    """The compared columns of a kept row. An int32 column's integer beyond int32 is -1, counted per column in
+    ``narrowed``; a device arg beyond int32 is absent, as one beyond int64 is (a GPU row then takes its pid)."""
+
+    def fit(value: int, column: str) -> int:
+        if _INT32[0] <= value <= _INT32[1]:
+            return value
+        narrowed[column] += 1
+        return -1
+
     gpu = row["cat"] in _GPU
     nelems = max(row["In msg nelems"], row["Out msg nelems"])
     size = _ELEMENT.get(row["dtype"], -1)
     collective = nelems * size if nelems >= 0 and size > 0 else -1
+    device = fit(row["device"], "device")
     return {
         "start_ns": row["ts"], "dur_ns": row["dur"], "name": row["name"], "cat": row["cat"],
         "lane": "gpu" if gpu else "cpu",
-        "device": (row["device"] if row["device"] >= 0 else row["pid"]) if gpu else -1,
+        "device": (device if device >= 0 else fit(row["pid"], "device")) if gpu else -1,
         "stream": row["stream"] if gpu and row["stream"] >= 0 else row["tid"],
         "correlation": row["correlation"], "external_id": row["external_id"],
         "collective": row["Collective name"], "pg_name": row["Process Group Name"],
         "pg_desc": row["Process Group Description"], "pg_ranks": row["Process Group Ranks"],
-        "pg_size": row["Group size"], "msg_bytes": row["bytes"] if row["bytes"] >= 0 else collective,
-        "seq": row["Seq"], "peer": row["peer"], "_ph": row["ph"], "_pid": row["pid"],
+        "pg_size": fit(row["Group size"], "pg_size"),
+        "msg_bytes": row["bytes"] if row["bytes"] >= 0 else collective,
+        "seq": row["Seq"], "peer": fit(row["peer"], "peer"), "_ph": row["ph"], "_pid": row["pid"],
     }
 
 
@@ -215,23 +229,29 @@ def reference_read(path: Path, *, keep_python: bool = False) -> dict:
         raise NotModelled("a base that is not an integer")
     dropped = _DROPPED if keep_python else _DROPPED | _PYTHON
     overflow: list = []
+    narrowed = dict.fromkeys(NARROW, 0)
     rows = []
     for event in top["traceEvents"]:
-        row = _event_row(event, overflow)
+        beyond: list = []
+        row = _event_row(event, beyond)
         if row["ph"] in ("X", "B", "E") and row["cat"] not in dropped:
-            rows.append(_columns_of(row))
+            # Only a kept event's integers are counted: a dropped one's values go into no column.
+            overflow += beyond
+            rows.append(_columns_of(row, narrowed))
     rows, unmatched = _pair(rows)
     base = int(base) if base else 0
     relative = bool(base and rows and max(r["start_ns"] for r in rows) > _INT64[1] - base)
     columns = {key: [r[key] for r in rows] for key in COMPARED}
     if not relative:  # else the times stay relative to the base, with a warning
         columns["start_ns"] = [start + base for start in columns["start_ns"]]
-    return {"columns": columns, "overflow": len(overflow), "unmatched": unmatched, "relative": relative}
+    return {"path": str(path), "columns": columns, "overflow": len(overflow), "narrowed": narrowed,
+            "unmatched": unmatched, "relative": relative}
 
 
 def assert_reads_as_reference(result, expected: dict, label: str) -> None:
     """A reader's result equals the reference: the compared columns value for value, in order, and the
-    overflow and B/E warnings exactly when the reference counts some."""
+    overflow and B/E warnings exactly when the reference counts some (the int32 ones word for word, naming the
+    file and the column)."""
     events = result.events
     assert len(events) == len(expected["columns"]["start_ns"]), label
     for key in COMPARED:
@@ -242,6 +262,10 @@ def assert_reads_as_reference(result, expected: dict, label: str) -> None:
     assert bool(overflowed) == bool(expected["overflow"]), (label, result.warnings)
     if expected["overflow"]:
         assert f": {expected['overflow']} integer args" in overflowed[0], (label, overflowed)
+    for column, count in expected["narrowed"].items():
+        said = [w for w in result.warnings if f"beyond int32 in the {column} column" in w]
+        assert said == ([f"{expected['path']}: {count} integer values beyond int32 in the {column} column were "
+                         "set to -1"] if count else []), (label, column, result.warnings)
     unpaired = [w for w in result.warnings if "B/E events without a partner" in w]
     assert bool(unpaired) == bool(expected["unmatched"]), (label, result.warnings)
     relative = [w for w in result.warnings if "overflows int64; times kept relative" in w]

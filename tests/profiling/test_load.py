@@ -291,9 +291,9 @@ def _spy_reads(monkeypatch) -> list:
     def note(what: str, name: str = "") -> None:
         log.append((what, name, threading.current_thread().name))
 
-    def spied_buffer(path):
+    def spied_buffer(path, **options):
         note("fetch", path.name)
-        return buffer(path)
+        return buffer(path, **options)
 
     def spied_read(path, **options):
         note("read", path.name)
