@@ -43,6 +43,7 @@ from shardline.plugins.lightning.deepspeed_compat import (
     TiedAcrossStages,
     set_norm_flags,
 )
+from shardline.plugins.models.decoder import LayerPlaceholder
 from shardline.plugins.pipeline.engine import PipelineEngine
 from shardline.plugins.pipeline.partition import build_stages, partition_layers
 from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
@@ -91,8 +92,10 @@ def _require(module: Any) -> None:
 
 
 def _replace_layers(module: nn.Module, keep: set[int], layers: list[nn.Module]) -> None:
-    """Swap every layer not in ``keep`` (indices into ``layers``) for a placeholder, wherever it sits."""
-    drop = {id(layer): i for i, layer in enumerate(layers) if i not in keep}
+    """Swap every layer not in ``keep`` (indices into ``layers``) for a placeholder, wherever it sits. A model
+    built per rank (shardline's) has placeholders there already and is left as it is."""
+    drop = {id(layer): i for i, layer in enumerate(layers)
+            if i not in keep and not isinstance(layer, (LayerPlaceholder, _Placeholder))}
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in drop:
@@ -118,6 +121,11 @@ class PipelineDriver:
         stages = build_stages(layers, partition)
         self.local = {s: stages[s] for s in placement.stages_of_rank(self.rank, n_stages=self.n_stages, pp=self.p)}
         keep = {i for s in self.local for i in range(*bounds[s])}
+        strays = [i for i in keep if isinstance(layers[i], LayerPlaceholder)]
+        if strays:
+            raise LayoutError(f"pipeline layers {strays} were built for another pipeline rank (the model was built "
+                              f"for a different cut than pp*chunks = {self.p}*{self.v}: pass the strategy's chunks "
+                              "to the model)")
         hosted = list({id(p): p for i in keep for p in layers[i].parameters()}.values())
         tied = self._tied_parameters(layers, bounds, {id(p) for p in hosted})
         self.tied = self._tie(tied, [layers[i] for i in sorted(keep)])

@@ -29,6 +29,7 @@ CASES = {
                                                  rope_parameters=LLAMA3)),
     "qwen2-bias": ("Qwen2ForCausalLM", dict(LLAMA, num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral": ("MistralForCausalLM", dict(LLAMA, num_key_value_heads=2, sliding_window=None)),
+    "llama-kv4": ("LlamaForCausalLM", dict(LLAMA, num_attention_heads=8, num_key_value_heads=4)),  # kv > tp
     "gpt2": ("GPT2LMHeadModel", dict(vocab_size=37, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
 }
 
@@ -82,13 +83,13 @@ def test_dense_load_matches_transformers(case, folders):
     assert ours == pytest.approx(_hf_loss(folder, ids, targets), rel=1e-5)
 
 
-def _sharded_loss(rank, world, folder, tp, pp):
-    grid = Grid.build(ParallelDims(world, tp=tp, pp=pp))
+def _sharded_loss(rank, world, folder, tp, pp, cp, sp):
+    grid = Grid.build(ParallelDims(world, tp=tp, pp=pp, cp=cp, sp=sp))
     model = from_pretrained(folder, grid=grid)
     ids, targets = _batch(model.config.vocab_size)
     if pp == 1:
         with torch.no_grad():
-            return model(ids, targets).item()
+            return model(*model.shard_batch(ids, targets)).item()  # cp: this rank's load-balanced tokens
     from shardline.plugins.pipeline import PipelineEngine
     from shardline.plugins.pipeline.partition import build_stages, partition_layers
     from shardline.plugins.pipeline.schedule import build_schedule
@@ -103,16 +104,28 @@ def _sharded_loss(rank, world, folder, tp, pp):
         return float(engine.run_batch(ids, targets))
 
 
-@pytest.mark.parametrize(("case", "tp", "pp"), [("llama-gqa2", 2, 1), ("llama3-kv1-tied", 2, 1),
-                                                ("qwen2-bias", 2, 2), ("gpt2", 2, 1), ("gpt2", 2, 2)])
-def test_each_rank_loads_its_slices_and_the_loss_matches_transformers(case, tp, pp, folders):
-    # n_kv_heads=2 at tp2: one KV head per rank; n_kv_heads=1 at tp2: the head shared by both ranks.
+LAYOUTS = [  # (case, tp, pp, cp, sp)
+    ("llama-gqa2", 2, 1, 1, "none"),         # n_kv_heads = tp: one KV head per rank
+    ("llama3-kv1-tied", 2, 1, 1, "none"),    # n_kv_heads < tp: the head shared by both ranks
+    ("llama-kv4", 2, 1, 1, "megatron"),      # n_kv_heads > tp, Megatron-SP
+    ("llama3-kv1-tied", 1, 1, 2, "ring"),    # rotary positions follow CP's load-balanced layout
+    ("qwen2-bias", 1, 1, 2, "ulysses"),
+    ("mistral", 1, 2, 1, "none"),
+    ("qwen2-bias", 2, 2, 1, "none"),
+    ("gpt2", 2, 1, 1, "megatron"),
+    ("gpt2", 2, 2, 1, "none"),
+]
+
+
+@pytest.mark.parametrize(("case", "tp", "pp", "cp", "sp"), LAYOUTS,
+                         ids=[f"{c}-tp{t}-pp{p}-cp{k}-{s}" for c, t, p, k, s in LAYOUTS])
+def test_each_rank_loads_its_slices_and_the_loss_matches_transformers(case, tp, pp, cp, sp, folders):
     folder = folders[case]
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     ids, targets = _batch(vocab)
     expected = _hf_loss(folder, ids, targets)
-    for loss in run_ranks(_sharded_loss, tp * pp, str(folder), tp, pp, timeout=120):
-        assert loss == pytest.approx(expected, rel=1e-5)  # float32, TP/PP reductions: rtol 1e-5
+    for loss in run_ranks(_sharded_loss, tp * pp * cp, str(folder), tp, pp, cp, sp, timeout=120):
+        assert loss == pytest.approx(expected, rel=1e-5)  # float32, TP/CP/PP reductions: rtol 1e-5
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:
