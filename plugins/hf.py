@@ -23,8 +23,9 @@ hosts it, at dp = cp = 0), which converts it to Hugging Face's layout and writes
 
 Bad input raises :class:`CheckpointError` naming the folder, file, tensor and numbers, before any weight is used:
 no config, an unsupported architecture or option, a config the layout cannot take, a missing, extra or misshapen
-tensor, a damaged file. Under pp > 1 a rank builds and reads only its own stages. Known gap: loading inside
-ZeRO-3's partitioned construction (``deepspeed.zero.Init``) is not supported.
+tensor, a damaged file. Under pp > 1 a rank builds and reads only its own stages. Under ZeRO-3 (loading inside
+``deepspeed.zero.Init``) each rank materialises its TP/PP part, which ZeRO-3 then partitions over the
+data-parallel ranks (tested: dp2, tp2, pp2).
 """
 
 from __future__ import annotations

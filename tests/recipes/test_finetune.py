@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
+from shardline.plugins.testing import run_ranks
 from shardline.recipes.data import TextDataModule, tokenize, tokenizer_file
 from shardline.recipes.fit import RECIPES_DIR
 from shardline.recipes.schema import RecipeError, check_recipe, load_recipe
@@ -129,3 +131,51 @@ def test_shardline_fit_fine_tunes_a_hugging_face_checkpoint(checkpoint, tmp_path
     # Step 0 is the checkpoint's own function on the tokenised batch: transformers' loss (float32, tp2: rtol 1e-4).
     assert losses[0] == pytest.approx(_first_batch_loss_by_transformers(checkpoint), rel=1e-4)
     assert losses[-1] < losses[0]
+
+
+def _fit_from_checkpoint(rank, world, folder, kwargs):
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from shardline.plugins.lightning.strategy import HybridParallelStrategy
+    from shardline.plugins.testing import adopt_process_group_in_lightning
+    from shardline.recipes.lit_lm import LanguageModule
+
+    class First(pl.Callback):
+        loss = None
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            First.loss = First.loss or float(outputs["loss"])
+
+    adopt_process_group_in_lightning()
+    strategy = HybridParallelStrategy(**kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[First()])
+    ids, targets = _zero3_batch()
+    dp = strategy.layout_for(world).dp
+    trainer.fit(LanguageModule(architecture="llama", init_from=folder),
+                DataLoader(torch.utils.data.TensorDataset(ids, targets), batch_size=BATCH // dp, shuffle=False))
+    return First.loss
+
+
+def _zero3_batch():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@pytest.mark.parametrize("kwargs", [dict(zero_stage=3), dict(tp=2, zero_stage=3), dict(pp=2, zero_stage=3)],
+                         ids=["dp2-zero3", "tp2-zero3", "pp2-zero3"])
+def test_init_from_under_zero3_starts_from_the_checkpoints_function(checkpoint, kwargs):
+    # configure_model runs inside deepspeed.zero.Init: each rank materialises its part, which ZeRO-3 then
+    # partitions over the data-parallel ranks. The first loss is the checkpoint's (transformers' own forward).
+    ids, targets = _zero3_batch()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(input_ids=ids).logits.flatten(0, 1),
+                                                     targets.flatten()).item()
+    losses = run_ranks(_fit_from_checkpoint, 2, str(checkpoint), kwargs, timeout=300)
+    dp = HybridParallelStrategy(**kwargs).layout_for(2).dp
+    mean = sum(losses) / len(losses) if dp > 1 else losses[0]  # dp2: the two replicas' halves of the batch
+    assert mean == pytest.approx(expected, rel=1e-5)  # float32 behind TP/PP/DP reductions
