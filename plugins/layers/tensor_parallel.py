@@ -11,10 +11,11 @@ Partitions (``n`` = TP group size, ``r`` = this rank's index in it; chunks are c
   vocabulary padded to ``V' = ceil(V/n)*n``; lookups outside the shard give zero and the results are summed.
 - :func:`vocab_parallel_cross_entropy` the loss over vocab-sharded logits without gathering them.
 
-Layout-independent initialisation: every layer draws its *full* dense weight on the CPU from ``generator`` (or the
-global RNG when None) in float32, then keeps its slice and casts to ``dtype``. The random stream consumed is
-therefore the same at every TP degree, so with the same seed the shards of a TP=k model are exactly the slices of
-the dense model's weights (the price: each rank briefly materialises one full weight on the CPU at construction).
+Layout-independent initialisation: with a ``generator``, every weight takes one seed from it and draws each index
+along its sharded dim from a generator of its own (:func:`~shardline.plugins.layers.tp_comm.draw_slice`), float32
+on the CPU, then casts to ``dtype``: so with the same seed the shards of a TP=k model are exactly the slices of the
+dense model's weights, and a rank draws and holds only its slice (construction costs the rank's share). Without a
+generator the full dense weight is drawn from the global RNG and sliced.
 
 Every parameter declares its role (:mod:`shardline.plugins.layers.roles`): weights and the column-parallel bias are
 ``SHARDED`` along the dim they are split on; the row-parallel bias is ``REPLICATED``, or ``SEQUENCE_REPLICATED``
@@ -36,6 +37,7 @@ from shardline.plugins.layers.tp_comm import (
     all_reduce,
     check_divisible,
     copy_to_tp,
+    draw_slice,
     gather_from_sequence,
     gather_from_tp,
     group_rank,
@@ -71,14 +73,18 @@ __all__ = [
 
 
 
-def _uniform_full(shape, *, bound: float, generator) -> torch.Tensor:
-    # Always float32 on the CPU, whatever the target dtype/device: the same numbers at every layout and dtype.
-    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-
-
-def _shard(full: torch.Tensor, *, group, dim: int, dtype, device) -> nn.Parameter:
-    n = group_size(group)
-    part = full.chunk(n, dim=dim)[group_rank(group)] if n > 1 else full
+def _uniform(shape, *, bound: float, generator, group, dim: int, dtype, device) -> nn.Parameter:
+    """This rank's slice along ``dim`` (over ``group``; all of it for None) of a ``U(-bound, bound)`` dense tensor,
+    float32 on the CPU whatever the target dtype/device (the same numbers at every layout and dtype). With a
+    ``generator`` only the slice is drawn (:func:`~.tp_comm.draw_slice`); without one the dense tensor is drawn
+    from the global RNG and sliced."""
+    n, r = group_size(group), group_rank(group)
+    length = shape[dim] // n
+    if generator is not None:
+        part = draw_slice(shape, dim=dim, start=r * length, stop=(r + 1) * length, generator=generator, bound=bound)
+    else:
+        full = torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound)
+        part = full.chunk(n, dim=dim)[r] if n > 1 else full
     return nn.Parameter(owned(part, dtype=dtype, device=device))
 
 
@@ -102,11 +108,10 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and n > 1
         bound = 1.0 / math.sqrt(in_features)
-        full_w = _uniform_full((out_features, in_features), bound=bound, generator=generator)
-        self.weight = declare(_shard(full_w, group=group, dim=0, dtype=dtype, device=device), ParamRole.sharded(0))
+        kw = dict(bound=bound, generator=generator, group=group, dtype=dtype, device=device)
+        self.weight = declare(_uniform((out_features, in_features), dim=0, **kw), ParamRole.sharded(0))
         if bias:
-            full_b = _uniform_full((out_features,), bound=bound, generator=generator)
-            self.bias = declare(_shard(full_b, group=group, dim=0, dtype=dtype, device=device), ParamRole.sharded(0))
+            self.bias = declare(_uniform((out_features,), dim=0, **kw), ParamRole.sharded(0))
         else:
             self.register_parameter("bias", None)
 
@@ -147,11 +152,10 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group, self.input_is_parallel = group, input_is_parallel
         bound = 1.0 / math.sqrt(in_features)
-        full_w = _uniform_full((out_features, in_features), bound=bound, generator=generator)
-        self.weight = declare(_shard(full_w, group=group, dim=1, dtype=dtype, device=device), ParamRole.sharded(1))
+        kw = dict(bound=bound, generator=generator, dtype=dtype, device=device)
+        self.weight = declare(_uniform((out_features, in_features), group=group, dim=1, **kw), ParamRole.sharded(1))
         if bias:
-            full_b = _uniform_full((out_features,), bound=bound, generator=generator)
-            self.bias = declare(_shard(full_b, group=None, dim=0, dtype=dtype, device=device),
+            self.bias = declare(_uniform((out_features,), group=None, dim=0, **kw),
                                 ParamRole.replicated(sequence_parallel=self.sequence_parallel))
         else:
             self.register_parameter("bias", None)

@@ -58,6 +58,28 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def draw_slice(shape: tuple[int, ...], *, dim: int, start: int, stop: int, generator, std: float | None = None,
+               bound: float | None = None) -> torch.Tensor:
+    """Indices ``[start, stop)`` along ``dim`` of a dense float32 random tensor of ``shape`` (``U(-bound, bound)``
+    or ``N(0, std^2)``) whose slices along ``dim`` each come from a generator of their own, seeded from one
+    number drawn from ``generator``. So the dense tensor is the same whichever part of it a rank draws, and a
+    rank draws (and allocates) only its part: construction costs its share of the model, not the model. On the
+    meta device (``torch.device("meta")`` context) nothing is drawn."""
+    base = int(torch.randint(0, 2**62, (1,), generator=generator, device="cpu"))
+    other = tuple(shape[:dim]) + tuple(shape[dim + 1:])
+    if torch.empty(()).device.type == "meta":
+        return torch.empty((stop - start, *other)).movedim(0, dim)
+    out = torch.empty((stop - start, *other), dtype=torch.float32, device="cpu")
+    g = torch.Generator()
+    for k, index in enumerate(range(start, stop)):
+        g.manual_seed(base + index)
+        if std is not None:
+            out[k].normal_(0.0, std, generator=g)
+        else:
+            out[k].uniform_(-bound, bound, generator=g)
+    return out.movedim(0, dim)
+
+
 def owned(part: torch.Tensor, *, dtype=None, device=None) -> torch.Tensor:
     """``part`` (a slice of a freshly drawn dense tensor) in ``dtype``/``device``, contiguous, in storage of its
     own. A row slice is already contiguous, so ``.to(...).contiguous()`` would return a view that keeps the

@@ -38,7 +38,14 @@ from torch import nn
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
-from shardline.plugins.layers.tp_comm import copy_to_tp, gather_from_sequence, group_rank, group_size, owned
+from shardline.plugins.layers.tp_comm import (
+    copy_to_tp,
+    draw_slice,
+    gather_from_sequence,
+    group_rank,
+    group_size,
+    owned,
+)
 
 __all__ = ["FusedColumnParallelLinear", "head_partition_problems"]
 
@@ -97,11 +104,14 @@ class FusedColumnParallelLinear(nn.Module):
         target = dict(dtype=dtype or torch.get_default_dtype(), device=device)
         for name in self.names:
             shape = (self.out_features[name], in_features)
-            tensors = [("weight", _uniform(shape, bound, generator))]
-            if bias:
-                tensors.append(("bias", _uniform(shape[:1], bound, generator)))
-            for kind, full in tensors:
-                part = full.chunk(n, dim=0)[r] if n > 1 else full
+            rows = shape[0] // n
+            for kind, part_shape in [("weight", shape)] + ([("bias", shape[:1])] if bias else []):
+                if generator is not None:  # only this rank's rows are drawn (tp_comm.draw_slice)
+                    part = draw_slice(part_shape, dim=0, start=r * rows, stop=(r + 1) * rows, generator=generator,
+                                      bound=bound)
+                else:
+                    full = _uniform(part_shape, bound, None)
+                    part = full.chunk(n, dim=0)[r] if n > 1 else full
                 param = declare(nn.Parameter(owned(part, **target)), ParamRole.sharded(0))
                 self.register_parameter(f"{name}_{kind}", param)
         if not bias:

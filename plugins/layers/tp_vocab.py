@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
 from shardline.plugins.layers.tp_comm import (
+    draw_slice,
     group_rank,
     group_size,
     owned,
@@ -49,14 +50,19 @@ def vocab_shard_range(padded_vocab: int, *, group) -> tuple[int, int]:
 
 def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, init_std: float, generator=None,
                           dtype=None, device=None) -> nn.Parameter:
-    """This rank's rows ``[V'/n, d]`` of ``E ~ N(0, init_std^2)`` drawn full ``[V, d]`` in float32 from
-    ``generator``, zero-padded to ``V'`` rows, then sliced (layout-independent). Declared ``SHARDED`` along dim 0."""
+    """This rank's rows ``[V'/n, d]`` of ``E ~ N(0, init_std^2)`` (``[V, d]`` float32, zero-padded to ``V'`` rows),
+    each row from its own stream seeded from ``generator`` (layout-independent; only this rank's rows are drawn).
+    Declared ``SHARDED`` along dim 0."""
     padded = pad_vocab(num_embeddings, tp=group_size(group))
     start, end = vocab_shard_range(padded, group=group)
-    # one dense draw, scaled in place; only this rank's rows are padded (a padded copy of the whole would be a
-    # second dense-sized tensor at once)
-    full = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32, generator=generator).mul_(init_std)
-    rows = full[min(start, num_embeddings):min(end, num_embeddings)]
+    # with a generator only this rank's rows are drawn (tp_comm.draw_slice); without, the whole from the global
+    # RNG, scaled in place. Only this rank's rows are padded.
+    lo, hi = min(start, num_embeddings), min(end, num_embeddings)
+    if generator is not None:
+        rows = draw_slice((num_embeddings, embedding_dim), dim=0, start=lo, stop=hi, generator=generator,
+                          std=init_std)
+    else:
+        rows = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32).mul_(init_std)[lo:hi]
     if rows.shape[0] < end - start:
         rows = F.pad(rows, (0, 0, 0, end - start - rows.shape[0]))
     weight = nn.Parameter(owned(rows, dtype=dtype, device=device))
