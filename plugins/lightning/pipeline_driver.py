@@ -53,17 +53,6 @@ from shardline.profiling import layout as placement
 TARGET_BUBBLE = 0.2
 
 
-class _Placeholder(nn.Module):
-    """Stands where a layer hosted by another pipeline rank was; calling it is a bug."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def forward(self, *args, **kwargs):
-        raise ContractError(f"pipeline layer {self.index} lives on another pipeline rank")
-
-
 def default_microbatches(batch_size: int, *, p: int, v: int) -> int:
     """Smallest m dividing ``batch_size`` (a multiple of p when v > 1) with bubble (p-1)/(v*m+p-1) < 20%;
     else the largest valid m, with a warning naming the bubble it gives."""
@@ -95,11 +84,11 @@ def _replace_layers(module: nn.Module, keep: set[int], layers: list[nn.Module]) 
     """Swap every layer not in ``keep`` (indices into ``layers``) for a placeholder, wherever it sits. A model
     built per rank (shardline's) has placeholders there already and is left as it is."""
     drop = {id(layer): i for i, layer in enumerate(layers)
-            if i not in keep and not isinstance(layer, (LayerPlaceholder, _Placeholder))}
+            if i not in keep and not isinstance(layer, LayerPlaceholder)}
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in drop:
-                setattr(parent, name, _Placeholder(drop[id(child)]))
+                setattr(parent, name, LayerPlaceholder(drop[id(child)]))
 
 
 class PipelineDriver:
