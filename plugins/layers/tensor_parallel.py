@@ -75,16 +75,10 @@ __all__ = [
 
 def _uniform(shape, *, bound: float, generator, group, dim: int, dtype, device) -> nn.Parameter:
     """This rank's slice along ``dim`` (over ``group``; all of it for None) of a ``U(-bound, bound)`` dense tensor,
-    float32 on the CPU whatever the target dtype/device (the same numbers at every layout and dtype). With a
-    ``generator`` only the slice is drawn (:func:`~.tp_comm.draw_slice`); without one the dense tensor is drawn
-    from the global RNG and sliced."""
+    drawn by :func:`~.tp_comm.draw_slice` (the same numbers at every layout and dtype)."""
     n, r = group_size(group), group_rank(group)
     length = shape[dim] // n
-    if generator is not None:
-        part = draw_slice(shape, dim=dim, start=r * length, stop=(r + 1) * length, generator=generator, bound=bound)
-    else:
-        full = torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound)
-        part = full.chunk(n, dim=dim)[r] if n > 1 else full
+    part = draw_slice(shape, dim=dim, start=r * length, stop=(r + 1) * length, generator=generator, bound=bound)
     return nn.Parameter(owned(part, dtype=dtype, device=device))
 
 

@@ -61,10 +61,17 @@ def group_rank(group) -> int:
 def draw_slice(shape: tuple[int, ...], *, dim: int, start: int, stop: int, generator, std: float | None = None,
                bound: float | None = None) -> torch.Tensor:
     """Indices ``[start, stop)`` along ``dim`` of a dense float32 random tensor of ``shape`` (``U(-bound, bound)``
-    or ``N(0, std^2)``) whose slices along ``dim`` each come from a generator of their own, seeded from one
-    number drawn from ``generator``. So the dense tensor is the same whichever part of it a rank draws, and a
-    rank draws (and allocates) only its part: construction costs its share of the model, not the model. On the
-    meta device (``torch.device("meta")`` context) nothing is drawn."""
+    or ``N(0, std^2)``) on the CPU, whatever the target dtype/device.
+
+    With a ``generator``, the slices along ``dim`` each come from a generator of their own, seeded from one number
+    drawn from ``generator``: the dense tensor is the same whichever part of it a rank draws, and a rank draws (and
+    allocates) only its part, so construction costs its share of the model, not the model. Without one, the dense
+    tensor is drawn whole from the global RNG and the part taken from it. On the meta device
+    (``torch.device("meta")`` context) nothing is drawn."""
+    if generator is None:
+        full = (torch.randn(shape, dtype=torch.float32).mul_(std) if std is not None
+                else torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound))
+        return full.narrow(dim, start, stop - start)
     base = int(torch.randint(0, 2**62, (1,), generator=generator, device="cpu"))
     other = tuple(shape[:dim]) + tuple(shape[dim + 1:])
     if torch.empty(()).device.type == "meta":

@@ -50,10 +50,6 @@ from shardline.plugins.layers.tp_comm import (
 __all__ = ["FusedColumnParallelLinear", "head_partition_problems"]
 
 
-def _uniform(shape, bound, generator):
-    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-
-
 def head_partition_problems(heads: int, head_dim: int, *, tp: int, what: str) -> list[str]:
     """Why ``heads`` heads of ``head_dim`` cannot be spread over ``tp`` ranks (empty when they can)."""
     if heads % tp == 0:
@@ -106,12 +102,8 @@ class FusedColumnParallelLinear(nn.Module):
             shape = (self.out_features[name], in_features)
             rows = shape[0] // n
             for kind, part_shape in [("weight", shape)] + ([("bias", shape[:1])] if bias else []):
-                if generator is not None:  # only this rank's rows are drawn (tp_comm.draw_slice)
-                    part = draw_slice(part_shape, dim=0, start=r * rows, stop=(r + 1) * rows, generator=generator,
-                                      bound=bound)
-                else:
-                    full = _uniform(part_shape, bound, None)
-                    part = full.chunk(n, dim=0)[r] if n > 1 else full
+                part = draw_slice(part_shape, dim=0, start=r * rows, stop=(r + 1) * rows, generator=generator,
+                                  bound=bound)
                 param = declare(nn.Parameter(owned(part, **target)), ParamRole.sharded(0))
                 self.register_parameter(f"{name}_{kind}", param)
         if not bias:

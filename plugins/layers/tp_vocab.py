@@ -55,14 +55,9 @@ def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, *, group, ini
     Declared ``SHARDED`` along dim 0."""
     padded = pad_vocab(num_embeddings, tp=group_size(group))
     start, end = vocab_shard_range(padded, group=group)
-    # with a generator only this rank's rows are drawn (tp_comm.draw_slice); without, the whole from the global
-    # RNG, scaled in place. Only this rank's rows are padded.
+    # only this rank's real rows are drawn (tp_comm.draw_slice), and only they are padded
     lo, hi = min(start, num_embeddings), min(end, num_embeddings)
-    if generator is not None:
-        rows = draw_slice((num_embeddings, embedding_dim), dim=0, start=lo, stop=hi, generator=generator,
-                          std=init_std)
-    else:
-        rows = torch.randn((num_embeddings, embedding_dim), dtype=torch.float32).mul_(init_std)[lo:hi]
+    rows = draw_slice((num_embeddings, embedding_dim), dim=0, start=lo, stop=hi, generator=generator, std=init_std)
     if rows.shape[0] < end - start:
         rows = F.pad(rows, (0, 0, 0, end - start - rows.shape[0]))
     weight = nn.Parameter(owned(rows, dtype=dtype, device=device))
