@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -442,9 +442,9 @@ class _Writer:
 
     folder: Path
     limit: int
-    pending: dict
+    pending: dict = field(default_factory=dict)
     size: int = 0
-    files: list = None
+    files: list = field(default_factory=list)  # (file name, tensor names) per written file
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -458,7 +458,6 @@ class _Writer:
 
         if not self.pending:
             return
-        self.files = self.files or []
         name = f"part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
         self.files.append((name, list(self.pending)))
@@ -485,14 +484,14 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
         folder.mkdir(parents=True, exist_ok=True)
     local = dict(model.named_parameters())
     dtype = next(iter(local.values())).dtype if local else torch.float32
-    writer = _Writer(folder, max_shard_bytes, {}) if me == 0 else None
+    writer = _Writer(folder, max_shard_bytes) if me == 0 else None
     n_head = getattr(config, "n_head", 1)
     if grid is None:
         for name in order:
             writer.add(table[name].name, _to_hf(table[name], local[name].detach().cpu(), vocab=config.vocab_size,
                                                 n_head=n_head))
     else:
-        _gather_and_write(grid, model, local, order, table, writer, config, n_head)
+        _gather_and_write(grid, local, order, table, writer, config, n_head, dtype)
     if me != 0:
         if dist.is_initialized():
             dist.barrier()
@@ -508,8 +507,9 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
         dist.barrier()
 
 
-def _gather_and_write(grid, model, local, order, table, writer, config, n_head) -> None:
-    """Every tensor, in ``order``: its shards from the tp ranks (dp = cp = 0) of the stage hosting it, to rank 0."""
+def _gather_and_write(grid, local, order, table, writer, config, n_head, dtype) -> None:
+    """Every tensor, in ``order``: its shards (``dtype``) from the tp ranks (dp = cp = 0) of the stage hosting it,
+    to rank 0."""
     me, dims = grid.global_rank, grid.dims
     hosted = [name for name in order if name in local and local[name].device.type != "meta"]
     everyone: list = [None] * dims.world_size
@@ -542,7 +542,6 @@ def _gather_and_write(grid, model, local, order, table, writer, config, n_head) 
                 dist.recv(meta, src=src)
                 shape = torch.empty(int(meta[0]), dtype=torch.int64)
                 dist.recv(shape, src=src)
-                dtype = next(iter(local.values())).dtype
                 tensor = torch.empty(tuple(shape.tolist()), dtype=dtype)
                 dist.recv(tensor, src=src)
                 shards.append((tensor, int(meta[1])))
