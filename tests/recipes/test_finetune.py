@@ -7,9 +7,6 @@ the loss falls. Plus the recipe checks that read the folder."""
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -83,18 +80,6 @@ def test_recipe_checks_read_the_checkpoint(checkpoint, tmp_path):
         check_recipe(recipe, source="empty folder")
 
 
-def _run(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{command} did not finish in {timeout} s; output tail:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out)
-
-
 def _first_batch_loss_by_transformers(checkpoint: Path) -> float:
     """transformers' own loss on the first training batch the fit run sees (seeded sampler, 1 replica)."""
     data = TextDataModule(path=str(TEXT), seq_len=SEQ, batch_size=BATCH, tokenizer=str(checkpoint))
@@ -110,7 +95,7 @@ def _first_batch_loss_by_transformers(checkpoint: Path) -> float:
 
 
 @pytest.mark.slow
-def test_shardline_fit_fine_tunes_a_hugging_face_checkpoint(checkpoint, tmp_path):
+def test_shardline_fit_fine_tunes_a_hugging_face_checkpoint(checkpoint, tmp_path, run_command):
     command = [sys.executable, "-m", "shardline.recipes.cli", "fit", "--config", "llama_tiny",
                "--model.init_from", str(checkpoint), "--model.seq_len", str(SEQ), "--data.path", str(TEXT),
                "--data.batch_size", str(BATCH), "--trainer.devices", "2", "--trainer.strategy.init_args.pp", "1",
@@ -118,7 +103,7 @@ def test_shardline_fit_fine_tunes_a_hugging_face_checkpoint(checkpoint, tmp_path
                "--trainer.max_steps", str(STEPS), "--trainer.limit_val_batches", "1",
                "--trainer.val_check_interval", str(STEPS), "--trainer.log_every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
-    result = _run(command, cwd=tmp_path)
+    result = run_command(command, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "these recipe fields are not used" in result.stdout  # the recipe's shape yields to config.json
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

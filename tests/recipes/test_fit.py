@@ -5,10 +5,7 @@ a TensorBoard event file read back."""
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,20 +15,6 @@ import yaml
 from shardline.recipes.fit import RECIPES_DIR
 
 STEPS = 3
-TIMEOUT_S = 300  # generous: 4 fresh interpreters importing torch+Lightning+DeepSpeed on 2 shared cores
-
-
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    # Own session, so a timeout kills the launcher *and* the workers it started; never a hang.
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{command} did not finish in {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out)
 
 
 def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -54,13 +37,13 @@ def _command() -> tuple[list[str], str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiny", "llama_tiny"])
-def test_shardline_fit_tiny_end_to_end(tmp_path, recipe):
+def test_shardline_fit_tiny_end_to_end(tmp_path, recipe, run_command):
     head, _ = _command()
     command = [*head, "fit", "--config", str(RECIPES_DIR / f"{recipe}.yaml"),
                "--trainer.max_steps", str(STEPS), "--trainer.limit_val_batches", "1",
                "--trainer.val_check_interval", str(STEPS), "--trainer.log_every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
-    result = _run(command, cwd=tmp_path)
+    result = run_command(command, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:]
     # All four ranks came up, and the progress bar was shown.
     for rank in range(4):
