@@ -96,7 +96,8 @@ def _gpt2_table(config, hf: dict) -> dict[str, Source]:
              "embedding.wpe": Source("transformer.wpe.weight"),
              "head.ln_f.weight": Source("transformer.ln_f.weight"),
              "head.ln_f.bias": Source("transformer.ln_f.bias"),
-             "head.weight": Source("transformer.wte.weight", "vocab")}  # tied: the last stage's copy, per rank
+             # tied: the last stage's copy, per rank; untied: its own tensor
+             "head.weight": Source("transformer.wte.weight" if config.tie_embeddings else "lm_head.weight", "vocab")}
     for i in range(config.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         table.update({
@@ -196,15 +197,14 @@ def _gpt2_config(arch: str, hf: dict, path: Path):
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise CheckpointError(f"{path}: activation_function={act!r} is not supported (GPT-2's tanh GELU only)")
-    if not hf.get("tie_word_embeddings", True):
-        raise CheckpointError(f"{path}: tie_word_embeddings=False is not supported for GPT-2")
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
         raise CheckpointError(f"{path}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
     try:
         return GPTConfig(vocab_size=_need(hf, "vocab_size", path), seq_len=_need(hf, "n_positions", path),
                          n_layer=_need(hf, "n_layer", path), n_head=_need(hf, "n_head", path),
                          d_model=_need(hf, "n_embd", path), d_ff=hf.get("n_inner"),
-                         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=True)
+                         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
     except ContractError as error:
         raise CheckpointError(f"{path}: {error}") from None
 
@@ -348,7 +348,7 @@ def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | 
         raise CheckpointError(f"{folder}: tensors missing from the checkpoint: {missing}")
     used = {s.name for s in table.values()}
     extra = sorted(n for n in files.where if n not in used and not n.endswith(IGNORED_SUFFIXES)
-                   and not (n == "lm_head.weight" and getattr(config, "tie_embeddings", False)))
+                   and not (n == "lm_head.weight" and config.tie_embeddings))
     if extra:
         raise CheckpointError(f"{folder}: checkpoint tensors shardline has no place for: {extra}")
     device = torch.device(device or "cpu")
@@ -417,7 +417,7 @@ def _hf_config_of(model) -> tuple[str, dict]:
     hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
           "n_positions": config.seq_len, "n_layer": config.n_layer, "n_head": config.n_head,
           "n_embd": config.d_model, "n_inner": config.d_ff, "layer_norm_epsilon": config.layer_norm_eps,
-          "activation_function": "gelu_new", "tie_word_embeddings": True}
+          "activation_function": "gelu_new", "tie_word_embeddings": config.tie_embeddings}
     return "GPT2LMHeadModel", hf
 
 

@@ -270,3 +270,69 @@ class DeepSpeedStageBackend(StageBackend):
 
     def device(self, stage: int) -> torch.device:
         return self._device
+
+
+# --- checkpoints: the optimizer's own counters ------------------------------------------------------------------
+# Weights and optimizer moments go through DeepSpeed's public per-parameter accessors
+# (``deepspeed.utils.safe_get_full_fp32_param`` and friends); only the base optimizer's step count and its state
+# keys live on the wrapped torch optimizer, which DeepSpeed's ZeRO optimizers hold as ``.optimizer``.
+
+def base_optimizer(ds_optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer doing the update: the one DeepSpeed's ZeRO/bf16 optimizer wraps, or the client's own
+    optimizer itself (ZeRO-0 in float32)."""
+    if ds_optimizer is None:
+        return None
+    inner = getattr(ds_optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return ds_optimizer if isinstance(ds_optimizer, torch.optim.Optimizer) else None
+
+
+def optimizer_state_keys(ds_optimizer) -> list[str]:
+    """The per-element state tensors the optimizer keeps (Adam: ``exp_avg``, ``exp_avg_sq``); empty before the
+    first step of an optimizer that creates its state lazily."""
+    base = base_optimizer(ds_optimizer)
+    keys: set[str] = set()
+    for state in (base.state.values() if base is not None else ()):
+        keys |= {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    return sorted(keys)
+
+
+def optimizer_step_count(ds_optimizer) -> int | None:
+    """The optimizer's ``step`` (the same for every parameter it has updated); None before any step."""
+    base = base_optimizer(ds_optimizer)
+    steps = [state["step"] for state in (base.state.values() if base is not None else ()) if "step" in state]
+    return int(max(float(s) for s in steps)) if steps else None
+
+
+def set_optimizer_step_count(ds_optimizer, step: int) -> None:
+    base = base_optimizer(ds_optimizer)
+    for state in (base.state.values() if base is not None else ()):
+        if "step" in state:
+            old = state["step"]
+            state["step"] = torch.full_like(old, step) if isinstance(old, torch.Tensor) else step
+
+
+def ensure_optimizer_state(ds_optimizer, keys: list[str]) -> None:
+    """Make the optimizer hold its state before any step, so a checkpoint's ``keys`` (Adam: ``exp_avg``,
+    ``exp_avg_sq``) can be set into it. DeepSpeed 0.19's ZeRO optimizers, like torch's Adam, create it at the
+    first step, keyed by their flat float32 partitions (ZeRO-1/2: ``single_partition_of_fp32_groups``, ZeRO-3:
+    ``fp32_partitioned_groups_flat``, bf16: ``fp32_groups_flat_partition``), and ZeRO-1/2 only then link each
+    parameter's fragment of it (``_lazy_init_hp_params_optimizer_state``). Zeros and step 0 are what the first
+    step starts from; the checkpoint then overwrites every value, the step count included."""
+    base = base_optimizer(ds_optimizer)
+    if base is None:
+        return
+    flats = None
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        flats = getattr(ds_optimizer, name, None)
+        if flats is not None:
+            break
+    if flats is None:
+        return  # ZeRO-0 in float32: the torch optimizer's own parameters, given state one by one on load
+    for flat in flats:
+        if flat is not None and flat not in base.state:
+            base.state[flat] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(flat) for k in keys}}
+    link = getattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if callable(link):
+        link()

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -81,6 +79,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.pipeline_driver = None  # a PipelineDriver when pp > 1, built at setup
         self._pipeline_runs = 0  # strategy.pipeline() calls in the current step (exactly one under pp > 1)
         self.pipeline_meta_group = None
+        self.pending_rng_state = None  # RNG states of a loaded checkpoint, for the first training step
 
     # --- layout ------------------------------------------------------------------------------------------------
 
@@ -242,32 +241,32 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     # --- checkpoints ------------------------------------------------------------------------------------------
 
-    LAYOUT_FILE = "shardline_layout.json"
-
     def layout_record(self) -> dict[str, Any]:
-        """What must match for a sharded checkpoint to load: the degrees, the world and the ZeRO stage."""
+        """The layout as saved in a checkpoint's manifest (the degrees, the world and the ZeRO stage)."""
         record = self.layout.record()
         return {k: record[k] for k in ("world_size", "tp", "pp", "cp", "dp", "sp", "zero_stage", "chunks")}
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
-        """DeepSpeed's sharded checkpoint (one directory, a file per rank), with the layout recorded in it."""
-        checkpoint = {**checkpoint, "shardline_layout": self.layout_record()}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.is_global_zero:
-            path = Path(filepath) / self.LAYOUT_FILE
-            path.write_text(json.dumps(self.layout_record(), indent=1, sort_keys=True))
-        self.barrier("shardline_layout_written")
+        """A layout-independent checkpoint folder at ``filepath``, written atomically by every rank
+        (:mod:`shardline.plugins.lightning.checkpointing`); any layout loads it."""
+        if storage_options is not None:
+            raise ContractError(f"storage_options={storage_options!r}: shardline checkpoints take none")
+        from shardline.plugins.lightning import checkpointing
+
+        checkpointing.save(self, checkpoint, filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path) / self.LAYOUT_FILE
-        if path.is_file():
-            saved, now = json.loads(path.read_text()), self.layout_record()
-            if saved != now:
-                diff = ", ".join(f"{k}: saved {saved.get(k)!r} vs now {now.get(k)!r}" for k in sorted(now)
-                                 if saved.get(k) != now.get(k))
-                raise LayoutError(f"checkpoint {str(checkpoint_path)!r} was written by a different layout ({diff}); "
-                                  "resharding a checkpoint into another layout is not supported yet")
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        """Load a checkpoint written by any layout into this one (a folder of checkpoints: its newest); see
+        :mod:`shardline.plugins.lightning.checkpointing`."""
+        from shardline.plugins.lightning import checkpointing
+
+        return checkpointing.load(self, checkpoint_path)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
 
     # --- the batch --------------------------------------------------------------------------------------------
 
@@ -302,6 +301,12 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         return _map_sequence_tensors(batch, lambda tensor, path: cut(tensor))
 
     def training_step(self, *args: Any, **kwargs: Any):
+        if self.pending_rng_state is not None:
+            # This rank's RNG states at the checkpoint, restored where the uninterrupted run drew next.
+            from shardline.plugins.lightning.checkpointing import restore_rng
+
+            restore_rng(self.pending_rng_state)
+            self.pending_rng_state = None
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
         if self.pipeline_driver is None:

@@ -1,5 +1,5 @@
-"""Sharded checkpoints through HybridParallelStrategy: save at step k, resume, and the next losses equal the
-uninterrupted run's; a different layout is refused with the difference named."""
+"""Checkpoints through HybridParallelStrategy on one layout: save at step k, resume, and the next losses equal
+the uninterrupted run's (GPT-2, untied head, pp2 x dp2 x ZeRO-2). Other layouts: test_reshard.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.errors import LayoutError
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_gpt import GPTModule
@@ -46,7 +45,7 @@ def _run(rank, world, kwargs, max_epochs, save_to, resume_from):
     return recorder.losses
 
 
-def test_resume_continues_exactly_and_other_layouts_are_refused(tmp_path):
+def test_resume_continues_exactly(tmp_path):
     layout = dict(pp=2, zero_stage=2)  # pp2 x dp2 with ZeRO-2: sharded optimizer states on every rank
     # Two batches per epoch; saved at the end of epoch 1 (step 2), resumed to the end of epoch 2 (step 4).
     full = run_ranks(_run, 4, layout, 2, None, None, timeout=300)
@@ -60,8 +59,3 @@ def test_resume_continues_exactly_and_other_layouts_are_refused(tmp_path):
         assert resumed[rank] == pytest.approx(full[rank][2:], rel=1e-6)
     assert full[0][2:] != pytest.approx(full[0][:2], rel=1e-3)  # the later steps really differ
 
-    with pytest.raises(Exception) as info:
-        run_ranks(_run, 4, dict(tp=2, zero_stage=2), 2, None, ckpt, timeout=300)
-    message = str(info.value)
-    assert LayoutError.__name__ in message and "different layout" in message
-    assert "pp: saved 2 vs now 1" in message and "tp: saved 1 vs now 2" in message

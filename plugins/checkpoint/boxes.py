@@ -1,0 +1,148 @@
+"""Boxes in a global tensor, and how one rank's slice of a shardline parameter sits in a canonical tensor.
+
+A *box* is a tuple of ``(start, stop)`` per dimension: a rectangular block of a global tensor. A rank's slice
+of a parameter is a box of the parameter's dense tensor (the full extent on every dim but the one its role
+shards, where tensor-parallel rank ``r`` of ``tp`` holds ``[r * L, (r + 1) * L)``).
+
+A checkpoint stores *canonical* tensors (Hugging Face names and orientation, see :mod:`.names`), so a box of
+the dense shardline tensor maps to one or more boxes of a canonical tensor, by the parameter's ``kind``:
+
+- ``plain``: the same box;
+- ``vocab``: rows are the vocabulary, zero-padded in shardline to a multiple of tp; the canonical tensor has
+  ``vocab`` rows, so the box is cut at ``vocab`` (and may be empty on the last TP rank);
+- ``conv1d``: GPT-2's Conv1D weight is stored ``[in, out]``, shardline's ``[out, in]``: the box transposed;
+- ``gpt2_qkv`` / ``gpt2_qkv_bias``: GPT-2's ``c_attn`` holds q, k and v as three column blocks ``[d, 3d]``
+  (``q|k|v``, each ``(head, head_dim)``), shardline's fused weight ``[3d, d]`` interleaves them per head
+  (rows ``(head, q|k|v, head_dim)``). A box of whole heads ``[h0, h1)`` is three canonical boxes, one per block.
+
+:func:`to_canonical` cuts a rank's tensor into its canonical pieces; :func:`canonical_boxes` says which pieces a
+rank needs, and :func:`from_canonical` assembles its tensor from them (the inverse).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+Box = tuple[tuple[int, int], ...]
+KINDS = ("plain", "vocab", "conv1d", "gpt2_qkv", "gpt2_qkv_bias")
+
+
+def volume(box: Box) -> int:
+    return math.prod(max(0, b - a) for a, b in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``, or None when they do not overlap."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Index of ``inner`` inside a tensor holding ``outer``."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer, strict=True))
+
+
+def full(shape) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def split_rows(box: Box, parts: int) -> list[Box]:
+    """``box`` cut along dim 0 into ``parts`` consecutive boxes (as ``torch.tensor_split``; some may be empty)."""
+    (a, b), rest = box[0], box[1:]
+    n = b - a
+    edges = [a + (n * i) // parts for i in range(parts + 1)]
+    return [((edges[i], edges[i + 1]), *rest) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one rank's tensor of a parameter sits in the canonical tensor.
+
+    ``box``: the rank's box of the dense shardline tensor (shape ``dense``); ``kind``: one of ``KINDS``;
+    ``vocab``: the canonical row count of a ``vocab`` tensor; ``n_head``: for the GPT-2 q/k/v kinds."""
+
+    kind: str
+    dense: tuple[int, ...]
+    box: Box
+    vocab: int | None = None
+    n_head: int | None = None
+
+    def canonical_shape(self) -> tuple[int, ...]:
+        if self.kind == "vocab":
+            return (self.vocab, *self.dense[1:])
+        if self.kind in ("conv1d", "gpt2_qkv"):
+            return (self.dense[1], self.dense[0])
+        return self.dense
+
+    def _heads(self) -> tuple[int, int, int, int]:
+        """``(h0, h1, head_dim, d_model)`` of a GPT-2 q/k/v box (whole heads along dim 0)."""
+        d_model = self.dense[0] // 3
+        head_dim = d_model // self.n_head
+        a, b = self.box[0]
+        return a // (3 * head_dim), b // (3 * head_dim), head_dim, d_model
+
+
+def canonical_boxes(p: Placement) -> list[Box]:
+    """The canonical boxes the rank's tensor covers, in the order :func:`to_canonical` yields them."""
+    if p.kind == "plain":
+        return [p.box]
+    if p.kind == "vocab":
+        box = intersect(p.box, full(p.canonical_shape()))
+        return [box] if box is not None else []
+    if p.kind == "conv1d":
+        return [(p.box[1], p.box[0])]
+    h0, h1, hd, d = p._heads()
+    cols = [(j * d + h0 * hd, j * d + h1 * hd) for j in range(3)]
+    if p.kind == "gpt2_qkv_bias":
+        return [(c,) for c in cols]
+    return [(p.box[1], c) for c in cols]
+
+
+def to_canonical(p: Placement, local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+    """``local`` (the rank's tensor, shaped like ``p.box``) as ``(canonical box, tensor)`` pieces."""
+    boxes = canonical_boxes(p)
+    if p.kind == "plain":
+        return [(boxes[0], local)]
+    if p.kind == "vocab":
+        if not boxes:
+            return []
+        rows = boxes[0][0][1] - boxes[0][0][0]
+        return [(boxes[0], local[:rows])]
+    if p.kind == "conv1d":
+        return [(boxes[0], local.t())]
+    h0, h1, hd, d = p._heads()
+    grouped = local.reshape(h1 - h0, 3, hd, *local.shape[1:])
+    parts = [grouped[:, j].reshape((h1 - h0) * hd, *local.shape[1:]) for j in range(3)]
+    if p.kind == "gpt2_qkv":
+        parts = [part.t() for part in parts]
+    return list(zip(boxes, parts, strict=True))
+
+
+def from_canonical(p: Placement, pieces: list[torch.Tensor], *, dtype: torch.dtype) -> torch.Tensor:
+    """The rank's tensor (shaped like ``p.box``) from its canonical pieces (in :func:`canonical_boxes` order);
+    a vocabulary's padding rows are zeros of ``dtype``."""
+    shape = tuple(b - a for a, b in p.box)
+    if p.kind == "plain":
+        return pieces[0]
+    if p.kind == "vocab":
+        rows = pieces[0].shape[0] if pieces else 0
+        if rows == shape[0]:
+            return pieces[0]
+        out = torch.zeros(shape, dtype=dtype)
+        if rows:
+            out[:rows] = pieces[0]
+        return out
+    if p.kind == "conv1d":
+        return pieces[0].t()
+    h0, h1, hd, d = p._heads()
+    if p.kind == "gpt2_qkv":
+        pieces = [piece.t() for piece in pieces]
+    blocks = [piece.reshape(h1 - h0, hd, *piece.shape[1:]) for piece in pieces]
+    return torch.stack(blocks, dim=1).reshape(shape)
+
+
+__all__ = ["Box", "KINDS", "Placement", "canonical_boxes", "from_canonical", "full", "intersect", "relative",
+           "split_rows", "to_canonical", "volume"]

@@ -1,0 +1,296 @@
+"""A shardline checkpoint out of the training layout, in one process: to a Hugging Face folder or to one
+consolidated PyTorch state dict. No process group, no DeepSpeed, no training layout is started.
+
+Both read the checkpoint's canonical tensors (:mod:`.files`, every piece CRC-checked, coverage checked) and the
+manifest's ``models`` (one entry per shardline decoder model in the LightningModule: where it sits, its
+architecture, its ``config.json`` and its shardline config). The dense shardline model is built on the meta
+device from that config (nothing allocated, nothing drawn) only to know every parameter's name and dense shape.
+
+:func:`to_hf` writes one decoder model (``model_index``) as a folder ``transformers.AutoModelForCausalLM``
+loads: ``config.json`` (the manifest's, with ``torch_dtype``/``dtype`` set), safetensors shard files of at most
+``max_shard_bytes`` and ``model.safetensors.index.json``, exactly what :func:`shardline.plugins.hf.save_pretrained`
+writes for the same weights (same files, bit for bit). It streams: one canonical tensor is read, cast and handed
+to the shard writer at a time, so it holds at most about one shard file of weights (plus the tensor in hand and
+the safetensors serialisation of the file being written) whatever the model's size. Canonical tensors *are*
+Hugging Face's names and layout, so nothing is converted; a tied head is the embedding, written once.
+Optimizer states are never written; LightningModule parameters outside the decoder are not either, and a
+warning names them.
+
+:func:`to_state_dict` writes one ``torch.save`` file that is an ordinary Lightning checkpoint of the dense
+module: ``state_dict`` maps every LightningModule state-dict key (``lm.blocks.0.qkv.q_weight``; a tied weight
+under both of its names, one shared tensor) to the dense tensor in shardline's own layout (canonical tensors
+mapped back by :func:`~.boxes.from_canonical` over the whole tensor: tp = 1, no vocabulary padding), and the
+trainer's ``epoch``, ``global_step``, ``pytorch-lightning_version`` and hyper-parameters. So
+``Module.load_from_checkpoint(path)`` (single process, no strategy) or ``module.load_state_dict(sd["state_dict"])``
+on a dense module gives the trained model. Not kept: loops, callbacks, LR schedulers and Lightning's
+``optimizer_states`` (resuming training uses the shardline checkpoint itself). The file loads with
+``torch.load(path, weights_only=True)``.
+
+With ``optimizer=True`` it also holds ``sd["shardline_optimizer"]``::
+
+    {"state_keys": ["exp_avg", "exp_avg_sq"],       # the manifest's optimizer_state_keys
+     "step": 3,                                      # the optimizer's step count
+     "param_groups": [{"lr": ..., "betas": ..., ...}],  # hyper-parameters per group, without "params"
+     "state": {"lm.blocks.0.qkv.q_weight": {"exp_avg": tensor, "exp_avg_sq": tensor}, ...}}
+
+``state`` is keyed by the module's parameter names (``named_parameters()``: a tied weight once, under its
+first name), each state shaped and laid out like the parameter; a parameter without saved states is absent.
+
+Bad input raises :class:`~shardline.plugins.hf.CheckpointError` naming the checkpoint, the tensor and the
+numbers before anything is written: no decoder model, a missing or misshapen tensor, a bad ``dtype``, an
+output that already exists. Outputs appear atomically (written beside under a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardline.plugins import hf
+from shardline.plugins.checkpoint.boxes import Placement, canonical_boxes, from_canonical, full
+from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, CheckpointReader, resolve
+from shardline.plugins.hf import CheckpointError
+
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+STATE = "optimizer.{key}/{name}"  # as plugins.lightning.checkpointing names an optimizer state
+#: What of the trainer's state (``trainer.pt``) the consolidated file keeps.
+TRAINER_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "hyper_parameters",
+                "datamodule_hparams_name", "datamodule_hyper_parameters")
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What a conversion wrote: ``out``, from ``checkpoint`` (the resolved folder), ``tensors`` and their
+    ``nbytes``, and the checkpoint's model tensors it left out (``not_written``; optimizer states not listed)."""
+
+    out: Path
+    checkpoint: Path
+    tensors: int
+    nbytes: int
+    not_written: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One state-dict entry: ``key`` in the LightningModule, ``name`` canonical; ``weight``: a decoder
+    parameter of the Hugging Face table (what :func:`to_hf` writes)."""
+
+    key: str
+    name: str
+    placement: Placement
+    is_param: bool
+    weight: bool = False
+
+
+@dataclass(frozen=True)
+class _Decoder:
+    prefix: str
+    arch: str
+    hf_config: dict
+    params: tuple[_Param, ...]  # state-dict order; a tied weight under each of its keys
+
+    def weights(self) -> list[_Param]:
+        """The table's canonical tensors, each once, in the table's order (what save_pretrained writes)."""
+        seen, out = set(), []
+        for p in self.params:
+            if p.weight and p.name not in seen:
+                seen.add(p.name)
+                out.append(p)
+        return out
+
+
+def parse_dtype(value) -> torch.dtype | None:
+    """None, a torch dtype or one of ``hf.DTYPES``'s names (``"bfloat16"``); CheckpointError otherwise."""
+    if value is None or isinstance(value, torch.dtype) and value in hf.DTYPES.values():
+        return value
+    if isinstance(value, str) and value in hf.DTYPES:
+        return hf.DTYPES[value]
+    raise CheckpointError(f"dtype={value!r} is not supported (one of {sorted(hf.DTYPES)})")
+
+
+def _decoders(reader: CheckpointReader) -> list[_Decoder]:
+    """Every decoder model of the manifest, its dense model built on the meta device from its config."""
+    where = reader.folder / MANIFEST
+    out = []
+    for i, entry in enumerate(reader.manifest.get("models") or []):
+        arch = entry.get("architecture")
+        if arch not in hf.ARCHITECTURES:
+            raise CheckpointError(f"{where}: models[{i}] has architecture {arch!r} (supported: "
+                                  f"{sorted(hf.ARCHITECTURES)})")
+        cls = hf._model_class(arch)
+        try:
+            config = cls.config_type(**entry["config"])
+            model = cls(config, device="meta")
+        except (TypeError, ValueError, KeyError) as error:  # ContractError is a TypeError
+            raise CheckpointError(f"{where}: models[{i}] ({arch}) has a config shardline cannot build: "
+                                  f"{error}") from None
+        table = hf._table(arch, config, entry["hf_config"])
+        n_head, params = getattr(config, "n_head", None), []
+        names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            source = table.get(key)
+            name, kind = (source.name, source.kind) if source else (entry["prefix"] + key, "plain")
+            placement = Placement(kind=kind, dense=tuple(tensor.shape), box=full(tensor.shape),
+                                  vocab=config.vocab_size, n_head=n_head)
+            params.append(_Param(entry["prefix"] + key, name, placement, is_param=key in names,
+                                 weight=key in names and source is not None))
+        out.append(_Decoder(entry["prefix"], arch, dict(entry["hf_config"]), tuple(params)))
+    return out
+
+
+def _check(reader: CheckpointReader, params: list[_Param]) -> None:
+    """Every tensor ``params`` needs is in the checkpoint with the canonical shape its config implies."""
+    where = reader.folder / MANIFEST
+    for p in params:
+        if p.name not in reader.tensors:
+            raise CheckpointError(f"{where}: no tensor {p.name!r} (the model's {p.key})")
+        want, have = tuple(p.placement.canonical_shape()), reader.shape(p.name)
+        if want != have:
+            raise CheckpointError(f"{where}: tensor {p.name!r} has shape {list(have)}, the model's config needs "
+                                  f"{list(want)} for {p.key}")
+
+
+def _free(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise CheckpointError(f"{out}: already exists (convert writes a new file or folder; remove it first)")
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _left_out(reader: CheckpointReader, written: set[str]) -> tuple[str, ...]:
+    return tuple(n for n in reader.tensors if not n.startswith("optimizer.") and n not in written)
+
+
+def _warn_left_out(reader: CheckpointReader, names: tuple[str, ...], why: str) -> None:
+    if names:
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        warnings.warn(f"{reader.folder}: {len(names)} tensors not written ({why}): {shown}", stacklevel=3)
+
+
+def to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
+          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, model_index: int = 0) -> Converted:
+    """Write decoder model ``model_index`` of ``checkpoint`` (a checkpoint folder, or a folder of them: its
+    newest complete one) as the Hugging Face folder ``out``, streaming (module docstring). ``dtype`` (a torch
+    dtype or ``"bfloat16"``/``"float16"``/``"float32"``/``"float64"``) casts every weight; default: as saved."""
+    dtype = parse_dtype(dtype)
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+        raise CheckpointError(f"max_shard_bytes={max_shard_bytes!r} must be an integer >= 1")
+    folder = resolve(checkpoint)
+    reader = CheckpointReader(folder)
+    decoders = _decoders(reader)
+    if not decoders:
+        raise CheckpointError(f"{folder / MANIFEST}: the checkpoint holds no shardline decoder model (module "
+                              f"{reader.manifest.get('module')!r}), so there is nothing to write as Hugging Face")
+    if not 0 <= model_index < len(decoders):
+        raise CheckpointError(f"{folder / MANIFEST}: model_index={model_index}, the checkpoint holds "
+                              f"{len(decoders)} decoder models (prefixes {[d.prefix for d in decoders]})")
+    decoder = decoders[model_index]
+    weights = decoder.weights()
+    _check(reader, weights)
+    out = Path(out)
+    _free(out)
+    written = {p.name for p in weights}
+    left_out = _left_out(reader, written)
+    _warn_left_out(reader, left_out, f"not weights of the decoder model at {decoder.prefix!r}")
+    staging = AtomicSave(out, AtomicSave.new_token()).tmp
+    staging.mkdir(parents=True)
+    writer, nbytes, first = hf._Writer(staging, max_shard_bytes), 0, None
+    try:
+        for p in weights:  # one canonical tensor in memory at a time, plus the writer's pending shard
+            tensor = _cast(reader.read(p.name), dtype)
+            first = tensor.dtype if first is None else first
+            nbytes += tensor.numel() * tensor.element_size()
+            writer.add(p.name, tensor)
+            del tensor
+        writer.flush()
+        _finish_hf(staging, writer, decoder.hf_config, dtype or first)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Converted(out=out, checkpoint=folder, tensors=len(weights), nbytes=nbytes, not_written=left_out)
+
+
+def _finish_hf(folder: Path, writer, hf_config: dict, dtype: torch.dtype) -> None:
+    """The index and ``config.json`` beside the shard files, as :func:`hf.save_pretrained` writes them."""
+    weight_map = {tensor: file for file, names in writer.files for tensor in names}
+    total = sum((folder / file).stat().st_size for file, _ in writer.files)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+    name = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": name, "dtype": name}, indent=2,
+                                                   sort_keys=True))
+
+
+def _dense(reader: CheckpointReader, name: str, placement: Placement, dtype) -> torch.Tensor:
+    """Canonical tensor ``name`` in shardline's dense layout (``placement`` over the whole tensor)."""
+    pieces = [reader.read(name, box) for box in canonical_boxes(placement)]
+    return _cast(from_canonical(placement, pieces, dtype=pieces[0].dtype).contiguous(), dtype)
+
+
+def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
+                  optimizer: bool = False) -> Converted:
+    """Write ``checkpoint`` (a checkpoint folder, or a folder of them) as one consolidated Lightning checkpoint
+    file ``out`` of the dense module (module docstring); ``dtype`` casts every floating tensor (optimizer
+    states included); default: as saved."""
+    dtype = parse_dtype(dtype)
+    folder = resolve(checkpoint)
+    reader = CheckpointReader(folder)
+    decoders = _decoders(reader)
+    params = [p for d in decoders for p in d.params]
+    _check(reader, params)
+    out = Path(out)
+    _free(out)
+    trainer = reader.small_file(TRAINER_FILE)
+    claimed = {p.name for p in params}
+    # Every other tensor (not an optimizer state) is a LightningModule parameter or buffer outside the
+    # decoders: its canonical name is its module path and its canonical layout is its dense one.
+    others = [_Param(n, n, Placement("plain", reader.shape(n), full(reader.shape(n))), True)
+              for n in _left_out(reader, claimed)]
+    values: dict[str, torch.Tensor] = {}
+    state_dict = {}
+    for p in params + others:
+        if p.name not in values:
+            values[p.name] = _dense(reader, p.name, p.placement, dtype)
+        state_dict[p.key] = values[p.name]  # a tied weight: one tensor under both keys
+    result = {k: trainer[k] for k in TRAINER_KEYS if k in trainer}
+    result["state_dict"] = state_dict
+    result["shardline"] = {"converted_from": str(folder), "module": reader.manifest.get("module"),
+                           "models": reader.manifest.get("models") or []}
+    if optimizer:
+        result["shardline_optimizer"] = _optimizer_states(reader, trainer, params + others, dtype)
+    nbytes = sum(t.numel() * t.element_size() for t in values.values())
+    staged = out.parent / f".{out.name}.partial-{AtomicSave.new_token()}"
+    try:
+        torch.save(result, staged)
+        os.replace(staged, out)
+    finally:
+        staged.unlink(missing_ok=True)
+    return Converted(out=out, checkpoint=folder, tensors=len(values), nbytes=nbytes)
+
+
+def _optimizer_states(reader: CheckpointReader, trainer: dict, params: list[_Param], dtype) -> dict:
+    """``shardline_optimizer`` (module docstring): each parameter's saved states in its dense layout."""
+    keys = list(reader.manifest.get("optimizer_state_keys") or [])
+    saved = trainer.get("shardline_optimizer") or {}
+    state, seen = {}, set()
+    for p in params:
+        if not p.is_param or p.name in seen:
+            continue
+        seen.add(p.name)
+        moments = {key: _dense(reader, STATE.format(key=key, name=p.name), p.placement, dtype) for key in keys
+                   if STATE.format(key=key, name=p.name) in reader.tensors}
+        if moments:
+            state[p.key] = moments
+    return {"state_keys": keys, "step": saved.get("step"), "param_groups": saved.get("param_groups", []),
+            "state": state}
+
+
+__all__ = ["Converted", "DEFAULT_MAX_SHARD_BYTES", "parse_dtype", "to_hf", "to_state_dict"]

@@ -1,0 +1,111 @@
+"""Which canonical tensor every parameter of a module is, and which part of it this rank holds.
+
+Canonical names are layout-independent. For a shardline decoder model (:class:`~.models.decoder.DecoderLM`:
+GPT-2, the Llama family) anywhere inside the module they are the Hugging Face names, orientation and fused-tensor
+split of :mod:`shardline.plugins.hf`'s tables (q/k/v and gate/up as their separate tensors, GPT-2's Conv1D
+transposed, the vocabulary without its padding), so a checkpoint converts to a Hugging Face folder by renaming
+nothing. Every other parameter (and persistent buffer) keeps its module path, and its declared role says which
+slice a rank holds. A weight tied across pipeline stages is saved once, by the stage that owns it.
+
+Each rank's entry says whether it is the rank that writes that part (:attr:`Entry.writes`): the part of a
+``SHARDED`` parameter is written by its TP rank, a replicated one by TP rank 0 only; and the data-parallel
+replicas (ZeRO's ``dp x cp`` group) split every part along its first dim, each writing one slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardline.plugins.checkpoint.boxes import Placement
+from shardline.plugins.layers.roles import RoleKind, role_of
+
+
+@dataclass
+class Entry:
+    """One tensor of this rank: ``path`` in the module, ``name`` canonical, ``placement`` in the canonical
+    tensor; ``tensor`` the parameter or buffer; ``writes`` whether this TP rank writes it."""
+
+    path: str
+    name: str
+    tensor: torch.Tensor
+    placement: Placement
+    writes: bool
+    is_param: bool
+
+    def local_shape(self) -> tuple[int, ...]:
+        """The rank's whole (tensor-parallel part) shape, also under ZeRO-3 (which keeps a partition)."""
+        return tuple(b - a for a, b in self.placement.box)
+
+
+def dense_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The rank's whole shape of ``tensor`` (ZeRO-3 keeps only a partition and records the shape as ``ds_shape``)."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
+def _decoders(module: nn.Module) -> list[tuple[str, nn.Module, dict]]:
+    """``(prefix, model, table)`` for every shardline decoder model inside ``module``."""
+    from shardline.plugins import hf
+    from shardline.plugins.models.decoder import DecoderLM
+
+    found = []
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, DecoderLM):
+            arch, hf_config = hf._hf_config_of(sub)
+            found.append((prefix + "." if prefix else "", sub, hf._table(arch, sub.config, hf_config)))
+    return found
+
+
+def models(module: nn.Module) -> list[dict]:
+    """What a checkpoint records of each shardline decoder model inside ``module``: where it sits (``prefix``),
+    its Hugging Face architecture and ``config.json``, and its shardline config (``shardline config``)."""
+    import dataclasses
+
+    from shardline.plugins import hf
+
+    out = []
+    for prefix, sub, _ in _decoders(module):
+        arch, hf_config = hf._hf_config_of(sub)
+        config = {k: v for k, v in dataclasses.asdict(sub.config).items() if k != "activation_checkpointing"}
+        out.append({"prefix": prefix, "class": f"{type(sub).__module__}.{type(sub).__qualname__}",
+                    "architecture": arch, "hf_config": hf_config, "config": config})
+    return out
+
+
+def entries(module: nn.Module, *, tp: int, tp_rank: int) -> list[Entry]:
+    """Every parameter and persistent buffer of ``module`` on this rank, in module order."""
+    decoders = _decoders(module)
+    out, seen = [], set()
+    persistent = set(module.state_dict(keep_vars=True))
+    named = [(path, p, True) for path, p in module.named_parameters()]
+    named += [(path, b, False) for path, b in module.named_buffers() if path in persistent]
+    for path, tensor, is_param in named:
+        if tensor.device.type == "meta" and not hasattr(tensor, "ds_shape"):
+            continue  # a layer this rank does not host
+        name, kind, vocab, n_head = path, "plain", None, None
+        for prefix, model, table in decoders:
+            local = path[len(prefix):] if path.startswith(prefix) else None
+            if local is not None and local in table:
+                name, kind = table[local].name, table[local].kind
+                vocab, n_head = model.config.vocab_size, getattr(model.config, "n_head", None)
+                break
+        if name in seen:
+            continue  # the same weight under a second name (a tie within one rank)
+        seen.add(name)
+        shape = list(dense_shape(tensor))
+        box = [(0, n) for n in shape]
+        role = role_of(tensor) if is_param else None
+        sharded = role is not None and role.kind is RoleKind.SHARDED
+        if sharded:
+            length = shape[role.dim]
+            shape[role.dim] = length * tp
+            box[role.dim] = (tp_rank * length, (tp_rank + 1) * length)
+        placement = Placement(kind=kind, dense=tuple(shape), box=tuple(box), vocab=vocab, n_head=n_head)
+        out.append(Entry(path=path, name=name, tensor=tensor, placement=placement,
+                         writes=sharded or tp_rank == 0, is_param=is_param))
+    return out
+
+
+__all__ = ["Entry", "dense_shape", "entries", "models"]

@@ -1,0 +1,337 @@
+"""Layout-independent checkpoints for :class:`~.strategy.HybridParallelStrategy`: save in one layout, load in any.
+
+Every rank saves, per tensor of its module (:mod:`shardline.plugins.checkpoint.names`), its tensor-parallel
+part of the weight and of every optimizer state (Adam's ``exp_avg`` and ``exp_avg_sq``) in the canonical tensor's
+coordinates; the data-parallel replicas split each part and write one slice each, so nothing is written twice.
+The float32 master weights and the optimizer moments come through DeepSpeed's public per-parameter accessors
+(``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state`` and their setters), which assemble a ZeRO
+partition over the data-parallel group; they are never read from DeepSpeed's flat buffers. Loading reads, on
+each rank, exactly the boxes its new layout needs, so tp, pp (and chunks), dp, cp, the SP mode, the ZeRO stage,
+offload and the world size may all change.
+
+Besides the tensors: the optimizer's step count and hyper-parameters (the scheduled ``lr``), DeepSpeed's engine
+counters, the trainer's own state (loops with the data position, callbacks, LR schedulers) and, per rank, the
+RNG states (torch, CUDA when present, numpy, Python). RNG states are restored on the same layout only, at the
+first training step after the load (so the random draws of the resumed run's first step are the uninterrupted
+run's); draws made between a checkpoint and the next training step (a validation loop started at that step
+boundary draws its DataLoader seed) are not replayed.
+
+Loading checks everything before it changes anything: the architecture (every tensor this model has, with its
+shape), every piece it reads (CRC), on every rank; any failure raises :class:`CheckpointError` on all ranks,
+naming the file and the tensor, and no weight has been overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardline.plugins.checkpoint.boxes import from_canonical, split_rows, to_canonical
+from shardline.plugins.checkpoint.files import (
+    TRAINER_FILE,
+    AtomicSave,
+    CheckpointReader,
+    ShardWriter,
+    phase,
+    resolve,
+)
+from shardline.plugins.checkpoint.names import Entry, entries, models
+from shardline.plugins.hf import CheckpointError
+from shardline.plugins.lightning import deepspeed_compat as compat
+
+STATE = "optimizer.{key}/{name}"  # the canonical name of an optimizer state of tensor ``name``
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _save_small(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def capture_rng() -> dict[str, Any]:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _engine_counters(engine) -> dict[str, int]:
+    return {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+            if hasattr(engine, k)}
+
+
+class _Access:
+    """A tensor's whole (TP-part) value and its setters, whatever ZeRO stage holds it."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.base = compat.base_optimizer(optimizer)
+
+    @staticmethod
+    def zero3(entry: Entry) -> bool:
+        return hasattr(entry.tensor, "ds_id")
+
+    def weight(self, entry: Entry) -> torch.Tensor:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        param = entry.tensor
+        if entry.is_param and param.requires_grad and (hasattr(param, "_hp_mapping")
+                                                       or hasattr(param, "_z3_optimizer")):
+            value = safe_get_full_fp32_param(param)
+            if value is not None:
+                return value.reshape(entry.local_shape())
+        if self.zero3(entry):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                return param.data.detach().clone()
+        return param.detach()
+
+    def state(self, entry: Entry, key: str) -> torch.Tensor | None:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        param = entry.tensor
+        if hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer"):
+            value = safe_get_full_optimizer_state(param, key)
+            return None if value is None else value.reshape(entry.local_shape())
+        state = self.base.state.get(param) if self.base is not None else None
+        return None if not state or key not in state else state[key].detach()
+
+    def set_weight(self, entry: Entry, value: torch.Tensor) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        param = entry.tensor
+        if self.zero3(entry):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
+        else:
+            with torch.no_grad():
+                param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
+        if entry.is_param and param.requires_grad and (hasattr(param, "_hp_mapping")
+                                                       or hasattr(param, "_z3_optimizer")):
+            safe_set_full_fp32_param(param, value.to(torch.float32).to(param.device))
+
+    def set_state(self, entry: Entry, key: str, value: torch.Tensor, step: int | None) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        param = entry.tensor
+        if hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer"):
+            safe_set_full_optimizer_state(param, value.to(torch.float32), key)
+            return
+        state = self.base.state.setdefault(param, {})
+        state[key] = value.to(dtype=param.dtype, device=param.device).reshape(param.shape).clone()
+        if step is not None and "step" not in state:
+            state["step"] = torch.tensor(float(step))
+
+
+def _fitting(strategy) -> bool:
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    trainer = strategy.lightning_module.trainer
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def _optimizer(strategy):
+    engine = strategy.model
+    return getattr(engine, "optimizer", None) if _fitting(strategy) else None
+
+
+def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
+    """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
+    ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically."""
+    grid, me = strategy.grid, strategy.global_rank
+    token = strategy.broadcast(AtomicSave.new_token())
+    target = AtomicSave(Path(strategy.broadcast(str(filepath))), token)
+    if me == 0:
+        target.create()
+    strategy.barrier("shardline_checkpoint_begin")
+    phase("before_shards", me)
+    optimizer = _optimizer(strategy)
+    access = _Access(optimizer)
+    keys = compat.optimizer_state_keys(optimizer) if optimizer is not None else []
+    keys = strategy.broadcast(keys)  # every rank's optimizer keeps the same state kinds
+    replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
+    writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
+    module = strategy.lightning_module
+    for entry in entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp")):
+        values = [(entry.name, access.weight(entry))]
+        if entry.is_param and entry.tensor.requires_grad:
+            values += [(STATE.format(key=key, name=entry.name), access.state(entry, key)) for key in keys]
+        if not entry.writes:
+            continue
+        shape = entry.placement.canonical_shape()
+        for name, value in values:
+            if value is None:
+                raise CheckpointError(f"rank {me}: {entry.path} has no optimizer state {name.split('/')[0]!r}")
+            for box, piece in to_canonical(entry.placement, value.detach().cpu()):
+                part = split_rows(box, replicas)[replica]
+                rows = slice(part[0][0] - box[0][0], part[0][1] - box[0][0])
+                writer.add(name, shape, part, piece[rows].clone())
+    writer.flush()
+    _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
+                 "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))
+    if me == 0:
+        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if optimizer is not None:
+            trainer_state["shardline_optimizer"] = {
+                "step": compat.optimizer_step_count(optimizer),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        _save_small(trainer_state, target.tmp / TRAINER_FILE)
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, writer.records)
+    if me == 0:
+        from shardline.plugins.checkpoint.files import build_manifest
+
+        meta = {"world_size": dist.get_world_size(), "layout": strategy.layout_record(),
+                "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
+                "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
+        target.commit(build_manifest(records, target.tmp, meta), rank=me)
+    strategy.barrier("shardline_checkpoint_end")
+
+
+def _agree(strategy, error: str | None) -> None:
+    """Raise on every rank when any rank failed (so no rank goes on to overwrite its weights)."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, text) for rank, text in enumerate(errors) if text]
+    if failed:
+        rank, text = failed[0]
+        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise CheckpointError(f"rank {rank}: {text}{more}; nothing was loaded")
+
+
+def _check_names(reader: CheckpointReader, module, mine: list[Entry], everyone: list[set[str]]) -> str | None:
+    saved = [(m["prefix"], m["architecture"]) for m in reader.manifest.get("models", [])]
+    now = [(m["prefix"], m["architecture"]) for m in models(module)]
+    if saved != now:
+        def say(pairs):
+            return ", ".join(f"{arch} at {prefix or 'the top'!r}" for prefix, arch in pairs) or "no shardline model"
+
+        return f"{reader.folder}: the checkpoint holds {say(saved)}; this module has {say(now)}"
+    for entry in mine:
+        if entry.name not in reader.tensors:
+            return f"{reader.folder}: the checkpoint has no tensor {entry.name!r} (this model's {entry.path})"
+        want, have = tuple(entry.placement.canonical_shape()), reader.shape(entry.name)
+        if want != have:
+            return (f"{reader.folder}: tensor {entry.name!r} has shape {list(have)} in the checkpoint, this "
+                    f"model's {entry.path} needs {list(want)}")
+    needed = set().union(*everyone)
+    extra = sorted(n for n in reader.tensors if not n.startswith("optimizer.") and n not in needed)
+    if extra:
+        return f"{reader.folder}: checkpoint tensors this model has no place for: {extra[:8]}" + (
+            f" and {len(extra) - 8} more" if len(extra) > 8 else "")
+    return None
+
+
+def load(strategy, checkpoint_path) -> dict[str, Any]:
+    """Collective: load the checkpoint (or the newest in a folder of them) into this layout; returns the
+    trainer's state for Lightning to restore (loops, callbacks, schedulers)."""
+    me, grid = strategy.global_rank, strategy.grid
+    found = None
+    if me == 0:
+        try:
+            found = ("ok", str(resolve(checkpoint_path)))
+        except CheckpointError as error:
+            found = ("error", str(error))
+    kind, value = strategy.broadcast(found)
+    if kind == "error":
+        raise CheckpointError(value)
+    error, reader, mine = None, None, []
+    try:
+        reader = CheckpointReader(value)
+        mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"))
+    except CheckpointError as failure:
+        error = str(failure)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {e.name for e in mine})
+    if error is None:
+        error = _check_names(reader, strategy.lightning_module, mine, everyone)
+    _agree(strategy, error)
+    optimizer = _optimizer(strategy)
+    saved_keys = reader.manifest.get("optimizer_state_keys", [])
+    if optimizer is not None and saved_keys:
+        compat.ensure_optimizer_state(optimizer, saved_keys)
+        now_keys = compat.optimizer_state_keys(optimizer)
+        if now_keys and set(now_keys) != set(saved_keys):
+            _agree(strategy, f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one {now_keys}")
+    trainer_state = reader.small_file(TRAINER_FILE)
+    step = (trainer_state.get("shardline_optimizer") or {}).get("step")
+    staged, error = [], None
+    try:
+        for entry in mine:
+            values = {None: _read(reader, entry, entry.name)}
+            if optimizer is not None and entry.is_param and entry.tensor.requires_grad:
+                for key in saved_keys:
+                    values[key] = _read(reader, entry, STATE.format(key=key, name=entry.name))
+            staged.append((entry, values))
+    except CheckpointError as failure:
+        error = str(failure)
+    _agree(strategy, error)
+    access = _Access(optimizer)
+    for entry, values in staged:  # nothing below can fail on bad input: everything was read and checked
+        access.set_weight(entry, values.pop(None))
+        for key, value in values.items():
+            access.set_state(entry, key, value, step)
+    _restore_counters(strategy, reader, trainer_state, optimizer)
+    strategy.barrier("shardline_checkpoint_loaded")
+    return trainer_state
+
+
+def _read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
+    from shardline.plugins.checkpoint.boxes import canonical_boxes
+
+    if name not in reader.tensors:
+        raise CheckpointError(f"{reader.folder}: no tensor {name!r} in the checkpoint (this model's {entry.path})")
+    pieces = [reader.read(name, box) for box in canonical_boxes(entry.placement)]
+    dtype = torch.float32 if not pieces else pieces[0].dtype
+    return from_canonical(entry.placement, pieces, dtype=dtype)
+
+
+def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, optimizer) -> None:
+    saved = trainer_state.get("shardline_optimizer") or {}
+    if optimizer is not None and saved:
+        if saved.get("step") is not None:
+            compat.set_optimizer_step_count(optimizer, saved["step"])
+        groups = saved.get("param_groups", [])
+        if len(groups) != len(optimizer.param_groups):
+            warnings.warn(f"{reader.folder}: {len(groups)} optimizer param groups saved, {len(optimizer.param_groups)} "
+                          "now; their hyper-parameters (lr) are not restored", stacklevel=3)
+        else:
+            for group, values in zip(optimizer.param_groups, groups, strict=True):
+                group.update(values)
+    same = (reader.manifest.get("world_size") == dist.get_world_size()
+            and reader.manifest.get("layout") == strategy.layout_record())
+    own_name = _rank_file(strategy.global_rank)
+    if own_name in reader.manifest["files"]:
+        own = reader.small_file(own_name)
+        for key, value in own.get("engine", {}).items():
+            if hasattr(strategy.model, key):
+                setattr(strategy.model, key, value)
+        strategy.pending_rng_state = own["rng"] if same else None
+
+
+__all__ = ["capture_rng", "load", "restore_rng", "save"]
