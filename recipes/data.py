@@ -16,19 +16,27 @@ A split of ``n`` bytes holds ``(n - 1) // seq_len`` windows; window ``i`` is
 tokenizer the same holds for token ids: the corpus is decoded as UTF-8 (invalid bytes replaced), encoded once
 without special tokens, and cut into windows of tokens.
 Nothing is random here: shuffling is the sampler's business (Lightning's distributed sampler, seeded).
+
+The training loader is a :class:`ResumableDataLoader`: a checkpoint records its position inside the epoch, and a
+run resumed from it (``ckpt_path``) continues with the next batch instead of starting the epoch again.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import os
 import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from shardline.plugins.errors import ContractError
 from shardline.recipes.schema import RecipeError
 
 VOCAB_SIZE = 256
@@ -132,6 +140,227 @@ class ByteWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+_STATE_KEYS = ("epoch", "batches", "length", "samples", "rng")
+_END = object()
+
+
+@dataclass
+class _Pass:
+    """One pass over a ResumableDataLoader: its epoch (known at its first draw of indices), the batches skipped
+    at its start (a resumed epoch), the batches returned since, and the RNG sources as they were before its first
+    draw."""
+
+    epoch: int | None = None
+    skipped: int = 0
+    returned: int = 0
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """A loaded position, for the next pass: skip ``batches`` batches of ``epoch``, drawn from ``rng``."""
+
+    epoch: int
+    batches: int
+    rng: dict[str, torch.Tensor]
+
+
+class _Indices:
+    """What torch's iterator draws indices from: the loader's batch sampler (or its sampler, without batching),
+    each pass going through ``ResumableDataLoader._draw``."""
+
+    def __init__(self, loader: ResumableDataLoader, indices):
+        self._loader, self._indices = loader, indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __iter__(self) -> Iterator:
+        return self._loader._draw(self._indices)
+
+
+class _Counting:
+    """The loader's iterator: torch's, counting the batches it returns. ``lazy``: torch's iterator is created at
+    the first ``next()`` rather than now."""
+
+    def __init__(self, current: _Pass, start: Callable[[], Iterator], *, lazy: bool):
+        self._current, self._start = current, start
+        self._inner = None if lazy else start()
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self) -> Any:
+        if self._inner is None:
+            self._inner = self._start()
+        batch = next(self._inner)
+        self._current.returned += 1
+        return batch
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` (the same arguments) whose position inside the epoch survives a checkpoint.
+
+    It has Lightning's ``_Stateful`` interface, so Lightning saves ``state_dict()`` under
+    ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]`` and passes it to ``load_state_dict`` when
+    a run resumes (``ckpt_path``). What this relies on (Lightning 2.6):
+
+    - ``state_dict()`` runs inside ``trainer.save_checkpoint`` (``ModelCheckpoint`` at ``on_train_batch_end`` of
+      step s, or at an epoch's end). Lightning's fetcher reads a batch ahead only from a loader without a length;
+      this one always has one, so the batches its iterator has *returned* are the batches the training loop
+      consumed: that count is the position. Indices drawn are not: with ``num_workers > 0`` torch's iterator
+      sends ``prefetch_factor * num_workers`` batches of indices ahead.
+    - ``load_state_dict()`` runs in ``FitLoop.setup_data`` of the resumed run, on the loader Lightning iterates
+      (re-created from this class's arguments when it injects a ``DistributedSampler``), just before ``iter()``;
+      Lightning calls the sampler's ``set_epoch`` only after that ``iter()``.
+
+    ``state_dict()``: ``epoch`` (the sampler's ``epoch`` where it has ``set_epoch``, e.g. a
+    ``DistributedSampler``; else this loader's count of passes), ``batches`` (batches of that epoch consumed),
+    ``length`` (batches per epoch) and ``samples`` (``len(dataset)``), both checked on load, and ``rng``: the RNG
+    sources a sampler may draw from (``torch``: the global CPU RNG; ``generator``: the loader's, when given), as
+    they were just before that epoch's first batch of indices was drawn.
+
+    After ``load_state_dict`` the next pass continues the saved epoch. Its torch iterator is created at its first
+    ``next()`` (by then Lightning has set the sampler's epoch, and workers start after that). If the sampler's
+    epoch is the saved one, the pass skips the batch sampler's first ``batches`` batches (indices only: no sample
+    is loaded), drawn from the saved RNG sources, so a ``RandomSampler`` repeats the saved order; a source the
+    sampler did not draw from is then put back as it was, one it drew from is left where the uninterrupted run's
+    was after that draw. Otherwise (``limit_train_batches`` ended the saved epoch early and Lightning moved on)
+    the pass is a whole epoch, as is every later pass. ``batches == length`` is the start of the next epoch.
+
+    RNG draws are a plain DataLoader's: creating an iterator draws one int64 base seed (the workers' seeds) from
+    ``generator`` or else the global torch RNG; the sampler draws what it draws (``RandomSampler`` without a
+    generator: one int64 seed from the global RNG at each epoch's first batch; ``DistributedSampler``: nothing,
+    its order is ``seed + epoch``). ``state_dict`` and ``load_state_dict`` draw nothing. A resumed pass draws its
+    base seed afresh (per-sample randomness inside workers is not replayed) at its first ``next()``.
+
+    Limits: one pass at a time (as Lightning iterates); Lightning saves rank 0's loop state, so every rank replays
+    rank 0's RNG sources; a run resumed at an epoch boundary draws the next epoch's ``RandomSampler`` order from
+    the RNG as it then is. Map-style datasets only (ContractError for an ``IterableDataset``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.dataset, IterableDataset):
+            raise ContractError(f"ResumableDataLoader resumes by skipping sampler indices, and the "
+                                f"{type(self.dataset).__name__} it was given is an IterableDataset, which has none")
+        self._pass: _Pass | None = None
+        self._resume: _Resume | None = None
+        self._next_epoch = 0  # the next pass's epoch where the sampler has none
+
+    # Lightning re-creates a DataLoader subclass (to inject its DistributedSampler) from the arguments it reads
+    # off this signature, so it must be DataLoader's own.
+    __init__.__signature__ = inspect.signature(DataLoader.__init__)
+
+    @property
+    def _index_sampler(self):
+        # torch's iterators (and len()) take indices from this private DataLoader property; see _Indices. The
+        # resume tests fail if a torch release stops reading it.
+        return _Indices(self, super()._index_sampler)
+
+    def __iter__(self) -> Iterator:
+        self._pass = _Pass()
+        return _Counting(self._pass, super().__iter__, lazy=self._resume is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position; see the class docstring."""
+        if self._resume is not None:  # loaded, and nothing drawn since
+            epoch, batches, rng = self._resume.epoch, self._resume.batches, self._resume.rng
+        elif self._pass is None or self._pass.epoch is None:  # this pass has drawn nothing yet
+            epoch = self._sampler_epoch()
+            epoch, batches, rng = self._next_epoch if epoch is None else epoch, 0, {}
+        else:
+            epoch, batches, rng = self._pass.epoch, self._pass.skipped + self._pass.returned, self._pass.rng
+        return {"epoch": epoch, "batches": batches, "length": len(self), "samples": len(self.dataset),
+                "rng": dict(rng)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue at ``state_dict``'s position (see the class docstring). RecipeError naming every value that does
+        not fit this loader: other keys, another length or dataset size, a position past the epoch's end, RNG
+        sources this loader does not draw from."""
+        if not isinstance(state_dict, dict) or set(state_dict) != set(_STATE_KEYS):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise RecipeError(f"the checkpoint's train-loader state has keys {got}, a ResumableDataLoader's has "
+                              f"{sorted(_STATE_KEYS)}")
+        epoch, batches, length, samples, rng = (state_dict[key] for key in _STATE_KEYS)
+        problems = [f"{name}={value!r} is not an integer >= 0" for name, value in
+                    (("epoch", epoch), ("batches", batches), ("length", length), ("samples", samples))
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 0]
+        if not problems:
+            if (length, samples) != (len(self), len(self.dataset)):
+                problems.append(f"it was saved with length={length} batches per epoch over samples={samples}, this "
+                                f"loader has {len(self)} batches per epoch over {len(self.dataset)} samples (another "
+                                "batch size, dataset or number of data-parallel ranks?)")
+            if batches > length:
+                problems.append(f"batches={batches} is past the end of an epoch of length={length}")
+            elif 0 < batches < length and (not isinstance(rng, dict) or sorted(rng) != self._rng_sources()):
+                held = sorted(rng) if isinstance(rng, dict) else type(rng).__name__
+                problems.append(f"rng holds {held}, this loader draws from {self._rng_sources()}")
+        if problems:
+            raise RecipeError("the checkpoint's train-loader state does not fit this loader: " + "; ".join(problems))
+        if batches == length:  # the end of an epoch is the start of the next
+            epoch, batches = epoch + 1, 0
+        for sampler in self._epoch_samplers():
+            # With workers, torch draws indices at iter(), before Lightning's set_epoch: have the right one already.
+            sampler.set_epoch(epoch)
+        self._next_epoch = epoch
+        self._resume = _Resume(epoch, batches, dict(rng) if batches else {})
+
+    def _draw(self, indices) -> Iterator:
+        """One pass's batches of indices from ``indices``: the rest of the resumed epoch, or a whole epoch. Runs
+        (as a generator) from the pass's first draw."""
+        current, resume, self._resume = self._pass, self._resume, None
+        epoch = self._sampler_epoch()
+        current.epoch = self._next_epoch if epoch is None else epoch
+        self._next_epoch = current.epoch + 1
+        resumed = resume is not None and resume.batches > 0 and resume.epoch == current.epoch
+        if resumed:
+            current.rng, current.skipped = resume.rng, resume.batches
+            before = self._rng_state()
+            self._put_rng(resume.rng)
+        else:
+            current.rng = self._rng_state()
+        batches = iter(indices)
+        if resumed:
+            for done in range(resume.batches):
+                if next(batches, _END) is _END:
+                    raise RecipeError(f"the checkpoint's train-loader position is batch {resume.batches} of epoch "
+                                      f"{resume.epoch}, but this loader's sampler ends that epoch after {done} "
+                                      f"batches although len(loader) = {len(self)}")
+            for name, state in self._rng_state().items():
+                if torch.equal(state, resume.rng[name]):  # the sampler did not draw from it: as it was
+                    self._put_rng({name: before[name]})
+        yield from batches
+
+    def _epoch_samplers(self) -> list:
+        """The samplers Lightning's ``set_epoch`` reaches: the loader's and its batch sampler's, where they have
+        ``set_epoch``."""
+        found = {}
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if callable(getattr(sampler, "set_epoch", None)):
+                found[id(sampler)] = sampler
+        return list(found.values())
+
+    def _sampler_epoch(self) -> int | None:
+        epochs = [s.epoch for s in self._epoch_samplers() if isinstance(getattr(s, "epoch", None), int)]
+        return epochs[0] if epochs else None
+
+    def _rng_sources(self) -> list[str]:
+        return ["generator", "torch"] if self.generator is not None else ["torch"]
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"torch": torch.get_rng_state()}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def _put_rng(self, state: dict[str, torch.Tensor]) -> None:
+        if "torch" in state:
+            torch.set_rng_state(state["torch"])
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+
+
 class TextDataModule(pl.LightningDataModule):
     """LM data over the stdlib sources (``path=None``) or a text file/folder; see the module docstring.
 
@@ -184,8 +413,8 @@ class TextDataModule(pl.LightningDataModule):
         self.train_set = ByteWindows(data[:split + 1], seq_len=self.seq_len)
         self.val_set = ByteWindows(data[split:], seq_len=self.seq_len)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+    def train_dataloader(self) -> ResumableDataLoader:
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
                           num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

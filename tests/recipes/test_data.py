@@ -1,11 +1,13 @@
-"""TextDataModule: exact byte windows against the raw files, the stdlib default, and clear errors."""
+"""TextDataModule: exact byte windows against the raw files, the stdlib default, clear errors, and a training
+loader that resumes inside the epoch (the Trainer-level checks are in test_resume_position.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from shardline.recipes.data import TextDataModule, corpus_files, read_corpus, stdlib_root
+from shardline.recipes.data import ResumableDataLoader, TextDataModule, corpus_files, read_corpus, stdlib_root
 from shardline.recipes.schema import RecipeError
 
 
@@ -90,3 +92,21 @@ def test_missing_or_empty_or_tiny_corpus(tmp_path):
     dm = TextDataModule(path=str(tmp_path / "small.txt"), seq_len=8)
     with pytest.raises(RecipeError, match="too small for one training and one validation window"):
         dm.setup()
+
+
+def test_training_loader_resumes_inside_the_epoch(text_folder):
+    dm = TextDataModule(path=str(text_folder), seq_len=4, batch_size=2, val_fraction=0.25)
+    dm.setup()
+    train = dm.train_dataloader()
+    assert isinstance(train, ResumableDataLoader) and type(dm.val_dataloader()) is DataLoader
+    torch.manual_seed(0)
+    batches = iter(train)
+    next(batches)
+    state = train.state_dict()
+    rest = [ids for ids, _ in batches]
+    torch.manual_seed(1)  # another process's RNG: the saved epoch's order is replayed all the same
+    again = dm.train_dataloader()
+    again.load_state_dict(state)
+    resumed = [ids for ids, _ in again]
+    assert len(rest) == len(train) - 1 and len(resumed) == len(rest)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, rest))  # exact: the same windows
