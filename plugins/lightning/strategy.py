@@ -136,6 +136,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         return {"num_replicas": self.grid.size("dp"), "rank": self.grid.rank("dp")}
 
     def setup(self, trainer) -> None:
+        self._check_one_seed()
         self._install_gradient_syncs()
         if self.layout.pp > 1:
             from shardline.plugins.lightning.pipeline_driver import PipelineDriver
@@ -149,6 +150,22 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             else:
                 self.pipeline_driver = PipelineDriver(self, self.lightning_module)
         super().setup(trainer)
+
+    def _check_one_seed(self) -> None:
+        """Every rank must be seeded alike: Lightning seeds the DistributedSampler's shuffle with the process's
+        seed (``PL_GLOBAL_SEED``), so ranks seeded apart would read overlapping batches (and the TP ranks of one
+        replica different ones), and TP ranks must draw the same dropout masks on replicated activations."""
+        import os
+
+        import torch.distributed as dist
+
+        seeds: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seeds, os.environ.get("PL_GLOBAL_SEED"))
+        if len(set(seeds)) > 1:
+            listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seeds))
+            raise ContractError(f"ranks are seeded differently ({listed}): Lightning seeds the DistributedSampler's "
+                                "shuffle with this seed, so ranks would read overlapping batches and TP ranks "
+                                "different ones; call seed_everything with the same seed on every rank")
 
     def _install_gradient_syncs(self) -> None:
         """Every gradient synchronisation the parameters' declared roles imply (``layers.roles``), so any module
