@@ -133,3 +133,23 @@ def test_world_size_and_context_parallel_change(source, tmp_path):
     again = run_ranks(_run, 2, dict(zero_stage=2), 2, None, ring, back, timeout=300)[0]
     _same_tensors(small, back)
     assert again == pytest.approx(reference[STEPS_PER_EPOCH:], rel=1e-6)
+
+
+def _validate(rank, world, layout, ckpt):
+    adopt_process_group_in_lightning()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**layout), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    dp = trainer.strategy.layout_for(world).dp
+    out = trainer.validate(LanguageModule(**MODEL), DataLoader(_dataset(), batch_size=BATCH // dp), ckpt_path=ckpt,
+                           verbose=False)
+    return out[0]["val_loss"]
+
+
+def test_validate_from_a_checkpoint_in_another_layout(source):
+    _, ckpt, _ = source
+    # Weights only (no optimizer): ZeRO-3's inference engine under a pipeline, and the saving layout.
+    there = run_ranks(_validate, 4, dict(pp=2, zero_stage=3), ckpt, timeout=300)[0]
+    here = run_ranks(_validate, 4, A, ckpt, timeout=300)[0]
+    assert there == pytest.approx(here, rel=1e-6)  # the same weights; float32 summation order only
+    fresh = run_ranks(_validate, 4, A, None, timeout=300)[0]
+    assert fresh != pytest.approx(here, rel=1e-3)  # the checkpoint's weights were really used
