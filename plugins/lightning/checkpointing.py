@@ -172,7 +172,9 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     phase("before_shards", me)
     optimizer = _optimizer(strategy)
     access = _Access(optimizer)
-    keys = compat.optimizer_state_keys(optimizer) if optimizer is not None else []
+    # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
+    weights_only = "optimizer_states" not in checkpoint
+    keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and not weights_only else []
     keys = strategy.broadcast(keys)  # every rank's optimizer keeps the same state kinds
     replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
@@ -196,7 +198,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
                  "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))
     if me == 0:
         trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if optimizer is not None:
+        if optimizer is not None and not weights_only:
             trainer_state["shardline_optimizer"] = {
                 "step": compat.optimizer_step_count(optimizer),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}

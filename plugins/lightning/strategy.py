@@ -279,6 +279,15 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
         return checkpointing.load(self, checkpoint_path)
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Nothing: :meth:`save_checkpoint` writes the module's tensors itself, piece by piece (Lightning would
+        otherwise build a state dict of every parameter only for it to be dropped)."""
+        return {}
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Nothing, for the same reason: the optimizer's moments are written by :meth:`save_checkpoint`."""
+        return {}
+
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
             import shutil

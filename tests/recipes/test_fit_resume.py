@@ -1,0 +1,57 @@
+"""The user's path, end to end: ``shardline fit --config tiny`` with a ModelCheckpoint every 3 steps, then
+``--ckpt_path`` of the step-3 checkpoint, on the same layout (the next losses are the uninterrupted run's,
+exactly) and on another (dp4 x ZeRO-3: the same within float32 summation order), and Lightning's conventions:
+``save_top_k`` keeps the best k, ``save_last`` keeps ``last.ckpt``, ``--ckpt_path last`` resumes from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardline.plugins.checkpoint.files import MANIFEST, POINTER
+from shardline.recipes.fit import RECIPES_DIR
+from tests.recipes.test_fit import _command, _scalars
+
+SMALL = ["--model.n_layer", "2", "--model.d_model", "64", "--model.seq_len", "64", "--data.max_bytes", "300000",
+         "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1", "--trainer.max_steps", "6",
+         "--trainer.enable_checkpointing", "true"]
+
+
+def _fit(tmp_path: Path, name: str, run_command, *extra: str) -> dict[int, float]:
+    head, _ = _command()
+    command = [*head, "fit", "--config", str(RECIPES_DIR / "tiny.yaml"), *SMALL,
+               "--trainer.callbacks+=pytorch_lightning.callbacks.ModelCheckpoint",
+               "--trainer.callbacks.dirpath", str(tmp_path / "ckpts"), "--trainer.callbacks.every_n_train_steps", "3",
+               "--trainer.callbacks.save_top_k", "-1", "--trainer.callbacks.save_last", "true",
+               "--trainer.logger.init_args.save_dir", str(tmp_path / name), *extra]
+    result = run_command(command, cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return dict(_scalars(tmp_path / name / "tiny")["train_loss"])
+
+
+@pytest.mark.slow
+def test_fit_resume_on_the_same_and_another_layout(tmp_path, run_command):
+    full = _fit(tmp_path, "full", run_command)
+    assert sorted(full) == list(range(6))
+    ckpts = tmp_path / "ckpts"
+    step3 = ckpts / "epoch=0-step=3.ckpt"
+    assert (step3 / MANIFEST).is_file() and (ckpts / "epoch=0-step=6.ckpt" / MANIFEST).is_file()
+    assert (ckpts / "last.ckpt" / MANIFEST).is_file() and (ckpts / POINTER).read_text().strip() == "last.ckpt"
+
+    same = _fit(tmp_path, "same", run_command, "--ckpt_path", str(step3))
+    assert sorted(same) == [3, 4, 5]
+    # The same layout, the same batches (the loader's position inside the epoch), the same arithmetic: exact.
+    assert [same[s] for s in (3, 4, 5)] == [full[s] for s in (3, 4, 5)]
+
+    # dp4 x ZeRO-3 (was tp2 x pp2 x ZeRO-1); data.batch_size is per dp rank, so 4 keeps the global batch of 16.
+    other = _fit(tmp_path, "other", run_command, "--ckpt_path", str(step3),
+                 "--trainer.strategy.init_args.tp", "1", "--trainer.strategy.init_args.pp", "1",
+                 "--trainer.strategy.init_args.zero_stage", "3", "--data.batch_size", "4")
+    # Another summation order (no TP all-reduce, ZeRO-3 reduce-scatter): float32 rounding over 3 steps.
+    assert [other[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], rel=1e-5)
+
+    # --ckpt_path last: Lightning finds ckpts/last.ckpt, the step-6 state "other" saved last (in dp4 x ZeRO-3),
+    # and goes on from step 6 in the recipe's tp2 x pp2.
+    again = _fit(tmp_path, "last", run_command, "--ckpt_path", "last", "--trainer.max_steps", "7")
+    assert sorted(again) == [6]
