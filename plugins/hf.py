@@ -464,6 +464,19 @@ class _Writer:
         self.pending, self.size = {}, 0
 
 
+def finish_folder(folder: Path, writer: _Writer, hf_config: dict, dtype: torch.dtype) -> None:
+    """The last shard file, ``model.safetensors.index.json`` and ``config.json`` (with ``torch_dtype`` and
+    ``dtype`` set) of a folder whose tensors went through ``writer``."""
+    writer.flush()
+    weight_map = {tensor: file for file, names in writer.files for tensor in names}
+    total = sum((folder / file).stat().st_size for file, _ in writer.files)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+    name = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": name, "dtype": name}, indent=2,
+                                                   sort_keys=True))
+
+
 def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_bytes: int = 2 << 30) -> None:
     """Write ``model`` (this rank's part of ``grid``'s layout; the whole model when None) as a Hugging Face folder.
 
@@ -496,13 +509,7 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
         if dist.is_initialized():
             dist.barrier()
         return
-    writer.flush()
-    weight_map = {tensor: file for file, names in writer.files for tensor in names}
-    total = sum((folder / file).stat().st_size for file, _ in writer.files)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
-    hf = {**hf, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
-    (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    finish_folder(folder, writer, hf, dtype)
     if grid is not None and dist.is_initialized():
         dist.barrier()
 

@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 PROVIDERS: tuple[tuple[str, str], ...] = (
     ("shardline.profiling.cli", "add_commands"),
     ("shardline.recipes.fit", "add_commands"),
+    ("shardline.recipes.convert", "add_commands"),
 )
 
 

@@ -43,7 +43,6 @@ output that already exists. Outputs appear atomically (written beside under a te
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -55,10 +54,10 @@ import torch
 from shardline.plugins import hf
 from shardline.plugins.checkpoint.boxes import Placement, canonical_boxes, from_canonical, full
 from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, CheckpointReader, resolve
+from shardline.plugins.checkpoint.names import STATE
 from shardline.plugins.hf import CheckpointError
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
-STATE = "optimizer.{key}/{name}"  # as plugins.lightning.checkpointing names an optimizer state
 #: What of the trainer's state (``trainer.pt``) the consolidated file keeps.
 TRAINER_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "hyper_parameters",
                 "datamodule_hparams_name", "datamodule_hyper_parameters")
@@ -94,12 +93,15 @@ class _Decoder:
     arch: str
     hf_config: dict
     params: tuple[_Param, ...]  # state-dict order; a tied weight under each of its keys
+    table_order: tuple[str, ...]  # the table's shardline names, in its order
 
     def weights(self) -> list[_Param]:
         """The table's canonical tensors, each once, in the table's order (what save_pretrained writes)."""
+        by_key = {p.key.removeprefix(self.prefix): p for p in self.params if p.weight}
         seen, out = set(), []
-        for p in self.params:
-            if p.weight and p.name not in seen:
+        for key in self.table_order:
+            p = by_key[key]
+            if p.name not in seen:
                 seen.add(p.name)
                 out.append(p)
         return out
@@ -140,7 +142,10 @@ def _decoders(reader: CheckpointReader) -> list[_Decoder]:
                                   vocab=config.vocab_size, n_head=n_head)
             params.append(_Param(entry["prefix"] + key, name, placement, is_param=key in names,
                                  weight=key in names and source is not None))
-        out.append(_Decoder(entry["prefix"], arch, dict(entry["hf_config"]), tuple(params)))
+        unmapped = sorted(set(table) - {p.key.removeprefix(entry["prefix"]) for p in params if p.weight})
+        if unmapped:  # a table entry the model does not have: the config and the table disagree
+            raise CheckpointError(f"{where}: models[{i}] ({arch}): no parameter for table entries {unmapped}")
+        out.append(_Decoder(entry["prefix"], arch, dict(entry["hf_config"]), tuple(params), tuple(table)))
     return out
 
 
@@ -156,9 +161,11 @@ def _check(reader: CheckpointReader, params: list[_Param]) -> None:
                                   f"{list(want)} for {p.key}")
 
 
-def _free(out: Path) -> None:
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise CheckpointError(f"{out}: already exists (convert writes a new file or folder; remove it first)")
+def _free(out: Path, *, folder: bool) -> None:
+    """Refuse an existing output (an empty folder may stand where a folder goes)."""
+    if out.exists() and not (folder and out.is_dir() and not any(out.iterdir())):
+        raise CheckpointError(f"{out}: already exists (convert writes a new {'folder' if folder else 'file'}; "
+                              "remove it first)")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -196,7 +203,7 @@ def to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
     weights = decoder.weights()
     _check(reader, weights)
     out = Path(out)
-    _free(out)
+    _free(out, folder=True)
     written = {p.name for p in weights}
     left_out = _left_out(reader, written)
     _warn_left_out(reader, left_out, f"not weights of the decoder model at {decoder.prefix!r}")
@@ -211,22 +218,11 @@ def to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
             writer.add(p.name, tensor)
             del tensor
         writer.flush()
-        _finish_hf(staging, writer, decoder.hf_config, dtype or first)
+        hf.finish_folder(staging, writer, decoder.hf_config, dtype or first)
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Converted(out=out, checkpoint=folder, tensors=len(weights), nbytes=nbytes, not_written=left_out)
-
-
-def _finish_hf(folder: Path, writer, hf_config: dict, dtype: torch.dtype) -> None:
-    """The index and ``config.json`` beside the shard files, as :func:`hf.save_pretrained` writes them."""
-    weight_map = {tensor: file for file, names in writer.files for tensor in names}
-    total = sum((folder / file).stat().st_size for file, _ in writer.files)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
-    name = str(dtype).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": name, "dtype": name}, indent=2,
-                                                   sort_keys=True))
 
 
 def _dense(reader: CheckpointReader, name: str, placement: Placement, dtype) -> torch.Tensor:
@@ -247,7 +243,7 @@ def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtyp
     params = [p for d in decoders for p in d.params]
     _check(reader, params)
     out = Path(out)
-    _free(out)
+    _free(out, folder=False)
     trainer = reader.small_file(TRAINER_FILE)
     claimed = {p.name for p in params}
     # Every other tensor (not an optimizer state) is a LightningModule parameter or buffer outside the
@@ -267,6 +263,7 @@ def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtyp
     if optimizer:
         result["shardline_optimizer"] = _optimizer_states(reader, trainer, params + others, dtype)
     nbytes = sum(t.numel() * t.element_size() for t in values.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
     staged = out.parent / f".{out.name}.partial-{AtomicSave.new_token()}"
     try:
         torch.save(result, staged)

@@ -22,6 +22,9 @@ from torch import nn
 from shardline.plugins.checkpoint.boxes import Placement
 from shardline.plugins.layers.roles import RoleKind, role_of
 
+#: The canonical name of optimizer state ``key`` (Adam: ``exp_avg``, ``exp_avg_sq``) of canonical tensor ``name``.
+STATE = "optimizer.{key}/{name}"
+
 
 @dataclass
 class Entry:
@@ -108,4 +111,4 @@ def entries(module: nn.Module, *, tp: int, tp_rank: int) -> list[Entry]:
     return out
 
 
-__all__ = ["Entry", "dense_shape", "entries", "models"]
+__all__ = ["STATE", "Entry", "dense_shape", "entries", "models"]

@@ -41,11 +41,9 @@ from shardline.plugins.checkpoint.files import (
     phase,
     resolve,
 )
-from shardline.plugins.checkpoint.names import Entry, entries, models
+from shardline.plugins.checkpoint.names import STATE, Entry, entries, models
 from shardline.plugins.hf import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
-
-STATE = "optimizer.{key}/{name}"  # the canonical name of an optimizer state of tensor ``name``
 
 
 def _rank_file(rank: int) -> str:
@@ -160,6 +158,20 @@ def _optimizer(strategy):
     return getattr(engine, "optimizer", None) if _fitting(strategy) else None
 
 
+def _first_stage_writes(grid, mine: list[Entry]) -> list[Entry]:
+    """``mine`` with ``writes`` cleared where a lower pipeline stage holds the same tensor (a parameter outside
+    the pipeline's layers lives on every stage): each tensor is written by one stage only."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (grid.coords["pp"], [e.name for e in mine]))
+    first: dict[str, int] = {}
+    for pp, names in everyone:
+        for name in names:
+            first[name] = min(first.get(name, pp), pp)
+    for entry in mine:
+        entry.writes = entry.writes and first[entry.name] == grid.coords["pp"]
+    return mine
+
+
 def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
     """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically."""
@@ -179,7 +191,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
     module = strategy.lightning_module
-    for entry in entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp")):
+    for entry in _first_stage_writes(grid, entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"))):
         values = [(entry.name, access.weight(entry))]
         if entry.is_param and entry.tensor.requires_grad:
             values += [(STATE.format(key=key, name=entry.name), access.state(entry, key)) for key in keys]
@@ -190,9 +202,12 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
             if value is None:
                 raise CheckpointError(f"rank {me}: {entry.path} has no optimizer state {name.split('/')[0]!r}")
             for box, piece in to_canonical(entry.placement, value.detach().cpu()):
+                if replicas == 1:
+                    writer.add(name, shape, box, piece)
+                    continue
                 part = split_rows(box, replicas)[replica]
                 rows = slice(part[0][0] - box[0][0], part[0][1] - box[0][0])
-                writer.add(name, shape, part, piece[rows].clone())
+                writer.add(name, shape, part, piece[rows].clone())  # a copy: the whole value can go now
     writer.flush()
     _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
                  "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))

@@ -30,6 +30,18 @@ MODEL = dict(architecture="llama", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_h
              lr=3e-3, warmup_steps=4, tie_embeddings=False)
 
 
+class _Counted(LanguageModule):
+    """With a persistent buffer outside the model (every pipeline stage holds one: saved once, restored on all)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.register_buffer("steps_seen", torch.zeros(2))
+
+    def training_step(self, batch, batch_idx):
+        self.steps_seen += 1
+        return super().training_step(batch, batch_idx)
+
+
 def _dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, VOCAB, (BATCH * STEPS_PER_EPOCH, SEQ + 1), generator=g)
@@ -61,7 +73,7 @@ def _run(rank, world, layout, epochs, save_to, resume_from, resave):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[record])
     dp = strategy.layout_for(world).dp
-    trainer.fit(LanguageModule(**MODEL), DataLoader(_dataset(), batch_size=BATCH // dp), ckpt_path=resume_from)
+    trainer.fit(_Counted(**MODEL), DataLoader(_dataset(), batch_size=BATCH // dp), ckpt_path=resume_from)
     if save_to:
         trainer.save_checkpoint(save_to)
     return record.losses
@@ -102,8 +114,8 @@ def test_reshard_into_another_layout(source, target):
     root, ckpt, reference = source
     resave = str(root / f"resave_{target}")
     losses = run_ranks(_run, 4, TARGETS[target], 2, None, ckpt, resave, timeout=300)[0]
-    # 2 blocks x 9 tensors + embedding, final norm, head; each as weight, exp_avg and exp_avg_sq
-    assert _same_tensors(ckpt, resave) == 3 * (2 * 9 + 3)
+    # 2 blocks x 9 tensors + embedding, final norm, head; each as weight, exp_avg and exp_avg_sq; the buffer
+    assert _same_tensors(ckpt, resave) == 3 * (2 * 9 + 3) + 1
     # A different layout sums in a different order (TP all-reduces, ZeRO reduce-scatters, vocab-parallel loss):
     # float32 rounding, carried through 3 Adam steps. Measured <= 7.5e-8 relative over these layouts.
     assert losses == pytest.approx(reference[STEPS_PER_EPOCH:], rel=1e-6)
@@ -140,7 +152,7 @@ def _validate(rank, world, layout, ckpt):
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**layout), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     dp = trainer.strategy.layout_for(world).dp
-    out = trainer.validate(LanguageModule(**MODEL), DataLoader(_dataset(), batch_size=BATCH // dp), ckpt_path=ckpt,
+    out = trainer.validate(_Counted(**MODEL), DataLoader(_dataset(), batch_size=BATCH // dp), ckpt_path=ckpt,
                            verbose=False)
     return out[0]["val_loss"]
 
