@@ -17,6 +17,11 @@ class ContractError(ShardlineError, TypeError):
     """A user's module or config does not meet the contract a strategy needs."""
 
 
+class CheckpointError(ShardlineError, ValueError):
+    """A checkpoint (shardline's or a Hugging Face folder) that cannot be read or written as asked; the message
+    names the file, the tensor and the numbers."""
+
+
 class RankFailedError(ShardlineError, RuntimeError):
     """A worker rank raised, hung or died; carries the rank and its traceback text."""
 
@@ -27,3 +32,17 @@ class RankFailedError(ShardlineError, RuntimeError):
         if remote_traceback:
             text += f"\n--- traceback on rank {rank} ---\n{remote_traceback}"
         super().__init__(text)
+
+
+class CollectiveError(ShardlineError, RuntimeError):
+    """Collectives stopped because a rank died, hung or raised. The message names the rank(s), each process
+    group concerned by layout axis and index with its ranks (``"tp group 1: ranks 2,3"``), the last collective
+    every rank of those groups entered and completed as ``(op, seq)``, and where each rank dumped its record.
+    ``kind`` is ``dead``, ``hung``, ``raised``, ``stuck`` or ``unknown``; ``culprits`` the ranks named."""
+
+    def __init__(self, message: str, *, kind: str = "unknown", culprits: tuple[int, ...] = (),
+                 dump_dir: str | None = None):
+        self.kind = kind
+        self.culprits = tuple(culprits)
+        self.dump_dir = dump_dir
+        super().__init__(message)

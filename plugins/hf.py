@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardline.plugins.errors import ShardlineError
+from shardline.plugins.errors import CheckpointError
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.layers.tp_comm import group_rank, group_size
 
@@ -50,10 +50,6 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
 #: Tensors a Hugging Face checkpoint may hold that are not weights (old GPT-2 files keep attention masks).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-class CheckpointError(ShardlineError, ValueError):
-    """A Hugging Face folder that cannot be loaded or written as asked; names the file, tensor and numbers."""
 
 
 # --- the tables ------------------------------------------------------------------------------------------------

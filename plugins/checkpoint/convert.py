@@ -55,7 +55,7 @@ from shardline.plugins import hf
 from shardline.plugins.checkpoint.boxes import Placement, canonical_boxes, from_canonical, full
 from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, CheckpointReader, resolve
 from shardline.plugins.checkpoint.names import STATE
-from shardline.plugins.hf import CheckpointError
+from shardline.plugins.errors import CheckpointError
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 #: What of the trainer's state (``trainer.pt``) the consolidated file keeps.

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from shardline.plugins.checkpoint.boxes import Box, full, intersect, relative, volume
-from shardline.plugins.hf import CheckpointError
+from shardline.plugins.errors import CheckpointError
 
 FORMAT, VERSION = "shardline-checkpoint", 1
 MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer.pt"

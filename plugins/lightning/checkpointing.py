@@ -42,7 +42,7 @@ from shardline.plugins.checkpoint.files import (
     resolve,
 )
 from shardline.plugins.checkpoint.names import STATE, Entry, entries, models
-from shardline.plugins.hf import CheckpointError
+from shardline.plugins.errors import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
 
 
