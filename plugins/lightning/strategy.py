@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import logging
 from typing import Any
 
@@ -35,6 +36,11 @@ from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
 from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
+from shardline.plugins.lightning.watchdog import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    CollectiveWatchdog,
+    collective_timeout_seconds,
+)
 from shardline.plugins.lightning.zero import derive_config, load_user_config
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,17 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     Degrees not given are 1; the data-parallel degree is what is left of the world:
     ``dp = world_size / (tp * cp * pp)``.
+
+    ``collective_timeout`` (seconds or a timedelta; default 10 min, NCCL's own default: longer than any
+    legitimate wait between healthy ranks, such as the slowest rank's sharded checkpoint write, and a third of
+    gloo's 30 min) is how long a collective may wait before its rank counts as hung. It governs every process
+    group once the grid exists (Lightning's ``timeout`` still governs the rendezvous), and
+    :class:`~shardline.plugins.lightning.watchdog.CollectiveWatchdog` enforces it: when a rank dies or hangs,
+    every rank stops within ``collective_timeout + 15 s`` with one
+    :class:`~shardline.plugins.errors.CollectiveError` naming the rank(s), the groups and the last collective
+    each rank entered and completed; each rank dumps its record to ``collective_dump_dir`` (default: a fresh
+    folder per run under the system's temp dir, so failing test runs leave nothing in the working tree; the
+    message names it).
     """
 
     strategy_name = "shardline"
@@ -55,7 +72,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                  nvme_path: str | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
                  chunks: int = 1, activation_checkpointing: bool = False, pipeline_annotations: str = "when_profiling",
                  deepspeed_config: dict | str | None = None, gpus_per_node: int | None = None,
-                 **lightning_kwargs: Any):
+                 collective_timeout: float | datetime.timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+                 collective_dump_dir: str | None = None, **lightning_kwargs: Any):
         # The one layout value, validated now (the world size still unknown) and bound once at setup.
         self.layout = Layout(tp=tp, pp=pp, cp=cp, sp=sp, gpus_per_node=gpus_per_node,
                              pipeline=PipelineSpec(schedule=schedule, chunks=chunks, micro_batches=micro_batches),
@@ -79,6 +97,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.pipeline_driver = None  # a PipelineDriver when pp > 1, built at setup
         self._pipeline_runs = 0  # strategy.pipeline() calls in the current step (exactly one under pp > 1)
         self.pipeline_meta_group = None
+        self.collective_timeout = collective_timeout_seconds(collective_timeout)  # seconds, validated now
+        self.collective_dump_dir = collective_dump_dir
+        self.watchdog: CollectiveWatchdog | None = None  # from setup_distributed to teardown
         self.pending_rng_state = None  # RNG states of a loaded checkpoint, for the first training step
 
     # --- layout ------------------------------------------------------------------------------------------------
@@ -123,8 +144,31 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                 group = dist.new_group(ranks, backend="gloo")
                 if self.global_rank in ranks:
                     self.pipeline_meta_group = group
+        if self.world_size > 1:
+            self.watchdog = CollectiveWatchdog.start(self.grid, timeout=self.collective_timeout,
+                                                     dump_dir=self.collective_dump_dir)
         if self.global_rank == 0:
             log.info("shardline layout:\n%s", self.dims.describe())
+
+    # --- dead and hung ranks ----------------------------------------------------------------------------------
+
+    def on_exception(self, exception: BaseException) -> None:
+        # The watchdog names the dead or hung rank (it waits, bounded, for the verdict); teardown raises it.
+        if self.watchdog is not None:
+            self.watchdog.on_exception(exception)
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        """Lightning's teardown, then the watchdog's: after a failure it raises the one CollectiveError (from
+        the exception that interrupted the run), except on a rank whose own code raised something other than a
+        collective error (that rank keeps its exception)."""
+        try:
+            super().teardown()
+        finally:
+            watchdog, self.watchdog = self.watchdog, None
+            error = watchdog.stop() if watchdog is not None else None
+        if error is not None:
+            raise error from watchdog.cause
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
