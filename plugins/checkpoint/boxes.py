@@ -57,6 +57,34 @@ def split_rows(box: Box, parts: int) -> list[Box]:
     return [((edges[i], edges[i + 1]), *rest) for i in range(parts)]
 
 
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """Boxes, in order, whose row-major elements are exactly elements ``[start, stop)`` of the flattened tensor
+    of ``shape`` (a ZeRO partition is such a range): a partial first row, whole rows, a partial last row, each
+    partial row split the same way one dimension down. Each box is one contiguous run of the flat range."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start, stop),)]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
+    if r0 == r1:
+        return [((r0, r0 + 1), *box) for box in flat_boxes(shape[1:], c0, c1)]
+    out: list[Box] = []
+    if c0:
+        out += [((r0, r0 + 1), *box) for box in flat_boxes(shape[1:], c0, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, r1), *full(shape[1:])))
+    if c1:
+        out += [((r1, r1 + 1), *box) for box in flat_boxes(shape[1:], 0, c1)]
+    return out
+
+
+def shift(box: Box, by: Box) -> Box:
+    """``box`` (relative to the start of ``by``) in the coordinates ``by`` is given in."""
+    return tuple((a + o, b + o) for (a, b), (o, _) in zip(box, by, strict=True))
+
+
 @dataclass(frozen=True)
 class Placement:
     """How one rank's tensor of a parameter sits in the canonical tensor.
@@ -144,5 +172,5 @@ def from_canonical(p: Placement, pieces: list[torch.Tensor], *, dtype: torch.dty
     return torch.stack(blocks, dim=1).reshape(shape)
 
 
-__all__ = ["Box", "KINDS", "Placement", "canonical_boxes", "from_canonical", "full", "intersect", "relative",
-           "split_rows", "to_canonical", "volume"]
+__all__ = ["Box", "KINDS", "Placement", "canonical_boxes", "flat_boxes", "from_canonical", "full", "intersect",
+           "relative", "shift", "split_rows", "to_canonical", "volume"]

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardline.plugins.checkpoint.boxes import from_canonical, split_rows, to_canonical
 from shardline.plugins.checkpoint.files import (
     TRAINER_FILE,
     AtomicSave,
@@ -41,9 +40,10 @@ from shardline.plugins.checkpoint.files import (
     phase,
     resolve,
 )
-from shardline.plugins.checkpoint.names import STATE, Entry, entries, models
+from shardline.plugins.checkpoint.names import Entry, entries, models
 from shardline.plugins.errors import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
+from shardline.plugins.lightning.checkpoint_access import Access
 
 
 def _rank_file(rank: int) -> str:
@@ -78,72 +78,6 @@ def restore_rng(state: dict[str, Any]) -> None:
 def _engine_counters(engine) -> dict[str, int]:
     return {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
             if hasattr(engine, k)}
-
-
-class _Access:
-    """A tensor's whole (TP-part) value and its setters, whatever ZeRO stage holds it."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-        self.base = compat.base_optimizer(optimizer)
-
-    @staticmethod
-    def zero3(entry: Entry) -> bool:
-        return hasattr(entry.tensor, "ds_id")
-
-    def weight(self, entry: Entry) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        param = entry.tensor
-        if entry.is_param and param.requires_grad and (hasattr(param, "_hp_mapping")
-                                                       or hasattr(param, "_z3_optimizer")):
-            value = safe_get_full_fp32_param(param)
-            if value is not None:
-                return value.reshape(entry.local_shape())
-        if self.zero3(entry):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                return param.data.detach().clone()
-        return param.detach()
-
-    def state(self, entry: Entry, key: str) -> torch.Tensor | None:
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        param = entry.tensor
-        if hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer"):
-            value = safe_get_full_optimizer_state(param, key)
-            return None if value is None else value.reshape(entry.local_shape())
-        state = self.base.state.get(param) if self.base is not None else None
-        return None if not state or key not in state else state[key].detach()
-
-    def set_weight(self, entry: Entry, value: torch.Tensor) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        param = entry.tensor
-        if self.zero3(entry):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
-                param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
-        else:
-            with torch.no_grad():
-                param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
-        if entry.is_param and param.requires_grad and (hasattr(param, "_hp_mapping")
-                                                       or hasattr(param, "_z3_optimizer")):
-            safe_set_full_fp32_param(param, value.to(torch.float32).to(param.device))
-
-    def set_state(self, entry: Entry, key: str, value: torch.Tensor, step: int | None) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        param = entry.tensor
-        if hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer"):
-            safe_set_full_optimizer_state(param, value.to(torch.float32), key)
-            return
-        state = self.base.state.setdefault(param, {})
-        state[key] = value.to(dtype=param.dtype, device=param.device).reshape(param.shape).clone()
-        if step is not None and "step" not in state:
-            state["step"] = torch.tensor(float(step))
 
 
 def _fitting(strategy) -> bool:
@@ -183,7 +117,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     strategy.barrier("shardline_checkpoint_begin")
     phase("before_shards", me)
     optimizer = _optimizer(strategy)
-    access = _Access(optimizer)
+    access = Access(optimizer)
     # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
     weights_only = "optimizer_states" not in checkpoint
     keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and not weights_only else []
@@ -192,22 +126,9 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
     module = strategy.lightning_module
     for entry in _first_stage_writes(grid, entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"))):
-        values = [(entry.name, access.weight(entry))]
-        if entry.is_param and entry.tensor.requires_grad:
-            values += [(STATE.format(key=key, name=entry.name), access.state(entry, key)) for key in keys]
-        if not entry.writes:
-            continue
         shape = entry.placement.canonical_shape()
-        for name, value in values:
-            if value is None:
-                raise CheckpointError(f"rank {me}: {entry.path} has no optimizer state {name.split('/')[0]!r}")
-            for box, piece in to_canonical(entry.placement, value.detach().cpu()):
-                if replicas == 1:
-                    writer.add(name, shape, box, piece)
-                    continue
-                part = split_rows(box, replicas)[replica]
-                rows = slice(part[0][0] - box[0][0], part[0][1] - box[0][0])
-                writer.add(name, shape, part, piece[rows].clone())  # a copy: the whole value can go now
+        for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
+            writer.add(name, shape, box, piece)
     writer.flush()
     _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
                  "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))
@@ -297,35 +218,19 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
             _agree(strategy, f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one {now_keys}")
     trainer_state = reader.small_file(TRAINER_FILE)
     step = (trainer_state.get("shardline_optimizer") or {}).get("step")
+    access = Access(optimizer)
     staged, error = [], None
     try:
         for entry in mine:
-            values = {None: _read(reader, entry, entry.name)}
-            if optimizer is not None and entry.is_param and entry.tensor.requires_grad:
-                for key in saved_keys:
-                    values[key] = _read(reader, entry, STATE.format(key=key, name=entry.name))
-            staged.append((entry, values))
+            staged.append((entry, access.stage(reader, entry, saved_keys if optimizer is not None else [])))
     except CheckpointError as failure:
         error = str(failure)
     _agree(strategy, error)
-    access = _Access(optimizer)
     for entry, values in staged:  # nothing below can fail on bad input: everything was read and checked
-        access.set_weight(entry, values.pop(None))
-        for key, value in values.items():
-            access.set_state(entry, key, value, step)
+        access.apply(entry, values, step)
     _restore_counters(strategy, reader, trainer_state, optimizer)
     strategy.barrier("shardline_checkpoint_loaded")
     return trainer_state
-
-
-def _read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
-    from shardline.plugins.checkpoint.boxes import canonical_boxes
-
-    if name not in reader.tensors:
-        raise CheckpointError(f"{reader.folder}: no tensor {name!r} in the checkpoint (this model's {entry.path})")
-    pieces = [reader.read(name, box) for box in canonical_boxes(entry.placement)]
-    dtype = torch.float32 if not pieces else pieces[0].dtype
-    return from_canonical(entry.placement, pieces, dtype=dtype)
 
 
 def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, optimizer) -> None:

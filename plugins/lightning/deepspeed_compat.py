@@ -336,3 +336,66 @@ def ensure_optimizer_state(ds_optimizer, keys: list[str]) -> None:
     link = getattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if callable(link):
         link()
+
+
+# --- checkpoints: this rank's own fragment of a parameter, without a collective --------------------------------
+# ZeRO-3 has public per-parameter local accessors (``safe_get_local_fp32_param`` and friends). ZeRO-1/2 and the
+# bf16 optimizer have only the full ones, which all-reduce the whole parameter over the data-parallel group; their
+# per-parameter fragment is ``param._hp_mapping`` (the same object those accessors read): its
+# ``lp_fragment_address`` says where the fragment sits in the flattened parameter.
+
+def local_fragment(param, key: str | None = None) -> tuple[int, torch.Tensor] | None:
+    """``(start, values)``: the elements ``[start, start + len(values))`` of the flattened parameter (its
+    tensor-parallel part) that this rank's ZeRO partition holds, of the float32 master (``key`` None) or of
+    optimizer state ``key``; ``values`` is empty where this rank holds none of it. None when the parameter is not
+    partitioned (ZeRO-0 in float32, a frozen parameter, ZeRO-3's inference engine): use its whole value."""
+    if not getattr(param, "requires_grad", False):
+        return None
+    if hasattr(param, "ds_id"):
+        if not hasattr(param, "_z3_optimizer"):
+            return None
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        values = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
+        start, stop = zero3_partition_range(param)
+        return start, values.reshape(-1)[:stop - start]
+    if not hasattr(param, "_hp_mapping"):
+        return None
+    mapping = param._hp_mapping
+    if mapping is None:
+        return 0, torch.empty(0)
+    return mapping.lp_fragment_address.start, mapping.get_hp_fragment(key).reshape(-1)
+
+
+def set_local_fragment(param, values: torch.Tensor, key: str | None = None) -> None:
+    """Set what :func:`local_fragment` returned (same start and length) from ``values``."""
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        full = torch.zeros(param.ds_tensor.numel(), dtype=torch.float32)
+        full[:values.numel()] = values.to(torch.float32)
+        full = full.to(param.ds_tensor.device)
+        if key is None:
+            safe_set_local_fp32_param(param, full)
+        else:
+            safe_set_local_optimizer_state(param, full, key)
+        return
+    mapping = param._hp_mapping
+    if mapping is not None:
+        fragment = mapping.get_hp_fragment(key)
+        fragment.data.copy_(values.to(fragment.dtype).reshape(fragment.shape))
+
+
+def zero3_partition_range(param) -> tuple[int, int]:
+    """The elements ``[start, stop)`` of a ZeRO-3 parameter's flattened value this rank's partition holds (the
+    last rank's partition is padded past the end)."""
+    size = param.ds_tensor.numel()
+    start = dist.get_rank(group=param.ds_process_group) * size
+    return min(start, param.ds_numel), min(start + size, param.ds_numel)
+
+
+def set_zero3_weight_partition(param, values: torch.Tensor) -> None:
+    """The module's own (low-precision) ZeRO-3 partition of ``param`` from ``values`` (the elements of
+    :func:`zero3_partition_range`); the padding past the end stays as it is."""
+    with torch.no_grad():
+        param.ds_tensor.data.reshape(-1)[:values.numel()].copy_(values.to(param.ds_tensor.dtype).reshape(-1))

@@ -1,0 +1,218 @@
+"""Each rank's part of a parameter's weight and optimizer state, read for a save and set from a load, whatever
+ZeRO stage holds it.
+
+Two paths:
+
+- **Fragments** (ZeRO-1/2/3 and the bf16 optimizer, for parameters of kind plain/vocab/conv1d): a ZeRO partition
+  holds elements ``[start, stop)`` of each flattened parameter; the rank saves exactly those of the float32 master
+  and of every moment, as the boxes of that range (:func:`~shardline.plugins.checkpoint.boxes.flat_boxes`), and
+  loads exactly those back. No collective: the partitions of the ``dp x cp`` ranks are disjoint, so together
+  they write each tensor once. The module's own weights need the whole tensor-parallel part under ZeRO-0/1/2
+  (they are replicated over dp), and only the partition's range under ZeRO-3.
+- **Whole values** (ZeRO-0 in float32, GPT-2's fused q/k/v whose canonical layout cuts heads, frozen parameters,
+  buffers, ZeRO-3's inference engine): the rank's whole tensor-parallel part, through DeepSpeed's full accessors
+  where they apply (a collective over the data-parallel group); the ``dp x cp`` replicas then split it by rows
+  so each part is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from shardline.plugins.checkpoint.boxes import (
+    Box,
+    canonical_boxes,
+    flat_boxes,
+    from_canonical,
+    shift,
+    split_rows,
+    to_canonical,
+    volume,
+)
+from shardline.plugins.checkpoint.files import CheckpointReader
+from shardline.plugins.checkpoint.names import STATE, Entry
+from shardline.plugins.errors import CheckpointError
+from shardline.plugins.lightning import deepspeed_compat as compat
+
+_FRAGMENT_KINDS = ("plain", "vocab", "conv1d")  # a flat range of the rank's part is boxes of the canonical tensor
+
+
+def _has_optimizer_view(param) -> bool:
+    return hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer")
+
+
+def _nvme_param(param) -> bool:
+    return str(getattr(getattr(param, "ds_tensor", None), "final_location", "")).endswith("nvme")
+
+
+class Access:
+    """Reads and sets the values of :class:`~shardline.plugins.checkpoint.names.Entry` tensors (module docstring)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.base = compat.base_optimizer(optimizer)
+
+    def _fragmented(self, entry: Entry) -> bool:
+        param = entry.tensor
+        return (entry.is_param and entry.placement.kind in _FRAGMENT_KINDS and param.dim() > 0
+                and not _nvme_param(param) and compat.local_fragment(param) is not None)
+
+    # --- save -------------------------------------------------------------------------------------------------
+
+    def pieces(self, entry: Entry, keys: list[str], *, replicas: int, replica: int
+               ) -> Iterator[tuple[str, Box, torch.Tensor]]:
+        """``(canonical name, canonical box, values)`` this rank writes of ``entry``'s weight and its optimizer
+        states ``keys``. Collective on the whole-value path: every rank holding ``entry`` must iterate it."""
+        trainable = entry.is_param and entry.tensor.requires_grad
+        named = [(None, entry.name)] + ([(k, STATE.format(key=k, name=entry.name)) for k in keys] if trainable
+                                        else [])
+        if self._fragmented(entry):
+            if not entry.writes:
+                return
+            for key, name in named:
+                start, values = compat.local_fragment(entry.tensor, key)
+                yield from self._range_pieces(entry, name, start, values.detach().cpu())
+            return
+        for key, name in named:
+            value = self.weight(entry) if key is None else self.state(entry, key)
+            if value is None:
+                raise CheckpointError(f"{entry.path} has no optimizer state {key!r} on this rank")
+            if not entry.writes:
+                continue
+            for box, piece in to_canonical(entry.placement, value.detach().cpu()):
+                if replicas == 1:
+                    yield name, box, piece
+                    continue
+                part = split_rows(box, replicas)[replica]
+                rows = slice(part[0][0] - box[0][0], part[0][1] - box[0][0])
+                yield name, part, piece[rows].clone()  # a copy: the whole value can go now
+
+    @staticmethod
+    def _range_pieces(entry: Entry, name: str, start: int, values: torch.Tensor):
+        offset = 0
+        for box in flat_boxes(entry.local_shape(), start, start + values.numel()):
+            n = volume(box)
+            sub = dataclasses.replace(entry.placement, box=shift(box, entry.placement.box))
+            data = values[offset:offset + n].reshape(tuple(b - a for a, b in box))
+            offset += n
+            for canonical, piece in to_canonical(sub, data):
+                yield name, canonical, piece
+
+    def weight(self, entry: Entry) -> torch.Tensor:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        param = entry.tensor
+        if entry.is_param and param.requires_grad and _has_optimizer_view(param):
+            value = safe_get_full_fp32_param(param)
+            if value is not None:
+                return value.reshape(entry.local_shape())
+        if hasattr(param, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                return param.data.detach().clone()
+        return param.detach()
+
+    def state(self, entry: Entry, key: str) -> torch.Tensor | None:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        param = entry.tensor
+        if _has_optimizer_view(param):
+            value = safe_get_full_optimizer_state(param, key)
+            return None if value is None else value.reshape(entry.local_shape())
+        state = self.base.state.get(param) if self.base is not None else None
+        return None if not state or key not in state else state[key].detach()
+
+    # --- load -------------------------------------------------------------------------------------------------
+
+    def stage(self, reader: CheckpointReader, entry: Entry, keys: list[str]) -> dict:
+        """Everything :meth:`apply` sets for ``entry``, read and checked now (no value is set yet)."""
+        trainable = entry.is_param and entry.tensor.requires_grad
+        keys = keys if trainable else []
+        if self._fragmented(entry):
+            param = entry.tensor
+            start, values = compat.local_fragment(param)
+            stop = start + values.numel()
+            staged = {"fragment": (start, stop), "states": {}}
+            if hasattr(param, "ds_id"):  # ZeRO-3: the module's weights are the partition too
+                staged["weight"] = read_range(reader, entry, entry.name, start, stop)
+            else:  # ZeRO-1/2: the module's weights are replicated over dp; the master is the fragment of them
+                staged["weight"] = read(reader, entry, entry.name)
+            for key in keys:
+                staged["states"][key] = read_range(reader, entry, STATE.format(key=key, name=entry.name), start, stop)
+            return staged
+        staged = {"weight": read(reader, entry, entry.name), "states": {}}
+        for key in keys:
+            staged["states"][key] = read(reader, entry, STATE.format(key=key, name=entry.name))
+        return staged
+
+    def apply(self, entry: Entry, staged: dict, step: int | None) -> None:
+        param = entry.tensor
+        if "fragment" in staged:
+            start, stop = staged["fragment"]
+            if hasattr(param, "ds_id"):
+                compat.set_zero3_weight_partition(param, staged["weight"])
+                compat.set_local_fragment(param, staged["weight"])
+            else:
+                with torch.no_grad():
+                    param.data.copy_(staged["weight"].to(param.dtype).reshape(param.data.shape))
+                compat.set_local_fragment(param, staged["weight"].reshape(-1)[start:stop])
+            for key, values in staged["states"].items():
+                compat.set_local_fragment(param, values, key)
+            return
+        self.set_weight(entry, staged["weight"])
+        for key, value in staged["states"].items():
+            self.set_state(entry, key, value, step)
+
+    def set_weight(self, entry: Entry, value: torch.Tensor) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        param = entry.tensor
+        if hasattr(param, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
+        else:
+            with torch.no_grad():
+                param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
+        if entry.is_param and param.requires_grad and _has_optimizer_view(param):
+            safe_set_full_fp32_param(param, value.to(torch.float32).to(param.device))
+
+    def set_state(self, entry: Entry, key: str, value: torch.Tensor, step: int | None) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        param = entry.tensor
+        if _has_optimizer_view(param):
+            safe_set_full_optimizer_state(param, value.to(torch.float32), key)
+            return
+        state = self.base.state.setdefault(param, {})
+        state[key] = value.to(dtype=param.dtype, device=param.device).reshape(param.shape).clone()
+        if step is not None and "step" not in state:
+            state["step"] = torch.tensor(float(step))
+
+
+def read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
+    """The rank's whole (tensor-parallel part) value of canonical tensor ``name``, in shardline's layout."""
+    if name not in reader.tensors:
+        raise CheckpointError(f"{reader.folder}: no tensor {name!r} in the checkpoint (this model's {entry.path})")
+    pieces = [reader.read(name, box) for box in canonical_boxes(entry.placement)]
+    return from_canonical(entry.placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
+
+
+def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened rank's part of ``name`` (a ZeRO partition's range)."""
+    if name not in reader.tensors:
+        raise CheckpointError(f"{reader.folder}: no tensor {name!r} in the checkpoint (this model's {entry.path})")
+    parts = []
+    for box in flat_boxes(entry.local_shape(), start, stop):
+        sub = dataclasses.replace(entry.placement, box=shift(box, entry.placement.box))
+        pieces = [reader.read(name, canonical) for canonical in canonical_boxes(sub)]
+        parts.append(from_canonical(sub, pieces, dtype=pieces[0].dtype if pieces else torch.float32).reshape(-1))
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
+__all__ = ["Access", "read", "read_range"]
