@@ -43,11 +43,6 @@ class Entry:
         return tuple(b - a for a, b in self.placement.box)
 
 
-def dense_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The rank's whole shape of ``tensor`` (ZeRO-3 keeps only a partition and records the shape as ``ds_shape``)."""
-    return tuple(getattr(tensor, "ds_shape", tensor.shape))
-
-
 def _decoders(module: nn.Module) -> list[tuple[str, nn.Module, dict]]:
     """``(prefix, model, table)`` for every shardline decoder model inside ``module``."""
     from shardline.plugins import hf
@@ -77,16 +72,18 @@ def models(module: nn.Module) -> list[dict]:
     return out
 
 
-def entries(module: nn.Module, *, tp: int, tp_rank: int) -> list[Entry]:
-    """Every parameter and persistent buffer of ``module`` on this rank, in module order."""
+def entries(module: nn.Module, *, tp: int, tp_rank: int, shape_of=None) -> list[Entry]:
+    """Every parameter and persistent buffer of ``module`` on this rank, in module order. ``shape_of(tensor)``
+    is the rank's whole shape of a tensor (default its shape; ZeRO-3 keeps a partition and knows the whole)."""
+    shape_of = shape_of or (lambda tensor: tuple(tensor.shape))
     decoders = _decoders(module)
     out, seen = [], set()
     persistent = set(module.state_dict(keep_vars=True))
     named = [(path, p, True) for path, p in module.named_parameters()]
     named += [(path, b, False) for path, b in module.named_buffers() if path in persistent]
     for path, tensor, is_param in named:
-        if tensor.device.type == "meta" and not hasattr(tensor, "ds_shape"):
-            continue  # a layer this rank does not host
+        if tensor.device.type == "meta":
+            continue  # never materialised on this rank
         name, kind, vocab, n_head = path, "plain", None, None
         for prefix, model, table in decoders:
             local = path[len(prefix):] if path.startswith(prefix) else None
@@ -97,7 +94,7 @@ def entries(module: nn.Module, *, tp: int, tp_rank: int) -> list[Entry]:
         if name in seen:
             continue  # the same weight under a second name (a tie within one rank)
         seen.add(name)
-        shape = list(dense_shape(tensor))
+        shape = list(shape_of(tensor))
         box = [(0, n) for n in shape]
         role = role_of(tensor) if is_param else None
         sharded = role is not None and role.kind is RoleKind.SHARDED
@@ -111,4 +108,4 @@ def entries(module: nn.Module, *, tp: int, tp_rank: int) -> list[Entry]:
     return out
 
 
-__all__ = ["STATE", "Entry", "dense_shape", "entries", "models"]
+__all__ = ["STATE", "Entry", "entries", "models"]

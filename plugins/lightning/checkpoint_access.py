@@ -40,14 +40,6 @@ from shardline.plugins.lightning import deepspeed_compat as compat
 _FRAGMENT_KINDS = ("plain", "vocab", "conv1d")  # a flat range of the rank's part is boxes of the canonical tensor
 
 
-def _has_optimizer_view(param) -> bool:
-    return hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer")
-
-
-def _nvme_param(param) -> bool:
-    return str(getattr(getattr(param, "ds_tensor", None), "final_location", "")).endswith("nvme")
-
-
 class Access:
     """Reads and sets the values of :class:`~shardline.plugins.checkpoint.names.Entry` tensors (module docstring)."""
 
@@ -58,7 +50,7 @@ class Access:
     def _fragmented(self, entry: Entry) -> bool:
         param = entry.tensor
         return (entry.is_param and entry.placement.kind in _FRAGMENT_KINDS and param.dim() > 0
-                and not _nvme_param(param) and compat.local_fragment(param) is not None)
+                and not compat.on_nvme(param) and compat.local_fragment(param) is not None)
 
     # --- save -------------------------------------------------------------------------------------------------
 
@@ -105,11 +97,11 @@ class Access:
         from deepspeed.utils import safe_get_full_fp32_param
 
         param = entry.tensor
-        if entry.is_param and param.requires_grad and _has_optimizer_view(param):
+        if entry.is_param and param.requires_grad and compat.has_optimizer_view(param):
             value = safe_get_full_fp32_param(param)
             if value is not None:
                 return value.reshape(entry.local_shape())
-        if hasattr(param, "ds_id"):
+        if compat.zero3_partitioned(param):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -120,7 +112,7 @@ class Access:
         from deepspeed.utils import safe_get_full_optimizer_state
 
         param = entry.tensor
-        if _has_optimizer_view(param):
+        if compat.has_optimizer_view(param):
             value = safe_get_full_optimizer_state(param, key)
             return None if value is None else value.reshape(entry.local_shape())
         state = self.base.state.get(param) if self.base is not None else None
@@ -137,7 +129,7 @@ class Access:
             start, values = compat.local_fragment(param)
             stop = start + values.numel()
             staged = {"fragment": (start, stop), "states": {}}
-            if hasattr(param, "ds_id"):  # ZeRO-3: the module's weights are the partition too
+            if compat.zero3_partitioned(param):  # ZeRO-3: the module's weights are the partition too
                 staged["weight"] = read_range(reader, entry, entry.name, start, stop)
             else:  # ZeRO-1/2: the module's weights are replicated over dp; the master is the fragment of them
                 staged["weight"] = read(reader, entry, entry.name)
@@ -153,7 +145,7 @@ class Access:
         param = entry.tensor
         if "fragment" in staged:
             start, stop = staged["fragment"]
-            if hasattr(param, "ds_id"):
+            if compat.zero3_partitioned(param):
                 compat.set_zero3_weight_partition(param, staged["weight"])
                 compat.set_local_fragment(param, staged["weight"])
             else:
@@ -171,7 +163,7 @@ class Access:
         from deepspeed.utils import safe_set_full_fp32_param
 
         param = entry.tensor
-        if hasattr(param, "ds_id"):
+        if compat.zero3_partitioned(param):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
@@ -179,14 +171,14 @@ class Access:
         else:
             with torch.no_grad():
                 param.data.copy_(value.to(param.dtype).reshape(param.data.shape))
-        if entry.is_param and param.requires_grad and _has_optimizer_view(param):
+        if entry.is_param and param.requires_grad and compat.has_optimizer_view(param):
             safe_set_full_fp32_param(param, value.to(torch.float32).to(param.device))
 
     def set_state(self, entry: Entry, key: str, value: torch.Tensor, step: int | None) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
         param = entry.tensor
-        if _has_optimizer_view(param):
+        if compat.has_optimizer_view(param):
             safe_set_full_optimizer_state(param, value.to(torch.float32), key)
             return
         state = self.base.state.setdefault(param, {})

@@ -125,7 +125,8 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
     module = strategy.lightning_module
-    for entry in _first_stage_writes(grid, entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"))):
+    mine = entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"), shape_of=compat.whole_shape)
+    for entry in _first_stage_writes(grid, mine):
         shape = entry.placement.canonical_shape()
         for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
             writer.add(name, shape, box, piece)
@@ -201,7 +202,8 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     error, reader, mine = None, None, []
     try:
         reader = CheckpointReader(value)
-        mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"))
+        mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"),
+                       shape_of=compat.whole_shape)
     except CheckpointError as failure:
         error = str(failure)
     everyone: list = [None] * dist.get_world_size()

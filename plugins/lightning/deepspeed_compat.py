@@ -344,6 +344,26 @@ def ensure_optimizer_state(ds_optimizer, keys: list[str]) -> None:
 # per-parameter fragment is ``param._hp_mapping`` (the same object those accessors read): its
 # ``lp_fragment_address`` says where the fragment sits in the flattened parameter.
 
+def whole_shape(param) -> tuple[int, ...]:
+    """The rank's whole shape of ``param``: ZeRO-3 keeps a partition and records the shape as ``ds_shape``."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def zero3_partitioned(param) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def has_optimizer_view(param) -> bool:
+    """Whether DeepSpeed's per-parameter accessors see ``param`` (a ZeRO-1/2/bf16 fragment mapping or a ZeRO-3
+    optimizer)."""
+    return hasattr(param, "_hp_mapping") or hasattr(param, "_z3_optimizer")
+
+
+def on_nvme(param) -> bool:
+    """A ZeRO-3 parameter whose partition lives on NVMe (swapped: set it through a gather, not in place)."""
+    return str(getattr(getattr(param, "ds_tensor", None), "final_location", "")).endswith("nvme")
+
+
 def local_fragment(param, key: str | None = None) -> tuple[int, torch.Tensor] | None:
     """``(start, values)``: the elements ``[start, start + len(values))`` of the flattened parameter (its
     tensor-parallel part) that this rank's ZeRO partition holds, of the float32 master (``key`` None) or of
