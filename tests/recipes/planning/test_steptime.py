@@ -1,0 +1,289 @@
+"""The step-time model: each cost term against its closed form, the prediction's split against the profiler's
+categories, and the development set (Korthikanti et al. 2022, Table 5) within a stated error bound.
+
+Tolerances: a closed form recomputed here is compared at rel 1e-12 (the same float operations in another order);
+a sum of many terms (the step's partition, ratios of two predictions) at rel 1e-9.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from shardline.profiling.partition import LABELS, OVERLAP_COLUMNS
+from shardline.recipes.planning.catalog import (
+    NCCL_BASE_LATENCY_S,
+    TREE_EFFICIENCY,
+    PlanError,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    cluster,
+    group_link,
+    load_catalog,
+    quantization,
+    ring_all_reduce_s,
+    tree_all_reduce_s,
+)
+from shardline.recipes.planning.layout import PlanLayout
+from shardline.recipes.planning.models import ModelSpec, packaged
+from shardline.recipes.planning.steptime import (
+    bubble_fraction,
+    model_flops,
+    pipeline_makespan,
+    predict,
+    stage_layers,
+)
+
+CATALOG = load_catalog()
+DGX_A100 = CATALOG.cluster("dgx-a100-80gb")
+
+# ------------------------------------------------------------------------------------------------ dev set
+# Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro, "Reducing Activation Recomputation in Large
+# Transformer Models", arXiv:2205.05198 (MLSys 2023). Table 5: measured end-to-end iteration time (s) on
+# Selene (DGX A100 80GB, 8x HDR InfiniBand per node), "full recompute" (TP without SP, every block recomputed)
+# vs "present work" (Megatron-SP + selective recompute). Table 3: the configurations (seq 2048, vocab 51200,
+# GPT-3-style blocks, d_ff = 4h, fp16). Interleaving (chunks) as recorded by Calculon's validation inputs
+# (Isaev et al., "Calculon: a methodology and tool for high-level co-design of systems and large language
+# models", SC'23; github.com/calculon-ai/calculon validation/seqsel/tab5/*.json and calculon/llm/validation.py,
+# which holds the same iteration times); Calculon's published mean error on these 8 rows is 3.65%.
+#        name    h      heads layers tp pp  chunks gpus  batch mbs  full_s  present_s
+TABLE5 = [("22B", 6144, 64, 48, 8, 1, 1, 8, 4, 4, 1.42, 1.10),
+          ("175B", 12288, 96, 96, 8, 8, 3, 64, 64, 1, 18.13, 13.75),
+          ("530B", 20480, 128, 105, 8, 35, 3, 280, 280, 1, 49.05, 37.83),
+          ("1T", 25600, 160, 128, 8, 64, 1, 512, 512, 1, 94.42, 71.49)]
+# Table 5's model-FLOPs utilization of the present-work rows (Megatron's formula, 312 TFLOP/s per A100).
+TABLE5_MFU = {"175B": 0.514, "530B": 0.560, "1T": 0.563}
+CALCULON_MEAN_ERROR = 0.0365
+# The bound on the mean |relative error| over the 8 rows: this model measures 4.2% at its writing (its constants
+# are data-sheet and published-benchmark values, none fitted to these rows); 5% leaves room for refactoring
+# noise without letting a real regression through. Every row must stay within 12% (the worst, 22B present
+# work, is -9.6%: the model is optimistic for small hidden sizes).
+DEV_MEAN_BOUND, DEV_ROW_BOUND = 0.05, 0.12
+
+
+def dev_model(row) -> ModelSpec:
+    name, h, heads, layers = row[:4]
+    return ModelSpec(name=f"korthikanti-{name}", architecture="gpt2", vocab_size=51200, seq_len=2048,
+                     n_layer=layers, n_head=heads, d_model=h, d_ff=4 * h, tie_embeddings=True)
+
+
+def dev_layout(row, mode: str) -> PlanLayout:
+    _, _, _, _, tp, pp, chunks, gpus, batch, mbs = row[:10]
+    return PlanLayout(tp=tp, pp=pp, dp=gpus // (tp * pp), chunks=chunks,
+                      schedule="interleaved" if chunks > 1 else "1f1b", sp="none" if mode == "full" else "megatron",
+                      zero_stage=0, recompute="full" if mode == "full" else "selective",
+                      micro_batches=batch // mbs, micro_batch_size=mbs)
+
+
+def dev_predict(row, mode: str):
+    """The prediction for a Table 5 row, with Megatron-LM's 2022 implementation choices: fp16, unfused
+    attention, dropout, asynchronous backward TP collectives, scatter-gather pipeline transfers, fp32 main
+    gradients accumulated in the weight-gradient GEMM."""
+    return predict(dev_model(row), dev_layout(row, mode), DGX_A100, seq_len=2048, dtype="fp16",
+                   attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
+                   fused_wgrad=True, fused_kernels=True)
+
+
+def dev_errors() -> list[tuple[str, str, float, float]]:
+    """(model, mode, measured s, predicted s) for the 8 rows."""
+    out = []
+    for row in TABLE5:
+        for mode, measured in (("full", row[10]), ("present", row[11])):
+            out.append((row[0], mode, measured, dev_predict(row, mode).step_s))
+    return out
+
+
+def test_table5_mean_error_is_within_the_bound():
+    errors = [(name, mode, predicted / measured - 1) for name, mode, measured, predicted in dev_errors()]
+    mean = sum(abs(e) for *_, e in errors) / len(errors)
+    assert mean < DEV_MEAN_BOUND, f"mean |error| {mean:.2%} (Calculon: {CALCULON_MEAN_ERROR:.2%}); rows {errors}"
+    worst = max(errors, key=lambda e: abs(e[2]))
+    assert abs(worst[2]) < DEV_ROW_BOUND, f"worst row {worst}"
+
+
+# ------------------------------------------------------------------------------------------------ closed forms
+
+
+def test_ring_all_reduce_is_two_n_minus_one_over_n_s_over_b():
+    link = group_link(DGX_A100, size=8, stride=1)
+    size, n = 1e9, 8
+    expected = 2 * (n - 1) / n * size / 235e9 + 2 * (n - 1) * 3.4e-6 + NCCL_BASE_LATENCY_S
+    assert ring_all_reduce_s(size, n, link) == pytest.approx(expected, rel=1e-12)
+    assert all_gather_s(size, n, link) == pytest.approx((n - 1) / n * size / 235e9 + (n - 1) * 3.4e-6
+                                                        + NCCL_BASE_LATENCY_S, rel=1e-12)
+    assert ring_all_reduce_s(size, 1, link) == 0.0 and all_gather_s(size, 1, link) == 0.0
+
+
+def test_all_reduce_takes_the_tree_only_where_latency_dominates():
+    link = group_link(DGX_A100, size=1024, stride=8)  # one rank per node: the NIC, 25 GB/s, 14 us per step
+    tree_small = 2 * 4096 / (TREE_EFFICIENCY * 25e9) + 2 * math.log2(1024) * 14e-6 + NCCL_BASE_LATENCY_S
+    assert tree_all_reduce_s(4096, 1024, link) == pytest.approx(tree_small, rel=1e-12)
+    tree = tree_all_reduce_s(4096, 1024, link)
+    assert all_reduce_s(4096, 1024, link) == tree < ring_all_reduce_s(4096, 1024, link)
+    assert all_reduce_s(1e9, 64, link) == ring_all_reduce_s(1e9, 64, link)  # bandwidth-bound: the ring
+    # At 1024 ranks the ring's 2(N-1) steps of 14 us outweigh its bandwidth edge even for 1 GB.
+    assert all_reduce_s(1e9, 1024, link) == tree_all_reduce_s(1e9, 1024, link)
+
+
+def test_a_tp_group_larger_than_a_node_pays_the_nic():
+    one_nic = cluster(CATALOG, gpu="a100-80gb", gpus_per_node=8, inter_node="ib-hdr", nics_per_node=1)
+    inside = group_link(one_nic, size=8, stride=1)
+    across = group_link(one_nic, size=16, stride=1)
+    assert (inside.bytes_per_s, inside.crosses_nodes) == (235e9, False)
+    # 8 members per node share the node's single 25 GB/s NIC: k/G of it with k = G = 8.
+    assert (across.bytes_per_s, across.latency_s, across.crosses_nodes) == (25e9, 14e-6, True)
+    # A DP group of one rank per node gets that rank's 1/8 share.
+    assert group_link(one_nic, size=4, stride=8).bytes_per_s == 25e9 / 8
+    # A group that straddles nodes (3 does not divide 8) is priced as crossing.
+    assert group_link(one_nic, size=3, stride=1).crosses_nodes
+
+
+def test_tp16_all_reduces_are_the_closed_form_over_the_nic():
+    """tp=16 on 8-GPU nodes, no SP, no recompute, one stage: per block 2 forward + 2 backward all-reduces of
+    ``T h e`` bytes, plus the embedding's and the head's, plus the loss's 3 of ``T`` floats, all on the NIC;
+    and with tp=8 the NIC's speed does not matter at all."""
+    model = packaged("gpt3-6.7b")
+    nets = [cluster(CATALOG, gpu="a100-80gb", gpus_per_node=8, inter_node="ib-hdr", nics_per_node=n)
+            for n in (1, 8)]
+    lay = PlanLayout(tp=16, micro_batches=2, micro_batch_size=1, zero_stage=0)
+    tokens, h = 2048, model.d_model
+    for net in nets:
+        link = group_link(net, size=16, stride=1)
+        per_mb = (4 * model.n_layer + 2) * all_reduce_s(tokens * h * 2, 16, link) \
+            + 3 * all_reduce_s(tokens * 4, 16, link)
+        got = predict(model, lay, net, seq_len=2048).time_s["all_reduce"]
+        assert got == pytest.approx(2 * per_mb, rel=1e-12)
+    tp8 = replace(lay, tp=8)
+    assert predict(model, tp8, nets[0], seq_len=2048).time_s["all_reduce"] == \
+        predict(model, tp8, nets[1], seq_len=2048).time_s["all_reduce"]
+
+
+def test_bubble_fraction_and_makespan():
+    assert bubble_fraction(8, 64, 3) == 7 / (3 * 64 + 7)
+    for p, m, v in ((4, 8, 1), (8, 64, 3), (35, 280, 3)):
+        t = 0.25
+        makespan = pipeline_makespan([t] * p, micro_batches=m, chunks=v)
+        assert (makespan - m * t) / makespan == pytest.approx(bubble_fraction(p, m, v), rel=1e-12)
+    # Unequal stages: the slowest runs all m micro-batches, the others fill and drain once.
+    assert pipeline_makespan([1.0, 2.0, 1.0], micro_batches=4) == 4 * 2.0 + 2.0
+    assert stage_layers(105, 35, 3) == [3] * 35 and stage_layers(10, 4, 1) == [3, 3, 2, 2]
+
+
+def test_model_flops_is_megatrons_formula():
+    for name, h, heads, layers, *_ in TABLE5:
+        model = dev_model((name, h, heads, layers))
+        b, s, v = 64, 2048, 51200
+        megatron = 72 * b * s * layers * h ** 2 * (1 + s / (6 * h) + v / (12 * layers * h))
+        assert model_flops(model, seq_len=s, batch=b) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_model_flops_reproduce_table5s_mfu():
+    """MFU = model FLOPs / (iteration time x GPUs x 312 TFLOP/s) gives Table 5's column; its times have 2-4
+    significant digits, so the MFU is compared to +-0.0005 (the printed precision)."""
+    for name, h, heads, layers, _, _, _, gpus, batch, _, _, present in TABLE5:
+        if name in TABLE5_MFU:
+            flops = model_flops(dev_model((name, h, heads, layers)), seq_len=2048, batch=batch)
+            assert flops / (present * gpus * 312e12) == pytest.approx(TABLE5_MFU[name], abs=5e-4)
+
+
+def test_quantization_counts_partial_tiles_and_waves():
+    assert quantization(256 * 108, 128, 108) == 1.0  # one full wave of 256x128 tiles
+    # 109 tiles of 256x128 need a second, nearly empty wave (109/216); 218 of 128x128 fill 218/324: the best
+    assert quantization(256 * 109, 128, 108) == pytest.approx(218 / 324, rel=1e-12)
+    assert quantization(100, 100, 108) == pytest.approx(100 * 100 / (128 * 128 * 108), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ the prediction
+
+
+def test_the_split_uses_the_profilers_labels_and_sums_to_the_step():
+    pred = dev_predict(TABLE5[1], "present")
+    assert tuple(pred.time_s) == LABELS and tuple(pred.overlapped_s) == OVERLAP_COLUMNS
+    assert sum(pred.time_s.values()) == pytest.approx(pred.step_s, rel=1e-9)
+    assert all(v >= 0 for v in pred.time_s.values()) and pred.time_s["bubble"] > 0
+    summary = pred.categories()
+    assert set(summary) == {"compute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "bubble",
+                            "offload", "idle", "exposed_comm"}
+    assert summary["exposed_comm"] == pytest.approx(sum(pred.time_s[c] for c in (
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "other_comm",
+        "p2p_send", "p2p_recv")), rel=1e-12)
+    assert pred.overlapped_s["overlapped_reduce_scatter"] > 0  # tp_overlap hides SP's backward reduce-scatters
+    assert pred.tflops_per_gpu == pytest.approx(pred.mfu * 312, rel=1e-12)
+    assert pred.tokens_per_s_per_gpu == pytest.approx(64 * 2048 / pred.step_s / 64, rel=1e-12)
+
+
+def test_zero3_moves_one_and_a_half_times_zero2s_volume():
+    model = packaged("gpt2-760m")
+    base = PlanLayout(dp=8, micro_batches=1, micro_batch_size=4)
+    comm = {}
+    for stage in (2, 3):
+        pred = predict(model, replace(base, zero_stage=stage), DGX_A100, seq_len=1024, overlap_dp=False)
+        comm[stage] = pred.time_s["all_gather"] + pred.time_s["reduce_scatter"]
+    assert comm[3] / comm[2] == pytest.approx(1.5, rel=1e-9)
+
+
+def test_data_parallel_reduction_hides_under_backward():
+    model = packaged("gpt2-760m")
+    lay = PlanLayout(dp=8, zero_stage=0, micro_batches=1, micro_batch_size=4)
+    hidden = predict(model, lay, DGX_A100, seq_len=1024)
+    exposed = predict(model, lay, DGX_A100, seq_len=1024, overlap_dp=False)
+    assert hidden.overlapped_s["overlapped_all_reduce"] == pytest.approx(exposed.time_s["all_reduce"], rel=1e-9)
+    assert hidden.step_s == pytest.approx(exposed.step_s - exposed.time_s["all_reduce"]
+                                          + hidden.time_s["all_reduce"], rel=1e-9)
+
+
+def test_cpu_optimizer_offload_is_host_traffic_and_gpu_idle():
+    model = packaged("gpt2-760m")
+    lay = PlanLayout(zero_stage=1, offload_optimizer="cpu", micro_batches=1, micro_batch_size=4)
+    pred = predict(model, lay, DGX_A100, seq_len=1024)
+    params = model.params()
+    assert pred.time_s["memcpy_d2h"] == pytest.approx(params * 2 / 24e9, rel=1e-12)  # bf16 grads, NCCL's Gen4
+    assert pred.time_s["memcpy_h2d"] == pytest.approx(params * 2 / 24e9, rel=1e-12)  # bf16 parameters back
+    assert pred.time_s["idle"] == pytest.approx(28 * params / (409.6e9 / 8), rel=1e-9)  # CPU Adam, node share
+    assert pred.categories()["offload"] == pytest.approx(params * 4 / 24e9, rel=1e-12)
+
+
+def test_ulysses_all_to_alls_are_the_closed_form_and_ring_hops_hide_under_attention():
+    """Ulysses: per block and micro-batch 2 x (q and out of ``T a d`` bytes + k and v of ``T g d``) all-to-alls
+    each way, exposed; ring: the K/V hops overlap the attention they feed."""
+    model, h100 = packaged("llama3-8b"), CATALOG.cluster("dgx-h100")
+    lay = PlanLayout(cp=4, sp="ulysses", micro_batches=1, micro_batch_size=1)
+    tokens, hd = 32768 // 4, model.dim_per_head
+    link = group_link(h100, size=4, stride=1)
+    per_pass = 2 * all_to_all_s(tokens * model.n_head * hd * 2, 4, link) \
+        + 2 * all_to_all_s(tokens * model.kv_heads * hd * 2, 4, link)
+    got = predict(model, lay, h100, seq_len=32768).time_s["all_to_all"]
+    assert got == pytest.approx(model.n_layer * 2 * per_pass, rel=1e-12)
+    ring = predict(model, replace(lay, sp="ring"), h100, seq_len=32768)
+    assert ring.overlapped_s["overlapped_p2p_send"] > 0 and ring.time_s["all_to_all"] == 0
+
+
+def test_shardlines_eager_kernels_cost_more_than_fused_ones():
+    model, h100 = packaged("llama3-8b"), CATALOG.cluster("dgx-h100")
+    lay = PlanLayout(dp=8, micro_batches=2, micro_batch_size=1)
+    eager = predict(model, lay, h100, seq_len=8192)
+    fused = predict(model, lay, h100, seq_len=8192, fused_kernels=True)
+    assert fused.step_s < eager.step_s and fused.mfu > eager.mfu
+
+
+def test_full_recompute_costs_more_than_selective_which_costs_more_than_none():
+    row = TABLE5[0]
+    steps = {mode: predict(dev_model(row), replace(dev_layout(row, "present"), recompute=mode), DGX_A100,
+                           seq_len=2048, attention="materialized").step_s for mode in ("none", "selective", "full")}
+    assert steps["none"] < steps["selective"] < steps["full"]
+
+
+def test_bad_inputs_name_every_value():
+    model = packaged("llama3-8b")
+    with pytest.raises(PlanError) as error:
+        predict(model, PlanLayout(tp=3, pp=64, offload_params="cpu", zero_stage=2), DGX_A100, seq_len=8192,
+                dtype="fp8")
+    message = str(error.value)
+    for part in ("n_head=32 is not divisible by tp=3", "kv heads=8", "n_layer=32 < pp*chunks=64",
+                 "offload_params='cpu' needs zero_stage=3", "dtype='fp8'", "a100-80gb"):
+        assert part in message
+    with pytest.raises(PlanError, match="attention='sdpa'"):
+        predict(model, PlanLayout(), DGX_A100, seq_len=8192, attention="sdpa")
