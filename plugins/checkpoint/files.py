@@ -135,6 +135,10 @@ class ShardWriter:
         self.pending.append((key, tensor, tuple(shape), name, box))
         self.size += nbytes
 
+    @property
+    def written(self) -> list[str]:
+        return [f"rank-{self.rank:05d}-{i:03d}.safetensors" for i in range(self.files)]
+
     def flush(self) -> None:
         if not self.pending:
             return
@@ -147,8 +151,15 @@ class ShardWriter:
         self.pending, self.size = [], 0
 
 
-def build_manifest(records: list[list[tuple]], folder: Path, meta: dict) -> dict:
-    """The manifest from every rank's piece records; sizes and CRCs of every file in ``folder``."""
+def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
+    """Size (and, for the small ``.pt`` files, CRC-32) of each of ``names`` in ``folder``, as the rank that wrote
+    them sees them (on a network filesystem another rank's view may lag)."""
+    return {name: {"size": (folder / name).stat().st_size,
+                   "crc32": None if name.endswith(".safetensors") else file_crc(folder / name)} for name in names}
+
+
+def build_manifest(records: list[list[tuple]], files: dict[str, dict], meta: dict) -> dict:
+    """The manifest from every rank's piece records and the files every rank wrote (:func:`describe_files`)."""
     tensors: dict[str, dict] = {}
     for rank_records in records:
         for name, shape, dtype, file, key, box, value in rank_records:
@@ -157,17 +168,13 @@ def build_manifest(records: list[list[tuple]], folder: Path, meta: dict) -> dict
                 raise CheckpointError(f"ranks disagree on tensor {name!r}: {entry['shape']} {entry['dtype']} vs "
                                       f"{shape} {dtype} (in {file})")
             entry["pieces"].append([file, key, box, value])
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name != MANIFEST:
-            files[path.name] = {"size": path.stat().st_size,
-                                "crc32": None if path.suffix == ".safetensors" else file_crc(path)}
-    return {"format": FORMAT, "version": VERSION, **meta, "files": files, "tensors": dict(sorted(tensors.items()))}
+    return {"format": FORMAT, "version": VERSION, **meta, "files": dict(sorted(files.items())),
+            "tensors": dict(sorted(tensors.items()))}
 
 
 class AtomicSave:
-    """The folder a save writes into, and its commit (module docstring). Rank 0 calls :meth:`create` and
-    :meth:`commit`; every rank writes into :attr:`tmp`."""
+    """The folder a save writes into, and its commit (module docstring). Every rank calls :meth:`create` and
+    writes into :attr:`tmp`; rank 0 calls :meth:`commit`. The folder must be on a filesystem every rank shares."""
 
     def __init__(self, final: Path, token: str):
         self.final = Path(final)
@@ -178,7 +185,8 @@ class AtomicSave:
         return secrets.token_hex(4)
 
     def create(self) -> None:
-        self.tmp.mkdir(parents=True, exist_ok=False)
+        """Make :attr:`tmp` (every rank may call it; the token is new, so the folder is this save's alone)."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
 
     def commit(self, manifest: dict, *, rank: int) -> None:
         phase("before_manifest", rank)
@@ -341,4 +349,4 @@ class CheckpointReader:
 
 
 __all__ = ["AtomicSave", "CheckpointReader", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER",
-           "ShardWriter", "build_manifest", "crc", "is_checkpoint", "phase", "resolve"]
+           "ShardWriter", "build_manifest", "crc", "describe_files", "is_checkpoint", "phase", "resolve"]

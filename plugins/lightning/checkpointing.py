@@ -37,6 +37,8 @@ from shardline.plugins.checkpoint.files import (
     AtomicSave,
     CheckpointReader,
     ShardWriter,
+    build_manifest,
+    describe_files,
     phase,
     resolve,
 )
@@ -95,6 +97,8 @@ def _optimizer(strategy):
 def _first_stage_writes(grid, mine: list[Entry]) -> list[Entry]:
     """``mine`` with ``writes`` cleared where a lower pipeline stage holds the same tensor (a parameter outside
     the pipeline's layers lives on every stage): each tensor is written by one stage only."""
+    if grid.size("pp") == 1:
+        return mine
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (grid.coords["pp"], [e.name for e in mine]))
     first: dict[str, int] = {}
@@ -110,18 +114,16 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically."""
     grid, me = strategy.grid, strategy.global_rank
-    token = strategy.broadcast(AtomicSave.new_token())
-    target = AtomicSave(Path(strategy.broadcast(str(filepath))), token)
-    if me == 0:
-        target.create()
-    strategy.barrier("shardline_checkpoint_begin")
-    phase("before_shards", me)
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
     weights_only = "optimizer_states" not in checkpoint
     keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and not weights_only else []
-    keys = strategy.broadcast(keys)  # every rank's optimizer keeps the same state kinds
+    # Rank 0's folder, token and optimizer state kinds (every rank's optimizer keeps the same kinds), at once.
+    path, token, keys = strategy.broadcast((str(filepath), AtomicSave.new_token(), keys))
+    target = AtomicSave(Path(path), token)
+    target.create()  # every rank: whoever comes first makes it
+    phase("before_shards", me)
     replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
     module = strategy.lightning_module
@@ -140,15 +142,17 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
                 "step": compat.optimizer_step_count(optimizer),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         _save_small(trainer_state, target.tmp / TRAINER_FILE)
-    records: list = [None] * dist.get_world_size()
-    dist.all_gather_object(records, writer.records)
+    mine_files = writer.written + [_rank_file(me)] + ([TRAINER_FILE] if me == 0 else [])
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (writer.records, describe_files(target.tmp, mine_files)))
     if me == 0:
-        from shardline.plugins.checkpoint.files import build_manifest
+        records = [r for r, _ in gathered]
+        files = {name: info for _, described in gathered for name, info in described.items()}
 
         meta = {"world_size": dist.get_world_size(), "layout": strategy.layout_record(),
                 "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
                 "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
-        target.commit(build_manifest(records, target.tmp, meta), rank=me)
+        target.commit(build_manifest(records, files, meta), rank=me)
     strategy.barrier("shardline_checkpoint_end")
 
 
