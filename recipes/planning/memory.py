@@ -1,0 +1,441 @@
+"""Memory per GPU before a launch: bytes per rank for every pipeline rank of one layout (issue 18, section 1).
+
+Notation: ``E`` = ``dtype_bytes`` (2: bf16 mixed precision, 4: float32), ``W = 4`` (float32 statistics, softmax,
+log-sum-exp, master weights), ``t, cp, p, v, m, b`` = tp, cp, pp, chunks, micro-batches, micro-batch size,
+``N = dp * cp`` (the ZeRO group), ``S`` the sequence, ``s = S/cp`` (a CP rank's tokens), ``s_h = s/t`` under
+Megatron-SP else ``s`` (the hidden rows a rank holds), ``h, f, a, kv, hd`` width, FFN, heads, KV heads, head dim,
+``q = a*hd``. Only pipeline ranks differ (TP shards, padded vocabulary rows and ZeRO partitions are equal across
+tp/cp/dp), so one :class:`RankMemory` per pipeline rank, standing for global rank ``r * t * cp * dp``.
+
+**Parameters** (exact; the reference is the rank's model built on the meta device). The ``L + 2`` pipeline layers
+``[embedding, blocks, head]`` are cut uniformly into ``p*v`` stages (stage ``k``: ``[k n/(pv), (k+1) n/(pv))``),
+stage ``k`` on pipeline rank ``k % p``. TP divides every projection by ``t`` (K/V rows ``kv*hd/t`` even when
+``t > kv``) and pads the vocabulary to ``V' = ceil(V/t)*t`` rows; norms, row-parallel biases and GPT's positions
+are replicated. A tied head on the last stage is a shadow copy: in params and grads, never partitioned, no
+optimizer state (:class:`~shardline.plugins.lightning.deepspeed_compat.TiedAcrossStages`).
+
+**Model states** (Rajbhandari et al. 2020, §3.1, §5, Table 1): mixed-precision Adam holds ``2Ψ + 2Ψ + KΨ``, K = 12
+(fp32 master 4, moments 8); P_os divides ``KΨ`` by N, P_os+g also the gradients, P_os+g+p everything: ``16Ψ/N``
+(:func:`zero_model_states`). What DeepSpeed 0.19 allocates, which this follows (checked against its partitions):
+ZeRO-1/2 flatten the rank's parameters into one buffer padded to a multiple of ``2N`` elements
+(``nccl_start_alignment_factor = 2``, times N), partition ``= flat/N``, and clone an fp32 master partition even in
+float32 (K = 12 at E = 4 too); ZeRO-3 pads each parameter to a multiple of N (partition ``ceil(n/N)``), keeps
+parameters under ``stage3_param_persistence_threshold`` whole on every rank (besides their partition) and clones
+the master too (its no-copy branch for float32 compares ``tensor.device`` with a string, never equal); ZeRO-0
+runs torch's AdamW on the weights in float32 (8 bytes) and ``FP16_UnfusedOptimizer`` in bf16 (fp32 copies and
+moments, 12). Gradients: ZeRO-0/1 hold ``Ψ_r E`` during backward (ZeRO-1 reduces at the boundary), ZeRO-2/3
+their partition, the gradients in flight sitting in the buckets (under pp > 1 ZeRO-2 reduces only at the step, so
+a rank's gradients wait in its buckets until they overflow into the partition). The fp32 gradient partition the
+optimizer step makes (4 bytes per partition element) lives after the activations are gone: not counted.
+
+**Offload**: ``offload_optimizer`` (ZeRO >= 1) moves master, moments and the gradient partition to CPU RAM,
+``4 + 8 + 4 + E`` bytes per partition element (master, moments, fp32 gradients, and the bf16 staging copy at
+ZeRO-1/2 or the gradient partition at ZeRO-3); ``nvme`` (ZeRO-3) puts master and moments on the drive and keeps 4
+swap buffers of ``min(partition, sub_group_size)`` fp32 elements in CPU RAM. ``offload_params`` (ZeRO-3) leaves
+the persistent parameters on the GPU and the partitions in CPU RAM (``nvme``: on the drive, with 5 swap buffers
+of 1e8 elements).
+
+**Buffers** (DeepSpeed's defaults, ``runtime/zero/config.py``; allocated at this size whatever the model's size):
+``reduce_bucket_size = 5e8`` elements of E: one staging bucket at ZeRO-1, two at ZeRO-2 (``overlap_comm``), one at
+ZeRO-3; ZeRO-0 with N > 1 flattens ``min(Ψ_r, allreduce_bucket_size = 5e8)``. ZeRO-3's gathered working set is the
+largest hosted layer's non-persistent parameters plus ``stage3_prefetch_bucket_size = 5e7`` (none under pp > 1:
+the pipeline runs the coordinator without prefetch), capped by ``stage3_max_live_parameters = 1e9``. The last
+stage adds its logits and their fp32 gradient, ``b s V'/t (E + W)``; a pipeline rank its two p2p buffers
+``2 b s_h h E``; every GPU :data:`FIXED_OVERHEAD_BYTES` (CUDA context, NCCL communicators, allocator slack).
+
+**Activations**: the bytes autograd saves, per micro-batch (validated against
+:class:`~shardline.plugins.pipeline.memory.SavedTensorMeter` within 5%). Korthikanti et al. 2022 (Table 2, 16-bit)
+give per layer ``sbh(34 + 5as/h)`` with no parallelism, ``sbh(10 + 24/t + 5as/(ht))`` under TP, ``sbh(34 + 5as/h)/t``
+under TP + SP, without the ``5as/h`` term under selective recompute and ``2sbh`` under full recompute
+(:func:`korthikanti_layer_bytes`). shardline's layers differ in three ways: attention is fused (flash SDPA, ring
+attention keeping the log-sum-exp), so the ``5as^2b`` softmax/dropout terms are never stored and ``selective``
+equals ``none``; dropout is 0 (no masks: the paper's ``2sbh``); and Megatron-SP saves the all-gathered input of
+each column-parallel projection (``b s h E``, once per projection when ``b > 1``: the gathered tensor is a
+non-contiguous view each projection copies) where Megatron keeps the shard. Per block and micro-batch::
+
+    GPT:   E[2 b s_h h + 2 b s h + b s (4q + 2f)/t] + W[4 b s_h + a b s/t]
+    Llama: (W + E) 2 b s_h h + 2 W b s_h + E[(c_qkv + c_mlp) b s h + b s (4q + 4f)/t] + W a b s/t
+           + E 2 kv hd (h + bias) when t > kv (the gathered K/V weights)
+
+with ``c_qkv, c_mlp = 3, 2`` under SP when ``b > 1``, else 1 (GPT has one projection per gathered input),
+plus, under Ulysses, the attention output a second time and two int64 position indexes ``[S]``. The embedding
+saves ``8 s`` (GPT's position index; under SP a view of all ``s``) and ``9 b s`` under TP (local ids, mask); the
+head its norm, the projection input ``E b s h`` and the loss's fp32 softmax ``W b s V'/t`` with ``10 b s`` of
+target index and masks; each rank once the rotary tables ``2 s hd E``. (On a CPU, bf16 LayerNorm keeps its
+statistics in bf16, 2 bytes where CUDA keeps 4.) Full recompute saves each block's input ``E b s_h h`` and
+recomputes one block at a time (``activations.recompute``, invisible to the meter). In flight per rank: one
+micro-batch at ``pp = 1`` (gradient accumulation is sequential); GPipe ``m``; 1F1B ``min(p - r, m)``; interleaved
+1F1B the peak, over the rank's schedule, of the bytes of its in-flight (chunk, micro-batch) pairs (Megatron's
+warm-up ``min(2(p - r - 1) + (v - 1)p, vm)`` forwards plus one: interleaving's extra over 1F1B).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shardline.recipes.planning.layout import PlanLayout
+from shardline.recipes.planning.models import ModelSpec
+from shardline.recipes.schema import RecipeError
+
+GIB = 2**30
+#: DeepSpeed 0.19 defaults this estimate assumes (``runtime/zero/config.py``, ``offload_config.py``), in elements.
+REDUCE_BUCKET_SIZE = 500_000_000
+ALLREDUCE_BUCKET_SIZE = 500_000_000
+PREFETCH_BUCKET_SIZE = 50_000_000
+MAX_LIVE_PARAMETERS = 1_000_000_000
+PERSISTENCE_THRESHOLD = 100_000
+SUB_GROUP_SIZE = 1_000_000_000
+NCCL_ALIGNMENT = 2  # nccl_start_alignment_factor: ZeRO-1/2 pad the flat buffer to a multiple of 2N elements
+OPTIMIZER_SWAP_BUFFERS = 4
+PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_SIZE = 5, 100_000_000
+#: Per-GPU cost no layout changes: the CUDA context with cuBLAS/cuDNN workspaces (~0.6 GiB on an H100), NCCL
+#: communicators' buffers for the grid's groups (~1 GiB) and the caching allocator's slack. A stated constant (not
+#: measured here: no GPU); ``estimate(overhead_bytes=...)`` replaces it.
+FIXED_OVERHEAD_BYTES = 2 * GIB
+W = 4  # float32: statistics, softmax, log-sum-exp, master weights
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's GPU bytes by category, its CPU RAM and NVMe bytes, and named parts (``detail``)."""
+
+    pp_rank: int
+    rank: int
+    stages: tuple[int, ...]
+    param_elements: int  # what the rank's module holds (a tied shadow included): the meta-device count
+    optimized_elements: int  # what DeepSpeed optimises (the shadow excluded)
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    cpu: int
+    nvme: int
+    in_flight: dict = field(default_factory=dict)  # stage -> micro-batches in flight at the activation peak
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def categories(self) -> dict[str, int]:
+        """``{"params", "grads", "optimizer", "activations", "buffers", "total"}`` in bytes (the plan's JSON keys)."""
+        return {**{k: getattr(self, k) for k in CATEGORIES}, "total": self.total}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    model: ModelSpec
+    layout: PlanLayout
+    seq_len: int
+    dtype_bytes: int
+    ranks: tuple[RankMemory, ...]
+
+    @property
+    def most_loaded(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: (r.total, -r.pp_rank))
+
+    @property
+    def max_memory_rank(self) -> int:
+        """The global rank of the most loaded position (the first of equals)."""
+        return self.most_loaded.rank
+
+    def categories(self) -> dict[str, int]:
+        return self.most_loaded.categories()
+
+    def memory_gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in self.categories().items()}
+
+
+# --- the layout's rules ------------------------------------------------------------------------------------------
+
+def layout_problems(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes: int) -> list[str]:
+    """Every reason ``layout`` cannot run ``model`` (the model classes' ``layout_problems``, DeepSpeed's offload
+    rules of :func:`~shardline.plugins.lightning.zero.derive_config`, the schedule's), each naming its numbers."""
+    t, cp, p, v = layout.tp, layout.cp, layout.pp, layout.chunks
+    problems = [f"{k}={val} is not divisible by tp={t}" for k, val in
+                (("n_head", model.n_head), ("d_ff", model.d_ff)) if val % t]
+    kv, hd = model.kv_heads, model.dim_per_head
+    if kv % t and (t % kv or hd % (t // kv)):
+        problems.append(f"n_kv_head={kv} cannot be spread over tp={t} (neither divides the other, or head_dim={hd} "
+                        f"is not divisible by tp/n_kv_head)")
+    if model.vocab_size < t:
+        problems.append(f"vocab_size={model.vocab_size} is smaller than tp={t}")
+    stages = p * v if p > 1 else 1
+    if model.n_layer + 2 < stages:
+        problems.append(f"n_layer={model.n_layer} gives {model.n_layer + 2} pipeline layers, fewer than "
+                        f"pp*chunks={stages} stages")
+    if not isinstance(seq_len, int) or not 1 <= seq_len <= model.seq_len:
+        problems.append(f"seq_len={seq_len!r} must be an integer in 1..{model.seq_len} (the model's seq_len)")
+    elif cp > 1 and seq_len % (2 * cp):
+        problems.append(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
+    elif layout.sp == "megatron" and (seq_len // cp) % t:
+        problems.append(f"megatron-SP: seq_len/cp={seq_len // cp} is not divisible by tp={t}")
+    if layout.sp == "megatron" and t == 1:
+        problems.append("sp='megatron' needs tp > 1 (tp=1)")
+    if layout.sp == "ulysses" and (model.n_head // t) % cp:
+        problems.append(f"ulysses: n_head/tp={model.n_head // t} is not divisible by cp={cp}")
+    if p > 1 and layout.schedule == "interleaved" and layout.micro_batches % p:
+        problems.append(f"interleaved: micro_batches={layout.micro_batches} is not a multiple of pp={p}")
+    z, oo, op = layout.zero_stage, layout.offload_optimizer, layout.offload_params
+    if oo != "none" and z == 0:
+        problems.append(f"offload_optimizer={oo!r} needs zero_stage >= 1 (zero_stage=0)")
+    if oo == "nvme" and z != 3:
+        problems.append(f"offload_optimizer='nvme' needs zero_stage=3 (zero_stage={z})")
+    if op != "none" and z != 3:
+        problems.append(f"offload_params={op!r} needs zero_stage=3 (zero_stage={z})")
+    if dtype_bytes not in (2, 4):
+        problems.append(f"dtype_bytes={dtype_bytes!r} must be 2 (bf16 mixed precision) or 4 (float32)")
+    return problems
+
+
+# --- parameters --------------------------------------------------------------------------------------------------
+
+def padded_vocab(model: ModelSpec, *, tp: int) -> int:
+    """``V' = ceil(V/tp)*tp`` (:func:`~shardline.plugins.layers.tp_vocab.pad_vocab`)."""
+    return -(-model.vocab_size // tp) * tp
+
+
+def layer_numels(model: ModelSpec, index: int, *, tp: int) -> list[int]:
+    """Sizes (elements) of the parameters of pipeline layer ``index`` (0: embedding, ``n_layer + 1``: head) on one
+    TP rank. The head lists its vocabulary matrix even when tied (whether a rank holds it is the caller's)."""
+    d, f, t = model.d_model, model.d_ff, tp
+    q, kvd = model.n_head * model.dim_per_head, model.kv_heads * model.dim_per_head
+    vocab = padded_vocab(model, tp=t) // t * d
+    gpt = model.architecture == "gpt2"
+    if index == 0:
+        return [vocab, model.seq_len * d] if gpt else [vocab]
+    if index == model.n_layer + 1:
+        return ([d, d] if gpt else [d]) + [vocab]
+    if gpt:  # ln1, qkv, proj, ln2, fc1, fc2 (weights and biases)
+        return [d, d, 3 * q * d // t, 3 * q // t, d * q // t, d, d, d, f * d // t, f // t, d * f // t, d]
+    bias = [q // t, kvd // t, kvd // t] if model.qkv_bias else []
+    return [d, q * d // t, kvd * d // t, kvd * d // t, *bias, d * q // t, d, f * d // t, f * d // t, d * f // t]
+
+
+def hosted_stages(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> dict[int, range]:
+    """``{stage: its layers}`` of pipeline rank ``pp_rank``, the cut of
+    :func:`~shardline.plugins.models.decoder.hosted_layers`."""
+    n, stages = model.n_layer + 2, layout.pp * layout.chunks if layout.pp > 1 else 1
+    return {s: range(s * n // stages, (s + 1) * n // stages) for s in range(pp_rank, stages, layout.pp)}
+
+
+def rank_parameters(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> tuple[list[int], int]:
+    """``(sizes of the parameters DeepSpeed optimises on this rank, elements of a tied shadow)``."""
+    layers = [i for r in hosted_stages(model, layout, pp_rank).values() for i in r]
+    head = model.n_layer + 1
+    numels = [n for i in layers for n in layer_numels(model, i, tp=layout.tp)]
+    shadow = 0
+    if model.tie_embeddings and head in layers:
+        vocab = numels.pop()  # the head's matrix: the embedding's own here, or a shadow of it
+        shadow = 0 if 0 in layers else vocab
+    return numels, shadow
+
+
+# --- model states ------------------------------------------------------------------------------------------------
+
+def zero_model_states(psi: float, *, stage: int, n_d: int, k: int = 12) -> float:
+    """Bytes of model states per device, mixed precision (Rajbhandari et al. 2020, §5.1, Table 1):
+    baseline ``(2 + 2 + K)Ψ``; P_os ``4Ψ + KΨ/N_d``; P_os+g ``2Ψ + (2 + K)Ψ/N_d``; P_os+g+p ``(4 + K)Ψ/N_d``."""
+    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d, 2: 2 * psi + (2 + k) * psi / n_d,
+            3: (4 + k) * psi / n_d}[stage]
+
+
+def model_states(numels: list[int], shadow: int, layout: PlanLayout, dtype_bytes: int) -> dict[str, int]:
+    """GPU bytes of params/grads/optimizer (and CPU RAM, NVMe) for one rank, as DeepSpeed allocates them (see the
+    module docstring)."""
+    e, n, z = dtype_bytes, layout.zero_group, layout.zero_stage
+    oo, op = layout.offload_optimizer, layout.offload_params
+    psi = sum(numels)
+    out = dict(cpu=0, nvme=0, partition=psi)
+    if z == 0:
+        out.update(params=psi * e, grads=psi * e, optimizer=(12 if e == 2 else 8) * psi)
+    elif z in (1, 2):
+        flat = -(-psi // (NCCL_ALIGNMENT * n)) * NCCL_ALIGNMENT * n
+        part = out["partition"] = flat // n
+        grads = psi * e if z == 1 else (0 if oo != "none" else part * e)
+        out.update(params=flat * e, grads=grads, optimizer=0 if oo != "none" else 12 * part)
+        if oo != "none":
+            out["cpu"] = (4 + 8 + 4 + e) * part
+    else:
+        part = out["partition"] = sum(-(-x // n) for x in numels)
+        persistent = sum(x for x in numels if x < PERSISTENCE_THRESHOLD)
+        out.update(params=(persistent if op != "none" else part + persistent) * e,
+                   grads=0 if oo != "none" else part * e,
+                   optimizer=0 if oo != "none" else 12 * part)
+        if oo == "cpu":
+            out["cpu"] += (12 + e + 4) * part
+        elif oo == "nvme":
+            out["nvme"] += 12 * part
+            out["cpu"] += e * part + OPTIMIZER_SWAP_BUFFERS * min(part, SUB_GROUP_SIZE) * W
+        if op == "cpu":
+            out["cpu"] += part * e
+        elif op == "nvme":
+            out["nvme"] += part * e
+            out["cpu"] += PARAM_SWAP_BUFFERS * PARAM_SWAP_BUFFER_SIZE * e
+    out["params"] += shadow * e
+    out["grads"] += shadow * e
+    return out
+
+
+# --- activations -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Shape:
+    """One micro-batch on one rank: ``b``, ``S``, ``s = S/cp``, ``sh`` (hidden rows), ``t``, E, SP/CP modes."""
+
+    b: int
+    S: int
+    s: int
+    sh: int
+    t: int
+    e: int
+    megatron: bool
+    ulysses: bool
+
+    @classmethod
+    def of(cls, layout: PlanLayout, *, seq_len: int, dtype_bytes: int) -> _Shape:
+        s = seq_len // layout.cp
+        megatron = layout.sp == "megatron"
+        return cls(b=layout.micro_batch_size, S=seq_len, s=s, sh=s // layout.tp if megatron else s, t=layout.tp,
+                   e=dtype_bytes, megatron=megatron, ulysses=layout.sp == "ulysses" and layout.cp > 1)
+
+
+def block_bytes(model: ModelSpec, g: _Shape) -> int:
+    """Bytes one block saves for backward for one micro-batch (the module docstring's formula)."""
+    d, f, t, e, b, s, sh = model.d_model, model.d_ff, g.t, g.e, g.b, g.s, g.sh
+    q, a, hd, kv = model.n_head * model.dim_per_head, model.n_head, model.dim_per_head, model.kv_heads
+    attention = e * b * s * 4 * q // t + W * a * b * s // t  # q, k, v, output; log-sum-exp
+    ulysses = (e * b * s * q // t + 2 * 8 * g.S) if g.ulysses else 0  # output re-laid-out; BALANCED indexes
+    if model.architecture == "gpt2":
+        norms = 2 * e * b * sh * d + 4 * W * b * sh  # LayerNorm inputs and their mean/rstd
+        return norms + 2 * e * b * s * d + attention + 2 * e * b * s * f // t + ulysses
+    copies = (3, 2) if g.megatron and b > 1 else (1, 1)  # the gathered input, copied per projection
+    norms = 2 * ((W + e) * b * sh * d + W * b * sh)  # RMSNorm: fp32 input, 1/rms, normalised value
+    gathered = 2 * kv * hd * (d + model.qkv_bias) * e if t > kv else 0
+    return norms + sum(copies) * e * b * s * d + attention + 4 * e * b * s * f // t + gathered + ulysses
+
+
+def embedding_bytes(model: ModelSpec, g: _Shape) -> int:
+    positions = 8 * g.s if model.architecture == "gpt2" else 0  # GPT's position index (SP: a view of all s)
+    return positions + (9 * g.b * g.s if g.t > 1 else 0)  # TP: local ids (int64) and the outside mask
+
+
+def head_bytes(model: ModelSpec, g: _Shape, *, cp: int) -> int:
+    """Final norm, projection input, and the vocab-parallel loss (fp32 softmax, target index, two masks)."""
+    d, b, s, sh, e = model.d_model, g.b, g.s, g.sh, g.e
+    norm = e * b * sh * d + 2 * W * b * sh if model.architecture == "gpt2" else (W + e) * b * sh * d + W * b * sh
+    vocab = padded_vocab(model, tp=g.t) // g.t
+    return norm + e * b * s * d + W * b * s * vocab + 10 * b * s + W * (1 if cp == 1 else 2)
+
+
+def stage_bytes(model: ModelSpec, layers: range, g: _Shape, layout: PlanLayout) -> int:
+    """Bytes one micro-batch leaves saved on a stage of ``layers``."""
+    full = layout.recompute == "full"
+    total = 0
+    for i in layers:
+        if i == 0:
+            total += embedding_bytes(model, g)
+        elif i == model.n_layer + 1:
+            total += head_bytes(model, g, cp=layout.cp)
+        else:
+            total += g.e * g.b * g.sh * model.d_model if full else block_bytes(model, g)
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def _interleaved_steps(p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline rank, its computes in program order as ``(stage, +1 forward / -1 backward)``."""
+    from shardline.plugins.pipeline.schedule import build_schedule  # pure Python
+
+    schedule = build_schedule("interleaved", n_ranks=p, n_microbatches=m, n_chunks=v)
+    return tuple(tuple((a.stage, 1 if a.kind.value == "F" else -1) for a in actions if a.kind.value in ("F", "B"))
+                 for actions in schedule.actions)
+
+
+def in_flight_peak(layout: PlanLayout, pp_rank: int, per_stage: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """``(peak bytes, {stage: micro-batches in flight then})`` on ``pp_rank`` given each hosted stage's bytes per
+    micro-batch: 1 at pp = 1, ``m`` for GPipe, ``min(p - r, m)`` for 1F1B, the schedule's walk when interleaved."""
+    p, m = layout.pp, layout.micro_batches
+    if p == 1 or layout.schedule != "interleaved":
+        (stage, nbytes), = per_stage.items()
+        count = 1 if p == 1 else m if layout.schedule == "gpipe" else min(p - pp_rank, m)
+        return count * nbytes, {stage: count}
+    live, counts, best = 0, Counter(), (0, {})
+    for stage, step in _interleaved_steps(p, m, layout.chunks)[pp_rank]:
+        live += step * per_stage[stage]
+        counts[stage] += step
+        if live > best[0]:
+            best = (live, {k: c for k, c in counts.items() if c})
+    return best
+
+
+# --- the estimate ------------------------------------------------------------------------------------------------
+
+def _buffers(model, layout, g, numels, stages, dtype_bytes) -> dict[str, int]:
+    e, z, n = dtype_bytes, layout.zero_stage, layout.zero_group
+    buckets = {0: min(sum(numels), ALLREDUCE_BUCKET_SIZE) if n > 1 else 0, 1: REDUCE_BUCKET_SIZE,
+               2: 2 * REDUCE_BUCKET_SIZE, 3: REDUCE_BUCKET_SIZE}[z] * e
+    gather = 0
+    if z == 3:
+        big = [sum(x for x in layer_numels(model, i, tp=layout.tp) if x >= PERSISTENCE_THRESHOLD)
+               for r in stages.values() for i in r]
+        prefetch = min(PREFETCH_BUCKET_SIZE, sum(big) - max(big)) if layout.pp == 1 else 0
+        gather = min(MAX_LIVE_PARAMETERS, max(big) + prefetch) * e
+    last = model.n_layer + 1 in [i for r in stages.values() for i in r]
+    logits = g.b * g.s * padded_vocab(model, tp=g.t) // g.t * (e + W) if last else 0
+    p2p = 2 * g.b * g.sh * model.d_model * e if layout.pp > 1 else 0
+    return {"buffers.buckets": buckets, "buffers.zero3_gather": gather, "buffers.logits": logits,
+            "buffers.p2p": p2p}
+
+
+def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes: int = 2,
+             overhead_bytes: int = FIXED_OVERHEAD_BYTES) -> MemoryEstimate:
+    """Bytes per GPU for every pipeline rank of ``layout`` training ``model`` on ``seq_len``-token sequences with
+    ``dtype_bytes`` activations/weights (2: bf16 mixed precision, 4: float32); see the module docstring.
+
+    RecipeError naming every bad value when the layout cannot run the model."""
+    problems = layout_problems(model, layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
+    if problems:
+        raise RecipeError(f"model {model.name!r} cannot be estimated on {layout}: " + "; ".join(problems))
+    g = _Shape.of(layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
+    ranks = []
+    for r in range(layout.pp):
+        stages = hosted_stages(model, layout, r)
+        numels, shadow = rank_parameters(model, layout, r)
+        states = model_states(numels, shadow, layout, dtype_bytes)
+        per_stage = {s: stage_bytes(model, layers, g, layout) for s, layers in stages.items()}
+        saved, in_flight = in_flight_peak(layout, r, per_stage)
+        blocks = any(0 < i <= model.n_layer for layers in stages.values() for i in layers)
+        if blocks and model.architecture == "llama" and layout.recompute != "full":
+            saved += 2 * g.s * model.dim_per_head * dtype_bytes  # the rotary tables, shared by every block
+        recompute = block_bytes(model, g) if blocks and layout.recompute == "full" else 0
+        parts = _buffers(model, layout, g, numels, stages, dtype_bytes) | {"buffers.overhead": overhead_bytes}
+        detail = {"activations.saved": saved, "activations.recompute": recompute, **parts,
+                  "params.shadow": shadow * dtype_bytes, "partition_elements": states["partition"]}
+        ranks.append(RankMemory(
+            pp_rank=r, rank=r * layout.tp * layout.cp * layout.dp, stages=tuple(stages),
+            param_elements=sum(numels) + shadow, optimized_elements=sum(numels), params=states["params"],
+            grads=states["grads"], optimizer=states["optimizer"], activations=saved + recompute,
+            buffers=sum(parts.values()), cpu=states["cpu"], nvme=states["nvme"], in_flight=in_flight,
+            detail=detail))
+    return MemoryEstimate(model=model, layout=layout, seq_len=seq_len, dtype_bytes=dtype_bytes, ranks=tuple(ranks))
+
+
+def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer, Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte
+    dropout masks): ``sbh(10 + 24/t + 5as/(ht))`` (TP), ``sbh(34 + 5as/h)/t`` (TP + SP; t = 1: no parallelism),
+    the ``5as/h`` term dropped under selective recompute, ``2sbh`` under full recompute."""
+    if recompute == "full":
+        return 2 * s * b * h
+    attention = 5 * a * s / h if recompute == "none" else 0.0
+    return s * b * h * ((34 + attention) / t if sp else 10 + (24 + attention) / t)
+
+
+__all__ = ["CATEGORIES", "FIXED_OVERHEAD_BYTES", "GIB", "MemoryEstimate", "RankMemory", "block_bytes", "estimate",
+           "hosted_stages", "in_flight_peak", "korthikanti_layer_bytes", "layer_numels", "layout_problems",
+           "model_states", "padded_vocab", "rank_parameters", "zero_model_states"]

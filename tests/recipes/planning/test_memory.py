@@ -1,0 +1,416 @@
+"""The memory estimator (:mod:`shardline.recipes.planning.memory`) against what ranks really hold.
+
+(a) Exact structure: parameter counts per pipeline rank equal the rank's model built on the meta device from a
+stand-in grid (packaged sizes up to llama3-405b, tp 1-16 with tp > n_kv_head, pp with chunks, cp, vocabularies tp
+does not divide); params/grads/optimizer bytes equal DeepSpeed's own partitions on real gloo ranks (a real
+HybridParallelStrategy + LanguageModule, one step).
+(b) Measured activations: for CPU twins, the estimate's saved bytes per rank against SavedTensorMeter (pp = 1: the
+model's forward and backward; pp > 1: the pipeline engine's per-rank peak over its schedule), within 5%.
+(c) Published numbers: the ZeRO paper's Table 1 and Korthikanti et al.'s Table 2 formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import pytorch_lightning as pl  # imported before forking, so the ranks start warm
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from shardline.plugins.errors import LayoutError
+from shardline.plugins.grid import Grid, ParallelDims
+from shardline.plugins.lightning.strategy import HybridParallelStrategy
+from shardline.plugins.models.gpt import GPT
+from shardline.plugins.models.llama import Llama
+from shardline.plugins.pipeline import MemoryAccounting, PipelineEngine
+from shardline.plugins.pipeline.memory import SavedTensorMeter
+from shardline.plugins.pipeline.partition import build_stages, partition_layers
+from shardline.plugins.pipeline.schedule import build_schedule, simulate
+from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
+from shardline.recipes.lit_lm import LanguageModule
+from shardline.recipes.planning import memory
+from shardline.recipes.planning.layout import PlanLayout
+from shardline.recipes.planning.models import PACKAGED, ModelSpec
+from shardline.recipes.schema import RecipeError
+
+CLASSES = {"gpt2": GPT, "llama": Llama}
+
+
+def _dims(layout: PlanLayout) -> ParallelDims:
+    return ParallelDims(layout.world, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp, sp=layout.sp)
+
+
+# --- (a) exact structure: the meta device --------------------------------------------------------------------
+
+META_CASES = [
+    ("gpt2-760m", {}), ("llama2-13b", {}),
+    ("gpt2-125m", dict(tp=2)),  # 50257 rows padded to 50258
+    ("gpt2-350m", dict(tp=8, pp=2)),  # padded to 50264; the tied head is a shadow on the last stage
+    ("gpt2-1.5b", dict(pp=4, chunks=2, schedule="interleaved", micro_batches=4)),
+    ("gpt3-2.7b", dict(tp=4, pp=2, chunks=2, schedule="interleaved", micro_batches=2)),
+    ("gpt3-175b", dict(tp=8, pp=8, cp=2, sp="ring")),
+    ("llama2-7b", dict(tp=4, pp=2)),
+    ("llama2-70b", dict(tp=8, pp=4, chunks=2, schedule="interleaved", micro_batches=4)),
+    ("llama3-8b", dict(tp=16, pp=2)),  # tp > n_kv_head = 8: K/V rows head_dim/2 per rank
+    ("llama3-70b", dict(tp=8, pp=4, cp=2, sp="ulysses", dp=2)),
+    ("llama3-405b", dict(tp=8, pp=16)),
+]
+
+
+def _meta_count(spec: ModelSpec, layout: PlanLayout, rank: int) -> tuple[int, int]:
+    """(parameters, tied-shadow elements) of ``rank``'s model built on the meta device."""
+    model = CLASSES[spec.architecture](spec.shardline_config(), grid=Grid.stand_in(_dims(layout), rank=rank),
+                                       device="meta", chunks=layout.chunks)
+    params = dict(model.named_parameters())
+    shadow = 0
+    if spec.tie_embeddings and "head.weight" in params and "embedding.wte.weight" not in params:
+        shadow = params["head.weight"].numel()
+    return sum(p.numel() for p in params.values()), shadow
+
+
+@pytest.mark.parametrize(("name", "kw"), META_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(META_CASES)])
+def test_parameters_per_rank_equal_the_meta_device_model(name, kw):
+    spec, layout = PACKAGED[name], PlanLayout(**kw)
+    est = memory.estimate(spec, layout, seq_len=spec.seq_len, dtype_bytes=2)
+    assert [r.pp_rank for r in est.ranks] == list(range(layout.pp))
+    for r in est.ranks:
+        params, shadow = _meta_count(spec, layout, r.rank)
+        assert r.param_elements == params  # exact: integer counts
+        assert r.param_elements - r.optimized_elements == shadow
+        assert r.detail["params.shadow"] == 2 * shadow
+    if layout.pp == layout.tp == 1:
+        assert est.ranks[0].param_elements == spec.params()  # ModelSpec's closed form, unpadded
+
+
+def test_every_tp_cp_dp_rank_of_a_stage_holds_the_same():
+    spec = PACKAGED["llama3-8b"]
+    layout = PlanLayout(tp=4, cp=2, sp="ring", dp=2, pp=2)
+    counts = {}
+    for rank in range(layout.world):
+        counts.setdefault(_dims(layout).coords(rank)["pp"], set()).add(_meta_count(spec, layout, rank))
+    assert all(len(c) == 1 for c in counts.values())  # the estimate's one row per pipeline rank is every rank's
+
+
+@pytest.mark.parametrize("kw", [dict(tp=5), dict(tp=3), dict(pp=4, chunks=8, schedule="interleaved", micro_batches=4),
+                                dict(tp=2, sp="megatron"), dict(tp=16), dict(cp=2, sp="ulysses", tp=8),
+                                dict(cp=2, sp="ulysses", tp=64), dict(cp=3, sp="ring")])
+def test_layout_rules_agree_with_the_model_classes(kw):
+    """The estimator's own (torch-free) rules refuse exactly what the model classes refuse."""
+    spec, layout = PACKAGED["llama2-70b"].replace(n_layer=6), PlanLayout(**kw)
+    mine = memory.layout_problems(spec, layout, seq_len=spec.seq_len, dtype_bytes=2)
+    theirs = CLASSES[spec.architecture].layout_problems(spec.shardline_config(), _dims(layout))
+    try:  # the cut into pp*chunks stages is the pipeline's rule, not the class's
+        partition_layers(spec.n_layer + 2, layout.pp * layout.chunks)
+    except LayoutError as exc:
+        theirs.append(str(exc))
+    assert bool(mine) == bool(theirs), (mine, theirs)
+
+
+def test_bad_input_names_every_value():
+    spec = PACKAGED["gpt2-125m"]
+    with pytest.raises(RecipeError) as err:
+        memory.estimate(spec, PlanLayout(tp=5, zero_stage=0, offload_optimizer="cpu"), seq_len=4096,
+                        dtype_bytes=3)
+    for text in ("n_head=12", "tp=5", "d_ff=3072", "seq_len=4096", "1024", "offload_optimizer='cpu'",
+                 "zero_stage=0", "dtype_bytes=3"):
+        assert text in str(err.value)
+
+
+# --- (a) exact structure: DeepSpeed's partitions ---------------------------------------------------------------
+
+# The embedding (1601 x 64 = 102464 elements) is over ZeRO-3's persistence threshold of 1e5 at tp = 1, under it at
+# tp = 2 (801 x 64 after padding 1601 to 1602): both of ZeRO-3's kinds of parameter occur.
+DS_MODEL = dict(architecture="llama", vocab_size=1601, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                tie_embeddings=True)
+DS_SPEC = ModelSpec(name="ds-twin", architecture="llama", vocab_size=1601, seq_len=16, n_layer=2, n_head=4,
+                    n_kv_head=2, d_model=64, d_ff=256, tie_embeddings=True)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Partitions(pl.Callback):
+    """What DeepSpeed really allocated on this rank: the model's bit16 storage, the gradients (their peak during
+    backward; the reduced partition), the optimizer's fp32 master and Adam moments, the reduction buckets."""
+
+    def on_train_start(self, trainer, module):
+        self.opt, self.params = trainer.strategy.model.optimizer, list(module.parameters())
+        self.peak_grads = self.peak_bucket = 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._seen)
+        step = self.opt.step
+
+        def step_reading_the_partition(*args, **kwargs):  # under pp > 1 ZeRO-2 reduces only at the step
+            self._read_partition_grads()
+            return step(*args, **kwargs)
+
+        self.opt.step = step_reading_the_partition
+
+    def _seen(self, _):
+        self.peak_grads = max(self.peak_grads, _nbytes(p.grad for p in self.params))
+        buckets = [b for v in (getattr(self.opt, "ipg_buckets", None) or {}).values()
+                   for b in (v.buffer if isinstance(v.buffer, list) else [v.buffer])]
+        self.peak_bucket = max(self.peak_bucket, _nbytes(buckets))
+
+    def _read_partition_grads(self):
+        masters = getattr(self.opt, "single_partition_of_fp32_groups", None) or getattr(
+            self.opt, "fp32_partitioned_groups_flat", None) or []
+        self.master_grads = _nbytes(m.grad for m in masters)  # fp32, made for the step
+        self.staging = _nbytes(getattr(self.opt, "param_buffer_of_bit16_for_cpu_offload_groups", None) or [])
+        flat = getattr(self.opt, "grad_partitions_flat_buffer", None)  # ZeRO-3
+        averaged = getattr(self.opt, "averaged_gradients", None) or {}  # ZeRO-1/2, after the reduction
+        self.partition_grads = _nbytes([flat]) if flat is not None else _nbytes(
+            t for v in averaged.values() for t in v)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        opt, driver = self.opt, trainer.strategy.pipeline_driver
+        tied = driver.tied if driver is not None else None
+        shadow = _nbytes(tied.shadows) if tied is not None and tied.shadows else 0
+        bit16 = getattr(opt, "bit16_groups_flat", None)  # ZeRO-1/2: the params are views of it
+        zero3 = getattr(opt, "fp16_partitioned_groups_flat", None)
+        if bit16 is not None:
+            params = _nbytes(bit16)
+        elif zero3 is not None:  # the partitions, plus whatever is whole (the persistent parameters)
+            params = _nbytes(zero3) + _nbytes(p.data for p in self.params)
+        else:
+            params = _nbytes(self.params)
+        masters = (getattr(opt, "single_partition_of_fp32_groups", None)
+                   or getattr(opt, "fp32_partitioned_groups_flat", None) or [])
+        masters = [m for i, m in enumerate(masters)  # ZeRO-3 in float32: the partition is the master
+                   if zero3 is None or m.data_ptr() != zero3[i].data_ptr()]
+        masters += [t for g in getattr(opt, "fp32_groups", None) or [] for t in g]  # FP16_UnfusedOptimizer
+        base = getattr(opt, "optimizer", opt)
+        moments = [t for s in base.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() >= 1]
+        self.read = dict(params=params + shadow, shadow=shadow, optimizer=_nbytes(masters) + _nbytes(moments),
+                         peak_grads=self.peak_grads, partition_grads=self.partition_grads,
+                         bucket=self.peak_bucket, master_grads=self.master_grads, staging=self.staging,
+                         pp=trainer.strategy.grid.rank("pp"))
+
+
+def _deepspeed(rank, world, layout, precision):
+    adopt_process_group_in_lightning()
+    reader = _Partitions()
+    strategy = HybridParallelStrategy(**layout)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, precision=precision,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[reader])
+    tokens = torch.randint(0, DS_MODEL["vocab_size"], (8, 17), generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    trainer.fit(LanguageModule(**DS_MODEL), DataLoader(data, batch_size=8 // strategy.layout_for(world).dp))
+    return reader.read
+
+
+DS_CASES = [  # (world, strategy arguments, precision)
+    (2, dict(zero_stage=0), "32-true"), (2, dict(zero_stage=0), "bf16-mixed"),
+    (2, dict(zero_stage=1, offload_optimizer="cpu"), "bf16-mixed"), (2, dict(zero_stage=2), "32-true"),
+    (2, dict(zero_stage=3), "32-true"), (2, dict(zero_stage=3, offload_optimizer="cpu"), "bf16-mixed"),
+    (4, dict(tp=2, zero_stage=3), "bf16-mixed"), (4, dict(tp=2, pp=2, zero_stage=2), "32-true"),
+    (4, dict(cp=2, sp="ring", zero_stage=1), "32-true"),
+]
+
+
+@pytest.mark.parametrize(("world", "kw", "precision"), DS_CASES,
+                         ids=[f"w{w}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{p}" for w, kw, p in DS_CASES])
+def test_model_states_equal_deepspeeds_partitions(world, kw, precision):
+    e = 2 if precision.startswith("bf16") else 4
+    layout = PlanLayout(**kw, dp=world // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)))
+    est = memory.estimate(DS_SPEC, layout, seq_len=16, dtype_bytes=e)
+    for real in run_ranks(_deepspeed, world, kw, precision, timeout=120):
+        mine, z, n = est.ranks[real["pp"]], layout.zero_stage, layout.zero_group
+        assert mine.params == real["params"]  # exact: the flat buffer with its padding, ZeRO-3's persistent ones
+        assert mine.detail["params.shadow"] == real["shadow"]
+        if layout.offload_optimizer != "none":  # all of it in CPU RAM: master, moments, fp32 gradients, the
+            # bf16 staging copy (ZeRO-1/2) or the gradient partition (ZeRO-3); exact
+            assert mine.optimizer == 0
+            assert mine.cpu == real["optimizer"] + real["master_grads"] + real["staging"] + (
+                real.pop("partition_grads") if z == 3 else 0)
+        else:  # exact: the fp32 master (a clone at every stage) + exp_avg + exp_avg_sq
+            assert mine.optimizer == real["optimizer"] and mine.cpu == 0
+        if z <= 1:  # whole gradients during backward (ZeRO-1 reduces at the boundary): exact
+            assert mine.grads == real["peak_grads"]
+        else:  # the reduced partition (+ the shadow's own gradient, its shape): DeepSpeed's last rank holds
+            # the partition without its alignment padding, at most 2N - 1 elements
+            assert 0 <= mine.grads - real["shadow"] - real.get("partition_grads", 0) <= (2 * n - 1) * e
+        if z >= 1:
+            assert mine.detail["buffers.buckets"] == real["bucket"]  # 5e8 elements per bucket, exact
+
+
+# --- (b) measured activations -----------------------------------------------------------------------------------
+
+GPT_TWIN = ModelSpec(name="gpt-twin", architecture="gpt2", vocab_size=256, seq_len=128, n_layer=2, n_head=4,
+                     d_model=128, d_ff=512, tie_embeddings=True)  # recipes/tiny.yaml's model
+LLAMA_TWIN = ModelSpec(name="llama-twin", architecture="llama", vocab_size=61, seq_len=32, n_layer=4, n_head=4,
+                       n_kv_head=2, d_model=64, d_ff=128)
+
+
+def _saved_peak(spec: ModelSpec, layout: PlanLayout, grid, dtype) -> tuple[int, int]:
+    """(pipeline rank, peak bytes saved for backward) of one step on this rank."""
+    config = dataclasses.replace(spec.shardline_config(), activation_checkpointing=layout.recompute == "full")
+    model = CLASSES[spec.architecture](config, grid=grid, dtype=dtype, chunks=layout.chunks)
+    g = torch.Generator().manual_seed(0)
+    n = layout.micro_batch_size * (layout.micro_batches if layout.pp > 1 else 1)
+    ids, targets = (torch.randint(0, spec.vocab_size, (n, spec.seq_len), generator=g) for _ in range(2))
+    ids, targets = model.shard_batch(ids, targets)
+    if layout.pp == 1:
+        resident = {t.untyped_storage().data_ptr() for t in (*model.parameters(), ids, targets)}
+        with SavedTensorMeter(resident) as meter:
+            model(ids, targets).backward()
+        return 0, meter.peak_bytes
+    p, stages = layout.pp, layout.pp * layout.chunks
+    built = build_stages(model.pipeline_layers(), partition_layers(spec.n_layer + 2, stages, method="uniform"))
+    me = grid.rank("pp")
+    engine = PipelineEngine({s: built[s] for s in range(me, stages, p)}, pp_rank=me, loss_fn=model.loss,
+                            schedule=build_schedule(layout.schedule, n_ranks=p, n_microbatches=layout.micro_batches,
+                                                    n_chunks=layout.chunks),
+                            group=grid.group("pp"), memory=MemoryAccounting.SAVED_TENSORS)
+    engine.run_batch(ids, targets)
+    return me, engine.stats.peak_saved_bytes
+
+
+def _measure(rank, world, cases):
+    return [_saved_peak(spec, layout, Grid.build(_dims(layout)), dtype) for spec, layout, dtype in cases]
+
+
+B2 = dict(micro_batch_size=2)
+ACTIVATION_CASES = {  # world -> [(twin, layout, dtype)]
+    1: [(GPT_TWIN, PlanLayout(**B2), torch.float32), (LLAMA_TWIN, PlanLayout(**B2), torch.float32),
+        (GPT_TWIN, PlanLayout(**B2), torch.bfloat16), (LLAMA_TWIN, PlanLayout(**B2), torch.bfloat16),
+        (GPT_TWIN, PlanLayout(recompute="full", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(recompute="full", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(recompute="selective", **B2), torch.float32)],
+    2: [(GPT_TWIN, PlanLayout(tp=2, **B2), torch.float32), (LLAMA_TWIN, PlanLayout(tp=2, **B2), torch.float32),
+        (GPT_TWIN, PlanLayout(tp=2, sp="megatron", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(tp=2, sp="megatron", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(tp=2, sp="megatron"), torch.float32),  # b = 1: no per-projection copies
+        (GPT_TWIN, PlanLayout(cp=2, sp="ring", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(cp=2, sp="ring", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(cp=2, sp="ulysses", **B2), torch.float32),
+        (GPT_TWIN, PlanLayout(pp=2, micro_batches=4, **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(pp=2, micro_batches=4, **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(pp=2, micro_batches=3, schedule="gpipe", **B2), torch.float32),
+        (GPT_TWIN, PlanLayout(pp=2, chunks=2, schedule="interleaved", micro_batches=4, **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(pp=2, chunks=2, schedule="interleaved", micro_batches=4, **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(pp=2, micro_batches=4, recompute="full", **B2), torch.float32)],
+    4: [(LLAMA_TWIN, PlanLayout(tp=4, **B2), torch.float32),  # tp > n_kv_head: gathered K/V weights
+        (GPT_TWIN, PlanLayout(tp=2, pp=2, sp="megatron", micro_batches=4, **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(tp=2, cp=2, sp="ring", **B2), torch.float32),
+        (LLAMA_TWIN, PlanLayout(pp=4, micro_batches=6, **B2), torch.float32)],
+}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    out = {1: [[_saved_peak(spec, layout, None, dtype)] for spec, layout, dtype in ACTIVATION_CASES[1]]}
+    for world in (2, 4):
+        per_rank = run_ranks(_measure, world, ACTIVATION_CASES[world], timeout=180)
+        out[world] = [[ranks[i] for ranks in per_rank] for i in range(len(ACTIVATION_CASES[world]))]
+    return out
+
+
+@pytest.mark.parametrize(("world", "index"), [(w, i) for w, cases in ACTIVATION_CASES.items()
+                                              for i in range(len(cases))])
+def test_activations_within_5_percent_of_the_saved_tensor_meter(measured, world, index):
+    spec, layout, dtype = ACTIVATION_CASES[world][index]
+    assert layout.world == world
+    est = memory.estimate(spec, layout, seq_len=spec.seq_len, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    for pp_rank, real in measured[world][index]:
+        mine = est.ranks[pp_rank].detail["activations.saved"]
+        # The issue's bound, 5% of the measured bytes. Seen: exact everywhere but bf16 GPT, +0.2% (a CPU's bf16
+        # LayerNorm keeps its statistics in bf16; the estimate counts CUDA's fp32).
+        assert abs(mine - real) <= 0.05 * real, (pp_rank, mine, real, (mine - real) / real)
+
+
+def test_in_flight_counts_follow_the_schedules():
+    p, m = 4, 8
+    for schedule, chunks in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        layout = PlanLayout(pp=p, chunks=chunks, schedule=schedule, micro_batches=m)
+        peaks = simulate(build_schedule(schedule, n_ranks=p, n_microbatches=m, n_chunks=chunks)).peak_in_flight
+        for r in range(p):
+            stages = dict.fromkeys(range(r, p * chunks, p), 1)  # one byte per micro-batch: the count itself
+            assert memory.in_flight_peak(layout, r, stages)[0] == peaks[r]
+            if schedule == "1f1b":
+                assert peaks[r] == min(p - r, m)
+            if schedule == "interleaved":  # Megatron's warm-up plus the steady state's one
+                assert peaks[r] == min(2 * (p - r - 1) + (chunks - 1) * p, chunks * m) + 1
+
+
+def test_the_most_loaded_rank_is_named():
+    spec = PACKAGED["llama3-70b"]
+    est = memory.estimate(spec, PlanLayout(tp=8, pp=4, dp=2, sp="megatron", micro_batches=8, zero_stage=1),
+                          seq_len=8192)
+    assert est.max_memory_rank == 0  # 1F1B: the first stage holds p micro-batches, the last one
+    assert est.ranks[0].in_flight == {0: 4} and est.ranks[3].in_flight == {3: 1}
+    gib = est.memory_gib()
+    assert set(gib) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert gib["total"] == pytest.approx(sum(v for k, v in gib.items() if k != "total"), rel=1e-12)
+    assert [r.rank for r in est.ranks] == [0, 16, 32, 48]  # pp is the slowest axis: 8 x 2 ranks per stage
+
+
+# --- (c) published numbers -----------------------------------------------------------------------------------
+
+# Rajbhandari et al. 2020, Table 1: per-device model states (GB = 1e9 bytes) of a 7.5B model, K = 12, by DP degree,
+# for P_os, P_os+g, P_os+g+p (the baseline is 120 GB at every degree).
+ZERO_TABLE_1 = {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+                256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)}
+
+
+@pytest.mark.parametrize("n_d", sorted(ZERO_TABLE_1))
+def test_zero_paper_table_1(n_d):
+    assert memory.zero_model_states(7.5e9, stage=0, n_d=n_d) / 1e9 == 120
+    for stage, printed in zip((1, 2, 3), ZERO_TABLE_1[n_d], strict=True):
+        digits = len(str(printed).split(".")[1]) if "." in str(printed) else 0
+        # The table prints 3 significant digits: within half a unit of its last digit.
+        assert abs(memory.zero_model_states(7.5e9, stage=stage, n_d=n_d) / 1e9 - printed) <= 0.5 * 10**-digits
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_estimate_reduces_to_the_zero_formula(stage):
+    """A dense gpt3-6.7b rank at dp = 64: params + grads + optimizer = the paper's formula, plus what DeepSpeed
+    adds: alignment padding, and at ZeRO-3 the parameters under the persistence threshold kept whole."""
+    spec, n = PACKAGED["gpt3-6.7b"], 64
+    rank = memory.estimate(spec, PlanLayout(dp=n, zero_stage=stage), seq_len=2048).ranks[0]
+    psi = spec.params()
+    numels = [x for i in range(spec.n_layer + 1) for x in memory.layer_numels(spec, i, tp=1)] + [2 * spec.d_model]
+    assert sum(numels) == psi
+    extra = 2 * sum(x for x in numels if x < memory.PERSISTENCE_THRESHOLD) if stage == 3 else 0
+    padding = 16 * (len(numels) if stage == 3 else 2) * n  # < N elements per parameter (ZeRO-3) / 2N per buffer
+    states = rank.params + rank.grads + rank.optimizer
+    assert 0 <= states - memory.zero_model_states(psi, stage=stage, n_d=n) - extra <= padding
+
+
+KORTHIKANTI = {  # Korthikanti et al. 2022, Table 3: h, a (s = 2048, b = 1, t = 8)
+    "gpt3-175b": (12288, 96), "530b": (20480, 128), "1t": (25600, 160)}
+# Table 2's coefficient of sbh per layer, computed here from the formula with 5as/h = 80 (175B) and 64 (530B, 1T):
+# the paper's own tables of these values were not retrievable, so these are the formula's, worked by hand.
+KORTHIKANTI_COEFFICIENTS = {  # (no parallelism, TP, TP+SP, TP+selective, TP+SP+selective, full)
+    "gpt3-175b": (114, 23, 14.25, 13, 4.25, 2), "530b": (98, 21, 12.25, 13, 4.25, 2),
+    "1t": (98, 21, 12.25, 13, 4.25, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(KORTHIKANTI))
+def test_korthikanti_table_2(name):
+    (h, a), s, b, t = KORTHIKANTI[name], 2048, 1, 8
+    f = dict(s=s, b=b, h=h, a=a)
+    got = (memory.korthikanti_layer_bytes(**f), memory.korthikanti_layer_bytes(**f, t=t),
+           memory.korthikanti_layer_bytes(**f, t=t, sp=True),
+           memory.korthikanti_layer_bytes(**f, t=t, recompute="selective"),
+           memory.korthikanti_layer_bytes(**f, t=t, sp=True, recompute="selective"),
+           memory.korthikanti_layer_bytes(**f, t=t, recompute="full"))
+    assert got == tuple(c * s * b * h for c in KORTHIKANTI_COEFFICIENTS[name])  # exact in binary floating point
+
+
+def test_shardline_block_against_korthikanti():
+    """GPT-3 175B, t = 8, bf16: shardline's block is the paper's selective-recompute layer without its two 1-byte
+    dropout masks, plus the fp32 LayerNorm statistics and log-sum-exp; under SP it keeps the two all-gathered
+    projection inputs whole (2sbh E) where Megatron keeps them sharded (2sbh E / t)."""
+    spec, s, b, t = PACKAGED["gpt3-175b"], 2048, 1, 8
+    h, a = spec.d_model, spec.n_head
+    small = 4 * (4 * b * s + a * b * s // t)
+    for sp, sh, masks in ((False, s, 2 * s * b * h), (True, s // t, 2 * s * b * h // t)):
+        g = memory._Shape.of(PlanLayout(tp=t, sp="megatron" if sp else "none"), seq_len=s, dtype_bytes=2)
+        paper = memory.korthikanti_layer_bytes(s=s, b=b, h=h, a=a, t=t, sp=sp, recompute="selective")
+        gathered = (2 * 2 * s * b * h - 2 * 2 * s * b * h // t) if sp else 0
+        small_sp = 4 * (4 * b * sh + a * b * s // t)
+        assert memory.block_bytes(spec, g) == paper - masks + gathered + (small_sp if sp else small)
