@@ -314,7 +314,11 @@ class CheckpointReader:
         if name not in self.tensors:
             raise CheckpointError(f"{self.folder}: no tensor {name!r} in the checkpoint")
         entry = self.tensors[name]
-        box = full(entry["shape"]) if box is None else box
+        box = full(entry["shape"]) if box is None else tuple(tuple(b) for b in box)
+        exact = [p for p in entry["pieces"] if tuple(tuple(b) for b in p[2]) == box]
+        if exact:  # the piece is the box (a load in the saving layout): no assembly, no second copy
+            file, key, piece_box, value = exact[0]
+            return self._piece(file, key, value, name, box)
         out = torch.empty(tuple(b - a for a, b in box), dtype=_NAMES[entry["dtype"]])
         covered = 0
         for file, key, piece_box, value in entry["pieces"]:
