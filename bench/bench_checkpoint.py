@@ -211,6 +211,8 @@ class _Bench(pl.Callback):
 
         keys = compat.optimizer_state_keys(optimizer)
         assert keys, "no optimizer state after the first step"
+        gc.collect()
+        gc.freeze()  # what exists now is never garbage here: each operation's gc.collect() scans only its own
         start = time.perf_counter()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         dump_s = time.perf_counter() - start
@@ -337,8 +339,8 @@ def _rank(rank, world, model, layout, root, repeats, reshard_from, keep_to, prof
 
 #: Per operation: (label, cProfile function names whose cumulative time counts under it: "file.py:function" for
 #: Python functions, a substring of the name for built-ins, "self:" + a name for that function's own time only);
-#: an indented label is a part of the line above it. A piece of a safetensors file is memory-mapped: the device
-#: reads happen at the first touch of its bytes, i.e. inside the CRC check of a load.
+#: an indented label is a part of the line above it. (Before a1f7b84 a load memory-mapped the pieces: its device
+#: reads then happened at the first touch of the bytes, inside the CRC check.)
 PROFILE_GROUPS = {
     "ours_save": [
         # the rank's ZeRO fragments (a view), else its whole TP-part value (DeepSpeed's full accessors)
@@ -360,8 +362,9 @@ PROFILE_GROUPS = {
     "ours_load": [
         ("CheckpointReader init", ("files.py:__init__",)),
         ("CheckpointReader.read", ("files.py:read",)),
-        ("  CRC-32 incl. the device reads", ("files.py:crc",)),
-        ("  copy out", ("self:files.py:read",)),
+        ("  device reads (readinto)", ("method 'readinto'",)),
+        ("  CRC-32", ("zlib.crc32", "files.py:crc")),
+        ("  copy into a box of other pieces", ("self:files.py:read",)),
         ("assembly: from_canonical, cat", ("boxes.py:from_canonical", "torch.cat")),
         ("setting: apply, set_weight, set_state", ("checkpoint_access.py:apply", "checkpointing.py:set_weight",
                                                     "checkpointing.py:set_state")),
@@ -538,8 +541,7 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
     if profiles:
         lines += ["", "Where rank 0's time goes (cProfile, one extra call of each after the timed rounds, cold reads as "
                   "above; seconds; parts of a line in brackets; 'c10d calls and waits' includes the barriers where "
-                  "a rank waits for slower ones; the CRC of a load includes the device reads, which happen at the "
-                  "first touch of the memory-mapped piece):", ""]
+                  "a rank waits for slower ones):", ""]
         lines += [f"- {title}: {_compact(summary)}" for title, summary in profiles.items()]
     lines += ["", f"Machine: {os.cpu_count()} cores shared with other work; 1-minute load average {load[0]:.1f} "
               f"before and {load[1]:.1f} after the run.", ""]
