@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from shardline.plugins import hf
-from shardline.plugins.checkpoint.boxes import Placement, canonical_boxes, from_canonical, full
+from shardline.plugins.checkpoint.boxes import Placement, full
 from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, CheckpointReader, resolve
 from shardline.plugins.checkpoint.names import STATE
 from shardline.plugins.errors import CheckpointError
@@ -227,8 +227,7 @@ def to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
 
 def _dense(reader: CheckpointReader, name: str, placement: Placement, dtype) -> torch.Tensor:
     """Canonical tensor ``name`` in shardline's dense layout (``placement`` over the whole tensor)."""
-    pieces = [reader.read(name, box) for box in canonical_boxes(placement)]
-    return _cast(from_canonical(placement, pieces, dtype=pieces[0].dtype).contiguous(), dtype)
+    return _cast(reader.read_part(name, placement).contiguous(), dtype)
 
 
 def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,

@@ -31,7 +31,16 @@ from pathlib import Path
 
 import torch
 
-from shardline.plugins.checkpoint.boxes import Box, full, intersect, relative, volume
+from shardline.plugins.checkpoint.boxes import (
+    Box,
+    Placement,
+    canonical_boxes,
+    from_canonical,
+    full,
+    intersect,
+    relative,
+    volume,
+)
 from shardline.plugins.errors import CheckpointError
 
 FORMAT, VERSION = "shardline-checkpoint", 1
@@ -225,35 +234,41 @@ def resolve(path: str | os.PathLike) -> Path:
     path = Path(path)
     if is_checkpoint(path):
         return path
-    root = path if path.is_dir() and not path.name.startswith(".") and (path / POINTER).exists() else None
-    if root is None and path.is_dir() and not (path / MANIFEST).exists():
-        complete = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and is_checkpoint(p)]
-        partial = [p for p in path.iterdir() if ".partial-" in p.name]
-        if complete or partial:
-            root = path
-        elif any(path.iterdir()) and not (path / TRAINER_FILE).exists():
-            raise CheckpointError(f"{path}: not a shardline checkpoint (no {MANIFEST}) nor a folder of them")
-    if root is None:
-        moved = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
-        if moved and is_checkpoint(moved[-1]):
-            warnings.warn(f"{path} is missing but {moved[-1].name} is complete (a save replacing it was "
-                          "interrupted between two renames); loading that", stacklevel=2)
-            return moved[-1]
-        if path.is_dir():
-            raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}, which a save writes last): "
-                                  "the save that wrote it was interrupted")
-        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.is_dir() and ((not path.name.startswith(".") and (path / POINTER).exists()) or _complete(path)
+                          or any(".partial-" in p.name for p in path.iterdir())):
+        return _newest(path)
+    if path.is_dir() and any(path.iterdir()) and not (path / TRAINER_FILE).exists():
+        raise CheckpointError(f"{path}: not a shardline checkpoint (no {MANIFEST}) nor a folder of them")
+    moved = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+    if moved and is_checkpoint(moved[-1]):
+        warnings.warn(f"{path} is missing but {moved[-1].name} is complete (a save replacing it was "
+                      "interrupted between two renames); loading that", stacklevel=2)
+        return moved[-1]
+    if path.is_dir():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}, which a save writes last): "
+                              "the save that wrote it was interrupted")
+    raise CheckpointError(f"{path}: no such checkpoint")
+
+
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints in the folder ``root``."""
+    return [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and is_checkpoint(p)]
+
+
+def _newest(root: Path) -> Path:
+    """In a folder of checkpoints: the one its ``latest`` pointer names, else the newest complete one; its
+    partial saves are ignored with a warning."""
     for partial in sorted(root.glob(".*.partial-*")):
         warnings.warn(f"ignoring the partial checkpoint {partial} (a save was interrupted before its manifest "
-                      "was committed)", stacklevel=2)
+                      "was committed)", stacklevel=3)
     pointer = root / POINTER
     if pointer.is_file():
         target = root / pointer.read_text().strip()
         if is_checkpoint(target):
             return target
         warnings.warn(f"{pointer} names {target.name}, which is not a complete checkpoint; using the newest "
-                      "complete one", stacklevel=2)
-    complete = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and is_checkpoint(p)]
+                      "complete one", stacklevel=3)
+    complete = _complete(root)
     if not complete:
         raise CheckpointError(f"{root}: holds no complete checkpoint")
     return max(complete, key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
@@ -283,12 +298,12 @@ class CheckpointReader:
                 raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says {info['size']} "
                                       "(truncated or replaced)")
         self.tensors: dict[str, dict] = self.manifest["tensors"]
-        self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
         self._verified: set[tuple[str, str]] = set()
 
     def _header(self, file: str) -> tuple[int, dict]:
         """``(where the data starts, the safetensors header)`` of one of the checkpoint's files."""
-        if file not in self._handles:
+        if file not in self._headers:
             path = self.folder / file
             try:
                 with open(path, "rb") as f:
@@ -296,8 +311,8 @@ class CheckpointReader:
                     header = json.loads(f.read(size))
             except (OSError, ValueError, struct.error) as error:
                 raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
-            self._handles[file] = (8 + size, header)
-        return self._handles[file]
+            self._headers[file] = (8 + size, header)
+        return self._headers[file]
 
     def small_file(self, name: str):
         """A ``.pt`` file of plain values, its CRC checked against the manifest."""
@@ -337,6 +352,12 @@ class CheckpointReader:
                                   f"{volume(box)} elements (a piece is missing or two overlap)")
         return out
 
+    def read_part(self, name: str, placement: Placement) -> torch.Tensor:
+        """The part ``placement.box`` of canonical tensor ``name`` in shardline's own layout (its canonical
+        pieces read and reassembled, :func:`~.boxes.from_canonical`)."""
+        pieces = [self.read(name, box) for box in canonical_boxes(placement)]
+        return from_canonical(placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
+
     def _piece(self, file: str, key: str, value: int, name: str, box: Box) -> torch.Tensor:
         """One piece, read with one sequential ``readinto`` (the kernel reads ahead; a memory map would fault
         page by page on a cold file) and its CRC checked the first time."""
@@ -356,7 +377,7 @@ class CheckpointReader:
         if got != b - a:
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short ({got} of {b - a} bytes)")
         if (file, key) not in self._verified:
-            if zlib.crc32(memoryview(data.numpy())) != value:
+            if crc(data) != value:
                 raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC-32 does not match "
                                       "the manifest")
             self._verified.add((file, key))

@@ -24,9 +24,7 @@ import torch
 
 from shardline.plugins.checkpoint.boxes import (
     Box,
-    canonical_boxes,
     flat_boxes,
-    from_canonical,
     shift,
     split_rows,
     to_canonical,
@@ -47,10 +45,15 @@ class Access:
         self.optimizer = optimizer
         self.base = compat.base_optimizer(optimizer)
 
-    def _fragmented(self, entry: Entry) -> bool:
+    @staticmethod
+    def _weight_fragment(entry: Entry) -> tuple[int, torch.Tensor] | None:
+        """This rank's ZeRO fragment of ``entry``'s float32 master (:func:`compat.local_fragment`), or None where
+        ``entry`` takes the whole-value path (module docstring)."""
         param = entry.tensor
-        return (entry.is_param and entry.placement.kind in _FRAGMENT_KINDS and param.dim() > 0
-                and not compat.on_nvme(param) and compat.local_fragment(param) is not None)
+        if not (entry.is_param and entry.placement.kind in _FRAGMENT_KINDS and param.dim() > 0
+                and not compat.on_nvme(param)):
+            return None
+        return compat.local_fragment(param)
 
     # --- save -------------------------------------------------------------------------------------------------
 
@@ -61,11 +64,12 @@ class Access:
         trainable = entry.is_param and entry.tensor.requires_grad
         named = [(None, entry.name)] + ([(k, STATE.format(key=k, name=entry.name)) for k in keys] if trainable
                                         else [])
-        if self._fragmented(entry):
+        fragment = self._weight_fragment(entry)
+        if fragment is not None:
             if not entry.writes:
                 return
             for key, name in named:
-                start, values = compat.local_fragment(entry.tensor, key)
+                start, values = fragment if key is None else compat.local_fragment(entry.tensor, key)
                 yield from self._range_pieces(entry, name, start, values.detach().cpu())
             return
         for key, name in named:
@@ -85,10 +89,9 @@ class Access:
     @staticmethod
     def _range_pieces(entry: Entry, name: str, start: int, values: torch.Tensor):
         offset = 0
-        for box in flat_boxes(entry.local_shape(), start, start + values.numel()):
-            n = volume(box)
-            sub = dataclasses.replace(entry.placement, box=shift(box, entry.placement.box))
-            data = values[offset:offset + n].reshape(tuple(b - a for a, b in box))
+        for sub in _range_placements(entry, start, start + values.numel()):
+            n = volume(sub.box)
+            data = values[offset:offset + n].reshape(tuple(b - a for a, b in sub.box))
             offset += n
             for canonical, piece in to_canonical(sub, data):
                 yield name, canonical, piece
@@ -124,9 +127,10 @@ class Access:
         """Everything :meth:`apply` sets for ``entry``, read and checked now (no value is set yet)."""
         trainable = entry.is_param and entry.tensor.requires_grad
         keys = keys if trainable else []
-        if self._fragmented(entry):
+        fragment = self._weight_fragment(entry)
+        if fragment is not None:
             param = entry.tensor
-            start, values = compat.local_fragment(param)
+            start, values = fragment
             stop = start + values.numel()
             staged = {"fragment": (start, stop), "states": {}}
             if compat.zero3_partitioned(param):  # ZeRO-3: the module's weights are the partition too
@@ -187,23 +191,28 @@ class Access:
             state["step"] = torch.tensor(float(step))
 
 
-def read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
-    """The rank's whole (tensor-parallel part) value of canonical tensor ``name``, in shardline's layout."""
+def _range_placements(entry: Entry, start: int, stop: int) -> list:
+    """Elements ``[start, stop)`` of the flattened rank's part of ``entry`` (a ZeRO partition's range) as
+    placements of boxes in the dense tensor, in order (each one contiguous run of the range)."""
+    return [dataclasses.replace(entry.placement, box=shift(box, entry.placement.box))
+            for box in flat_boxes(entry.local_shape(), start, stop)]
+
+
+def _need(reader: CheckpointReader, entry: Entry, name: str) -> None:
     if name not in reader.tensors:
         raise CheckpointError(f"{reader.folder}: no tensor {name!r} in the checkpoint (this model's {entry.path})")
-    pieces = [reader.read(name, box) for box in canonical_boxes(entry.placement)]
-    return from_canonical(entry.placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
+
+
+def read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
+    """The rank's whole (tensor-parallel part) value of canonical tensor ``name``, in shardline's layout."""
+    _need(reader, entry, name)
+    return reader.read_part(name, entry.placement)
 
 
 def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened rank's part of ``name`` (a ZeRO partition's range)."""
-    if name not in reader.tensors:
-        raise CheckpointError(f"{reader.folder}: no tensor {name!r} in the checkpoint (this model's {entry.path})")
-    parts = []
-    for box in flat_boxes(entry.local_shape(), start, stop):
-        sub = dataclasses.replace(entry.placement, box=shift(box, entry.placement.box))
-        pieces = [reader.read(name, canonical) for canonical in canonical_boxes(sub)]
-        parts.append(from_canonical(sub, pieces, dtype=pieces[0].dtype if pieces else torch.float32).reshape(-1))
+    _need(reader, entry, name)
+    parts = [reader.read_part(name, sub).reshape(-1) for sub in _range_placements(entry, start, stop)]
     return torch.cat(parts) if parts else torch.empty(0)
 
 

@@ -1,12 +1,11 @@
 """Layout-independent checkpoints for :class:`~.strategy.HybridParallelStrategy`: save in one layout, load in any.
 
-Every rank saves, per tensor of its module (:mod:`shardline.plugins.checkpoint.names`), its tensor-parallel
-part of the weight and of every optimizer state (Adam's ``exp_avg`` and ``exp_avg_sq``) in the canonical tensor's
-coordinates; the data-parallel replicas split each part and write one slice each, so nothing is written twice.
-The float32 master weights and the optimizer moments come through DeepSpeed's public per-parameter accessors
-(``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state`` and their setters), which assemble a ZeRO
-partition over the data-parallel group; they are never read from DeepSpeed's flat buffers. Loading reads, on
-each rank, exactly the boxes its new layout needs, so tp, pp (and chunks), dp, cp, the SP mode, the ZeRO stage,
+Every rank saves, per tensor of its module (:mod:`shardline.plugins.checkpoint.names`), its part of the float32
+master weight and of every optimizer state (Adam's ``exp_avg`` and ``exp_avg_sq``) in the canonical tensor's
+coordinates, so nothing is written twice: under ZeRO its own partition's fragment of each parameter, per
+parameter and without a collective, otherwise its tensor-parallel part split over the data-parallel replicas
+(:mod:`.checkpoint_access` has both paths; DeepSpeed's flat buffers are never read). Loading reads, on each
+rank, exactly the boxes its new layout needs, so tp, pp (and chunks), dp, cp, the SP mode, the ZeRO stage,
 offload and the world size may all change.
 
 Besides the tensors: the optimizer's step count and hyper-parameters (the scheduled ``lr``), DeepSpeed's engine
@@ -219,27 +218,32 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     saved_keys = reader.manifest.get("optimizer_state_keys", [])
     if optimizer is not None and saved_keys:
         compat.ensure_optimizer_state(optimizer, saved_keys)
-        now_keys = compat.optimizer_state_keys(optimizer)
-        if now_keys and set(now_keys) != set(saved_keys):
-            _agree(strategy, f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one {now_keys}")
-    trainer_state = reader.small_file(TRAINER_FILE)
-    step = (trainer_state.get("shardline_optimizer") or {}).get("step")
     access = Access(optimizer)
-    staged, error = [], None
+    staged, trainer_state, own, error = [], {}, None, None
     try:
+        now_keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and saved_keys else []
+        if now_keys and set(now_keys) != set(saved_keys):
+            raise CheckpointError(f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one "
+                                  f"{now_keys}")
+        trainer_state = reader.small_file(TRAINER_FILE)
+        own_name = _rank_file(strategy.global_rank)
+        own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
         for entry in mine:
             staged.append((entry, access.stage(reader, entry, saved_keys if optimizer is not None else [])))
     except CheckpointError as failure:
         error = str(failure)
     _agree(strategy, error)
+    step = (trainer_state.get("shardline_optimizer") or {}).get("step")
     for entry, values in staged:  # nothing below can fail on bad input: everything was read and checked
         access.apply(entry, values, step)
-    _restore_counters(strategy, reader, trainer_state, optimizer)
+    _restore_counters(strategy, reader, trainer_state, own, optimizer)
     strategy.barrier("shardline_checkpoint_loaded")
     return trainer_state
 
 
-def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, optimizer) -> None:
+def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, own: dict | None, optimizer) -> None:
+    """The optimizer's step and hyper-parameters, and this rank's own file (``own``): DeepSpeed's counters and,
+    on the saving layout, the RNG states for the first training step."""
     saved = trainer_state.get("shardline_optimizer") or {}
     if optimizer is not None and saved:
         if saved.get("step") is not None:
@@ -253,9 +257,7 @@ def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, o
                 group.update(values)
     same = (reader.manifest.get("world_size") == dist.get_world_size()
             and reader.manifest.get("layout") == strategy.layout_record())
-    own_name = _rank_file(strategy.global_rank)
-    if own_name in reader.manifest["files"]:
-        own = reader.small_file(own_name)
+    if own is not None:
         for key, value in own.get("engine", {}).items():
             if hasattr(strategy.model, key):
                 setattr(strategy.model, key, value)
