@@ -16,6 +16,7 @@ PROVIDERS: tuple[tuple[str, str], ...] = (
     ("shardline.profiling.cli", "add_commands"),
     ("shardline.recipes.fit", "add_commands"),
     ("shardline.recipes.convert", "add_commands"),
+    ("shardline.recipes.planning.cli", "add_commands"),
 )
 
 

@@ -75,6 +75,8 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.models import ModelSpec
 from shardline.recipes.schema import RecipeError
@@ -202,18 +204,27 @@ def padded_vocab(model: ModelSpec, *, tp: int) -> int:
 def layer_numels(model: ModelSpec, index: int, *, tp: int) -> list[int]:
     """Sizes (elements) of the parameters of pipeline layer ``index`` (0: embedding, ``n_layer + 1``: head) on one
     TP rank. The head lists its vocabulary matrix even when tied (whether a rank holds it is the caller's)."""
+    return list(_layer_numels(model, _kind(model, index), tp))
+
+
+def _kind(model: ModelSpec, index: int) -> str:
+    return "embedding" if index == 0 else "head" if index == model.n_layer + 1 else "block"
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_numels(model: ModelSpec, kind: str, tp: int) -> tuple[int, ...]:
     d, f, t = model.d_model, model.d_ff, tp
     q, kvd = model.n_head * model.dim_per_head, model.kv_heads * model.dim_per_head
     vocab = padded_vocab(model, tp=t) // t * d
     gpt = model.architecture == "gpt2"
-    if index == 0:
-        return [vocab, model.seq_len * d] if gpt else [vocab]
-    if index == model.n_layer + 1:
-        return ([d, d] if gpt else [d]) + [vocab]
+    if kind == "embedding":
+        return (vocab, model.seq_len * d) if gpt else (vocab,)
+    if kind == "head":
+        return ((d, d) if gpt else (d,)) + (vocab,)
     if gpt:  # ln1, qkv, proj, ln2, fc1, fc2 (weights and biases)
-        return [d, d, 3 * q * d // t, 3 * q // t, d * q // t, d, d, d, f * d // t, f // t, d * f // t, d]
-    bias = [q // t, kvd // t, kvd // t] if model.qkv_bias else []
-    return [d, q * d // t, kvd * d // t, kvd * d // t, *bias, d * q // t, d, f * d // t, f * d // t, d * f // t]
+        return (d, d, 3 * q * d // t, 3 * q // t, d * q // t, d, d, d, f * d // t, f // t, d * f // t, d)
+    bias = (q // t, kvd // t, kvd // t) if model.qkv_bias else ()
+    return (d, q * d // t, kvd * d // t, kvd * d // t, *bias, d * q // t, d, f * d // t, f * d // t, d * f // t)
 
 
 def hosted_stages(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> dict[int, range]:
@@ -235,6 +246,32 @@ def rank_parameters(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> tuple
     return numels, shadow
 
 
+@dataclass(frozen=True)
+class _RankStatic:
+    """What a pipeline rank hosts, independent of ZeRO, micro-batch and recompute (cached per layout cut)."""
+
+    stages: tuple[tuple[int, range], ...]
+    sizes: tuple[tuple[int, int], ...]  # (parameter size, how many) DeepSpeed optimises
+    shadow: int
+    psi: int
+    has_blocks: bool
+    has_head: bool
+    big_max: int  # the largest hosted layer's non-persistent elements (ZeRO-3's gathered working set)
+    big_sum: int
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_static(model: ModelSpec, tp: int, pp: int, chunks: int, pp_rank: int) -> _RankStatic:
+    layout = PlanLayout(tp=tp, pp=pp, chunks=chunks, schedule="interleaved" if chunks > 1 else "1f1b")
+    stages = hosted_stages(model, layout, pp_rank)
+    numels, shadow = rank_parameters(model, layout, pp_rank)
+    layers = [i for r in stages.values() for i in r]
+    big = [sum(x for x in _layer_numels(model, _kind(model, i), tp) if x >= PERSISTENCE_THRESHOLD) for i in layers]
+    return _RankStatic(stages=tuple(stages.items()), sizes=tuple(Counter(numels).items()), shadow=shadow,
+                       psi=sum(numels), has_blocks=any(0 < i <= model.n_layer for i in layers),
+                       has_head=model.n_layer + 1 in layers, big_max=max(big), big_sum=sum(big))
+
+
 # --- model states ------------------------------------------------------------------------------------------------
 
 def zero_model_states(psi: float, *, stage: int, n_d: int, k: int = 12) -> float:
@@ -247,9 +284,14 @@ def zero_model_states(psi: float, *, stage: int, n_d: int, k: int = 12) -> float
 def model_states(numels: list[int], shadow: int, layout: PlanLayout, dtype_bytes: int) -> dict[str, int]:
     """GPU bytes of params/grads/optimizer (and CPU RAM, NVMe) for one rank, as DeepSpeed allocates them (see the
     module docstring)."""
+    return _states(tuple(Counter(numels).items()), shadow, layout, dtype_bytes)
+
+
+def _states(sizes: tuple[tuple[int, int], ...], shadow: int, layout: PlanLayout, dtype_bytes: int) -> dict[str, int]:
+    """:func:`model_states` over ``(parameter size, how many)`` pairs."""
     e, n, z = dtype_bytes, layout.zero_group, layout.zero_stage
     oo, op = layout.offload_optimizer, layout.offload_params
-    psi = sum(numels)
+    psi = sum(x * c for x, c in sizes)
     out = dict(cpu=0, nvme=0, partition=psi)
     if z == 0:
         out.update(params=psi * e, grads=psi * e, optimizer=(12 if e == 2 else 8) * psi)
@@ -261,8 +303,8 @@ def model_states(numels: list[int], shadow: int, layout: PlanLayout, dtype_bytes
         if oo != "none":
             out["cpu"] = (4 + 8 + 4 + e) * part
     else:
-        part = out["partition"] = sum(-(-x // n) for x in numels)
-        persistent = sum(x for x in numels if x < PERSISTENCE_THRESHOLD)
+        part = out["partition"] = sum(-(-x // n) * c for x, c in sizes)
+        persistent = sum(x * c for x, c in sizes if x < PERSISTENCE_THRESHOLD)
         out.update(params=(persistent if op != "none" else part + persistent) * e,
                    grads=0 if oo != "none" else part * e,
                    optimizer=0 if oo != "none" else 12 * part)
@@ -304,6 +346,7 @@ class _Shape:
                    e=dtype_bytes, megatron=megatron, ulysses=layout.sp == "ulysses" and layout.cp > 1)
 
 
+@functools.lru_cache(maxsize=4096)
 def block_bytes(model: ModelSpec, g: _Shape) -> int:
     """Bytes one block saves for backward for one micro-batch (the module docstring's formula)."""
     d, f, t, e, b, s, sh = model.d_model, model.d_ff, g.t, g.e, g.b, g.s, g.sh
@@ -334,68 +377,93 @@ def head_bytes(model: ModelSpec, g: _Shape, *, cp: int) -> int:
 
 def stage_bytes(model: ModelSpec, layers: range, g: _Shape, layout: PlanLayout) -> int:
     """Bytes one micro-batch leaves saved on a stage of ``layers``."""
-    full = layout.recompute == "full"
-    total = 0
-    for i in layers:
-        if i == 0:
-            total += embedding_bytes(model, g)
-        elif i == model.n_layer + 1:
-            total += head_bytes(model, g, cp=layout.cp)
-        else:
-            total += g.e * g.b * g.sh * model.d_model if full else block_bytes(model, g)
+    blocks = len(range(max(layers.start, 1), min(layers.stop, model.n_layer + 1)))
+    per_block = g.e * g.b * g.sh * model.d_model if layout.recompute == "full" else block_bytes(model, g)
+    total = blocks * per_block
+    if 0 in layers:
+        total += embedding_bytes(model, g)
+    if model.n_layer + 1 in layers:
+        total += head_bytes(model, g, cp=layout.cp)
     return total
 
 
-@functools.lru_cache(maxsize=64)
-def _interleaved_steps(p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per pipeline rank, its computes in program order as ``(stage, +1 forward / -1 backward)``."""
-    from shardline.plugins.pipeline.schedule import build_schedule  # pure Python
-
-    schedule = build_schedule("interleaved", n_ranks=p, n_microbatches=m, n_chunks=v)
-    return tuple(tuple((a.stage, 1 if a.kind.value == "F" else -1) for a in actions if a.kind.value in ("F", "B"))
-                 for actions in schedule.actions)
+@functools.lru_cache(maxsize=4096)
+def _interleaved_order(p: int, m: int, v: int, r: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(warmup, forward chunks, backward chunks)`` of pipeline rank ``r`` under Megatron's interleaved 1F1B
+    (:func:`~shardline.plugins.pipeline.schedule.interleaved_one_f_one_b`): its ``m v`` forwards run chunk
+    ``(k // p) % v``, its backwards chunk ``v - 1 - (k // p) % v``; ``warmup`` forwards, then pairs (forward
+    ``warmup + k``, backward ``k``), then the remaining backwards."""
+    total = m * v
+    k = np.arange(total)
+    chunk = (k // p) % v
+    return min(2 * (p - r - 1) + (v - 1) * p, total), chunk, v - 1 - chunk
 
 
 def in_flight_peak(layout: PlanLayout, pp_rank: int, per_stage: dict[int, int]) -> tuple[int, dict[int, int]]:
     """``(peak bytes, {stage: micro-batches in flight then})`` on ``pp_rank`` given each hosted stage's bytes per
-    micro-batch: 1 at pp = 1, ``m`` for GPipe, ``min(p - r, m)`` for 1F1B, the schedule's walk when interleaved."""
+    micro-batch: 1 at pp = 1, ``m`` for GPipe, ``min(p - r, m)`` for 1F1B; interleaved, the peak over the rank's
+    program of ``F_cum[warmup + k] - B_cum[k]`` (the bytes of the forwards run so far minus the backwards, just
+    after the ``k``-th steady-state forward; the warm-up only climbs to it and the cool-down only descends)."""
     p, m = layout.pp, layout.micro_batches
     if p == 1 or layout.schedule != "interleaved":
         (stage, nbytes), = per_stage.items()
         count = 1 if p == 1 else m if layout.schedule == "gpipe" else min(p - pp_rank, m)
         return count * nbytes, {stage: count}
-    live, counts, best = 0, Counter(), (0, {})
-    for stage, step in _interleaved_steps(p, m, layout.chunks)[pp_rank]:
-        live += step * per_stage[stage]
-        counts[stage] += step
-        if live > best[0]:
-            best = (live, {k: c for k, c in counts.items() if c})
-    return best
+    v = layout.chunks
+    warmup, fwd, bwd = _interleaved_order(p, m, v, pp_rank)
+    chunk_bytes = np.array([per_stage[c * p + pp_rank] for c in range(v)], dtype=np.int64)
+    f_cum = np.cumsum(chunk_bytes[fwd])
+    total = len(fwd)
+    if warmup == total:  # every forward before any backward
+        at, done = total - 1, 0
+    else:
+        b_before = np.concatenate(([0], np.cumsum(chunk_bytes[bwd])[:total - warmup - 1]))
+        live = f_cum[warmup:] - b_before
+        k = int(np.argmax(live))
+        at, done = warmup + k, k
+    counts = np.bincount(fwd[:at + 1], minlength=v) - np.bincount(bwd[:done], minlength=v)
+    peak = int(f_cum[at] - (chunk_bytes[bwd[:done]].sum() if done else 0))
+    return peak, {c * p + pp_rank: int(n) for c, n in enumerate(counts) if n}
 
 
 # --- the estimate ------------------------------------------------------------------------------------------------
 
-def _buffers(model, layout, g, numels, stages, dtype_bytes) -> dict[str, int]:
+def _buffers(model, layout, g, static: _RankStatic, dtype_bytes) -> dict[str, int]:
     e, z, n = dtype_bytes, layout.zero_stage, layout.zero_group
-    buckets = {0: min(sum(numels), ALLREDUCE_BUCKET_SIZE) if n > 1 else 0, 1: REDUCE_BUCKET_SIZE,
+    buckets = {0: min(static.psi, ALLREDUCE_BUCKET_SIZE) if n > 1 else 0, 1: REDUCE_BUCKET_SIZE,
                2: 2 * REDUCE_BUCKET_SIZE, 3: REDUCE_BUCKET_SIZE}[z] * e
     gather = 0
     if z == 3:
-        big = [sum(x for x in layer_numels(model, i, tp=layout.tp) if x >= PERSISTENCE_THRESHOLD)
-               for r in stages.values() for i in r]
-        prefetch = min(PREFETCH_BUCKET_SIZE, sum(big) - max(big)) if layout.pp == 1 else 0
-        gather = min(MAX_LIVE_PARAMETERS, max(big) + prefetch) * e
-    last = model.n_layer + 1 in [i for r in stages.values() for i in r]
-    logits = g.b * g.s * padded_vocab(model, tp=g.t) // g.t * (e + W) if last else 0
+        prefetch = min(PREFETCH_BUCKET_SIZE, static.big_sum - static.big_max) if layout.pp == 1 else 0
+        gather = min(MAX_LIVE_PARAMETERS, static.big_max + prefetch) * e
+    logits = g.b * g.s * padded_vocab(model, tp=g.t) // g.t * (e + W) if static.has_head else 0
     p2p = 2 * g.b * g.sh * model.d_model * e if layout.pp > 1 else 0
     return {"buffers.buckets": buckets, "buffers.zero3_gather": gather, "buffers.logits": logits,
             "buffers.p2p": p2p}
 
 
+def representative_ranks(model: ModelSpec, layout: PlanLayout) -> list[int]:
+    """The pipeline ranks that can be the most loaded: the first of each distinct cut (the per-chunk block counts
+    and whether the embedding/head are there). A later rank with the same cut holds the same parameters and no
+    more activations (1F1B keeps ``min(p - r, m)`` micro-batches, interleaving's warm-up shrinks with ``r``, GPipe
+    keeps ``m`` everywhere)."""
+    chunks = layout.chunks if layout.pp > 1 else 1
+    seen, out = set(), []
+    for r in range(layout.pp):
+        cut = tuple((len(layers), 0 in layers, model.n_layer + 1 in layers)
+                    for _, layers in _rank_static(model, layout.tp, layout.pp, chunks, r).stages)
+        if cut not in seen:
+            seen.add(cut)
+            out.append(r)
+    return out
+
+
 def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes: int = 2,
-             overhead_bytes: int = FIXED_OVERHEAD_BYTES) -> MemoryEstimate:
+             overhead_bytes: int = FIXED_OVERHEAD_BYTES, pp_ranks: list[int] | None = None) -> MemoryEstimate:
     """Bytes per GPU for every pipeline rank of ``layout`` training ``model`` on ``seq_len``-token sequences with
     ``dtype_bytes`` activations/weights (2: bf16 mixed precision, 4: float32); see the module docstring.
+    ``pp_ranks`` limits it to those pipeline ranks (the planner passes :func:`representative_ranks`: the most
+    loaded rank is among them).
 
     RecipeError naming every bad value when the layout cannot run the model."""
     problems = layout_problems(model, layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
@@ -403,22 +471,20 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
         raise RecipeError(f"model {model.name!r} cannot be estimated on {layout}: " + "; ".join(problems))
     g = _Shape.of(layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
     ranks = []
-    for r in range(layout.pp):
-        stages = hosted_stages(model, layout, r)
-        numels, shadow = rank_parameters(model, layout, r)
-        states = model_states(numels, shadow, layout, dtype_bytes)
-        per_stage = {s: stage_bytes(model, layers, g, layout) for s, layers in stages.items()}
+    for r in range(layout.pp) if pp_ranks is None else pp_ranks:
+        static = _rank_static(model, layout.tp, layout.pp, layout.chunks if layout.pp > 1 else 1, r)
+        states = _states(static.sizes, static.shadow, layout, dtype_bytes)
+        per_stage = {s: stage_bytes(model, layers, g, layout) for s, layers in static.stages}
         saved, in_flight = in_flight_peak(layout, r, per_stage)
-        blocks = any(0 < i <= model.n_layer for layers in stages.values() for i in layers)
-        if blocks and model.architecture == "llama" and layout.recompute != "full":
+        if static.has_blocks and model.architecture == "llama" and layout.recompute != "full":
             saved += 2 * g.s * model.dim_per_head * dtype_bytes  # the rotary tables, shared by every block
-        recompute = block_bytes(model, g) if blocks and layout.recompute == "full" else 0
-        parts = _buffers(model, layout, g, numels, stages, dtype_bytes) | {"buffers.overhead": overhead_bytes}
+        recompute = block_bytes(model, g) if static.has_blocks and layout.recompute == "full" else 0
+        parts = _buffers(model, layout, g, static, dtype_bytes) | {"buffers.overhead": overhead_bytes}
         detail = {"activations.saved": saved, "activations.recompute": recompute, **parts,
-                  "params.shadow": shadow * dtype_bytes, "partition_elements": states["partition"]}
+                  "params.shadow": static.shadow * dtype_bytes, "partition_elements": states["partition"]}
         ranks.append(RankMemory(
-            pp_rank=r, rank=r * layout.tp * layout.cp * layout.dp, stages=tuple(stages),
-            param_elements=sum(numels) + shadow, optimized_elements=sum(numels), params=states["params"],
+            pp_rank=r, rank=r * layout.tp * layout.cp * layout.dp, stages=tuple(s for s, _ in static.stages),
+            param_elements=static.psi + static.shadow, optimized_elements=static.psi, params=states["params"],
             grads=states["grads"], optimizer=states["optimizer"], activations=saved + recompute,
             buffers=sum(parts.values()), cpu=states["cpu"], nvme=states["nvme"], in_flight=in_flight,
             detail=detail))
@@ -437,5 +503,5 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: b
 
 
 __all__ = ["CATEGORIES", "FIXED_OVERHEAD_BYTES", "GIB", "MemoryEstimate", "RankMemory", "block_bytes", "estimate",
-           "hosted_stages", "in_flight_peak", "korthikanti_layer_bytes", "layer_numels", "layout_problems",
+           "hosted_stages", "representative_ranks", "in_flight_peak", "korthikanti_layer_bytes", "layer_numels", "layout_problems",
            "model_states", "padded_vocab", "rank_parameters", "zero_model_states"]

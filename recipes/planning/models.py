@@ -127,4 +127,101 @@ def packaged(name: str) -> ModelSpec:
     return PACKAGED[name]
 
 
-__all__ = ["PACKAGED", "ModelSpec", "packaged"]
+#: Hugging Face ``architectures`` the planner reads, and the ModelSpec architecture of each (the same families
+#: :mod:`shardline.plugins.hf` loads: Mistral and Qwen2 are Llama-shaped, Qwen2 with q/k/v biases).
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+                    "GPT2LMHeadModel": "gpt2"}
+SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))
+
+
+def from_hf_config(hf: dict, *, name: str = "hf", source: str = "config.json") -> ModelSpec:
+    """The spec of a Hugging Face ``config.json`` (as a dict), without torch. RecipeError naming ``source`` and
+    the missing or unsupported field."""
+    archs = hf.get("architectures") or []
+    supported = [a for a in archs if a in HF_ARCHITECTURES]
+    if not supported:
+        raise RecipeError(f"model {source}: architectures={archs} is not supported "
+                          f"(supported: {sorted(HF_ARCHITECTURES)})")
+    arch = supported[0]
+
+    def need(key: str):
+        if not isinstance(hf.get(key), int):
+            raise RecipeError(f"model {source}: {key!r} is missing or not an integer ({hf.get(key)!r})")
+        return hf[key]
+
+    if HF_ARCHITECTURES[arch] == "gpt2":
+        d = need("n_embd")
+        return ModelSpec(name=name, architecture="gpt2", vocab_size=need("vocab_size"), seq_len=need("n_positions"),
+                         n_layer=need("n_layer"), n_head=need("n_head"), d_model=d, d_ff=hf.get("n_inner") or 4 * d,
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    for key in ("mlp_bias", "attention_bias"):
+        if hf.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
+            raise RecipeError(f"model {source}: {key}=True is not supported by shardline's Llama "
+                              f"(biases only on q/k/v, as Qwen2 has)")
+    n_head = need("num_attention_heads")
+    return ModelSpec(name=name, architecture="llama", vocab_size=need("vocab_size"),
+                     seq_len=need("max_position_embeddings"), n_layer=need("num_hidden_layers"), n_head=n_head,
+                     n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=need("hidden_size"),
+                     d_ff=need("intermediate_size"), head_dim=hf.get("head_dim"),
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                     qkv_bias=arch == "Qwen2ForCausalLM")
+
+
+def from_mapping(fields: dict, *, name: str, source: str) -> ModelSpec:
+    """A spec from architecture fields (``ModelSpec``'s names; a ``shardline fit`` recipe's ``model`` section is
+    accepted as is: its training fields such as ``lr`` are ignored). ``architecture`` defaults to ``gpt2`` as in
+    the recipes; ``n_kv_head`` only applies to ``llama``."""
+    arch = fields.get("architecture", "gpt2")
+    wanted = {k: v for k, v in fields.items() if k in SPEC_FIELDS and k not in ("name", "architecture")}
+    if arch == "gpt2":
+        wanted.pop("n_kv_head", None)
+        wanted.setdefault("tie_embeddings", True)
+        if isinstance(wanted.get("d_model"), int):
+            wanted.setdefault("d_ff", 4 * wanted["d_model"])
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    missing = [k for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff") if k not in wanted]
+    if missing:
+        raise RecipeError(f"model {source}: missing {', '.join(missing)} (the architecture fields are "
+                          f"{', '.join(SPEC_FIELDS[1:])})")
+    return ModelSpec(name=fields.get("name", name), architecture=arch, **wanted)
+
+
+def load_model(what: str) -> ModelSpec:
+    """A packaged name, a Hugging Face ``config.json`` (or the folder holding one), or a YAML file of
+    architecture fields (a recipe's ``model`` section works). RecipeError naming the argument otherwise."""
+    import json
+    from pathlib import Path
+
+    if what in PACKAGED:
+        return PACKAGED[what]
+    path = Path(what)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise RecipeError(f"model {what!r} is neither a packaged model ({', '.join(PACKAGED)}) nor a file")
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise RecipeError(f"model {path}: cannot be read ({error.strerror})") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise RecipeError(f"model {path}: not valid JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"model {path}: a config.json must be a JSON object")
+        return from_hf_config(data, name=path.parent.name or path.stem, source=str(path))
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise RecipeError(f"model {path}: not valid YAML ({error})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"model {path}: must be a mapping of architecture fields")
+    if isinstance(data.get("model"), dict):  # a shardline fit recipe
+        data = data["model"]
+    return from_mapping(data, name=path.stem, source=str(path))
+
+
+__all__ = ["HF_ARCHITECTURES", "PACKAGED", "ModelSpec", "from_hf_config", "from_mapping", "load_model", "packaged"]

@@ -470,18 +470,12 @@ def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: 
     pairs, DeepSpeed's bf16 gradients); Megatron-LM sets ``tp_overlap`` (async backward TP collectives),
     ``pp_scatter_gather`` (``/t`` pipeline transfers + all-gather without SP), ``grad_bytes=4`` (fp32 main
     grads), ``fused_wgrad`` (accumulated in the GEMM) and ``fused_kernels`` (fused norm, rotary, SwiGLU)."""
-    stages = predict_stages(model, layout, cluster, seq_len=seq_len, dtype=dtype, attention=attention,
-                            dropout=dropout, tp_overlap=tp_overlap, overlap_dp=overlap_dp,
-                            pp_scatter_gather=pp_scatter_gather, grad_bytes=grad_bytes, fused_wgrad=fused_wgrad,
-                            fused_kernels=fused_kernels)
-    return stages[busiest_stage(stages)]
-
-
-def busiest_stage(stages: list[StepPrediction]) -> int:
-    """The pipeline rank whose step has the least waiting (its busy time, compute and exposed communication, is
-    the largest; the last of equals): the one :func:`predict` reports."""
-    waiting = [p.time_s["bubble"] + p.time_s["idle"] for p in stages]
-    return max(range(len(stages)), key=lambda s: (-waiting[s], s))
+    st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
+                                               tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
+                                               fused_kernels)
+    m = layout.micro_batches
+    busiest = max(range(layout.pp), key=lambda s: (m * stages[s].busy + tails[s].ledger.busy, s))
+    return _prediction(st, stages[busiest], tails[busiest], makespan, step, busiest)
 
 
 def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
@@ -489,7 +483,16 @@ def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, se
                    overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
                    fused_wgrad: bool = False, fused_kernels: bool = False) -> list[StepPrediction]:
     """:func:`predict` for every pipeline rank: element ``r`` is pipeline rank ``r``'s step (global ranks
-    ``r*tp*cp*dp ...``; TP, CP and DP peers of a pipeline rank are priced alike). Same arguments as predict."""
+    ``r*tp*cp*dp ...``; TP, CP and DP peers of a pipeline rank are priced alike). :func:`predict` returns the
+    busiest of them (the most compute and exposed communication, the last of equals). Same arguments."""
+    st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
+                                               tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
+                                               fused_kernels)
+    return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(layout.pp)]
+
+
+def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp, pp_scatter_gather,
+           grad_bytes, fused_wgrad, fused_kernels):
     _check(model, layout, cluster, seq_len, dtype, attention)
     st = _Setup(model, layout, cluster, seq_len, dtype, attention,
                 dropout, tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad, fused_kernels)
@@ -503,7 +506,7 @@ def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, se
     bwd = [n * block[2] for n in layers]
     tails = [_tail(st, s, params[s], bwd[s], sum(bwd[:s]) / lay.chunks) for s in range(lay.pp)]
     step = makespan + max(t.duration for t in tails)
-    return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(lay.pp)]
+    return st, stages, tails, makespan, step
 
 
 def _prediction(st: _Setup, stage: _Ledger, tail: _Tail, makespan: float, step: float, rank: int) -> StepPrediction:
@@ -531,5 +534,5 @@ def _prediction(st: _Setup, stage: _Ledger, tail: _Tail, makespan: float, step: 
                           peak_flops=st.gpu.peak_flops(st.dtype), stage=rank)
 
 
-__all__ = ["ATTENTION", "DTYPES", "StepPrediction", "bubble_fraction", "busiest_stage", "model_flops",
+__all__ = ["ATTENTION", "DTYPES", "StepPrediction", "bubble_fraction", "model_flops",
            "pipeline_makespan", "predict", "predict_stages", "stage_layers"]

@@ -1,0 +1,494 @@
+"""The layout planner: every layout of a model on a cluster that the hard rules allow, priced by the memory
+estimator (:mod:`.memory`) and the step-time model (:mod:`.steptime`), ranked fitting-first by predicted step
+time (issue 18, section 3).
+
+**What is enumerated.** ``tp`` (a divisor of ``gpus_per_node``: TP stays inside a node), ``cp`` (a divisor of
+``seq / 2`` leaving each CP rank's two chunks at least :data:`MIN_CP_CHUNK` tokens; Ring or Ulysses), ``pp`` (at most one block per virtual stage), ``dp = gpus / (tp cp pp)`` (it must
+divide the global batch), the SP mode (``none`` or ``megatron`` when ``tp > 1`` and ``cp = 1``; ``ring`` or
+``ulysses`` when ``cp > 1``), the schedule (1F1B, and interleaved 1F1B with ``chunks`` in the powers of two and
+the divisors of ``n_layer / pp``, ``micro_batches`` a multiple of ``pp``), the micro-batch size (a divisor of
+the replica's batch ``B / dp``; ``micro_batches = B / (dp * micro_batch_size)``), ZeRO stage 0-3, CPU offload
+of the optimizer (ZeRO >= 1) and of the parameters (ZeRO-3) and full recompute.
+
+**What is not, and why** (each also stated in :attr:`PlanResult.rejected`): GPipe, whose bubble equals 1F1B's
+with ``m`` micro-batches in flight instead of ``min(p - r, m)`` (never faster, never smaller; ``--layout
+schedule=gpipe`` still prices it); ``selective`` recompute, which is ``none`` under flash attention (shardline
+stores no softmax; priced only with ``attention='materialized'``); NVMe offload (``--layout offload=nvme`` prices
+it) since CPU offload is tried first and always cheaper in time.
+
+**Escalation.** Recompute and offload only trade time for memory, so for each structure (tp, cp, sp, pp,
+schedule, chunks, micro-batch size) the planner tries the levels ``(recompute, offload)`` =
+``(none, none), (full, none), (none, optimizer), (full, optimizer), (full, optimizer + params)`` in that order
+and stops at the first level where some ZeRO stage fits; every ZeRO stage of that level is priced.
+
+**Fits.** The most loaded rank's estimate (buffers include :data:`~.memory.FIXED_OVERHEAD_BYTES`) must not
+exceed the usable HBM: ``hbm_gb`` GiB (HBM capacities are binary: an "80GB" H100 shows CUDA about 79.2 GiB)
+times ``1 - headroom`` (default :data:`HEADROOM` = 5%, the caching allocator's fragmentation), and the CPU RAM a
+node's offload needs must not exceed ``cpu_ram_gib`` when one is given.
+
+A fixed field (``layout={"tp": 8}``, or a complete layout) narrows the enumeration to it; a fixed value the rules
+forbid is not dropped: it yields a row that does not fit, or a :class:`~.catalog.PlanError`, naming the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardline.recipes.planning import memory as mem
+from shardline.recipes.planning import steptime
+from shardline.recipes.planning.catalog import Cluster, PlanError
+from shardline.recipes.planning.layout import OFFLOAD, RECOMPUTE, SCHEDULES, SP_MODES, PlanLayout
+from shardline.recipes.planning.models import ModelSpec
+from shardline.recipes.schema import RecipeError
+
+GIB = mem.GIB
+HEADROOM = 0.05
+#: The smallest CP chunk searched: FlashAttention's 128-row tile (a shorter chunk runs the ring's attention
+#: steps on partly empty tiles, and its K/V exchanges are latency-bound).
+MIN_CP_CHUNK = 128
+#: ``--layout`` keys: PlanLayout's fields, ``zero`` for ``zero_stage`` and ``offload`` for both offloads
+#: (``none``, ``cpu``/``optimizer`` (the optimizer to CPU), ``nvme``, ``cpu+params``/``all`` (optimizer and
+#: parameters to CPU), ``nvme+params``).
+LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(PlanLayout)) + ("zero", "offload")
+_INT_KEYS = ("tp", "pp", "dp", "cp", "chunks", "zero_stage", "micro_batches", "micro_batch_size")
+_OFFLOAD_WORDS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "optimizer": ("cpu", "none"),
+                  "nvme": ("nvme", "none"), "cpu+params": ("cpu", "cpu"), "all": ("cpu", "cpu"),
+                  "params": ("cpu", "cpu"), "nvme+params": ("nvme", "nvme")}
+#: The escalation levels: (recompute, offload_optimizer, offload_params).
+LEVELS = (("none", "none", "none"), ("full", "none", "none"), ("none", "cpu", "none"), ("full", "cpu", "none"),
+          ("full", "cpu", "cpu"))
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """``"tp=8,pp=4,zero=1,offload=cpu,recompute=full"`` as PlanLayout keyword arguments (partial is fine).
+    RecipeError naming the bad item."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in re.split(r"[,\s]+", text or ""))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not value:
+            raise RecipeError(f"--layout item {item!r} must be key=value (keys: {', '.join(LAYOUT_KEYS)})")
+        if key not in LAYOUT_KEYS:
+            raise RecipeError(f"--layout key {key!r} is unknown (keys: {', '.join(LAYOUT_KEYS)})")
+        if key == "zero":
+            key = "zero_stage"
+        if key == "offload":
+            if value not in _OFFLOAD_WORDS:
+                raise RecipeError(f"--layout offload={value!r} must be one of {', '.join(_OFFLOAD_WORDS)}")
+            out["offload_optimizer"], out["offload_params"] = _OFFLOAD_WORDS[value]
+            continue
+        if key in _INT_KEYS:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise RecipeError(f"--layout {key}={value!r} must be an integer") from None
+        else:
+            out[key] = value
+    return out
+
+
+# --- results ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class PlanRow:
+    """One priced layout. ``fits`` is False with ``problems`` naming the numbers when it cannot run or does not
+    fit; ``memory`` is None only when the layout could not be estimated at all (a rule it breaks)."""
+
+    layout: PlanLayout
+    fits: bool
+    memory: mem.MemoryEstimate | None
+    prediction: steptime.StepPrediction | None
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.prediction.step_s if self.prediction is not None else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        lay, pred = self.layout, self.prediction
+        row: dict[str, Any] = {k: getattr(lay, k) for k in (
+            "tp", "pp", "dp", "cp", "chunks", "sp", "zero_stage", "offload_optimizer", "offload_params",
+            "recompute", "micro_batches", "micro_batch_size")}
+        row["schedule"] = lay.schedule
+        row["fits"] = self.fits
+        row["memory_gib"] = self.memory.memory_gib() if self.memory is not None else None
+        row["cpu_gib_per_gpu"] = self.memory.most_loaded.cpu / GIB if self.memory is not None else None
+        row["max_memory_rank"] = self.memory.max_memory_rank if self.memory is not None else None
+        row["step_s"] = pred.step_s if pred else None
+        row["tokens_per_s_per_gpu"] = pred.tokens_per_s_per_gpu if pred else None
+        row["tflops_per_gpu"] = pred.tflops_per_gpu if pred else None
+        row["mfu"] = pred.mfu if pred else None
+        row["time_s"] = pred.categories() if pred else None
+        row["problems"] = list(self.problems)
+        if self.notes:
+            row["notes"] = list(self.notes)
+        return row
+
+
+@dataclass
+class PlanResult:
+    model: ModelSpec
+    cluster: Cluster
+    gpus: int
+    seq_len: int
+    global_batch: int
+    dtype: str
+    usable_bytes: float
+    rows: list[PlanRow]
+    rejected: dict[str, str]
+    evaluated: int
+
+    @property
+    def fitting(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.fits]
+
+    @property
+    def best(self) -> PlanRow:
+        if not self.rows or not self.rows[0].fits:
+            why = self.rows[0].problems if self.rows else list(self.rejected.values())[:3]
+            raise PlanError(f"no layout of {self.model.name!r} fits {self.gpus} x {self.cluster.gpu.name} "
+                            f"({self.usable_bytes / GIB:.1f} GiB usable per GPU): " + "; ".join(why))
+        return self.rows[0]
+
+    def to_json(self, top: int | None = None) -> dict[str, Any]:
+        m, cl = self.model, self.cluster
+        rows = self.rows if not top else self.rows[:top]
+        return {
+            "model": {**dataclasses.asdict(m), "params": m.params()},
+            "cluster": {"name": cl.name, "gpu": cl.gpu.name, "gpus": self.gpus, "gpus_per_node": cl.gpus_per_node,
+                        "nodes": max(1, self.gpus // cl.gpus_per_node), "intra_node": cl.intra_node.name,
+                        "inter_node": cl.inter_node.name, "nics_per_node": cl.nics_per_node,
+                        "hbm_gib": cl.gpu.hbm_gb, "usable_gib": self.usable_bytes / GIB},
+            "seq_len": self.seq_len, "global_batch": self.global_batch, "dtype": self.dtype,
+            "evaluated": self.evaluated, "fitting": len(self.fitting),
+            "layouts": [r.to_json() for r in rows],
+            "rejected": dict(self.rejected),
+        }
+
+
+# --- enumeration ------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_request(model: ModelSpec, cluster: Cluster, gpus, seq_len, global_batch) -> None:
+    g = cluster.gpus_per_node
+    problems = [f"{k}={v!r} must be an integer >= 1" for k, v in
+                (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch))
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if not problems:
+        if gpus > g and gpus % g:
+            problems.append(f"gpus={gpus} is not a whole number of {g}-GPU nodes")
+        if gpus < g and g % gpus:
+            problems.append(f"gpus={gpus} (one partial node) must divide gpus_per_node={g}")
+        if seq_len > model.seq_len:
+            problems.append(f"seq_len={seq_len} exceeds the model's seq_len={model.seq_len}")
+    if problems:
+        raise PlanError(f"plan for {model.name!r} on {cluster.name!r}: " + "; ".join(problems))
+
+
+def _fixed(fixed: dict[str, Any], key: str, default: list) -> list:
+    return [fixed[key]] if key in fixed else default
+
+
+def _structures(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, global_batch: int,
+                fixed: dict[str, Any], attention: str, rejected: dict[str, str]):
+    """(tp, cp, sp, pp, dp, schedule, chunks, micro_batch_size, micro_batches) the rules allow; what they
+    forbid lands in ``rejected`` (one line per family)."""
+    node = min(cluster.gpus_per_node, gpus)
+    tps = _fixed(fixed, "tp", [t for t in _divisors(node)])
+    for tp in tps:
+        fam = f"tp={tp}"
+        why = [f"n_head={model.n_head}" if model.n_head % tp else "", f"d_ff={model.d_ff}" if model.d_ff % tp else "",
+               f"n_kv_head={model.kv_heads}" if model.kv_heads % tp and tp % model.kv_heads else ""]
+        why = [w for w in why if w]
+        if why:
+            rejected[fam] = f"{', '.join(why)} not divisible by tp={tp}"
+            continue
+        if gpus % tp:
+            rejected[fam] = f"tp={tp} does not divide gpus={gpus}"
+            continue
+        if tp > cluster.gpus_per_node and "tp" not in fixed:
+            continue
+        for cp in _fixed(fixed, "cp", _divisors(gpus // tp)):
+            if cp > 1 and seq_len % (2 * cp):
+                rejected.setdefault(f"cp={cp}", f"seq_len={seq_len} is not divisible by 2*cp={2 * cp} "
+                                                f"(causal load balancing gives each CP rank two chunks)")
+                continue
+            if cp > 1 and seq_len // (2 * cp) < MIN_CP_CHUNK and "cp" not in fixed:
+                rejected.setdefault(f"cp>={cp}", f"not searched: a CP rank's two chunks of seq_len/(2*cp)="
+                                                 f"{seq_len // (2 * cp)} tokens would be under one {MIN_CP_CHUNK}-"
+                                                 f"token attention tile")
+                break
+            if gpus % (tp * cp):
+                continue
+            sps = (["none", "megatron"] if tp > 1 else ["none"]) if cp == 1 else ["ring", "ulysses"]
+            for sp in _fixed(fixed, "sp", sps):
+                if sp == "ulysses" and (model.n_head // tp) % cp:
+                    rejected.setdefault(f"tp={tp},cp={cp},sp=ulysses",
+                                        f"ulysses: n_head/tp={model.n_head // tp} is not divisible by cp={cp}")
+                    continue
+                if sp == "megatron" and (seq_len // cp) % tp:
+                    rejected.setdefault(f"tp={tp},sp=megatron",
+                                        f"megatron-SP: seq_len={seq_len} is not divisible by tp={tp}")
+                    continue
+                yield from _pipelines(model, gpus, global_batch, fixed, rejected, tp, cp, sp)
+
+
+def _pipelines(model, gpus, global_batch, fixed, rejected, tp, cp, sp):
+    rest = gpus // (tp * cp)
+    for pp in _fixed(fixed, "pp", _divisors(rest)):
+        if rest % pp:
+            continue
+        if pp > model.n_layer:
+            rejected.setdefault(f"pp={pp}", f"pp={pp} > n_layer={model.n_layer} (a block per stage)")
+            continue
+        dp = rest // pp
+        if "dp" in fixed and fixed["dp"] != dp:
+            continue
+        if global_batch % dp:
+            rejected.setdefault(f"tp={tp},cp={cp},pp={pp}",
+                                f"dp={dp} does not divide global_batch={global_batch}")
+            continue
+        replica = global_batch // dp
+        if pp == 1:
+            schedules = [("1f1b", 1)]
+        else:
+            per = model.n_layer // pp
+            chunks = sorted({v for v in range(2, per + 1) if per % v == 0 or v & (v - 1) == 0})
+            schedules = [("1f1b", 1)] + [("interleaved", v) for v in chunks]
+        if "schedule" in fixed or "chunks" in fixed:
+            sched = fixed.get("schedule", "interleaved" if fixed.get("chunks", 1) > 1 else "1f1b")
+            v = fixed.get("chunks", 1 if sched != "interleaved" else None)
+            schedules = [(sched, c) for c in ([v] if v else [c for s, c in schedules if s == "interleaved"])]
+        sizes = []
+        for mbs in _fixed(fixed, "micro_batch_size", _divisors(replica)):
+            if replica % mbs:
+                rejected.setdefault(f"micro_batch_size={mbs}",
+                                    f"micro_batch_size={mbs} does not divide global_batch/dp={replica}")
+            elif "micro_batches" not in fixed or fixed["micro_batches"] == replica // mbs:
+                sizes.append((mbs, replica // mbs))
+        for schedule, v in schedules:
+            fitting = [(mbs, m) for mbs, m in sizes if schedule != "interleaved" or m % pp == 0]
+            if fitting:
+                yield tp, cp, sp, pp, dp, schedule, v, fitting
+
+
+def _levels(fixed: dict[str, Any], attention: str):
+    levels = list(LEVELS)
+    if attention == "materialized":
+        levels.insert(1, ("selective", "none", "none"))
+    if any(k in fixed for k in ("recompute", "offload_optimizer", "offload_params")):
+        keep = []
+        for r, oo, op in levels + [(r, o, p) for r in RECOMPUTE for o in OFFLOAD for p in OFFLOAD]:
+            if (fixed.get("recompute", r), fixed.get("offload_optimizer", oo), fixed.get("offload_params", op)) \
+                    == (r, oo, op) and (r, oo, op) not in keep:
+                keep.append((r, oo, op))
+        levels = keep
+    return levels
+
+
+def _zero_stages(fixed: dict[str, Any], oo: str, op: str) -> list[int]:
+    if "zero_stage" in fixed:
+        return [fixed["zero_stage"]]
+    if op != "none" or oo == "nvme":
+        return [3]
+    return [1, 2, 3] if oo != "none" else [0, 1, 2, 3]
+
+
+def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | None, cluster: Cluster) -> list[str]:
+    top = estimate.most_loaded
+    problems = []
+    if top.total > usable:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in top.categories().items() if k != "total")
+        problems.append(f"does not fit: {top.total / GIB:.1f} GiB on rank {top.rank} ({parts}) > "
+                        f"{usable / GIB:.1f} GiB usable")
+    if cpu_ram is not None:
+        node_cpu = max(r.cpu for r in estimate.ranks) * cluster.gpus_per_node
+        if node_cpu > cpu_ram:
+            problems.append(f"does not fit: offload needs {node_cpu / GIB:.0f} GiB of CPU RAM per node > "
+                            f"cpu_ram_gib={cpu_ram / GIB:.0f}")
+    return problems
+
+
+def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_batch: int,
+         layout: dict[str, Any] | None = None, top: int | None = None, dtype: str = "bf16",
+         attention: str = "flash", headroom: float = HEADROOM, cpu_ram_gib: float | None = None,
+         overhead_bytes: int = mem.FIXED_OVERHEAD_BYTES, **predict_kwargs) -> PlanResult:
+    """Every layout of ``model`` on ``gpus`` GPUs of ``cluster`` training ``global_batch`` sequences of
+    ``seq_len`` tokens per step (see the module docstring), fitting rows first by predicted step time, then the
+    rest by memory. ``layout`` fixes fields (PlanLayout's names, or :func:`parse_layout`'s output); ``top``
+    keeps that many rows. ``predict_kwargs`` go to :func:`~.steptime.predict` (``tp_overlap`` ...)."""
+    _check_request(model, cluster, gpus, seq_len, global_batch)
+    fixed = dict(layout or {})
+    unknown = set(fixed) - {f.name for f in dataclasses.fields(PlanLayout)}
+    if unknown:
+        raise PlanError(f"layout: unknown field(s) {sorted(unknown)} (fields: {', '.join(LAYOUT_KEYS[:-2])})")
+    for key, allowed in (("sp", SP_MODES), ("schedule", SCHEDULES), ("recompute", RECOMPUTE),
+                         ("offload_optimizer", OFFLOAD), ("offload_params", OFFLOAD)):
+        if key in fixed and fixed[key] not in allowed:
+            raise PlanError(f"layout: {key}={fixed[key]!r} must be one of {allowed}")
+    if "tp" in fixed and "pp" in fixed and "cp" in fixed and "dp" in fixed:
+        world = fixed["tp"] * fixed["pp"] * fixed["cp"] * fixed["dp"]
+        if world != gpus:
+            raise PlanError(f"layout: tp*pp*cp*dp = {fixed['tp']}*{fixed['pp']}*{fixed['cp']}*{fixed['dp']} = "
+                            f"{world} != gpus={gpus}")
+    usable = cluster.gpu.hbm_gb * GIB * (1 - headroom)
+    cpu_ram = cpu_ram_gib * GIB if cpu_ram_gib is not None else None
+    dtype_bytes = 4 if dtype == "fp32" else 2
+    rejected: dict[str, str] = {}
+    if "schedule" not in fixed:
+        rejected["schedule=gpipe"] = ("not searched: the same bubble as 1f1b with m micro-batches in flight instead "
+                                      "of min(pp - rank, m) (never faster, never smaller)")
+    if attention == "flash" and "recompute" not in fixed:
+        rejected["recompute=selective"] = "not searched: equals recompute=none under flash attention"
+    rows: list[PlanRow] = []
+    closest: dict[str, PlanRow] = {}
+    evaluated = 0
+    explicit = _fully_fixed(fixed)
+    for tp, cp, sp, pp, dp, schedule, v, sizes in _structures(model, cluster, gpus, seq_len, global_batch,
+                                                              fixed, attention, rejected):
+        family = f"tp={tp},pp={pp},cp={cp}"
+        for mbs, m in sizes:  # ascending: memory grows with the micro-batch at every level
+            found = False
+            for recompute, oo, op in _levels(fixed, attention):
+                level_rows = []
+                for z in _zero_stages(fixed, oo, op):
+                    try:
+                        lay = PlanLayout(tp=tp, pp=pp, dp=dp, cp=cp, chunks=v, sp=sp, schedule=schedule,
+                                         zero_stage=z, offload_optimizer=oo, offload_params=op,
+                                         recompute=recompute, micro_batches=m, micro_batch_size=mbs)
+                    except RecipeError as error:
+                        if explicit:
+                            raise PlanError(str(error)) from None
+                        continue
+                    evaluated += 1
+                    row = _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, cpu_ram,
+                                 overhead_bytes, predict_kwargs, explicit)
+                    if tp > cluster.gpus_per_node:
+                        row.notes.append(f"tp={tp} > gpus_per_node={cluster.gpus_per_node}: TP crosses the NICs")
+                    level_rows.append(row)
+                good = [r for r in level_rows if r.fits]
+                if good:
+                    rows.extend(good)
+                    found = True
+                    break
+                for row in level_rows:
+                    best = closest.get(family)
+                    if best is None or (row.memory is not None and (
+                            best.memory is None or row.memory.most_loaded.total < best.memory.most_loaded.total)):
+                        closest[family] = row
+            if not found:
+                break  # a larger micro-batch needs more memory at every level
+    fitting_families = {f"tp={r.layout.tp},pp={r.layout.pp},cp={r.layout.cp}" for r in rows if r.fits}
+    for family, row in closest.items():
+        if family in fitting_families:
+            continue
+        rejected[family] = f"{_short(row.layout)}: " + "; ".join(row.problems)
+        if not any(r is row for r in rows):
+            rows.append(row)
+    rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else
+                             (r.memory.most_loaded.total if r.memory else math.inf)))
+    if not rows and not rejected:
+        raise PlanError(f"plan for {model.name!r}: no layout matches {fixed}")
+    return PlanResult(model=model, cluster=cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch,
+                      dtype=dtype, usable_bytes=usable, rows=rows[:top] if top else rows, rejected=rejected,
+                      evaluated=evaluated)
+
+
+def _fully_fixed(fixed: dict[str, Any]) -> bool:
+    return all(k in fixed for k in ("tp", "pp", "cp", "zero_stage", "recompute", "offload_optimizer",
+                                    "micro_batch_size"))
+
+
+def _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, cpu_ram, overhead,
+           predict_kwargs, explicit_price: bool = False) -> PlanRow:
+    """The row of one layout: its memory, and its step time when it fits (or when ``explicit_price``)."""
+    try:
+        ranks = None if explicit_price else _representatives(model, lay.tp, lay.pp, lay.chunks)
+        estimate = mem.estimate(model, lay, seq_len=seq_len, dtype_bytes=dtype_bytes, overhead_bytes=overhead,
+                                pp_ranks=ranks)
+    except RecipeError as error:
+        return PlanRow(lay, False, None, None, [str(error)])
+    problems = _fit_problem(estimate, usable, cpu_ram, cluster)
+    prediction = None
+    if problems and not explicit_price:
+        return PlanRow(lay, False, estimate, None, problems)
+    try:
+        prediction = steptime.predict(model, lay, cluster, seq_len=seq_len,
+                                      dtype="bf16" if dtype == "fp32" else dtype, attention=attention,
+                                      **predict_kwargs)
+    except PlanError as error:
+        problems.append(str(error))
+    return PlanRow(lay, not problems, estimate, prediction, problems)
+
+
+@functools.lru_cache(maxsize=4096)
+def _representatives(model: ModelSpec, tp: int, pp: int, chunks: int) -> list[int]:
+    return mem.representative_ranks(model, PlanLayout(tp=tp, pp=pp, chunks=chunks,
+                                                      schedule="interleaved" if chunks > 1 else "1f1b"))
+
+
+def _short(lay: PlanLayout) -> str:
+    parts = [f"tp={lay.tp}", f"pp={lay.pp}", f"dp={lay.dp}", f"cp={lay.cp}"]
+    if lay.sp != "none":
+        parts.append(f"sp={lay.sp}")
+    if lay.schedule != "1f1b" or lay.chunks > 1:
+        parts.append(f"{lay.schedule}x{lay.chunks}")
+    parts += [f"zero={lay.zero_stage}", f"mbs={lay.micro_batch_size}", f"m={lay.micro_batches}"]
+    if lay.recompute != "none":
+        parts.append(f"recompute={lay.recompute}")
+    if lay.offload_optimizer != "none" or lay.offload_params != "none":
+        parts.append(f"offload={lay.offload_optimizer}/{lay.offload_params}")
+    return ",".join(parts)
+
+
+def format_table(result: PlanResult, top: int = 10) -> str:
+    """The ``--top`` rows as a text table (memory and time breakdowns), then one line per rejected family."""
+    head = (f"{result.model.name} ({result.model.params() / 1e9:.2f}B params) on {result.gpus} x "
+            f"{result.cluster.gpu.name} ({result.cluster.gpus_per_node}/node, {result.cluster.intra_node.name}, "
+            f"{result.cluster.nics_per_node} x {result.cluster.inter_node.name}), seq {result.seq_len}, global "
+            f"batch {result.global_batch} ({result.global_batch * result.seq_len / 1e6:.2f}M tokens); "
+            f"{result.evaluated} layouts priced, {len(result.fitting)} fit in "
+            f"{result.usable_bytes / GIB:.1f} GiB usable")
+    cols = ("#", "layout", "fits", "GiB", "par", "grad", "opt", "act", "buf", "step s", "tok/s/GPU", "TFLOP/s",
+            "MFU", "compute", "exp.comm", "bubble", "offload")
+    lines = []
+    for i, row in enumerate(result.rows[:top] if top else result.rows, 1):
+        g = row.memory.memory_gib() if row.memory else {}
+        p = row.prediction
+        c = p.categories() if p else {}
+
+        def f(x, spec=".1f"):
+            return "-" if x is None else format(x, spec)
+        lines.append((str(i), _short(row.layout), "yes" if row.fits else "NO", f(g.get("total")), f(g.get("params")),
+                      f(g.get("grads")), f(g.get("optimizer")), f(g.get("activations")), f(g.get("buffers")),
+                      f(p and p.step_s, ".3f"), f(p and p.tokens_per_s_per_gpu, ".0f"),
+                      f(p and p.tflops_per_gpu, ".0f"), f(p and 100 * p.mfu, ".1f"),
+                      f(c.get("compute"), ".3f"), f(c.get("exposed_comm"), ".3f"), f(c.get("bubble"), ".3f"),
+                      f(c.get("offload"), ".3f")))
+    widths = [max(len(cols[j]), *(len(r[j]) for r in lines)) if lines else len(cols[j]) for j in range(len(cols))]
+    out = [head, "", "  ".join(c.rjust(w) if j not in (1,) else c.ljust(w) for j, (c, w) in
+                              enumerate(zip(cols, widths)))]
+    out += ["  ".join(v.rjust(w) if j != 1 else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths)))
+            for r in lines]
+    misfits = [r for r in (result.rows[:top] if top else result.rows) if not r.fits]
+    for row in misfits:
+        out.append(f"  {_short(row.layout)}: {'; '.join(row.problems)}")
+    if result.rejected:
+        out += ["", "rejected:"] + [f"  {k}: {v}" for k, v in result.rejected.items()]
+    out.append("")
+    out.append("GiB: the most loaded rank (params, grads, optimizer, activations, buffers incl. "
+               f"{mem.FIXED_OVERHEAD_BYTES / GIB:.0f} GiB fixed CUDA/NCCL overhead); times per step on the busiest "
+               "pipeline rank; MFU: Megatron's model FLOPs over the bf16 peak.")
+    return "\n".join(out)
+
+
+__all__ = ["HEADROOM", "LAYOUT_KEYS", "PlanResult", "PlanRow", "format_table", "parse_layout", "plan"]

@@ -1,0 +1,312 @@
+"""The layout planner (:mod:`shardline.recipes.planning.search`) and ``shardline plan``.
+
+The search is checked against an independent brute force: every layout of a small job enumerated here without
+the planner's pruning (escalation, representative ranks, the CP tile floor), each estimated over all pipeline
+ranks and priced, must give the same best step and the same fitting set. Every row is re-derived from
+``memory.estimate`` and ``steptime.predict``; the hard rules hold on every row; the CLI's JSON has the issue's
+keys; bad input is one error naming the value, a layout that does not fit a row naming its numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from shardline.recipes.cli import main
+from shardline.recipes.planning import memory, search, steptime
+from shardline.recipes.planning.catalog import PlanError, cluster, load_catalog
+from shardline.recipes.planning.layout import PlanLayout
+from shardline.recipes.planning.models import PACKAGED, from_hf_config, load_model, packaged
+from shardline.recipes.schema import RecipeError
+
+CATALOG = load_catalog()
+H100 = CATALOG.cluster("dgx-h100")
+A100_40 = CATALOG.cluster("dgx-a100-40gb")
+ROW_KEYS = {"tp", "pp", "dp", "cp", "chunks", "sp", "zero_stage", "offload_optimizer", "offload_params", "recompute",
+            "micro_batches", "micro_batch_size", "fits", "memory_gib", "max_memory_rank", "step_s",
+            "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "time_s"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "total"}
+
+
+# --- --layout ------------------------------------------------------------------------------------------------
+
+def test_parse_layout_reads_every_key_and_the_offload_words():
+    got = search.parse_layout("tp=8, pp=4,dp=2,cp=2,chunks=2,zero=3,offload=cpu+params,recompute=full,"
+                              "micro_batches=8,micro_batch_size=2,sp=ring,schedule=interleaved")
+    assert got == dict(tp=8, pp=4, dp=2, cp=2, chunks=2, zero_stage=3, offload_optimizer="cpu", offload_params="cpu",
+                       recompute="full", micro_batches=8, micro_batch_size=2, sp="ring", schedule="interleaved")
+    PlanLayout(**got)  # a complete, valid layout
+    assert search.parse_layout("offload=nvme") == {"offload_optimizer": "nvme", "offload_params": "none"}
+    assert search.parse_layout("") == {}
+
+
+@pytest.mark.parametrize("text, named", [("tq=2", "'tq'"), ("tp=two", "tp='two'"), ("tp", "'tp'"),
+                                         ("offload=gpu", "offload='gpu'")])
+def test_parse_layout_names_the_bad_item(text, named):
+    with pytest.raises(RecipeError, match=named):
+        search.parse_layout(text)
+
+
+# --- the search against a brute force ------------------------------------------------------------------------
+
+def _brute_force(model, cl, *, gpus, seq_len, global_batch, usable):
+    """Every layout, no pruning: {layout: step_s} of those that fit (all pipeline ranks estimated)."""
+    out = {}
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for tp, cp, pp in itertools.product(divisors, repeat=3):
+        if gpus % (tp * cp * pp) or tp > cl.gpus_per_node:
+            continue
+        dp = gpus // (tp * cp * pp)
+        if global_batch % dp:
+            continue
+        replica = global_batch // dp
+        sps = (["none", "megatron"] if tp > 1 else ["none"]) if cp == 1 else ["ring", "ulysses"]
+        scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v)
+                                                                              for v in range(2, 1 + model.n_layer // pp)]
+        for sp, (sched, v), mbs, z, (oo, op), rc in itertools.product(
+                sps, scheds, [b for b in range(1, replica + 1) if replica % b == 0], range(4),
+                [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "none"), ("nvme", "nvme")],
+                ["none", "full"]):
+            try:
+                lay = PlanLayout(tp=tp, pp=pp, dp=dp, cp=cp, chunks=v, sp=sp, schedule=sched, zero_stage=z,
+                                 offload_optimizer=oo, offload_params=op, recompute=rc,
+                                 micro_batches=replica // mbs, micro_batch_size=mbs)
+                est = memory.estimate(model, lay, seq_len=seq_len)
+                pred = steptime.predict(model, lay, cl, seq_len=seq_len)
+            except (RecipeError, PlanError):
+                continue
+            if est.most_loaded.total <= usable:
+                out[lay] = pred.step_s
+    return out
+
+
+@pytest.mark.parametrize("name, gpus, global_batch, seq", [("gpt2-350m", 8, 16, 1024), ("llama2-7b", 8, 8, 4096)])
+def test_the_best_layout_is_the_brute_forces_best(name, gpus, global_batch, seq):
+    model = packaged(name)
+    cl = A100_40
+    result = search.plan(model, cl, gpus=gpus, seq_len=seq, global_batch=global_batch)
+    brute = _brute_force(model, cl, gpus=gpus, seq_len=seq, global_batch=global_batch, usable=result.usable_bytes)
+    assert brute, "the brute force found nothing that fits: the case tests nothing"
+    best = min(brute.values())
+    assert result.best.step_s == pytest.approx(best, rel=1e-12)
+    planned = {r.layout: r.step_s for r in result.fitting}
+    assert set(planned) <= set(brute)  # nothing the planner calls fitting is not
+    for lay, step in planned.items():
+        assert step == pytest.approx(brute[lay], rel=1e-12)
+    # what the planner skips is slower than its best, or a rule it states (gpipe, nvme, selective)
+    faster_missing = [lay for lay, s in brute.items() if lay not in planned and s < result.best.step_s]
+    assert not faster_missing
+
+
+def test_every_row_obeys_the_hard_rules_and_is_recomputed_exactly():
+    model, gpus, gb, seq = packaged("llama3-70b"), 64, 256, 8192
+    result = search.plan(model, H100, gpus=gpus, seq_len=seq, global_batch=gb)
+    assert len(result.fitting) > 100
+    steps = [r.step_s for r in result.fitting]
+    assert steps == sorted(steps)
+    assert len({r.layout for r in result.rows}) == len(result.rows)
+    for row in result.fitting[:: max(1, len(result.fitting) // 60)]:
+        lay = row.layout
+        assert lay.world == gpus and lay.global_batch == gb
+        assert H100.gpus_per_node % lay.tp == 0 and model.n_head % lay.tp == 0 and model.d_ff % lay.tp == 0
+        assert lay.cp == 1 or seq % (2 * lay.cp) == 0
+        assert lay.schedule != "interleaved" or lay.micro_batches % lay.pp == 0
+        full = memory.estimate(model, lay, seq_len=seq)  # every pipeline rank, not the planner's representatives
+        assert full.most_loaded == row.memory.most_loaded
+        assert full.most_loaded.total <= result.usable_bytes
+        assert steptime.predict(model, lay, H100, seq_len=seq).step_s == row.step_s
+
+
+def test_recompute_and_offload_only_when_the_lighter_level_does_not_fit():
+    model = packaged("llama2-70b")
+    result = search.plan(model, H100, gpus=8, seq_len=4096, global_batch=8)
+    assert result.fitting
+    for row in result.fitting:
+        lay = row.layout
+        if lay.recompute == "none" and lay.offload_optimizer == "none":
+            continue
+        lighter = dataclasses.replace(lay, recompute="none", offload_optimizer="none", offload_params="none")
+        for z in range(4):
+            try:
+                est = memory.estimate(model, dataclasses.replace(lighter, zero_stage=z), seq_len=4096)
+            except RecipeError:
+                continue
+            assert est.most_loaded.total > result.usable_bytes, (lay, z)
+
+
+def test_usable_memory_is_binary_hbm_less_the_headroom():
+    result = search.plan(packaged("gpt2-125m"), H100, gpus=8, seq_len=1024, global_batch=8, headroom=0.1)
+    assert result.usable_bytes == 80 * 2**30 * 0.9
+
+
+# --- layouts that cannot run ---------------------------------------------------------------------------------
+
+def test_a_layout_that_does_not_fit_is_a_row_naming_its_numbers():
+    fixed = search.parse_layout("tp=8,pp=1,cp=1,zero=0,recompute=none,micro_batch_size=1,offload=none,sp=none")
+    result = search.plan(packaged("llama3-70b"), H100, gpus=8, seq_len=8192, global_batch=64, layout=fixed)
+    (row,) = result.rows
+    assert not row.fits and row.prediction is not None  # priced all the same
+    total = row.memory.most_loaded.total / 2**30
+    assert f"does not fit: {total:.1f} GiB on rank 0" in row.problems[0]
+    assert f"> {result.usable_bytes / 2**30:.1f} GiB usable" in row.problems[0]
+    with pytest.raises(PlanError, match="no layout of 'llama3-70b' fits 8 x h100-sxm"):
+        result.best
+
+
+def test_a_layout_that_cannot_divide_names_the_numbers():
+    result = search.plan(packaged("llama3-70b"), H100, gpus=8, seq_len=8192, global_batch=64, layout={"tp": 3})
+    assert not result.rows
+    assert result.rejected["tp=3"] == "n_head=64, d_ff=28672, n_kv_head=8 not divisible by tp=3"
+    result = search.plan(packaged("llama3-8b"), H100, gpus=8, seq_len=8192, global_batch=6,
+                         layout={"tp": 1, "pp": 1, "cp": 1})
+    assert not result.rows
+    assert result.rejected["tp=1,cp=1,pp=1"] == "dp=8 does not divide global_batch=6"
+
+
+def test_tp_beyond_a_node_is_searched_never_but_priced_when_asked():
+    result = search.plan(packaged("llama3-70b"), H100, gpus=32, seq_len=4096, global_batch=32)
+    assert max(r.layout.tp for r in result.rows) <= 8
+    asked = search.plan(packaged("llama3-70b"), H100, gpus=32, seq_len=4096, global_batch=32, layout={"tp": 16})
+    assert asked.rows and all(r.layout.tp == 16 for r in asked.rows)
+    assert "TP crosses the NICs" in asked.rows[0].notes[0]
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(gpus=12), "gpus=12 is not a whole number of 8-GPU nodes"),
+    (dict(gpus=3), "gpus=3 (one partial node) must divide gpus_per_node=8"),
+    (dict(seq_len=9000), "seq_len=9000 exceeds the model's seq_len=8192"),
+    (dict(global_batch=0), "global_batch=0 must be an integer >= 1"),
+    (dict(layout={"tp": 8, "pp": 2, "cp": 1, "dp": 2}), "= 32 != gpus=8"),
+    (dict(layout={"sp": "zigzag"}), "sp='zigzag' must be one of"),
+    (dict(layout={"zero": 1}), "unknown field"),
+])
+def test_bad_requests_are_one_error_naming_the_value(kwargs, named):
+    args = dict(gpus=8, seq_len=8192, global_batch=64) | kwargs
+    with pytest.raises(PlanError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        search.plan(packaged("llama3-8b"), H100, **args)
+
+
+# --- models from a Hugging Face config -------------------------------------------------------------------------
+
+def _hf_count(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # tied parameters counted once
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2"])
+def test_a_hugging_face_config_counts_what_transformers_builds(kind, tmp_path):
+    import transformers
+
+    small = dict(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    config = {"llama": lambda: transformers.LlamaConfig(**small),
+              "mistral": lambda: transformers.MistralConfig(**small),
+              "qwen2": lambda: transformers.Qwen2Config(**small, tie_word_embeddings=True),
+              "gpt2": lambda: transformers.GPT2Config(vocab_size=1000, n_positions=512, n_embd=256, n_layer=3,
+                                                      n_head=8)}[kind]()
+    config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                             "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}[kind]]
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    spec = load_model(str(tmp_path))
+    assert spec.params() == _hf_count(config)
+
+
+def test_model_files_and_their_errors(tmp_path):
+    yaml_file = tmp_path / "m.yaml"
+    yaml_file.write_text("architecture: llama\nvocab_size: 256\nseq_len: 128\nn_layer: 2\nn_head: 4\n"
+                         "n_kv_head: 2\nd_model: 128\nd_ff: 344\nlr: 0.003\n")
+    assert load_model(str(yaml_file)).n_kv_head == 2
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  vocab_size: 256\n  seq_len: 64\n  n_layer: 2\n  n_head: 4\n  d_model: 64\n")
+    assert load_model(str(recipe)).architecture == "gpt2" and load_model(str(recipe)).d_ff == 256
+    (tmp_path / "bad.yaml").write_text("architecture: llama\nn_layer: 2\n")
+    with pytest.raises(RecipeError, match="missing vocab_size, seq_len, n_head, d_model, d_ff"):
+        load_model(str(tmp_path / "bad.yaml"))
+    with pytest.raises(RecipeError, match="architectures=\\['BertModel'\\] is not supported"):
+        from_hf_config({"architectures": ["BertModel"]}, source="x/config.json")
+    with pytest.raises(RecipeError, match="'num_hidden_layers' is missing"):
+        from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "max_position_embeddings": 8,
+                        "num_attention_heads": 2, "hidden_size": 8, "intermediate_size": 16})
+    with pytest.raises(RecipeError, match="attention_bias=True is not supported"):
+        from_hf_config({"architectures": ["LlamaForCausalLM"], "attention_bias": True})
+    with pytest.raises(RecipeError, match="'nope' is neither a packaged model"):
+        load_model("nope")
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+def test_cli_json_has_the_issues_shape(capsys):
+    rc = main(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-sxm", "--seq", "4096",
+               "--global-batch", "64", "--json", "--top", "3"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out["model"]["params"] == PACKAGED["llama3-8b"].params() == 8_030_261_248
+    assert out["cluster"]["gpus"] == 16 and out["cluster"]["nodes"] == 2 and out["cluster"]["gpu"] == "h100-sxm"
+    assert len(out["layouts"]) == 3
+    for row in out["layouts"]:
+        assert ROW_KEYS <= set(row) and set(row["memory_gib"]) == MEMORY_KEYS and row["fits"]
+        assert {"compute", "all_reduce", "all_gather", "reduce_scatter", "p2p", "bubble", "offload",
+                "exposed_comm"} <= set(row["time_s"])
+        assert row["tp"] * row["pp"] * row["dp"] * row["cp"] == 16
+        assert math.isclose(sum(row["memory_gib"][k] for k in MEMORY_KEYS - {"total"}), row["memory_gib"]["total"])
+    steps = [r["step_s"] for r in out["layouts"]]
+    assert steps == sorted(steps)
+
+
+def test_cli_table_and_errors(capsys):
+    assert main(["plan", "--model", "gpt2-125m", "--gpus", "8", "--cluster", "dgx-a100-80gb",
+                 "--global-batch", "32", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2-125m (0.12B params) on 8 x a100-80gb" in out and "\n1  " in out and "\n2  " in out
+    assert main(["plan", "--model", "gpt2-125m", "--gpus", "8", "--gpu", "h101", "--global-batch", "8"]) == 2
+    assert "unknown gpu 'h101' (known: a100-40gb" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt2-125m", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "8",
+                 "--layout", "tp=x"]) == 2
+    assert "--layout tp='x' must be an integer" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt2-125m", "--gpu", "h100-sxm"]) == 2
+    assert "give --gpus and --global-batch" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "64",
+                 "--layout", "tp=8,pp=1,cp=1,zero=0,recompute=none,micro_batch_size=1,offload=none,sp=none"]) == 1
+    assert "does not fit: " in capsys.readouterr().out
+
+
+def test_cli_overrides_the_node(capsys):
+    assert main(["plan", "--model", "gpt2-125m", "--gpus", "8", "--gpu", "h100-sxm", "--gpus-per-node", "4",
+                 "--interconnect", "roce", "--nics-per-node", "2", "--global-batch", "8", "--json", "--top", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)["cluster"]
+    assert (got["gpus_per_node"], got["inter_node"], got["nics_per_node"], got["nodes"]) == (4, "roce", 2, 2)
+    assert got["name"] == "4xh100-sxm"
+
+
+def test_cli_calibrates_from_a_real_profile(traces_dir, capsys):
+    candidates = sorted(traces_dir.rglob("*.json*"))
+    b200 = [p for p in candidates if "b200" in str(p).lower()]
+    if not b200:
+        pytest.skip(f"no B200 trace under {traces_dir}")
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--cluster", "dgx-b200", "--global-batch", "64",
+            "--json", "--top", "1", "--layout", "tp=8,pp=1,cp=1,zero=1,recompute=none,micro_batch_size=1,"
+                                                "offload=none,sp=none"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["layouts"][0]["time_s"]["compute"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(base + ["--calibrate", str(b200[0])]) == 0
+    captured = capsys.readouterr()
+    calibrated = json.loads(captured.out)["layouts"][0]["time_s"]["compute"]
+    assert "matmul_fraction_bf16" in captured.err
+    assert calibrated != plain  # the measured GEMM rate replaced the catalog's
+
+
+def test_a_cluster_from_names_matches_the_packaged_node():
+    assert cluster(CATALOG, gpu="h100-sxm", gpus_per_node=8, inter_node="ib-ndr", nics_per_node=8,
+                   name="dgx-h100") == H100
