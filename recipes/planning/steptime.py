@@ -21,7 +21,8 @@ input-gradient GEMM, otherwise everything is exposed (shardline's autograd pairs
 forward and ``2(c-1)`` backward, hidden under attention; Ulysses 4 all-to-alls each way. PP: ``2v`` transfers of
 ``T h e`` (``/t`` under SP or ``pp_scatter_gather``) per micro-batch. ZeRO over ``dp*cp``: stage 0 all-reduce;
 1 reduce-scatter + parameter all-gather; 2 the reduce-scatter every micro-batch; 3 all-gather forward and
-backward + reduce-scatter every micro-batch (1.5x stage 2's volume), hidden under the compute it overlaps
+backward, one per module (each block, the embedding, the head: a collective's latency each), + reduce-scatter
+every micro-batch (1.5x stage 2's volume), hidden under the compute it overlaps
 (``overlap_dp``; a once-per-step reduction also under the rank's cool-down wait). Offload over the host link:
 gradients down, parameters up, CPU Adam over the node's CPU-memory bandwidth share (NVMe: the states too).
 
@@ -372,8 +373,9 @@ def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, flo
     fwd_window, bwd_window = (fwd, bwd) if st.overlap_dp else (0.0, 0.0)
     if lay.zero_stage == 2:
         led.comm("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link), hidden_under=bwd_window)
-    if lay.zero_stage == 3:
-        gather = hw.all_gather_s(params * e, n, link)
+    if lay.zero_stage == 3:  # gathered module by module (each block, the embedding, the head): a latency each
+        modules = layers + (stage == 0) + (stage == lay.pp - 1)
+        gather = modules * hw.all_gather_s(params * e / modules, n, link)
         led.comm("all_gather", gather, hidden_under=fwd_window)
         led.comm("all_gather", gather, hidden_under=bwd_window)
         led.comm("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link),
