@@ -310,3 +310,21 @@ def test_cli_calibrates_from_a_real_profile(traces_dir, capsys):
 def test_a_cluster_from_names_matches_the_packaged_node():
     assert cluster(CATALOG, gpu="h100-sxm", gpus_per_node=8, inter_node="ib-ndr", nics_per_node=8,
                    name="dgx-h100") == H100
+
+
+def test_cli_compares_a_real_profile_with_its_layout(traces_dir, capsys, tmp_path):
+    profile = traces_dir / "param" / "dlrm_kineto"
+    if not profile.is_dir():
+        pytest.skip(f"{profile} is not in the trace corpus")
+    base = ["plan", "--model", "gpt2-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8",
+            "--compare", str(profile)]
+    assert main(base) == 2
+    assert "--compare needs the run's layout" in capsys.readouterr().err
+    assert main(base + ["--layout", "tp=1,pp=1,cp=1,zero=1,micro_batch_size=1", "--format", "json",
+                        "-o", str(tmp_path / "c.json")]) == 0
+    got = json.loads((tmp_path / "c.json").read_text())
+    assert "wrote" in capsys.readouterr().err
+    assert got["layout"]["dp"] == 8 and got["layout"]["zero_stage"] == 1  # dp filled in from --gpus
+    assert {r["rank"] for r in got["rows"]} == set(range(8)) | {-1}
+    assert main(base[:4] + ["4"] + base[5:] + ["--layout", "tp=1,pp=1,cp=1"]) == 2
+    assert "world size 8 but the layout has world 4" in capsys.readouterr().err
