@@ -134,8 +134,8 @@ def _run(args) -> int:
     if args.recipe:
         spec, recipe_layout, gpus, batch = _from_recipe(args.recipe)
         model = load_model(args.model) if args.model else spec
-        args.gpus = args.gpus or gpus
-        args.global_batch = args.global_batch or batch
+        args.gpus = gpus if args.gpus is None else args.gpus
+        args.global_batch = batch if args.global_batch is None else args.global_batch
     else:
         if not args.model:
             raise PlanError("give --model MODEL (a packaged name, a config.json or a YAML) or --recipe RUN.yaml")
@@ -152,7 +152,9 @@ def _run(args) -> int:
         calibration = calibrate(args.calibrate, cl)
         cl = calibration.cluster
         print(calibration.summary(), file=sys.stderr)
-    seq = args.seq or model.seq_len
+    seq = model.seq_len if args.seq is None else args.seq
+    if args.top < 0:
+        raise PlanError(f"--top {args.top} must be >= 0 (0: every row)")
     fixed = search.parse_layout(args.layout)
     if recipe_layout is not None:
         fixed = {**dataclasses.asdict(recipe_layout), **fixed}
@@ -166,8 +168,9 @@ def _run(args) -> int:
         text = json.dumps(result.to_json(top), indent=1, default=float)
     else:
         text = search.format_table(result, top=top or 0)
-    if args.output and args.json:
+    if args.output:
         Path(args.output).write_text(text + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(text)
     if args.emit:
@@ -183,28 +186,33 @@ def _run(args) -> int:
 
 def _reproducer(args) -> list[str]:
     out = []
-    for flag in ("model", "gpus", "gpus_per_node", "gpu", "cluster", "interconnect", "nics_per_node", "seq",
-                 "global_batch", "layout", "dtype", "attention", "headroom", "cpu_ram_gib"):
+    for flag in ("model", "recipe", "gpus", "gpus_per_node", "gpu", "cluster", "interconnect", "nics_per_node",
+                 "catalog", "calibrate", "seq", "global_batch", "layout", "dtype", "attention", "headroom",
+                 "cpu_ram_gib"):
         value = getattr(args, flag)
         if value in (None, "") or (flag == "dtype" and value == "bf16") or (flag == "attention"
                                                                             and value == "flash"):
             continue
         out += ["--" + flag.replace("_", "-"), str(value)]
-    return out + ["--emit", Path(args.emit).name]
+    return out + ["--emit", args.emit]
 
 
 def _compare(args, model, cl, seq, fixed) -> int:
     from shardline.recipes.planning.catalog import PlanError
     from shardline.recipes.planning.compare import compare
     from shardline.recipes.planning.layout import PlanLayout
+    from shardline.recipes.planning.search import _check_fixed
 
     needed = ("tp", "pp", "cp")
     missing = [k for k in needed if k not in fixed]
     if missing:
         raise PlanError(f"--compare needs the run's layout: give --recipe RUN.yaml or --layout with "
                         f"{', '.join(missing)} (and dp, zero, micro_batches, micro_batch_size as the run had)")
+    _check_fixed(model, fixed, args.gpus)
     if "dp" not in fixed:
         fixed["dp"] = args.gpus // (fixed["tp"] * fixed["pp"] * fixed["cp"])
+    if fixed.get("chunks", 1) > 1:
+        fixed.setdefault("schedule", "interleaved")  # as the search reads chunks
     try:
         layout = PlanLayout(**fixed)
     except ShardlineError as error:

@@ -36,14 +36,20 @@ class ModelSpec:
     qkv_bias: bool = False
 
     def __post_init__(self) -> None:
+        def integer(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
         problems = [f"{k}={getattr(self, k)!r} must be an integer >= 1" for k in
-                    ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff")
-                    if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+                    ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff") if not integer(getattr(self, k))]
+        problems += [f"{k}={getattr(self, k)!r} must be an integer >= 1 or unset" for k in ("n_kv_head", "head_dim")
+                     if getattr(self, k) is not None and not integer(getattr(self, k))]
+        problems += [f"{k}={getattr(self, k)!r} must be true or false" for k in ("tie_embeddings", "qkv_bias")
+                     if not isinstance(getattr(self, k), bool)]
         if self.architecture not in ("gpt2", "llama"):
             problems.append(f"architecture={self.architecture!r} must be 'gpt2' or 'llama'")
         if not problems and self.d_model % self.n_head and self.head_dim is None:
             problems.append(f"d_model={self.d_model} is not a multiple of n_head={self.n_head}")
-        if self.kv_heads < 1 or self.n_head % self.kv_heads:
+        if not problems and self.n_head % self.kv_heads:
             problems.append(f"n_kv_head={self.n_kv_head!r} must divide n_head={self.n_head}")
         if problems:
             raise RecipeError(f"model {self.name!r}: " + "; ".join(problems))
@@ -153,7 +159,7 @@ def from_hf_config(hf: dict, *, name: str = "hf", source: str = "config.json") -
         d = need("n_embd")
         return ModelSpec(name=name, architecture="gpt2", vocab_size=need("vocab_size"), seq_len=need("n_positions"),
                          n_layer=need("n_layer"), n_head=need("n_head"), d_model=d, d_ff=hf.get("n_inner") or 4 * d,
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+                         tie_embeddings=hf.get("tie_word_embeddings", True))
     for key in ("mlp_bias", "attention_bias"):
         if hf.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
             raise RecipeError(f"model {source}: {key}=True is not supported by shardline's Llama "
@@ -163,7 +169,7 @@ def from_hf_config(hf: dict, *, name: str = "hf", source: str = "config.json") -
                      seq_len=need("max_position_embeddings"), n_layer=need("num_hidden_layers"), n_head=n_head,
                      n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=need("hidden_size"),
                      d_ff=need("intermediate_size"), head_dim=hf.get("head_dim"),
-                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                     tie_embeddings=hf.get("tie_word_embeddings", False),
                      qkv_bias=arch == "Qwen2ForCausalLM")
 
 

@@ -17,9 +17,12 @@ stores no softmax; priced only with ``attention='materialized'``); NVMe offload 
 it) since CPU offload is tried first and always cheaper in time.
 
 **Escalation.** Recompute and offload only trade time for memory, so for each structure (tp, cp, sp, pp,
-schedule, chunks, micro-batch size) the planner tries the levels ``(recompute, offload)`` =
-``(none, none), (full, none), (none, optimizer), (full, optimizer), (full, optimizer + params)`` in that order
-and stops at the first level where some ZeRO stage fits; every ZeRO stage of that level is priced.
+schedule, chunks, micro-batch size) the planner first tries ``(recompute, offload) = (none, none)``; when some
+ZeRO stage fits there, nothing heavier is priced (it would only add work or traffic). Otherwise every other
+level is priced: ``(full, none), (none, optimizer), (full, optimizer), (none, optimizer + params),
+(full, optimizer + params)`` (which of recompute and CPU offload costs less depends on the model and the host
+link), each at every ZeRO stage it allows. A micro-batch size at which no level fits ends that structure's
+larger micro-batches (memory grows with the micro-batch at every level).
 
 **Fits.** The most loaded rank's estimate (buffers include :data:`~.memory.FIXED_OVERHEAD_BYTES`) must not
 exceed the usable HBM: ``hbm_gb`` GiB (HBM capacities are binary: an "80GB" H100 shows CUDA about 79.2 GiB)
@@ -51,6 +54,8 @@ HEADROOM = 0.05
 #: The smallest CP chunk searched: FlashAttention's 128-row tile (a shorter chunk runs the ring's attention
 #: steps on partly empty tiles, and its K/V exchanges are latency-bound).
 MIN_CP_CHUNK = 128
+#: The ``rejected`` keys that are standing notes on what is never searched, not reasons of this request.
+STANDING = ("schedule=gpipe", "recompute=selective")
 #: ``--layout`` keys: PlanLayout's fields, ``zero`` for ``zero_stage`` and ``offload`` for both offloads
 #: (``none``, ``cpu``/``optimizer`` (the optimizer to CPU), ``nvme``, ``cpu+params``/``all`` (optimizer and
 #: parameters to CPU), ``nvme+params``).
@@ -61,7 +66,7 @@ _OFFLOAD_WORDS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "optimizer":
                   "params": ("cpu", "cpu"), "nvme+params": ("nvme", "nvme")}
 #: The escalation levels: (recompute, offload_optimizer, offload_params).
 LEVELS = (("none", "none", "none"), ("full", "none", "none"), ("none", "cpu", "none"), ("full", "cpu", "none"),
-          ("full", "cpu", "cpu"))
+          ("none", "cpu", "cpu"), ("full", "cpu", "cpu"))
 
 
 def parse_layout(text: str) -> dict[str, Any]:
@@ -230,7 +235,7 @@ def _structures(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, glo
             if gpus % (tp * cp):
                 continue
             sps = (["none", "megatron"] if tp > 1 else ["none"]) if cp == 1 else ["ring", "ulysses"]
-            for sp in _fixed(fixed, "sp", sps):
+            for sp in [fixed["sp"]] if fixed.get("sp") in sps else [] if "sp" in fixed else sps:
                 if sp == "ulysses" and (model.n_head // tp) % cp:
                     rejected.setdefault(f"tp={tp},cp={cp},sp=ulysses",
                                         f"ulysses: n_head/tp={model.n_head // tp} is not divisible by cp={cp}")
@@ -264,6 +269,8 @@ def _pipelines(model, gpus, global_batch, fixed, rejected, tp, cp, sp):
             per = model.n_layer // pp
             chunks = sorted({v for v in range(2, per + 1) if per % v == 0 or v & (v - 1) == 0})
             schedules = [("1f1b", 1)] + [("interleaved", v) for v in chunks]
+        if pp == 1 and (fixed.get("chunks", 1) > 1 or fixed.get("schedule") not in (None, "1f1b")):
+            continue  # a schedule needs a pipeline (the fixed fields were checked against a fixed pp already)
         if "schedule" in fixed or "chunks" in fixed:
             sched = fixed.get("schedule", "interleaved" if fixed.get("chunks", 1) > 1 else "1f1b")
             v = fixed.get("chunks", 1 if sched != "interleaved" else None)
@@ -303,6 +310,41 @@ def _zero_stages(fixed: dict[str, Any], oo: str, op: str) -> list[int]:
     return [1, 2, 3] if oo != "none" else [0, 1, 2, 3]
 
 
+def _check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int) -> None:
+    """A fixed field no layout can have is an error naming it (never an empty result)."""
+    problems = [f"{k}={fixed[k]!r} must be an integer >= 1" for k in
+                ("tp", "pp", "dp", "cp", "chunks", "micro_batches", "micro_batch_size")
+                if k in fixed and (not isinstance(fixed[k], int) or isinstance(fixed[k], bool) or fixed[k] < 1)]
+    if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
+        problems.append(f"zero_stage={fixed['zero_stage']!r} must be 0, 1, 2 or 3")
+    if problems:
+        raise PlanError("layout: " + "; ".join(problems))
+    dims = [k for k in ("tp", "pp", "cp", "dp") if k in fixed]
+    product = math.prod(fixed[k] for k in dims)
+    if dims and (gpus % product or (len(dims) == 4 and product != gpus)):
+        shown = f"{dims[0]}={product}" if len(dims) == 1 else \
+            f"{'*'.join(dims)} = {'*'.join(str(fixed[k]) for k in dims)} = {product}"
+        raise PlanError(f"layout: {shown} {'!=' if len(dims) == 4 else 'does not divide'} gpus={gpus}")
+    pp, cp, tp = fixed.get("pp"), fixed.get("cp"), fixed.get("tp")
+    sp, schedule, chunks = fixed.get("sp"), fixed.get("schedule"), fixed.get("chunks", 1)
+    rules = [
+        (pp is not None and pp > model.n_layer, f"pp={pp} > n_layer={model.n_layer} (a block per stage)"),
+        (pp == 1 and (chunks > 1 or schedule not in (None, "1f1b")),
+         f"pp=1 has no pipeline schedule (chunks={chunks}, schedule={schedule!r})"),
+        (chunks > 1 and schedule not in (None, "interleaved"), f"chunks={chunks} needs schedule='interleaved' "
+                                                              f"(schedule={schedule!r})"),
+        (pp is not None and pp * chunks > model.n_layer,
+         f"pp*chunks = {pp}*{chunks} > n_layer={model.n_layer} (a block per virtual stage)"),
+        (sp in ("ring", "ulysses") and cp == 1, f"sp={sp!r} needs cp > 1 (cp=1)"),
+        (sp in ("none", "megatron") and cp is not None and cp > 1, f"cp={cp} needs sp='ring' or 'ulysses' "
+                                                                   f"(sp={sp!r})"),
+        (sp == "megatron" and tp == 1, "sp='megatron' needs tp > 1 (tp=1)"),
+    ]
+    problems = [message for bad, message in rules if bad]
+    if problems:
+        raise PlanError("layout: " + "; ".join(problems))
+
+
 def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | None, cluster: Cluster) -> list[str]:
     top = estimate.most_loaded
     problems = []
@@ -335,16 +377,26 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                          ("offload_optimizer", OFFLOAD), ("offload_params", OFFLOAD)):
         if key in fixed and fixed[key] not in allowed:
             raise PlanError(f"layout: {key}={fixed[key]!r} must be one of {allowed}")
-    if "tp" in fixed and "pp" in fixed and "cp" in fixed and "dp" in fixed:
-        world = fixed["tp"] * fixed["pp"] * fixed["cp"] * fixed["dp"]
-        if world != gpus:
-            raise PlanError(f"layout: tp*pp*cp*dp = {fixed['tp']}*{fixed['pp']}*{fixed['cp']}*{fixed['dp']} = "
-                            f"{world} != gpus={gpus}")
+    _check_fixed(model, fixed, gpus)
+    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+        raise PlanError(f"headroom={headroom!r} must be a share of HBM in [0, 1)")
+    if cpu_ram_gib is not None and not (isinstance(cpu_ram_gib, (int, float)) and cpu_ram_gib > 0):
+        raise PlanError(f"cpu_ram_gib={cpu_ram_gib!r} must be > 0")
+    if all(k in fixed for k in ("tp", "pp", "cp")) and "dp" not in fixed and \
+            gpus % (fixed["tp"] * fixed["pp"] * fixed["cp"]) == 0:
+        fixed_dp = gpus // (fixed["tp"] * fixed["pp"] * fixed["cp"])
+    else:
+        fixed_dp = fixed.get("dp")
+    if fixed_dp is not None and "micro_batches" in fixed and "micro_batch_size" in fixed:
+        product = fixed["micro_batches"] * fixed["micro_batch_size"] * fixed_dp
+        if product != global_batch:
+            raise PlanError(f"layout: micro_batches*micro_batch_size*dp = {fixed['micro_batches']}*"
+                            f"{fixed['micro_batch_size']}*{fixed_dp} = {product} != global_batch={global_batch}")
     usable = cluster.gpu.hbm_gb * GIB * (1 - headroom)
     cpu_ram = cpu_ram_gib * GIB if cpu_ram_gib is not None else None
     dtype_bytes = 4 if dtype == "fp32" else 2
     rejected: dict[str, str] = {}
-    if "schedule" not in fixed:
+    if "schedule" not in fixed:  # STANDING notes
         rejected["schedule=gpipe"] = ("not searched: the same bubble as 1f1b with m micro-batches in flight instead "
                                       "of min(pp - rank, m) (never faster, never smaller)")
     if attention == "flash" and "recompute" not in fixed:
@@ -374,12 +426,17 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                                  overhead_bytes, predict_kwargs, explicit)
                     if tp > cluster.gpus_per_node:
                         row.notes.append(f"tp={tp} > gpus_per_node={cluster.gpus_per_node}: TP crosses the NICs")
+                    if cpu_ram is None and row.memory is not None and (oo, op) != ("none", "none"):
+                        node = max(r.cpu for r in row.memory.ranks) * cluster.gpus_per_node / GIB
+                        row.notes.append(f"offload needs {node:.0f} GiB of CPU RAM per node (not checked: give "
+                                         f"cpu_ram_gib / --cpu-ram-gib)")
                     level_rows.append(row)
                 good = [r for r in level_rows if r.fits]
                 if good:
                     rows.extend(good)
                     found = True
-                    break
+                    if (recompute, oo, op) == LEVELS[0]:
+                        break  # the base level fits: nothing heavier can be faster
                 for row in level_rows:
                     best = closest.get(family)
                     if best is None or (row.memory is not None and (
@@ -396,8 +453,9 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
             rows.append(row)
     rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else
                              (r.memory.most_loaded.total if r.memory else math.inf)))
-    if not rows and not rejected:
-        raise PlanError(f"plan for {model.name!r}: no layout matches {fixed}")
+    if not rows and all(k in STANDING for k in rejected):
+        raise PlanError(f"plan for {model.name!r} on {gpus} GPUs, global batch {global_batch}: no layout has the "
+                        f"fixed fields {fixed}")
     return PlanResult(model=model, cluster=cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch,
                       dtype=dtype, usable_bytes=usable, rows=rows[:top] if top else rows, rejected=rejected,
                       evaluated=evaluated)

@@ -38,6 +38,7 @@ offload ``memcpy_h2d``/``memcpy_d2h``, a CPU optimizer ``idle``. MFU uses Megatr
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -184,10 +185,15 @@ class _Setup:
         return self.layout.micro_batch_size * self.seq_len // self.layout.cp
 
     def link(self, dim: str) -> GroupLink:
+        return self._links[dim]
+
+    @functools.cached_property
+    def _links(self) -> dict[str, GroupLink]:
         lay = self.layout
-        size, stride = {"tp": (lay.tp, 1), "cp": (lay.cp, lay.tp), "zero": (lay.zero_group, lay.tp),
-                        "pp": (lay.pp, lay.tp * lay.cp * lay.dp)}[dim]
-        return hw.group_link(self.cluster, size=max(size, 2), stride=stride)
+        groups = {"tp": (lay.tp, 1), "cp": (lay.cp, lay.tp), "zero": (lay.zero_group, lay.tp),
+                  "pp": (lay.pp, lay.tp * lay.cp * lay.dp)}
+        return {dim: hw.group_link(self.cluster, size=max(size, 2), stride=stride)
+                for dim, (size, stride) in groups.items()}
 
     def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:
         return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, batch=batch)
@@ -447,7 +453,11 @@ def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtyp
               f"dtype='fp8' but gpu {gpu.name!r} has no FP8 tensor cores"),
              (attention not in ATTENTION, f"attention={attention!r} must be one of {ATTENTION}"),
              *((value % lay.tp != 0, f"{name}={value} is not divisible by tp={lay.tp}")
-               for name, value in (("n_head", mod.n_head), ("kv heads", mod.kv_heads), ("d_ff", mod.d_ff))),
+               for name, value in (("n_head", mod.n_head), ("d_ff", mod.d_ff))),
+             (mod.kv_heads % lay.tp != 0 and (lay.tp % mod.kv_heads != 0
+                                              or mod.dim_per_head % (lay.tp // mod.kv_heads) != 0),
+              f"kv heads={mod.kv_heads} cannot be spread over tp={lay.tp} (neither divides the other, or head_dim="
+              f"{mod.dim_per_head} is not divisible by tp/kv heads)"),
              (mod.n_layer < lay.pp * lay.chunks,
               f"n_layer={mod.n_layer} < pp*chunks={lay.pp * lay.chunks} (a block per virtual stage)"),
              (good_seq and seq_len % lay.cp != 0, f"seq_len={seq_len} is not divisible by cp={lay.cp}"),
@@ -502,7 +512,13 @@ def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overla
     block = _block(st)
     layers = stage_layers(model.n_layer, lay.pp, lay.chunks)
     params = [_stage_params(st, s, n) for s, n in enumerate(layers)]
-    stages = [_stage(st, s, n, block, params[s]) for s, n in enumerate(layers)]
+    alike: dict[tuple, _Ledger] = {}  # interior stages of equal size cost the same
+    stages = []
+    for s, n in enumerate(layers):
+        key = (n, s == 0, s == lay.pp - 1)
+        if key not in alike:
+            alike[key] = _stage(st, s, n, block, params[s])
+        stages.append(alike[key])
     times = [led.busy for led in stages]
     makespan = pipeline_makespan(times, micro_batches=lay.micro_batches, chunks=lay.chunks)
     bwd = [n * block[2] for n in layers]

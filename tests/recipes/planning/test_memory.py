@@ -300,6 +300,54 @@ ACTIVATION_CASES = {  # world -> [(twin, layout, dtype)]
 }
 
 
+def _recipe_twins() -> dict[int, list]:
+    """The packaged full-size recipes' CPU twins (recipes/sizes, reduced by ``emit.cpu_twin``), one case per
+    distinct model-parallel layout; dp does not change what a rank saves, so it is 1 here."""
+    import yaml
+
+    from shardline.recipes.planning.emit import cpu_twin, layout_of
+    from shardline.recipes.planning.models import from_mapping
+    from shardline.recipes.sizes.generate import SIZES_DIR
+
+    cases: dict[int, list] = {}
+    seen = set()
+    for path in sorted(SIZES_DIR.glob("*.yaml")):
+        twin = cpu_twin(yaml.safe_load(path.read_text()))
+        spec = from_mapping(twin["model"], name=f"{path.stem}-twin", source=str(path))
+        lay = dataclasses.replace(layout_of(twin), dp=1)
+        if lay.pp == 1:
+            lay = dataclasses.replace(lay, micro_batches=1)
+        if (spec, lay) not in seen:
+            seen.add((spec, lay))
+            cases.setdefault(lay.world, []).append((spec, lay, torch.float32))
+    return cases
+
+
+RECIPE_TWIN_CASES = _recipe_twins()
+
+
+@pytest.fixture(scope="module")
+def measured_twins():
+    out = {}
+    for world, cases in RECIPE_TWIN_CASES.items():
+        if world == 1:
+            out[world] = [[_saved_peak(spec, layout, None, dtype)] for spec, layout, dtype in cases]
+        else:
+            per_rank = run_ranks(_measure, world, cases, timeout=180)
+            out[world] = [[ranks[i] for ranks in per_rank] for i in range(len(cases))]
+    return out
+
+
+@pytest.mark.parametrize(("world", "index"), [(w, i) for w, cases in RECIPE_TWIN_CASES.items()
+                                              for i in range(len(cases))])
+def test_recipe_twins_activations_within_5_percent(measured_twins, world, index):
+    spec, layout, dtype = RECIPE_TWIN_CASES[world][index]
+    est = memory.estimate(spec, layout, seq_len=spec.seq_len, dtype_bytes=4)
+    for pp_rank, real in measured_twins[world][index]:
+        mine = est.ranks[pp_rank].detail["activations.saved"]
+        assert abs(mine - real) <= 0.05 * real, (spec.name, layout, pp_rank, mine, real)
+
+
 @pytest.fixture(scope="module")
 def measured():
     out = {1: [[_saved_peak(spec, layout, None, dtype)] for spec, layout, dtype in ACTIVATION_CASES[1]]}

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 
 import pytest
 
@@ -138,6 +139,22 @@ def test_recompute_and_offload_only_when_the_lighter_level_does_not_fit():
             assert est.most_loaded.total > result.usable_bytes, (lay, z)
 
 
+def test_offload_is_chosen_when_it_beats_recompute():
+    # llama3-70b on 64 H100s: tp=1,cp=4 needs 88.8 GiB without recompute; full recompute fits at ZeRO-3 but
+    # CPU offload of the optimizer (no recompute) is faster: both levels are priced, the faster one wins.
+    model = packaged("llama3-70b")
+    fixed = {"tp": 1, "pp": 1, "cp": 4, "sp": "ring", "micro_batch_size": 1, "zero_stage": 3}
+    result = search.plan(model, H100, gpus=64, seq_len=8192, global_batch=256, layout=fixed)
+    levels = {(r.layout.recompute, r.layout.offload_optimizer, r.layout.offload_params): r.step_s
+              for r in result.fitting}
+    assert ("none", "none", "none") not in levels
+    assert {("full", "none", "none"), ("none", "cpu", "none")} <= set(levels)
+    assert result.best.step_s == min(levels.values())
+    assert levels[("none", "cpu", "none")] < levels[("full", "none", "none")]
+    assert "GiB of CPU RAM per node (not checked" in " ".join(
+        n for r in result.fitting if r.layout.offload_optimizer == "cpu" for n in r.notes)
+
+
 def test_usable_memory_is_binary_hbm_less_the_headroom():
     result = search.plan(packaged("gpt2-125m"), H100, gpus=8, seq_len=1024, global_batch=8, headroom=0.1)
     assert result.usable_bytes == 80 * 2**30 * 0.9
@@ -154,11 +171,11 @@ def test_a_layout_that_does_not_fit_is_a_row_naming_its_numbers():
     assert f"does not fit: {total:.1f} GiB on rank 0" in row.problems[0]
     assert f"> {result.usable_bytes / 2**30:.1f} GiB usable" in row.problems[0]
     with pytest.raises(PlanError, match="no layout of 'llama3-70b' fits 8 x h100-sxm"):
-        result.best
+        _ = result.best
 
 
 def test_a_layout_that_cannot_divide_names_the_numbers():
-    result = search.plan(packaged("llama3-70b"), H100, gpus=8, seq_len=8192, global_batch=64, layout={"tp": 3})
+    result = search.plan(packaged("llama3-70b"), H100, gpus=24, seq_len=8192, global_batch=48, layout={"tp": 3})
     assert not result.rows
     assert result.rejected["tp=3"] == "n_head=64, d_ff=28672, n_kv_head=8 not divisible by tp=3"
     result = search.plan(packaged("llama3-8b"), H100, gpus=8, seq_len=8192, global_batch=6,
@@ -173,6 +190,10 @@ def test_tp_beyond_a_node_is_searched_never_but_priced_when_asked():
     asked = search.plan(packaged("llama3-70b"), H100, gpus=32, seq_len=4096, global_batch=32, layout={"tp": 16})
     assert asked.rows and all(r.layout.tp == 16 for r in asked.rows)
     assert "TP crosses the NICs" in asked.rows[0].notes[0]
+    # tp=16 > n_kv_head=8: K/V heads replicated in pairs, priced (not refused) and fitting
+    wide = search.plan(packaged("llama3-8b"), H100, gpus=16, seq_len=4096, global_batch=16,
+                       layout={"tp": 16, "pp": 1, "cp": 1})
+    assert wide.fitting and all(r.prediction is not None for r in wide.fitting)
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -183,10 +204,21 @@ def test_tp_beyond_a_node_is_searched_never_but_priced_when_asked():
     (dict(layout={"tp": 8, "pp": 2, "cp": 1, "dp": 2}), "= 32 != gpus=8"),
     (dict(layout={"sp": "zigzag"}), "sp='zigzag' must be one of"),
     (dict(layout={"zero": 1}), "unknown field"),
+    (dict(layout={"pp": 3}), "layout: pp=3 does not divide gpus=8"),
+    (dict(layout={"pp": 0}), "pp=0 must be an integer >= 1"),
+    (dict(layout={"tp": 2, "cp": 0}), "cp=0 must be an integer >= 1"),
+    (dict(layout={"zero_stage": 5}), "zero_stage=5 must be 0, 1, 2 or 3"),
+    (dict(layout={"pp": 1, "chunks": 3}), "pp=1 has no pipeline schedule (chunks=3"),
+    (dict(layout={"sp": "ring", "cp": 1}), "sp='ring' needs cp > 1 (cp=1)"),
+    (dict(layout={"pp": 4, "chunks": 16}), "pp*chunks = 4*16 > n_layer=32"),
+    (dict(headroom=1.5), "headroom=1.5 must be a share of HBM in [0, 1)"),
+    (dict(layout={"micro_batches": 5}), "no layout has the fixed fields {'micro_batches': 5}"),
+    (dict(layout={"tp": 1, "pp": 1, "cp": 1, "micro_batches": 3, "micro_batch_size": 2}),
+     "micro_batches*micro_batch_size*dp = 3*2*8 = 48 != global_batch=64"),
 ])
 def test_bad_requests_are_one_error_naming_the_value(kwargs, named):
     args = dict(gpus=8, seq_len=8192, global_batch=64) | kwargs
-    with pytest.raises(PlanError, match=named.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(PlanError, match=re.escape(named)):
         search.plan(packaged("llama3-8b"), H100, **args)
 
 
@@ -237,6 +269,17 @@ def test_model_files_and_their_errors(tmp_path):
                         "num_attention_heads": 2, "hidden_size": 8, "intermediate_size": 16})
     with pytest.raises(RecipeError, match="attention_bias=True is not supported"):
         from_hf_config({"architectures": ["LlamaForCausalLM"], "attention_bias": True})
+    for bad, named in (("n_head: '4'", "n_head='4' must be an integer"), ("tie_embeddings: 'no'",
+                                                                          "tie_embeddings='no' must be true"),
+                       ("head_dim: 0", "head_dim=0 must be an integer >= 1 or unset"),
+                       ("n_layer: true", "n_layer=True must be an integer")):
+        text = yaml_file.read_text().replace("n_head: 4", "n_head: 4" if "n_head" not in bad else bad)
+        text = text.replace("n_layer: 2", bad if bad.startswith("n_layer") else "n_layer: 2")
+        if not bad.startswith(("n_head", "n_layer")):
+            text += bad + "\n"
+        (tmp_path / "typed.yaml").write_text(text)
+        with pytest.raises(RecipeError, match=re.escape(named)):
+            load_model(str(tmp_path / "typed.yaml"))
     with pytest.raises(RecipeError, match="'nope' is neither a packaged model"):
         load_model("nope")
 

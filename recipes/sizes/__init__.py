@@ -1,0 +1,1 @@
+"""Packaged recipes per model size (``<model>.yaml``), written by :mod:`.generate`."""
