@@ -46,7 +46,7 @@ def _row(dev, row, mode: str, measured: float) -> tuple[list[str], float, float]
     pred = dev.dev_predict(row, mode)
     burst = predict(dev.dev_model(row), dev.dev_layout(row, mode), _burst(dev.DGX_A100), seq_len=2048, dtype="fp16",
                     attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
-                    fused_wgrad=True, fused_kernels=True)
+                    fused_wgrad=True, fused_kernels=True, cut="blocks")
     err, burst_err = pred.step_s / measured - 1, burst.step_s / measured - 1
     lay, parts = dev.dev_layout(row, mode), pred.categories()
     share = {k: 100 * v / pred.step_s for k, v in parts.items()}

@@ -51,6 +51,7 @@ from shardline.recipes.planning.models import ModelSpec
 
 DTYPES = ("bf16", "fp16", "fp8")
 ATTENTION = ("flash", "materialized")
+CUTS = ("layers", "blocks")
 FLASH_BWD_OVER_FWD = 0.63 / 0.73  # FlashAttention-2 (Dao 2023): backward vs forward share of A100 peak
 # Optimizer bytes per local parameter on the GPU: gradient norm (read 4), Adam (fp32 p, m, v, g read, p, m, v
 # written: 28), master -> bf16 copy (read 4, write 2), gradient-buffer zeroing (4); fp16 adds loss-scale
@@ -342,10 +343,19 @@ def _embedding_and_head(st: _Setup, first: bool, last: bool) -> _Ledger:
 
 
 
-def stage_layers(n_layer: int, pp: int, chunks: int) -> list[int]:
-    """Blocks per pipeline rank: ``pp * chunks`` virtual stages of ``n_layer // (pp*chunks)`` blocks, the first
-    ``n_layer % (pp*chunks)`` one more; rank ``s`` holds virtual stages ``s, s+pp, ...``."""
+def stage_layers(n_layer: int, pp: int, chunks: int, *, cut: str = "blocks") -> list[int]:
+    """Blocks per pipeline rank; rank ``s`` holds virtual stages ``s, s+pp, ...`` of ``pp * chunks``.
+
+    ``blocks`` (Megatron-LM): the blocks alone are cut, ``n_layer // (pp*chunks)`` per virtual stage and the first
+    ``n_layer % (pp*chunks)`` one more. ``layers`` (shardline, :func:`~.memory.hosted_stages`): the
+    ``n_layer + 2`` layers (embedding, blocks, head) are cut uniformly, stage ``k`` taking
+    ``[k (n+2)/(pp*chunks), (k+1) (n+2)/(pp*chunks))``, so the first and last stages hold fewer blocks."""
     virtual = pp * chunks
+    if cut == "layers" and pp > 1:
+        n = n_layer + 2
+        blocks = [len(range(max(k * n // virtual, 1), min((k + 1) * n // virtual, n_layer + 1)))
+                  for k in range(virtual)]
+        return [sum(blocks[s::pp]) for s in range(pp)]
     base, extra = divmod(n_layer, virtual)
     sizes = [base + (1 if j < extra else 0) for j in range(virtual)]
     return [sum(sizes[s::pp]) for s in range(pp)]
@@ -380,7 +390,7 @@ def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, flo
     if lay.zero_stage == 2:
         led.comm("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link), hidden_under=bwd_window)
     if lay.zero_stage == 3:  # gathered module by module (each block, the embedding, the head): a latency each
-        modules = layers + (stage == 0) + (stage == lay.pp - 1)
+        modules = max(1, layers + (stage == 0) + (stage == lay.pp - 1))
         gather = modules * hw.all_gather_s(params * e / modules, n, link)
         led.comm("all_gather", gather, hidden_under=fwd_window)
         led.comm("all_gather", gather, hidden_under=bwd_window)
@@ -444,7 +454,7 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
 
 
 
-def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtype, attention) -> None:
+def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtype, attention, cut) -> None:
     lay, mod, gpu = layout, model, cluster.gpu
     good_seq = isinstance(seq_len, int) and seq_len >= 1
     rules = [(not good_seq, f"seq_len={seq_len!r} must be an integer >= 1"),
@@ -458,8 +468,12 @@ def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtyp
                                               or mod.dim_per_head % (lay.tp // mod.kv_heads) != 0),
               f"kv heads={mod.kv_heads} cannot be spread over tp={lay.tp} (neither divides the other, or head_dim="
               f"{mod.dim_per_head} is not divisible by tp/kv heads)"),
-             (mod.n_layer < lay.pp * lay.chunks,
+             (cut not in CUTS, f"cut={cut!r} must be one of {CUTS}"),
+             (cut == "blocks" and mod.n_layer < lay.pp * lay.chunks,
               f"n_layer={mod.n_layer} < pp*chunks={lay.pp * lay.chunks} (a block per virtual stage)"),
+             (cut == "layers" and mod.n_layer + 2 < lay.pp * lay.chunks,
+              f"n_layer + 2 = {mod.n_layer + 2} layers < pp*chunks={lay.pp * lay.chunks} (a layer per virtual "
+              f"stage)"),
              (good_seq and seq_len % lay.cp != 0, f"seq_len={seq_len} is not divisible by cp={lay.cp}"),
              (lay.sp == "ulysses" and mod.n_head % (lay.tp * lay.cp) != 0,
               f"sp='ulysses' needs n_head={mod.n_head} divisible by tp*cp={lay.tp * lay.cp}"),
@@ -475,16 +489,19 @@ def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtyp
 def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
             attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
             overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
-            fused_wgrad: bool = False, fused_kernels: bool = False) -> StepPrediction:
+            fused_wgrad: bool = False, fused_kernels: bool = False, cut: str = "layers") -> StepPrediction:
     """One optimizer step of ``layout`` training ``model`` on ``cluster`` (see the module docstring).
 
     The defaults describe shardline (eager PyTorch, SDPA flash attention, no dropout, synchronous TP autograd
     pairs, DeepSpeed's bf16 gradients); Megatron-LM sets ``tp_overlap`` (async backward TP collectives),
     ``pp_scatter_gather`` (``/t`` pipeline transfers + all-gather without SP), ``grad_bytes=4`` (fp32 main
-    grads), ``fused_wgrad`` (accumulated in the GEMM) and ``fused_kernels`` (fused norm, rotary, SwiGLU)."""
+    grads), ``fused_wgrad`` (accumulated in the GEMM) and ``fused_kernels`` (fused norm, rotary, SwiGLU).
+    ``cut``: how the pipeline splits the model (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2``
+    layers, embedding and head included, cut uniformly) or ``blocks`` (Megatron-LM: the blocks cut evenly, the
+    embedding and head added to the first and last stage)."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels)
+                                               fused_kernels, cut)
     m = layout.micro_batches
     busiest = max(range(layout.pp), key=lambda s: (m * stages[s].busy + tails[s].ledger.busy, s))
     return _prediction(st, stages[busiest], tails[busiest], makespan, step, busiest)
@@ -493,24 +510,25 @@ def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: 
 def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
                    attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
                    overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
-                   fused_wgrad: bool = False, fused_kernels: bool = False) -> list[StepPrediction]:
+                   fused_wgrad: bool = False, fused_kernels: bool = False,
+                   cut: str = "layers") -> list[StepPrediction]:
     """:func:`predict` for every pipeline rank: element ``r`` is pipeline rank ``r``'s step (global ranks
     ``r*tp*cp*dp ...``; TP, CP and DP peers of a pipeline rank are priced alike). :func:`predict` returns the
     busiest of them (the most compute and exposed communication, the last of equals). Same arguments."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels)
+                                               fused_kernels, cut)
     return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(layout.pp)]
 
 
 def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp, pp_scatter_gather,
-           grad_bytes, fused_wgrad, fused_kernels):
-    _check(model, layout, cluster, seq_len, dtype, attention)
+           grad_bytes, fused_wgrad, fused_kernels, cut):
+    _check(model, layout, cluster, seq_len, dtype, attention, cut)
     st = _Setup(model, layout, cluster, seq_len, dtype, attention,
                 dropout, tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad, fused_kernels)
     lay = layout
     block = _block(st)
-    layers = stage_layers(model.n_layer, lay.pp, lay.chunks)
+    layers = stage_layers(model.n_layer, lay.pp, lay.chunks, cut=cut)
     params = [_stage_params(st, s, n) for s, n in enumerate(layers)]
     alike: dict[tuple, _Ledger] = {}  # interior stages of equal size cost the same
     stages = []

@@ -8,6 +8,7 @@ a sum of many terms (the step's partition, ratios of two predictions) at rel 1e-
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -84,7 +85,7 @@ def dev_predict(row, mode: str):
     gradients accumulated in the weight-gradient GEMM."""
     return predict(dev_model(row), dev_layout(row, mode), DGX_A100, seq_len=2048, dtype="fp16",
                    attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
-                   fused_wgrad=True, fused_kernels=True)
+                   fused_wgrad=True, fused_kernels=True, cut="blocks")
 
 
 def dev_errors() -> list[tuple[str, str, float, float]]:
@@ -170,6 +171,19 @@ def test_bubble_fraction_and_makespan():
     # Unequal stages: the slowest runs all m micro-batches, the others fill and drain once.
     assert pipeline_makespan([1.0, 2.0, 1.0], micro_batches=4) == 4 * 2.0 + 2.0
     assert stage_layers(105, 35, 3) == [3] * 35 and stage_layers(10, 4, 1) == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("n_layer, pp, chunks", [(10, 4, 1), (32, 4, 2), (126, 16, 1), (80, 8, 3), (4, 3, 2)])
+def test_shardlines_cut_is_the_estimators(n_layer, pp, chunks):
+    # cut="layers": the n_layer + 2 layers cut uniformly, as the pipeline (and memory.hosted_stages) does
+    from shardline.recipes.planning.memory import hosted_stages
+
+    model = packaged("llama2-7b").replace(n_layer=n_layer)
+    lay = PlanLayout(pp=pp, chunks=chunks, schedule="interleaved" if chunks > 1 else "1f1b", micro_batches=pp)
+    expected = [sum(1 for layers in hosted_stages(model, lay, r).values() for i in layers if 0 < i <= n_layer)
+                for r in range(pp)]
+    assert stage_layers(n_layer, pp, chunks, cut="layers") == expected
+    assert sum(expected) == n_layer
 
 
 def test_model_flops_is_megatrons_formula():
@@ -286,8 +300,14 @@ def test_bad_inputs_name_every_value():
         predict(model, PlanLayout(tp=3, pp=64, offload_params="cpu", zero_stage=2), DGX_A100, seq_len=8192,
                 dtype="fp8")
     message = str(error.value)
-    for part in ("n_head=32 is not divisible by tp=3", "kv heads=8", "n_layer=32 < pp*chunks=64",
+    for part in ("n_head=32 is not divisible by tp=3", "kv heads=8", "n_layer + 2 = 34 layers < pp*chunks=64",
                  "offload_params='cpu' needs zero_stage=3", "dtype='fp8'", "a100-80gb"):
         assert part in message
+    with pytest.raises(PlanError, match=re.escape("n_layer + 2 = 34 layers < pp*chunks=35")):
+        predict(model, PlanLayout(pp=35, micro_batches=35), DGX_A100, seq_len=8192)
+    with pytest.raises(PlanError, match=re.escape("n_layer=32 < pp*chunks=33")):
+        predict(model, PlanLayout(pp=33, micro_batches=33), DGX_A100, seq_len=8192, cut="blocks")
+    with pytest.raises(PlanError, match="cut='stages' must be one of"):
+        predict(model, PlanLayout(), DGX_A100, seq_len=8192, cut="stages")
     with pytest.raises(PlanError, match="attention='sdpa'"):
         predict(model, PlanLayout(), DGX_A100, seq_len=8192, attention="sdpa")
