@@ -24,6 +24,7 @@ _EXPORTS = {
     "match_collectives": "shardline.profiling.collectives",
     "stragglers": "shardline.profiling.collectives",
     "clock_offsets": "shardline.profiling.collectives",
+    "collective_bandwidth": "shardline.profiling.bandwidth",
     "merged_trace": "shardline.profiling.merge",
     "diff_breakdowns": "shardline.profiling.diff",
     "report_sections": "shardline.profiling.report_sections",
