@@ -60,6 +60,7 @@ from shardline.profiling.collectives import (
     ClockAlignment,
     _outermost,
     match_collectives,
+    step_of,
 )
 from shardline.profiling.errors import AttributionError, ProfilingError, TraceWarning
 from shardline.profiling.readers._kineto_columns import DTYPE_BYTES
@@ -341,20 +342,9 @@ def _call_rows(attribution) -> pd.DataFrame:
         frame = pd.DataFrame({c: (calls[c].astype(str).to_numpy() if isinstance(calls[c].dtype, pd.CategoricalDtype)
                                   else calls[c].to_numpy()) for c in _ROW_COLUMNS})
         frame["row"] = calls.index.to_numpy()
-        frame["step"] = _steps(frame["start_ns"].to_numpy(), rank.windows)
+        frame["step"] = step_of(frame["start_ns"].to_numpy(), rank.windows)
         frames.append(frame)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-def _steps(start: np.ndarray, windows: pd.DataFrame) -> np.ndarray:
-    step = np.full(len(start), -1, dtype=np.int64)
-    if len(windows):
-        order = np.argsort(windows["start_ns"].to_numpy())
-        ws = windows["start_ns"].to_numpy()[order]
-        idx = np.searchsorted(ws, start, side="right") - 1
-        inside = (idx >= 0) & (start < windows["end_ns"].to_numpy()[order][np.clip(idx, 0, None)])
-        step[inside] = windows["step"].to_numpy()[order][idx[inside]]
-    return step
 
 
 def _with_matching(rows: pd.DataFrame, attribution, clock) -> pd.DataFrame:

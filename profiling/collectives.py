@@ -47,6 +47,18 @@ class ClockAlignment(str, enum.Enum):
     ENDS = "ends"
 
 
+
+def step_of(start: np.ndarray, windows) -> np.ndarray:
+    """The step whose window ``[start_ns, end_ns)`` holds each start time (-1 outside every window)."""
+    step = np.full(len(start), -1, dtype=np.int64)
+    if len(windows):
+        order = np.argsort(windows["start_ns"].to_numpy())
+        ws = windows["start_ns"].to_numpy()[order]
+        idx = np.searchsorted(ws, start, side="right") - 1
+        inside = (idx >= 0) & (start < windows["end_ns"].to_numpy()[order][np.clip(idx, 0, None)])
+        step[inside] = windows["step"].to_numpy()[order][idx[inside]]
+    return step
+
 def comm_calls(source) -> pd.DataFrame:
     """One row per communication call per rank: rank, step, category, group, seq, start_ns, end_ns, dur_ns.
 
@@ -61,13 +73,7 @@ def comm_calls(source) -> pd.DataFrame:
             continue
         windows = rank.windows
         start = calls["start_ns"].to_numpy()
-        step = np.full(len(calls), -1, dtype=np.int64)
-        if len(windows):
-            order = np.argsort(windows["start_ns"].to_numpy())
-            ws = windows["start_ns"].to_numpy()[order]
-            idx = np.searchsorted(ws, start, side="right") - 1
-            inside = (idx >= 0) & (start < windows["end_ns"].to_numpy()[order][np.clip(idx, 0, None)])
-            step[inside] = windows["step"].to_numpy()[order][idx[inside]]
+        step = step_of(start, windows)
         pg_name = calls["pg_name"].astype(str).to_numpy()
         pg_ranks = calls["pg_ranks"].astype(str).to_numpy()
         frames.append(pd.DataFrame({
