@@ -100,10 +100,15 @@ class CommRule:
                                       f"communication category {COMM_CATEGORIES}")
 
 
-#: Non-NCCL communication kernels. First match wins; extend with ``classify_events(..., rules=DEFAULT_RULES+...)``.
+#: Non-NCCL communication kernels. First match wins; extend with ``classify_events(..., rules=DEFAULT_RULES+...)``
+#: (or ``shardline profile report --rules FILE``). Each rule's source, with real names, is in tests/profiling/
+#: test_comm_coverage.py.
 DEFAULT_RULES: tuple[CommRule, ...] = (
-    CommRule(r"deep_ep::.*(dispatch|combine)", Category.ALL_TO_ALL, "DeepEP expert dispatch/combine",
-             ("deep_ep::",)),
+    # DeepEP (deepseek-ai/DeepEP csrc/kernels/{intranode,internode,internode_ll}.cu; DeepSeek's own profiles name
+    # the same kernels dpsk::ep::...): expert-parallel all-to-all. The layout kernel (get_dispatch_layout) and
+    # the buffer cleaner are local work and stay compute.
+    CommRule(r"(deep_ep|dpsk::ep)::\w+::(cached_notify|notify_dispatch|notify_combine|dispatch|combine)",
+             Category.ALL_TO_ALL, "DeepEP expert dispatch/combine", ("deep_ep::", "dpsk::ep::")),
     CommRule(r"userbuffers.*(_rs|reducescatter|reduce_scatter)", Category.REDUCE_SCATTER, "TE userbuffers RS",
              ("userbuffers",)),
     CommRule(r"userbuffers.*(_ag|allgather|all_gather)", Category.ALL_GATHER, "TE userbuffers AG",
@@ -113,9 +118,29 @@ DEFAULT_RULES: tuple[CommRule, ...] = (
              ("cross_device_reduce_",)),
     CommRule(r"(one|two)ShotAllReduce|allReduce\w*Kernel|lamport\w*AllReduce", Category.ALL_REDUCE,
              "TensorRT-LLM custom all-reduce", ("llReduce",)),
+    CommRule(r"(one|two)shotAllreduce\w*Kernel", Category.ALL_REDUCE, "TensorRT-LLM MNNVL all-reduce",
+             ("shotAllreduce",)),
+    CommRule(r"allreduce_fusion_kernel_(oneshot|twoshot|1stage|2stage)", Category.ALL_REDUCE,
+             "FlashInfer / TensorRT-LLM / AITER fused all-reduce", ("allreduce_fusion_kernel_",)),
     CommRule(r"(one_shot|two_shot|multimem)_all_reduce", Category.ALL_REDUCE, "torch symmetric memory",
              ("_all_reduce",)),
     CommRule(r"multimem_all_gather", Category.ALL_GATHER, "torch symmetric memory", ("multimem_all_gather",)),
+    CommRule(r"allreduce_(one_shot|two_shot|double_tree)", Category.ALL_REDUCE,
+             "Triton-distributed symmetric-memory all-reduce", ("allreduce_",)),
+    CommRule(r"rcclGenericKernel", Category.OTHER_COMM, "RCCL generic kernel (the op names the collective)",
+             ("rcclGenericKernel",)),
+    CommRule(r"mscclKernel_", Category.OTHER_COMM, "MSCCL / RCCL-MSCCL kernel (the op names the collective)",
+             ("mscclKernel_",)),
+    # NVSHMEM host-initiated (on-stream) collectives, rocSHMEM's too.
+    CommRule(r"alltoall\w*_on_stream_kernel", Category.ALL_TO_ALL, "NVSHMEM alltoall", ("_on_stream_kernel",)),
+    CommRule(r"fcollect\w*_on_stream_kernel", Category.ALL_GATHER, "NVSHMEM fcollect", ("_on_stream_kernel",)),
+    CommRule(r"broadcast\w*_on_stream_kernel", Category.BROADCAST, "NVSHMEM broadcast", ("_on_stream_kernel",)),
+    CommRule(r"reducescatter\w*_on_stream_kernel", Category.REDUCE_SCATTER, "NVSHMEM reducescatter",
+             ("_on_stream_kernel",)),
+    CommRule(r"(rdxn|reduce)\w*_on_stream_kernel", Category.ALL_REDUCE, "NVSHMEM / rocSHMEM reduction (every PE "
+             "gets the result)", ("_on_stream_kernel",)),
+    CommRule(r"(barrier|sync)\w*_on_stream_kernel", Category.BARRIER, "NVSHMEM barrier / sync",
+             ("_on_stream_kernel",)),
 )
 
 # Operation words (NCCL kernel op, torch collective names, annotation suffixes) -> category. Keys are the
@@ -136,27 +161,45 @@ _OP_WORDS = {
     "barrier": Category.BARRIER, "monitoredbarrier": Category.BARRIER,
     "reduce": Category.OTHER_COMM, "gather": Category.OTHER_COMM, "scatter": Category.OTHER_COMM,
     "coalesced": Category.OTHER_COMM, "sendrecv": Category.OTHER_COMM, "generic": Category.OTHER_COMM,
+    # Ascend HCCL task names (hcom_allReduce_, hcom_receive_, hcom_alltoallvc_)
+    "receive": Category.P2P_RECV, "alltoallvc": Category.ALL_TO_ALL,
 }
 
-# NCCL kernels: ncclKernel_<Op>_..., ncclDevKernel_<Op>_... / ncclDevKernel_<Op>(...), plain RCCL/NCCL
-# "ncclKernel_SendRecv". The op word decides; SendRecv/Generic are "other_comm" until an op says more.
-_NCCL_KERNEL_RE = re.compile(r"^(?:void\s+)?nccl(?:Dev)?Kernel_([A-Za-z]+)")
+# NCCL kernels: ncclKernel_<Op>_..., ncclDevKernel_<Op>_... / ncclDevKernel_<Op>(...), the NCCL >= 2.27 symmetric
+# kernels ncclSymkDevKernel_<Op>_<algo>..., in any case (nccldevkernel_*), plain RCCL/NCCL "ncclKernel_SendRecv".
+# The op word decides; SendRecv/Generic are "other_comm" until an op says more. Ascend HCCL tasks: hcom_<op>_...
+_NCCL_KERNEL_RE = re.compile(r"^(?:void\s+)?(?i:nccl(?:symk?)?(?:dev)?kernel_)([A-Za-z]+)")
+_HCCL_RE = re.compile(r"^hcom_([A-Za-z]+)_")
 _ANNOTATION_RE = re.compile(r"^(?:nccl|gloo|ucc|mpi):(\w+)")
 _C10D_RE = re.compile(r"^c10d::(\w+?)_?$")
+# CUDA/Kineto copies, ROCm SDMA copies (CopyHostToDevice...), rocprofiler-sdk's MEMORY_COPY_<direction> (ROCm 7)
+# and the ROCclr blit kernels (__amd_rocclr_copyBuffer*, copies between device buffers).
 _MEMCPY_RE = re.compile(r"^Memcpy\s*(HtoD|DtoH|DtoD|PtoP|HtoH)|^(CopyHostToDevice|CopyDeviceToHost|"
-                        r"CopyDeviceToDevice)")
-_MEMSET_RE = re.compile(r"^(Memset|FillBuffer)")
+                        r"CopyDeviceToDevice)|^(?:ROCPROFILER_)?MEMORY_COPY_(HOST_TO_DEVICE|DEVICE_TO_HOST|"
+                        r"DEVICE_TO_DEVICE|HOST_TO_HOST|PEER_TO_PEER)|^(?:void\s+)?(__amd_rocclr_copy)")
+_MEMSET_RE = re.compile(r"^(Memset|FillBuffer|(?:void\s+)?__amd_rocclr_fillBuffer|MEMORY_SET)")
 _SYNC_RE = re.compile(r"^(cuda|hip)(DeviceSynchronize|StreamSynchronize|EventSynchronize|StreamWaitEvent)$|"
                       r"^(Context Sync|Stream Sync|Event Sync|Stream Wait Event)$")
 #: Every name-anchored pattern of ``name_category`` in one alternation: a name it does not match can only
 #: be communication through a rule.
 _ANCHORED = re.compile("|".join(f"(?:{p.pattern})" for p in (
-    _NCCL_KERNEL_RE, _ANNOTATION_RE, _C10D_RE, re.compile(r"^record_param_comms$"), contract.COMM_RE, _MEMCPY_RE,
-    _MEMSET_RE, _SYNC_RE)))
+    _NCCL_KERNEL_RE, _HCCL_RE, _ANNOTATION_RE, _C10D_RE, re.compile(r"^record_param_comms$"), contract.COMM_RE,
+    _MEMCPY_RE, _MEMSET_RE, _SYNC_RE)))
+#: A communication word in a kernel name: such a kernel launched inside a communication op takes the op's
+#: collective (a library no rule knows yet, e.g. ``my_allgather_gemm_kernel`` under ``nccl:_all_gather_base``).
+COMM_WORD_RE = re.compile(r"all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|send|recv|"
+                          r"nccl|rccl|hccl|msccl|nvshmem|rocshmem|multimem|symm_?mem|p2p|dispatch|combine|"
+                          r"barrier|lamport|fcollect")
+#: The CPU ops whose copies are the collective itself: NCCL >= 2.28 runs some collectives on the copy engines,
+#: and they appear as memcpy launched inside the ``nccl:*`` op.
+_CE_OP_RE = r"^(nccl|rccl):"
 _MEMCPY_KIND = {"HtoD": Category.MEMCPY_H2D, "CopyHostToDevice": Category.MEMCPY_H2D,
                 "DtoH": Category.MEMCPY_D2H, "CopyDeviceToHost": Category.MEMCPY_D2H,
                 "DtoD": Category.MEMCPY_D2D, "PtoP": Category.MEMCPY_D2D, "CopyDeviceToDevice": Category.MEMCPY_D2D,
-                "HtoH": Category.MEMCPY_D2D}
+                "HtoH": Category.MEMCPY_D2D, "HOST_TO_DEVICE": Category.MEMCPY_H2D,
+                "DEVICE_TO_HOST": Category.MEMCPY_D2H, "DEVICE_TO_DEVICE": Category.MEMCPY_D2D,
+                "HOST_TO_HOST": Category.MEMCPY_D2D, "PEER_TO_PEER": Category.MEMCPY_D2D,
+                "__amd_rocclr_copy": Category.MEMCPY_D2D}
 
 _COMM = frozenset(COMM_CATEGORIES)
 
@@ -175,7 +218,8 @@ def name_category(name: str, *, rules: Sequence[CommRule] = DEFAULT_RULES) -> tu
             re.search(rule.pattern, name)
             for rule in rules):
         return Category.COMPUTE.value, False  # most names: no pattern below can match
-    for pattern, source in ((_NCCL_KERNEL_RE, "kernel"), (_ANNOTATION_RE, "annotation"), (_C10D_RE, "c10d")):
+    for pattern, source in ((_NCCL_KERNEL_RE, "kernel"), (_HCCL_RE, "kernel"), (_ANNOTATION_RE, "annotation"),
+                            (_C10D_RE, "c10d")):
         hit = pattern.match(name)
         if hit:
             category = op_category(hit.group(1))
@@ -191,7 +235,7 @@ def name_category(name: str, *, rules: Sequence[CommRule] = DEFAULT_RULES) -> tu
             return Category(rule.category).value, True
     hit = _MEMCPY_RE.match(name)
     if hit:
-        return _MEMCPY_KIND[hit.group(1) or hit.group(2)].value, False
+        return _MEMCPY_KIND[next(g for g in hit.groups() if g)].value, False
     if _MEMSET_RE.match(name):
         return Category.MEMSET.value, False
     if _SYNC_RE.match(name):
@@ -356,13 +400,19 @@ _COMM_CODES = np.array([name in COMM_CATEGORIES for name in _CAT_NAMES] + [False
 
 def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     """Fill ``category`` and ``dim`` of a non-empty, schema-checked table in place."""
-    names = name_categories([*category_texts(out["name"].cat.categories), ""], rules=rules)
+    texts = [*category_texts(out["name"].cat.categories), ""]
+    names = name_categories(texts, rules=rules)
     name_cat = np.array([_CAT_CODE[c] for c, _ in names], dtype=np.int8)
     name_kernel = np.array([k for _, k in names], dtype=bool)
+    # Not communication by name, but may inherit a launching op's collective: a communication word in the
+    # name, or a device-to-device copy (copy-engine collectives).
+    name_word = comm_word_table(texts) & ~_COMM_CODES[name_cat]
+    name_copy = name_cat == _CAT_CODE[Category.MEMCPY_D2D.value]
     name_codes = codes_or_end(out["name"])
     category = name_cat[name_codes]
-    is_comm_kernel = name_kernel[name_codes] & (out["lane"] == Lane.GPU.value).to_numpy()
-    del name_codes
+    gpu = (out["lane"] == Lane.GPU.value).to_numpy()
+    is_comm_kernel = name_kernel[name_codes] & gpu
+    inherits = (name_word | name_copy)[name_codes] & gpu
 
     # Evidence 1: the row's own collective arg.
     own_table = np.array([_CAT_CODE.get(c, _NO_CAT) for c in _per_category(out["collective"], op_category)],
@@ -372,15 +422,39 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     category[has_own] = own[has_own]
     del own
 
-    # Evidence 2: the CPU op of a communication kernel.
-    linked, link_idx = _link_kernels_to_ops(out, category, is_comm_kernel & ~has_own)
+    # Evidence 2: the CPU op of a communication kernel, or of a kernel that inherits its op's collective.
+    linked, link_idx = _link_kernels_to_ops(out, category, (is_comm_kernel | inherits) & ~has_own)
+    copies = np.flatnonzero(inherits & (link_idx >= 0) & name_copy[name_codes])
+    if len(copies):  # a copy inherits only from the nccl:* op itself (not from a c10d op that also flattens)
+        ce_op = match_table(out["name"], _CE_OP_RE)[name_codes[link_idx[copies]]]
+        link_idx[copies[~ce_op]] = -1
+        linked[copies[~ce_op]] = _NO_CAT
+    del name_codes
     take = linked != _NO_CAT
     category[take] = linked[take]
-    del linked, take, is_comm_kernel, has_own
+    del linked, take, is_comm_kernel, has_own, inherits
     out["category"] = sorted_categorical(category, _CAT_NAMES)
     _fill_from_ops(out, link_idx)
     del link_idx
     out["dim"] = _dims(out, category, layout)
+
+
+def comm_word_table(texts: list[str]) -> np.ndarray:
+    """Does each name carry a communication word (``COMM_WORD_RE``, any case)? One C scan of the joined,
+    lower-cased names (a case-sensitive scan is several times faster than an ignore-case one)."""
+    out = np.zeros(len(texts), dtype=bool)
+    if not texts:
+        return out
+    starts = np.cumsum([0] + [len(t) + 1 for t in texts])
+    joined = "\n".join(texts)
+    lowered = joined.lower()
+    if len(lowered) == len(joined):
+        at = [hit.start() for hit in COMM_WORD_RE.finditer(lowered)]
+    else:  # a character whose lower case is longer (İ) would shift the offsets
+        at = [hit.start() for hit in re.finditer(COMM_WORD_RE.pattern, joined, re.IGNORECASE)]
+    if at:
+        out[np.searchsorted(starts, at, side="right") - 1] = True
+    return out
 
 
 def _per_category(column: pd.Series, fn) -> list:

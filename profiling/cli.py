@@ -10,6 +10,11 @@
 - ``profile diff BEFORE AFTER``: per rank and category, the mean-step time before, after and the delta; the deltas
   sum to the step-time delta exactly (``diff.diff_breakdowns``).
 - ``profile merge PATH -o FILE``: all ranks in one Chrome trace (``merge.merged_trace``).
+- every command: ``--rules FILE`` (YAML/JSON communication rules before the built-in ones, ``read_rules``) and
+  ``--rank N`` (the rank of a single file that records none; without it such a file is an error, status 2).
+
+Every report format shows the communication-coverage diagnostic (``report_sections.comm_coverage``): the
+terminal below the table, md/html/tensorboard as a section, csv/json/parquet as one note on stderr.
 
 Presentation only: the numbers come from the analyses unchanged. Our errors become one line on stderr and exit
 status 2. A progress bar (tqdm, on stderr) shows when stderr is a terminal or with ``--progress``.
@@ -68,6 +73,7 @@ def add_commands(subparsers) -> None:
                         help="table (terminal); csv, json, parquet (the breakdown, integer ns); md, html (the full "
                              "report); tensorboard (-o LOGDIR). Default: from the -o suffix, else table")
     report.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    _load_flags(report)
     _progress_flag(report)
     report.set_defaults(func=run_report)
 
@@ -76,14 +82,80 @@ def add_commands(subparsers) -> None:
     diff.add_argument("after", type=Path)
     diff.add_argument("--format", choices=[f.value for f in DiffFormat], default=DiffFormat.TABLE.value)
     diff.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    _load_flags(diff)
     _progress_flag(diff)
     diff.set_defaults(func=run_diff)
 
     merge = commands.add_parser("merge", help="all ranks in one Chrome-trace JSON (Perfetto, chrome://tracing)")
     merge.add_argument("path", type=Path)
     merge.add_argument("-o", "--output", type=Path, required=True, help="the merged trace (.json or .json.gz)")
+    _load_flags(merge)
     _progress_flag(merge)
     merge.set_defaults(func=run_merge)
+
+
+def _load_flags(parser) -> None:
+    parser.add_argument("--rules", type=Path, default=None, metavar="FILE",
+                        help="YAML or JSON list of communication rules {pattern, category, note, literals}; they "
+                             "come before the built-in rules (first match wins) and replace one with the same "
+                             "pattern")
+    parser.add_argument("--rank", type=int, default=None, metavar="N",
+                        help="the rank of a single trace file that does not record its own")
+
+
+def read_rules(path: Path) -> tuple:
+    """The rules of a ``--rules`` file followed by the built-in ones they do not replace (same pattern).
+
+    The file holds a list of mappings, or a mapping with a ``rules`` list; each mapping has ``pattern`` (regex)
+    and ``category`` (a communication category, e.g. ``all_to_all``), optionally ``note`` and ``literals``."""
+    import yaml
+
+    from shardline.profiling.classify import DEFAULT_RULES, Category, CommRule
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))  # JSON is YAML
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--rules {path}: not YAML or JSON: {' '.join(str(exc).split())}") from None
+    if isinstance(data, dict) and "rules" in data:
+        data = data["rules"]
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"--rules {path}: expected a non-empty list of rules (or a mapping with a 'rules' list)")
+    rules = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict) or not isinstance(entry.get("pattern"), str) or "category" not in entry:
+            raise UsageError(f"--rules {path}: rule {i} must be a mapping with a 'pattern' string and a 'category'")
+        unknown = sorted(set(entry) - {"pattern", "category", "note", "literals"})
+        if unknown:
+            raise UsageError(f"--rules {path}: rule {i} has unknown keys {unknown}")
+        try:
+            category = Category(str(entry["category"]))
+        except ValueError:
+            raise UsageError(f"--rules {path}: rule {i}: unknown category {entry['category']!r}") from None
+        literals = entry.get("literals") or ()
+        if isinstance(literals, str) or not all(isinstance(t, str) for t in literals):
+            raise UsageError(f"--rules {path}: rule {i}: 'literals' must be a list of strings")
+        try:
+            rules.append(CommRule(entry["pattern"], category, str(entry.get("note", "")), tuple(literals)))
+        except ProfilingError as exc:
+            raise UsageError(f"--rules {path}: rule {i}: {exc}") from None
+    mine = {r.pattern for r in rules}
+    return (*rules, *(r for r in DEFAULT_RULES if r.pattern not in mine))
+
+
+def load_traces(path: Path, args: argparse.Namespace):
+    """``load`` with the ``--rank`` and ``--rules`` of the command line."""
+    from shardline.profiling.classify import classify_in_place
+    from shardline.profiling.errors import MissingRankError
+    from shardline.profiling.load import load
+
+    rules = read_rules(args.rules) if getattr(args, "rules", None) is not None else None
+    try:
+        traceset = load(path, rank=getattr(args, "rank", None), classify=rules is None)
+    except MissingRankError as exc:
+        raise MissingRankError(f"{exc}; on the command line: --rank N") from None
+    if rules is not None:
+        classify_in_place(traceset.events, rules=rules, layout=traceset.layout)
+    return traceset
 
 
 def _progress_flag(parser) -> None:
@@ -133,15 +205,13 @@ def report_format(args: argparse.Namespace) -> ReportFormat:
 
 def run_report(args: argparse.Namespace) -> int:
     """Load, attribute, render."""
-    from shardline.profiling.load import load
-
     fmt = report_format(args)
     try:
         if fmt in (ReportFormat.PARQUET, ReportFormat.TENSORBOARD) and args.output is None:
             raise UsageError(f"--format {fmt.value} needs -o " + ("FILE" if fmt is ReportFormat.PARQUET else
                                                                    "LOGDIR"))
         with _stages(["loading", "analysing", "writing"], enabled=_wants_progress(args)) as done:
-            traceset = load(args.path)
+            traceset = load_traces(args.path, args)
             done()
             if fmt is ReportFormat.TENSORBOARD:
                 return _write_tensorboard(traceset, logdir=args.output)
@@ -175,7 +245,29 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
 
         return render_markdown(sections)
     table = attribution.breakdown
+    from shardline.profiling.report_sections import comm_coverage
+
+    coverage = comm_coverage(attribution)
+    if fmt is ReportFormat.TABLE:
+        return render_table(table) + render_coverage(coverage)
+    if len(coverage):  # the machine formats carry the breakdown only: the finding goes to stderr
+        from shardline.profiling.report_sections import coverage_note
+
+        print(f"shardline profile report: note: {coverage_note(coverage)}", file=sys.stderr)
     return table if fmt is ReportFormat.PARQUET else render(table, fmt=fmt)
+
+
+def render_coverage(coverage: pd.DataFrame) -> str:
+    """The terminal's communication-coverage lines (``report_sections.comm_coverage``); "" when all is covered."""
+    if coverage.empty:
+        return ""
+    from shardline.profiling.report_sections import coverage_note
+
+    lines = ["", f"communication coverage: {coverage_note(coverage)}"]
+    for row in coverage.itertuples(index=False):  # one line per (finding, name): a handful
+        launched = f"; launched: {row.launched}" if row.launched else ""
+        lines.append(f"  {row.finding}: {row.name} [{row.category}] x{row.count} on ranks {row.ranks}{launched}")
+    return "\n".join(lines) + "\n"
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -222,7 +314,6 @@ def run_diff(args: argparse.Namespace) -> int:
     """Load both runs, attribute both, compare."""
     from shardline.profiling.attribution import attribute
     from shardline.profiling.diff import diff_breakdowns
-    from shardline.profiling.load import load
 
     try:
         with _stages(["before", "after", "comparing"], enabled=_wants_progress(args)) as done:
@@ -230,7 +321,7 @@ def run_diff(args: argparse.Namespace) -> int:
             for path in (args.before, args.after):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # an empty breakdown is refused by the diff, by name
-                    tables.append(attribute(load(path), caller="breakdown").breakdown)
+                    tables.append(attribute(load_traces(path, args), caller="breakdown").breakdown)
                 done()
             result = diff_breakdowns(*tables)
             _emit(render_diff(result, fmt=DiffFormat(args.format)), args.output)
@@ -268,11 +359,10 @@ def render_diff(result, *, fmt: DiffFormat) -> str:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from shardline.profiling.load import load
     from shardline.profiling.merge import merged_trace
 
     try:
-        traceset = load(args.path)
+        traceset = load_traces(args.path, args)
         merged_trace(traceset, path=args.output, progress=_wants_progress(args))
     except (ProfilingError, OSError) as exc:
         return _fail("merge", exc)

@@ -45,6 +45,7 @@ class Section(str, enum.Enum):
     PIPELINE = "pipeline"
     TOP_KERNELS = "top-kernels"
     OFFLOAD = "offload"
+    COMM_COVERAGE = "comm-coverage"
 
 
 TITLES = {
@@ -54,6 +55,7 @@ TITLES = {
     Section.PIPELINE: "Pipeline timeline and bubble vs the (p-1)/(m+p-1) ideal",
     Section.TOP_KERNELS: "Top kernels per category",
     Section.OFFLOAD: "Offload traffic (H2D / D2H) vs the PCIe Gen5 x16 limit",
+    Section.COMM_COVERAGE: "Communication coverage: ops without a communication kernel, and the reverse",
 }
 
 
@@ -73,6 +75,7 @@ class ReportSections:
     notes: dict[Section, str] = field(default_factory=dict)
     matched: pd.DataFrame = field(default_factory=pd.DataFrame)
     attribution: object = None
+    comm_coverage: pd.DataFrame = field(default_factory=lambda: comm_coverage_frame([]))
 
 
 def report_sections(source, *, progress: bool = False, top: int = TOP_KERNELS) -> ReportSections:
@@ -95,7 +98,7 @@ def _analyse(attribution, *, progress: bool, top: int) -> ReportSections:
     from shardline.profiling.errors import AttributionError
 
     notes: dict[Section, str] = {}
-    bar = _bar(6, enabled=progress)
+    bar = _bar(7, enabled=progress)
     matched = pd.DataFrame()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -123,11 +126,13 @@ def _analyse(attribution, *, progress: bool, top: int) -> ReportSections:
         bar.update()
         offload = offload_traffic(attribution, bd)
         bar.update()
+        coverage = comm_coverage(attribution)
     bar.close()
     _note_findings(notes, caught=caught, cbd=cbd, offload=offload)
+    notes[Section.COMM_COVERAGE] = coverage_note(coverage)
     return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
                           top_kernels=kernels, offload=offload, notes=notes, matched=matched,
-                          attribution=attribution)
+                          attribution=attribution, comm_coverage=coverage)
 
 
 def _note_findings(notes: dict, *, caught, cbd: pd.DataFrame, offload: pd.DataFrame) -> None:
@@ -263,4 +268,201 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
             "bytes": o["bytes"].astype(str), "busy_ms": ms_text(o["busy_ns"]),
             "achieved_GB/s": fixed(o["achieved_gbps"], 3), "of_64_GB/s_%": fixed(100 * o["of_limit"], 2),
             "pageable_copies": o["pageable_copies"].astype(str), "exposed_ms": ms_text(o["exposed_ns"])})))
+    if len(sec.comm_coverage):
+        c = sec.comm_coverage
+        out[Section.COMM_COVERAGE].append(("comm-coverage-table", pd.DataFrame({
+            "finding": c["finding"], "name": c["name"], "category": c["category"], "ranks": c["ranks"],
+            "count": c["count"].astype(str), "launched": c["launched"]})))
     return out
+
+
+# --- communication coverage -------------------------------------------------------------------------------------
+
+class Finding(str, enum.Enum):
+    """What ``comm_coverage`` reports; the value is the text every report shows."""
+
+    OP_WITHOUT_KERNEL = "communication op with no communication kernel"
+    KERNEL_WITHOUT_OP = "communication kernel with no communication op"
+
+
+COVERAGE_COLUMNS = ("finding", "name", "category", "ranks", "count", "launched")
+#: CPU-only backends: their ops launch no GPU kernel by design.
+_HOST_BACKENDS = r"^(gloo|mpi|ucc):"
+
+
+def comm_coverage_frame(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=list(COVERAGE_COLUMNS)).astype({"count": np.int64})
+
+
+def comm_coverage(source) -> pd.DataFrame:
+    """How the next unknown communication library shows itself: per (finding, name), on ranks whose trace
+    records kernel launches (CPU rows with a correlation id) and GPU rows --
+
+    - ``communication op with no communication kernel``: a CPU communication op (``c10d::*``, ``nccl:*``,
+      ``record_param_comms``, ``sl:comm:*``; not the host-only ``gloo:*``/``mpi:*``/``ucc:*``) inside whose
+      span GPU work but no communication kernel was launched (kernel.correlation == launch.correlation, launch
+      inside the op on the same thread) and to which none links by External id. ``launched``: the kernels those
+      ops did launch (most frequent first, three at most) -- the names a new ``CommRule`` should match;
+    - ``communication kernel with no communication op``: a GPU communication kernel whose launch lies in no
+      communication op and that no op's External id names (DeepEP and symmetric-memory kernels run so).
+
+    Columns: finding, name, category, ranks (comma-separated), count (occurrences over those ranks), launched.
+    Vectorised over the events table; one small loop per (rank, thread) holding communication ops."""
+    from shardline.profiling.attribution import attribute
+
+    events = source if isinstance(source, pd.DataFrame) else attribute(source, caller="comm_coverage").events
+    if not len(events):
+        return comm_coverage_frame([])
+    return _coverage(events)
+
+
+def _coverage(ev: pd.DataFrame) -> pd.DataFrame:
+    from shardline.profiling.classify import _row_by_key, match_table
+    from shardline.profiling.schema import COMM_CATEGORIES, category_texts, codes_or_end
+
+    cat_codes = codes_or_end(ev["category"])
+    cat_texts = np.array([*category_texts(ev["category"].cat.categories), ""], dtype=object)
+    comm = np.isin(cat_texts, list(COMM_CATEGORIES))[cat_codes]
+    cpu = (ev["lane"] == "cpu").to_numpy()
+    gpu = (ev["lane"] == "gpu").to_numpy()
+    rank, stream = ev["rank"].to_numpy(), ev["stream"].to_numpy()
+    corr, ext = ev["correlation"].to_numpy(), ev["external_id"].to_numpy()
+    start = ev["start_ns"].to_numpy()
+    end = start + ev["dur_ns"].to_numpy()
+    launch_rows = np.flatnonzero(cpu & (corr >= 0))
+    ranks = np.intersect1d(np.unique(rank[launch_rows]), np.unique(rank[gpu]))
+    if not len(ranks):
+        return comm_coverage_frame([])
+    considered = np.isin(rank, ranks)
+    name_codes = codes_or_end(ev["name"])
+    ops = np.flatnonzero(cpu & comm & considered & ~match_table(ev["name"], _HOST_BACKENDS)[name_codes])
+    kernels = np.flatnonzero(gpu & considered & (corr >= 0))
+    launch = _row_by_key(launch_rows, rank, corr, queries=kernels, keep="first")
+    kernels, launch = kernels[launch >= 0], launch[launch >= 0]
+    is_comm_kernel = comm[kernels]
+    ext_rows = np.flatnonzero(gpu & comm & considered & (ext >= 0))
+    by_ext = _row_by_key(ext_rows, rank, ext, queries=ops, keep="first") >= 0
+    op_linked = np.zeros(len(ev), dtype=bool)
+    op_linked[ops] = by_ext
+    covered_ops, has_gpu_work, inside = _launches_inside(ops, launch, rank=rank, stream=stream, start=start, end=end,
+                                           comm_launch=is_comm_kernel)
+    # An op that launched no GPU work at all (work.wait()'s record_param_comms, a coalesced send whose kernel the
+    # group end launches) is not evidence of a kernel nobody recognises.
+    uncovered = ops[has_gpu_work & ~(covered_ops | by_ext)]
+    texts = np.array([*category_texts(ev["name"].cat.categories), ""], dtype=object)
+    labels = dict(rank=rank, name_codes=name_codes, texts=texts, categories=cat_texts[cat_codes])
+    rows = _op_rows(uncovered, kernels, launch, inside, **labels)
+    # The reverse: comm kernels whose launch no op covers and whose External id no op carries.
+    comm_k, comm_l = kernels[is_comm_kernel], launch[is_comm_kernel]
+    in_op = _covered_points(ops, comm_l, rank=rank, stream=stream, start=start, end=end)
+    op_ext = np.flatnonzero(cpu & comm & (ext >= 0))
+    named = _row_by_key(op_ext, rank, ext, queries=comm_k, keep="first") >= 0 if len(comm_k) else np.zeros(0, bool)
+    orphans = comm_k[~(in_op | named)]
+    rows += _grouped(orphans, Finding.KERNEL_WITHOUT_OP, launched={}, **labels)
+    return comm_coverage_frame(rows)
+
+
+def _groups(rows: np.ndarray, *, rank, stream):
+    """(rank, thread) -> rows there, for ``rows``."""
+    if not len(rows):
+        return {}
+    keys = pd.MultiIndex.from_arrays([rank[rows], stream[rows]])
+    codes, uniques = pd.factorize(keys)
+    order = np.argsort(codes, kind="stable")
+    bounds = np.searchsorted(codes[order], np.arange(len(uniques) + 1))
+    return {tuple(uniques[i]): rows[order[bounds[i]:bounds[i + 1]]] for i in range(len(uniques))}
+
+
+def _launches_inside(ops, launch, *, rank, stream, start, end, comm_launch):
+    """Per op: was a communication kernel launched inside it, was any GPU work; and per (rank, thread) the
+    [lo, hi) range of the launches (sorted by start) inside each op, as (ops, launches, lo, hi), to name them."""
+    covered = np.zeros(len(ops), dtype=bool)
+    launched = np.zeros(len(ops), dtype=bool)
+    inside = {}
+    op_groups = _groups(ops, rank=rank, stream=stream)
+    launch_pos = _groups(np.arange(len(launch)), rank=rank[launch], stream=stream[launch])
+    for key, group in op_groups.items():
+        mine = launch_pos.get(key)
+        if mine is None:
+            continue
+        mine = mine[np.argsort(start[launch[mine]], kind="stable")]
+        t = start[launch[mine]]
+        lo = np.searchsorted(t, start[group], side="left")
+        hi = np.searchsorted(t, end[group], side="right")
+        comm_count = np.concatenate([[0], np.cumsum(comm_launch[mine])])
+        idx = np.searchsorted(ops, group)  # ops ascend (flatnonzero)
+        covered[idx] = comm_count[hi] > comm_count[lo]
+        launched[idx] = hi > lo
+        inside[key] = (group, mine, lo, hi)
+    return covered, launched, inside
+
+
+def _covered_points(ops, points, *, rank, stream, start, end) -> np.ndarray:
+    """Does some op of the same (rank, thread) cover each point row's start? Ops nest or are disjoint, so the
+    running maximum of the ends of the ops begun at or before a point decides."""
+    out = np.zeros(len(points), dtype=bool)
+    op_groups = _groups(ops, rank=rank, stream=stream)
+    for key, sel in _groups(np.arange(len(points)), rank=rank[points], stream=stream[points]).items():
+        group = op_groups.get(key)
+        if group is None:
+            continue
+        group = group[np.argsort(start[group], kind="stable")]
+        reach = np.maximum.accumulate(end[group])
+        t = start[points[sel]]
+        pos = np.searchsorted(start[group], t, side="right") - 1
+        out[sel] = (pos >= 0) & (reach[np.clip(pos, 0, None)] >= t)
+    return out
+
+
+def _op_rows(uncovered, kernels, launch, inside, *, rank, name_codes, texts, categories) -> list[dict]:
+    """Rows for ops without a communication kernel, with the kernels they did launch."""
+    if not len(uncovered):
+        return []
+    flagged = np.zeros(len(name_codes), dtype=bool)
+    flagged[uncovered] = True
+    op_names, kernel_names = [], []
+    for group, mine, lo, hi in inside.values():
+        keep = flagged[group]
+        if not keep.any():
+            continue
+        lo, hi, group = lo[keep], hi[keep], group[keep]
+        counts = hi - lo
+        if not counts.sum():
+            continue
+        # every (op, launch inside it) pair, without a loop over ops
+        offsets = np.repeat(lo - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        picked = mine[np.arange(counts.sum()) + offsets]
+        op_names.append(name_codes[np.repeat(group, counts)])
+        kernel_names.append(name_codes[kernels[picked]])
+    launched: dict[str, str] = {}
+    if op_names:
+        pairs = pd.DataFrame({"op": np.concatenate(op_names), "kernel": np.concatenate(kernel_names)})
+        counted = pairs.value_counts().reset_index(name="n").sort_values(["op", "n", "kernel"],
+                                                                         ascending=[True, False, True])
+        for op, part in counted.groupby("op", sort=False):
+            launched[texts[op]] = "; ".join(f"{texts[k]} ×{n}" for k, n in zip(part["kernel"][:3], part["n"][:3]))
+    return _grouped(uncovered, Finding.OP_WITHOUT_KERNEL, launched=launched, rank=rank, name_codes=name_codes,
+                    texts=texts, categories=categories)
+
+
+def _grouped(rows, finding: Finding, *, launched: dict, rank, name_codes, texts, categories) -> list[dict]:
+    if not len(rows):
+        return []
+    frame = pd.DataFrame({"name": texts[name_codes[rows]], "category": categories[rows], "rank": rank[rows]})
+    out = []
+    for (name, category), part in frame.groupby(["name", "category"], sort=True):
+        out.append(dict(finding=finding.value, name=name, category=category,
+                        ranks=",".join(str(int(r)) for r in sorted(set(part["rank"].tolist()))),
+                        count=len(part), launched=launched.get(name, "")))
+    return out
+
+
+def coverage_note(coverage: pd.DataFrame) -> str:
+    """One line for the reports (and the terminal) summarising ``comm_coverage``."""
+    if coverage.empty:
+        return ("every communication op launched a communication kernel and every communication kernel has its "
+                "op (or the trace records no kernel launches)")
+    counts = coverage.groupby("finding")["count"].sum()
+    parts = [f"{int(counts[f.value])} × {f.value}" for f in Finding if f.value in counts.index]
+    return ("; ".join(parts) + ": a kernel no rule knows shows up here -- name it with a CommRule "
+            "(--rules FILE)")

@@ -72,6 +72,7 @@ class ImageTag(str, enum.Enum):
 
 
 TEXT_TAG = "breakdown/table"
+COVERAGE_TAG = "diagnostics/comm_coverage"
 
 
 def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, layout: Mapping | None = None,
@@ -107,7 +108,7 @@ def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, lay
     for rank, rows in table.groupby("rank", sort=True):
         _write_events(logdir / f"rank{int(rank)}", _rank_events(rows, labels=shown_parts(table)))
     _write_events(logdir, _root_events(table, attribution, extras=extras,
-                                       layout=_hparams(layout, traceset, extras)))
+                                       layout=_hparams(layout, traceset, extras), coverage=sections.comm_coverage))
     _write_plugin_data(logdir, traceset, table=table, extras=extras, layout=layout,
                        first_step=int(table["tb_step"].min()))
     return logdir
@@ -181,8 +182,10 @@ def _rank_events(rows: pd.DataFrame, *, labels: list[str]) -> list[tuple[int, li
     return out
 
 
-def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict) -> list[tuple[int, list]]:
-    """The run "." : layout, spread over ranks, images, the markdown table, hparams."""
+def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict,
+                 coverage: pd.DataFrame | None = None) -> list[tuple[int, list]]:
+    """The run "." : layout, spread over ranks, images, the markdown table, hparams, and the communication-
+    coverage findings (``report_sections.comm_coverage``) as text when there are any."""
     first = int(table["tb_step"].min())
     events = [(first, [_custom_scalars_layout(table)])]
     spread = table.groupby("tb_step")["step_ns"].agg(["mean", "min", "max"])
@@ -190,6 +193,11 @@ def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict
         events.append((int(step), [_scalar(f"{Family.OVER_RANKS.value}/{k}", row[k] / 1e6)
                                    for k in ("mean", "min", "max")]))
     events.append((first, [_text(TEXT_TAG, markdown_table(table))]))
+    if coverage is not None and len(coverage):
+        from shardline.profiling.report_sections import coverage_note
+
+        events.append((first, [_text(COVERAGE_TAG, coverage_note(coverage) + "\n\n" + pipe_table(
+            coverage.astype(str), right_aligned=False) + "\n")]))
     events.append((first, _images(table, attribution, has_pipeline=not extras["bubbles"].empty)))
     events += [(first, [value]) for value in _hparams_values(layout)]
     events.append((first, [_scalar(Family.HPARAM_METRIC.value, table["step_ns"].mean() / 1e6)]))
