@@ -10,7 +10,11 @@ threads (e.g. backward thread computing while the main thread waits) the priorit
 Step windows, first source that exists:
 
 1. ``ProfilerStep#N`` annotations of the analysed lane kind (GPU user annotations on a GPU rank; several per
-   step are joined to their hull);
+   step are joined to their hull). GPU-side ones are checked first against the GPU work each CPU step
+   launched (by correlation id; ``survey.check_gpu_steps``): ROCm traces hold stubs (microseconds for a step
+   of milliseconds), steps out of order and steps missing. Where they fail, every window of the rank is
+   instead ``[first start, last end)`` of the work its CPU step launched (what Kineto's GPU annotation is
+   when healthy), and the breakdown warns once per rank (a ``TraceWarning`` naming the file and the failure);
 2. on a GPU rank, the GPU work's own ``step`` (the reader gives a kernel the step of its launch): step N runs
    from the first start of its work to the first start of step N+1's work (the last step: to its last end), so
    the GPU-side step includes the idle before the next step's first kernel and never overlaps its neighbour;
@@ -112,10 +116,19 @@ def attribute(source, *, layout: Mapping[str, int] | None = None, caller: str = 
         events = classify_events(events, layout=chosen)
     elif _layout_key(chosen) != _layout_key(loaded_with):
         events = assign_dims(events, layout=chosen)
-    attribution = Attribution(events, layout=chosen)
+    attribution = Attribution(events, layout=chosen, files=_files_of(source))
     if cache is not None:
         cache[key] = attribution
     return attribution
+
+
+def _files_of(source) -> dict[int, str]:
+    """Rank -> the name(s) of the file(s) its rows came from (a ``TraceSet``'s ``files``), for warnings."""
+    names: dict[int, list[str]] = {}
+    for path, ranks in (getattr(source, "files", None) or {}).items():
+        for rank in ranks:
+            names.setdefault(int(rank), []).append(str(path))
+    return {rank: ", ".join(sorted(paths)) for rank, paths in names.items()}
 
 
 def _layout_key(layout: Mapping[str, int] | None):
@@ -142,9 +155,11 @@ class Attribution:
     with work to attribute. ``breakdown``: the per-(rank, step) partition, computed on first use and kept.
     """
 
-    def __init__(self, events: pd.DataFrame, *, layout: Mapping[str, int] | None = None) -> None:
+    def __init__(self, events: pd.DataFrame, *, layout: Mapping[str, int] | None = None,
+                 files: Mapping[int, str] | None = None) -> None:
         self.events = events
         self.layout = None if layout is None else dict(layout)
+        self.files = dict(files or {})
         self._memo: dict = {}
 
     def __repr__(self) -> str:
@@ -154,7 +169,8 @@ class Attribution:
     def ranks(self) -> tuple[RankAttribution, ...]:
         # The table's columns read once (views and category codes), shared by the ranks.
         table = Rows.of(self.events)
-        return tuple(RankAttribution(self.events, table, rank=rank, selection=selection)
+        return tuple(RankAttribution(self.events, table, rank=rank, selection=selection,
+                                     source=self.files.get(rank, f"rank {rank}"))
                      for rank, selection in rank_selections(self.events))
 
     @property
@@ -173,8 +189,9 @@ class Attribution:
 
     @property
     def breakdown(self) -> pd.DataFrame:
-        """The breakdown (see ``breakdown``); the warning of an empty one is issued on every read, so a reader
-        sees it under its own warning filters however often it was computed before. Not to be modified."""
+        """The breakdown (see ``breakdown``); its warnings (an empty one; a rank whose GPU step annotations
+        were replaced) are issued on every read, so a reader sees them under its own warning filters however
+        often it was computed before. Not to be modified."""
         table, notes = self._breakdown
         for note in notes:
             warnings.warn(note, TraceWarning, stacklevel=2)
@@ -191,13 +208,14 @@ class Attribution:
 def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[str, ...]]:
     """The breakdown of every rank with work, and the warnings to issue (the one computation of it)."""
     rows = [rank.partition_columns() for rank in attribution.working]
+    notes = tuple(rank.window_note for rank in attribution.working if rank.window_note)
     if not rows:
         # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
         # the user gets the (empty) table with a warning rather than an exception.
         return empty_breakdown(), (_NOTHING,)
     # One frame from the joined columns (every rank has the same ones); a frame per rank and a concat would
     # cost about a millisecond per rank.
-    return pd.DataFrame({column: np.concatenate([r[column] for r in rows]) for column in rows[0]}), ()
+    return pd.DataFrame({column: np.concatenate([r[column] for r in rows]) for column in rows[0]}), notes
 
 
 class RankAttribution:
@@ -207,10 +225,11 @@ class RankAttribution:
 
     ``lanes``: ``Lane.GPU``/``Lane.CPU`` value (a rank without work: ``cpu``). ``windows``: the windows its
     markers (or its GPU work's steps) give, possibly none; ``attributed_windows``: the windows ``breakdown``
-    partitions (``windows``, else ``[first work start, last work end)`` with step -1).
+    partitions (``windows``, else ``[first work start, last work end)`` with step -1). ``window_note``: why
+    the GPU step annotations were replaced by windows from the launched work (naming ``source``), or None.
     """
 
-    def __init__(self, events: pd.DataFrame, table: Rows, *, rank: int, selection) -> None:
+    def __init__(self, events: pd.DataFrame, table: Rows, *, rank: int, selection, source: str = "") -> None:
         self._events = events
         self._table = table
         self.rank = rank
@@ -219,8 +238,9 @@ class RankAttribution:
         self.work_positions = _positions(selection, mask)
         self.pipeline_positions = _positions(selection, rows.pipeline)
         self.has_work = bool(len(self.work_positions))
-        work = rows.take(mask, ("start", "dur", "step"))
-        self._windows = rank_windows(rows, lanes=self.lanes, work=work)
+        work = rows.take(mask, ("start", "dur", "step", "correlation"))
+        self._windows, note = rank_windows(rows, lanes=self.lanes, work=work)
+        self.window_note = None if note is None else f"{source or f'rank {rank}'}: {note}"
         if len(self._windows[0]) or not self.has_work:
             self._attributed = self._windows
         else:

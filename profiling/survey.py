@@ -113,7 +113,8 @@ class Rows:
     @classmethod
     def of(cls, events: pd.DataFrame) -> Rows:
         columns = {"start": events["start_ns"].to_numpy(), "dur": events["dur_ns"].to_numpy(),
-                   "step": events["step"].to_numpy(), "stream": events["stream"].to_numpy()}
+                   "step": events["step"].to_numpy(), "stream": events["stream"].to_numpy(),
+                   "correlation": events["correlation"].to_numpy()}
         columns.update((key, codes_or_end(events[key])) for key in ("lane", "cat", "name", "category",
                                                                      "memory_kind"))
         return cls(columns, _Tables(events))
@@ -161,20 +162,26 @@ def _step_table(texts: list[str]) -> np.ndarray:
 _NO_WINDOWS = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
-def rank_windows(rows: Rows, *, lanes: str, work: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step, start, end) of one rank's windows, sorted by step (see the module docstring)."""
+def rank_windows(rows: Rows, *, lanes: str, work: Rows) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray],
+                                                                  str | None]:
+    """(step, start, end) of one rank's windows, sorted by step (see the module docstring), and the note to
+    warn with when the GPU step annotations failed ``check_gpu_steps`` and were replaced (else None).
+    ``work`` needs ``start``, ``dur``, ``step`` and ``correlation``."""
     marked = rows.step_marked
     gpu, cpu = Lane.GPU.value, Lane.CPU.value
     for lane_kind in ((lanes, cpu) if lanes == gpu else (cpu,)):
         if lane_kind == cpu and lanes == gpu:
             from_work = _gpu_work_steps(work.step, work.start, work.end)
             if len(from_work[0]):
-                return from_work
+                return from_work, None
         sel = marked & (rows.lane_gpu if lane_kind == gpu else rows.lane_cpu)
         if sel.any():
             # Several markers of one step (e.g. one per stream) are joined to their hull.
-            return _hulls(rows.tables.step_no[rows.name[sel]], rows.start[sel], rows.start[sel] + rows.dur[sel])
-    return _NO_WINDOWS
+            windows = _hulls(rows.tables.step_no[rows.name[sel]], rows.start[sel], rows.start[sel] + rows.dur[sel])
+            if lane_kind == gpu:
+                return check_gpu_steps(windows, rows, work)
+            return windows, None
+    return _NO_WINDOWS, None
 
 
 def _hulls(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -195,6 +202,100 @@ def _gpu_work_steps(step: np.ndarray, start: np.ndarray, end: np.ndarray):
     # The next step's first start closes a step; a non-increasing start (out-of-order work) gives an empty window.
     ends = np.append(np.maximum(starts[1:], starts[:-1]), max(last_end, int(starts[-1])))
     return steps, starts, ends
+
+
+def launched_steps(rows: Rows, work: Rows) -> np.ndarray:
+    """Per work row: the step of the CPU call that launched it (the CPU-lane row with its correlation id, in a
+    CPU ``ProfilerStep#N``; the first such row of an id), else -1. Unlike the reader's ``step`` this never
+    falls back to a GPU-side window, so it can judge those windows."""
+    out = np.full(len(work.start), -1, dtype=np.int64)
+    launch = rows.lane_cpu & (rows.correlation >= 0) & (rows.step >= 0)
+    if not launch.any() or not len(out):
+        return out
+    ids, first = np.unique(rows.correlation[launch], return_index=True)
+    steps = rows.step[launch][first]
+    slot = np.minimum(np.searchsorted(ids, work.correlation), len(ids) - 1)
+    hit = (work.correlation >= 0) & (ids[slot] == work.correlation)
+    out[hit] = steps[slot[hit]]
+    return out
+
+
+def check_gpu_steps(annotated, rows: Rows, work: Rows):
+    """The GPU-side ``ProfilerStep#N`` windows ``annotated``, checked against the kernels each CPU step launched
+    (``launched_steps``); ``(windows, None)`` when they hold, else the derived windows and a note saying why.
+
+    Kineto builds a GPU step annotation from the GPU work its CPU step launched, so a healthy one spans that
+    work. ROCm traces break this: stubs (microseconds for a step of milliseconds), steps out of order, steps
+    missing. Per step N with launched work L_N = [first start, last end) of that work, and annotation A_N:
+
+    - *stub*: |A_N| < |L_N| / 2;
+    - *out of order*: A_N starts before A_(N-1) (steps both annotated and launched, ascending);
+    - *out of place*: not a stub, but A_N leaves more than a tenth of L_N uncovered (a healthy annotation
+      covers all of it; the tenth absorbs µs rounding);
+    - *missing*: L_N exists, A_N does not.
+
+    If any step fails, every window of the rank is L_N (one consistent source; steps that launched nothing get
+    none). Without launched work (no correlation ids, no CPU steps) nothing can be checked or derived and the
+    annotations stay.
+    """
+    launched = launched_steps(rows, work)
+    on = launched >= 0
+    if not on.any():
+        return annotated, None
+    derived = _hulls(launched[on], work.start[on], work.end[on])
+    cpu = rows.step_marked & rows.lane_cpu
+    cpu_steps = _hulls(rows.tables.step_no[rows.name[cpu]], rows.start[cpu], rows.end[cpu])
+    failures = _gpu_step_failures(annotated, derived, cpu_steps)
+    if not failures:
+        return annotated, None
+    return derived, (f"GPU step annotations are {'; '.join(failures)}; steps derived from the kernels each CPU "
+                     f"step launched (first start to last end)")
+
+
+def _gpu_step_failures(annotated, derived, cpu_steps) -> list[str]:
+    """What of ``check_gpu_steps``'s rules fails, one phrase per kind, naming the first failing step."""
+    a_step, a_start, a_end = annotated
+    l_step, l_start, l_end = derived
+    common, ai, li = np.intersect1d(a_step, l_step, assume_unique=True, return_indices=True)
+    a_lo, a_hi, l_lo, l_hi = a_start[ai], a_end[ai], l_start[li], l_end[li]
+    a_dur, l_dur = a_hi - a_lo, l_hi - l_lo
+    covered = np.maximum(np.minimum(a_hi, l_hi) - np.maximum(a_lo, l_lo), 0)
+    stub = 2 * a_dur < l_dur
+    backwards = np.append(False, a_lo[1:] < a_lo[:-1])
+    misplaced = ~stub & (10 * covered < 9 * l_dur)
+    missing = np.setdiff1d(l_step, a_step, assume_unique=True)
+    n = len(l_step)
+    failures = []
+    if stub.any():
+        i = int(np.argmax(stub))
+        c = np.searchsorted(cpu_steps[0], common[i])
+        on_cpu = (f"{_span(cpu_steps[2][c] - cpu_steps[1][c])} on the CPU, its kernels span {_span(l_dur[i])}"
+                  if c < len(cpu_steps[0]) and cpu_steps[0][c] == common[i] else f"its kernels span {_span(l_dur[i])}")
+        failures.append(f"stubs ({int(stub.sum())} of {n} steps): step {common[i]} is {_span(a_dur[i])} on the "
+                        f"GPU but {on_cpu}")
+    if (backwards | misplaced).any():
+        count = f"({int((backwards | misplaced).sum())} of {n} steps)"
+        if backwards.any():
+            i = int(np.argmax(backwards))
+            failures.append(f"out of order {count}: step {common[i]} starts {_span(a_lo[i - 1] - a_lo[i])} "
+                            f"before step {common[i - 1]} on the GPU")
+        else:
+            i = int(np.argmax(misplaced))
+            failures.append(f"out of place {count}: step {common[i]} covers "
+                            f"{100 * covered[i] / l_dur[i]:.0f}% of the span of its kernels on the GPU")
+    if len(missing):
+        shown = ", ".join(str(s) for s in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        failures.append(f"missing ({len(missing)} of {n} steps): step{'s' * (len(missing) > 1)} {shown}")
+    return failures
+
+
+def _span(ns) -> str:
+    """A duration in ns as text with 3 significant digits and a unit (``8 µs``, ``41.2 ms``)."""
+    ns = int(ns)
+    for scale, unit in ((1_000_000_000, "s"), (1_000_000, "ms"), (1_000, "µs")):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.3g} {unit}"
+    return f"{ns} ns"
 
 
 def label_sets(work: Rows, lanes: str, *, bubble: iv.IntervalSet) -> dict[str, iv.IntervalSet]:
