@@ -66,8 +66,8 @@ from shardline.profiling.errors import AttributionError, ProfilingError, TraceWa
 from shardline.profiling.readers._kineto_columns import DTYPE_BYTES
 from shardline.profiling.schema import COMM_CATEGORIES
 
-__all__ = ["COLUMNS", "DEFAULT_LINKS", "DEVICE_RULES", "LATENCY_BOUND_BYTES", "Link", "LinkTable", "LinkTableError",
-           "TimeBasis", "bandwidth_summary", "busbw_factor", "collective_bandwidth", "link_table"]
+__all__ = ["COLUMNS", "DEFAULT_LINKS", "DEVICE_RULES", "HOST_PCIE", "LATENCY_BOUND_BYTES", "Link", "LinkTable",
+           "LinkTableError", "TimeBasis", "bandwidth_summary", "busbw_factor", "collective_bandwidth", "link_table"]
 
 
 class LinkTableError(ProfilingError, ValueError):
@@ -142,6 +142,13 @@ DEVICE_RULES: tuple[tuple[str, str, str], ...] = (
 )
 #: The NIC of a device no rule names.
 DEFAULT_NIC = "ib-ndr"
+#: Intra-node link -> the PCIe generation of the GPU's host interface (x16) in the same reference system (V100:
+#: Gen3; A100/A800: Gen4; H100/H200/H800/H20, B200/B300 and MI300X: Gen5); a PCIe part's host link is its own.
+HOST_PCIE = {"nvlink2": "pcie-gen3", "nvlink3": "pcie-gen4", "nvlink3-a800": "pcie-gen4", "nvlink4": "pcie-gen5",
+             "nvlink4-h800": "pcie-gen5", "nvlink5": "pcie-gen5", "xgmi": "pcie-gen5",
+             "pcie-gen3": "pcie-gen3", "pcie-gen4": "pcie-gen4", "pcie-gen5": "pcie-gen5"}
+#: The host link assumed for a device no rule names.
+DEFAULT_HOST_PCIE = "pcie-gen5"
 
 #: The columns of ``collective_bandwidth``, in order.
 COLUMNS = ("rank", "step", "category", "pg", "pg_desc", "dim", "group_size", "dtype", "bytes", "time_ns",
@@ -183,6 +190,14 @@ class LinkTable:
                 intra, nic = rule_intra, rule_nic
                 break
         return self.intra or intra, self.nic or nic
+
+    def host_link(self, name: str) -> tuple[Link, bool]:
+        """The PCIe link (x16, per direction) between the host and a GPU of this name, and whether a device
+        rule knew it (False: ``DEFAULT_HOST_PCIE`` assumed). Ignores a forced ``intra`` link."""
+        for pattern, rule_intra, _nic in self.rules:
+            if re.search(pattern, name, flags=re.IGNORECASE) and rule_intra in HOST_PCIE:
+                return self.links[HOST_PCIE[rule_intra]], True
+        return self.links[DEFAULT_HOST_PCIE], False
 
 
 _FILE_KEYS = ("links", "devices", "intra", "nic", "gpus_per_node", "nics_per_node")

@@ -236,7 +236,7 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
     if fmt in _SECTION_FORMATS:
         from shardline.profiling.report_sections import report_sections
 
-        sections = report_sections(attribution, progress=progress)
+        sections = report_sections(attribution, progress=progress, traceset=traceset)
         if fmt is ReportFormat.HTML:
             from shardline.profiling.report_html import render_html
 
@@ -249,7 +249,9 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
 
     coverage = comm_coverage(attribution)
     if fmt is ReportFormat.TABLE:
-        return render_table(table) + render_coverage(coverage)
+        from shardline.profiling.report_sections import bandwidth_terminal
+
+        return render_table(table) + render_coverage(coverage) + bandwidth_terminal(attribution, traceset=traceset)
     if len(coverage):  # the machine formats carry the breakdown only: the finding goes to stderr
         from shardline.profiling.report_sections import coverage_note
 

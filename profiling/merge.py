@@ -9,7 +9,10 @@ Layout of the file (loadable by chrome://tracing, Perfetto UI and XProf's trace 
 - per rank, one thread per original track, numbered 1, 2, ... in (lane, device, stream) order and named
   ``"gpu D stream S"`` / ``"cpu thread T"``; every row of the events table is one complete (``"X"``) event with
   its ``name``, its source ``cat`` (the reader's name when the source gave none) and args: our ``sl_category``
-  and ``sl_dim``, GPU ``device``/``stream``, and the collective fields in Kineto's spelling;
+  and ``sl_dim``, GPU ``device``/``stream``, and the collective fields in Kineto's spelling; each call
+  ``collective_bandwidth`` reports (the collective kernels of a GPU rank, the outermost comm ops of a CPU one) also
+  carries ``busbw_gbps``, ``algbw_gbps``, ``link`` and ``efficiency`` (its row of
+  ``report_sections.bandwidth_rows``, joined on rank, name, start and duration; a NaN is left out);
 - three added threads per rank: ``sl: steps`` (one slice per step window), ``sl: categories`` (the exclusive
   attribution as a timeline: each ns of a step window under the label that wins it, by ``attribution``'s priority
   over the rank's label sets, so its per-window totals are the ``breakdown`` columns exactly) and
@@ -43,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling import intervals as iv
-from shardline.profiling.errors import AttributionError, TraceFormatError
+from shardline.profiling.errors import AttributionError, ProfilingError, TraceFormatError, TraceWarning
 from shardline.profiling.partition import LABELS, segment_owners
 
 CHUNK_ROWS = 200_000
@@ -69,6 +72,8 @@ def merged_trace(source, *, path: str | Path, progress: bool = False) -> Path:
     path = Path(path)
     base = int(events["start_ns"].min()) if len(events) else 0
     tracks = _tracks(events)
+    bandwidth = _bandwidth_args(attribution, source if hasattr(source, "files") and hasattr(source, "metadata")
+                                else None)
     try:
         # level 1: the text is repetitive, so it already shrinks ~20x; higher levels triple the write time
         handle = gzip.open(path, "wt", compresslevel=1) if path.suffix == ".gz" else open(path, "w")
@@ -83,7 +88,8 @@ def merged_trace(source, *, path: str | Path, progress: bool = False) -> Path:
             handle.write(("" if first else ",\n") + line)
             first = False
         for chunk in _progress(range(0, len(events), CHUNK_ROWS), enabled=progress, what="merged trace"):
-            lines = _event_lines(events.iloc[chunk:chunk + CHUNK_ROWS], tracks=tracks, base=base)
+            lines = _event_lines(events.iloc[chunk:chunk + CHUNK_ROWS], tracks=tracks, base=base,
+                                 extra=None if bandwidth is None else bandwidth[chunk:chunk + CHUNK_ROWS])
             if len(lines):
                 handle.write(",\n" + ",\n".join(lines.tolist()))
         for line in _added_lines(attribution, tracks=tracks, base=base):
@@ -161,7 +167,51 @@ def _json_texts(column: pd.Series) -> np.ndarray:
     return texts[np.where(codes < 0, len(texts) - 1, codes)]
 
 
-def _event_lines(chunk: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> np.ndarray:
+_BANDWIDTH_KEYS = ("rank", "name", "start_ns", "dur_ns")
+
+
+def _bandwidth_args(attribution, traceset) -> np.ndarray | None:
+    """Per events-table row, the bandwidth args text (``', "busbw_gbps": ...'``; "" for rows without one), or
+    None when no call has a bandwidth. One merge over the communication rows; numbers as shortest round-trip
+    float text."""
+    from shardline.profiling.bandwidth import CATEGORIES
+    from shardline.profiling.report_sections import bandwidth_rows
+
+    try:
+        rows = bandwidth_rows(attribution, traceset=traceset)
+    except ProfilingError as exc:  # the merged trace is still written, without the bandwidth args
+        warnings.warn(f"merged_trace: no bandwidth args ({exc})", TraceWarning, stacklevel=3)
+        return None
+    if rows.empty:
+        return None
+    events = attribution.events
+    pos = np.flatnonzero(events["category"].isin(CATEGORIES).to_numpy())
+    keys = pd.DataFrame({"rank": events["rank"].to_numpy()[pos].astype(np.int64),
+                         "name": events["name"].iloc[pos].astype(str).to_numpy(),
+                         "start_ns": events["start_ns"].to_numpy()[pos].astype(np.int64),
+                         "dur_ns": events["dur_ns"].to_numpy()[pos].astype(np.int64)})
+    bw = rows[[*_BANDWIDTH_KEYS, "busbw_gbps", "algbw_gbps", "link", "efficiency"]].astype(
+        {"rank": np.int64, "name": str, "start_ns": np.int64, "dur_ns": np.int64}).drop_duplicates(
+        list(_BANDWIDTH_KEYS))
+    hit = keys.merge(bw, how="left", on=list(_BANDWIDTH_KEYS))  # a left merge keeps the left order
+    text = np.full(len(pos), "", dtype=object)
+    for column in ("busbw_gbps", "algbw_gbps"):
+        text = text + _float_arg(column, hit[column].to_numpy(dtype=np.float64))
+    link = hit["link"].fillna("").astype(str)
+    text = text + np.where((link != "").to_numpy(), ', "link": ' + _json_texts(link), "")
+    text = text + _float_arg("efficiency", hit["efficiency"].to_numpy(dtype=np.float64))
+    out = np.full(len(events), "", dtype=object)
+    out[pos] = text
+    return out
+
+
+def _float_arg(key: str, values: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(values)
+    return np.where(finite, f', "{key}": ' + np.where(finite, values, 0.0).astype(str).astype(object), "")
+
+
+def _event_lines(chunk: pd.DataFrame, *, tracks: pd.DataFrame, base: int,
+                 extra: np.ndarray | None = None) -> np.ndarray:
     if chunk.empty:
         return np.empty(0, dtype=object)
     keyed = chunk[["rank", "lane", "device", "stream"]].astype({"lane": str})
@@ -186,6 +236,8 @@ def _event_lines(chunk: pd.DataFrame, *, tracks: pd.DataFrame, base: int) -> np.
     nbytes = chunk["msg_bytes"].to_numpy()
     memcpy = chunk["category"].isin(("memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset")).to_numpy() & (nbytes >= 0)
     args = args + np.where(memcpy, ', "bytes": ' + _int_text(nbytes), "")
+    if extra is not None:
+        args = args + extra
     return ('{"ph": "X", "pid": ' + _int_text(chunk["rank"]) + ', "tid": '
             + _int_text(tid) + ', "ts": ' + us_text(chunk["start_ns"].to_numpy() - base)
             + ', "dur": ' + us_text(chunk["dur_ns"].to_numpy()) + ', "name": ' + _json_texts(chunk["name"])

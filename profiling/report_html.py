@@ -1,9 +1,9 @@
 """Self-contained HTML report: one file, inline CSS, figures inlined as base64 PNG, no script, no external URL.
 
 Sections (``report_sections.Section``, each an ``<section id=...>`` with an ``<h2>``): the stacked breakdown per
-rank and step, communication per parallel dimension, collective wait/transfer with stragglers, the pipeline
-timeline with bubble vs ideal, the top kernels per category and the offload traffic. Tables carry the display
-strings of ``report_sections.display_tables`` (each ``<table id=...>``), so the numbers are the frames'.
+rank and step, communication per parallel dimension, collective wait/transfer with stragglers, collective
+bandwidth against the link's limit, the pipeline timeline with bubble vs ideal, the top kernels per category and
+the offload traffic. Tables carry the display strings of ``report_sections.display_tables`` (each ``<table id=...>``), so the numbers are the frames'.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import html
 import pandas as pd
 
 from shardline.profiling import plots
-from shardline.profiling.report_sections import TITLES, ReportSections, Section, display_tables
+from shardline.profiling.report_sections import ReportSections, Section, display_tables, section_title
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -73,10 +73,10 @@ def render_html(sec: ReportSections, *, events=None, title: str = "shardline pro
     body = [f"<h1>{html.escape(title)}</h1>"]
     if sources:
         body.append("<p>" + "<br>".join(html.escape(s) for s in sources) + "</p>")
-    body.append("<nav><ul>" + "".join(f'<li><a href="#{s.value}">{html.escape(TITLES[s])}</a></li>'
+    body.append("<nav><ul>" + "".join(f'<li><a href="#{s.value}">{html.escape(section_title(sec, s))}</a></li>'
                                       for s in Section) + "</ul></nav>")
     for section in Section:
-        parts = [f'<section id="{section.value}"><h2>{html.escape(TITLES[section])}</h2>']
+        parts = [f'<section id="{section.value}"><h2>{html.escape(section_title(sec, section))}</h2>']
         if section in sec.notes:
             parts.append(f'<p class="note">{html.escape(sec.notes[section])}</p>')
         if section in figures:

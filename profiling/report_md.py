@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardline.profiling.report_sections import TITLES, ReportSections, Section, display_tables
+from shardline.profiling.report_sections import ReportSections, Section, display_tables, section_title
 from shardline.profiling.tables import pipe_table
 
 
@@ -11,7 +11,7 @@ def render_markdown(sec: ReportSections, *, title: str = "shardline profile repo
     tables = display_tables(sec)
     out = [f"# {title}", ""]
     for section in Section:
-        out += [f"## {TITLES[section]}", ""]
+        out += [f"## {section_title(sec, section)}", ""]
         if section in sec.notes:
             out += [f"_{sec.notes[section]}_", ""]
         for _table_id, table in tables[section]:

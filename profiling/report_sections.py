@@ -2,7 +2,7 @@
 
 ``report_sections(traceset)`` is the one orchestrator of the analyses: on the trace set's ``Attribution`` it
 runs each once -- ``breakdown``, ``comm_by_dim``, ``match_collectives`` (-> ``wait_transfer``, ``stragglers``),
-``pipeline_bubbles`` -- and two summaries of the attributed work rows that no analysis gives: the top kernels (or
+``pipeline_bubbles``, ``collective_bandwidth`` (-> ``bandwidth_summary``) -- and two summaries of the attributed work rows that no analysis gives: the top kernels (or
 ops) per category and the offload traffic. The sections are kept on the attribution; the renderers (HTML,
 Markdown, TensorBoard) format these frames and never recompute them, so a number in a report is a number of a
 frame here.
@@ -11,7 +11,16 @@ Offload traffic, per rank and direction (host->device, device->host), over the a
 trace::
 
     achieved GB/s = bytes / busy ns        (1 byte/ns = 1 GB/s; copies without a recorded size are left out)
-    of_limit      = achieved / 64 GB/s     (PCIe Gen5 x16, per direction)
+    of_limit      = achieved / link_gbps   (the rank's host PCIe link, x16, per direction)
+
+The host link is the PCIe generation the rank's GPU name implies (``bandwidth.LinkTable.host_link``: V100 Gen3
+15.75, A100 Gen4 31.5, H100/B200 Gen5 64 GB/s); a name no rule knows (or no name) is taken as Gen5 and the
+section's note says so. The section's title names the generation(s) (``section_title``).
+
+Collective bandwidth: ``bandwidth_summary`` of ``collective_bandwidth`` (default links table), one row per
+(category, dtype, size bucket, group, link); buckets whose calls are all under 1 MiB say "latency-bound" rather
+than a fraction of the link's peak. The rows are kept on the attribution (``bandwidth_rows``) so the merged
+trace's args carry the same numbers.
 
 ``exposed_ns`` is the sum of the breakdown's ``memcpy_h2d`` / ``memcpy_d2h`` column (inside step windows) and
 ``pageable_copies`` counts copies from/to pageable host memory (they stage through a bounce buffer and block).
@@ -42,6 +51,7 @@ class Section(str, enum.Enum):
     BREAKDOWN = "breakdown"
     COMM_BY_DIM = "comm-by-dim"
     COLLECTIVES = "collectives"
+    BANDWIDTH = "bandwidth"
     PIPELINE = "pipeline"
     TOP_KERNELS = "top-kernels"
     OFFLOAD = "offload"
@@ -52,6 +62,7 @@ TITLES = {
     Section.BREAKDOWN: "Step time per rank and step (exclusive, ms)",
     Section.COMM_BY_DIM: "Communication per parallel dimension (ms)",
     Section.COLLECTIVES: "Collectives: wait vs transfer, stragglers",
+    Section.BANDWIDTH: "Collective bandwidth vs the link's limit (nccl-tests bus bandwidth)",
     Section.PIPELINE: "Pipeline timeline and bubble vs the (p-1)/(m+p-1) ideal",
     Section.TOP_KERNELS: "Top kernels per category",
     Section.OFFLOAD: "Offload traffic (H2D / D2H) vs the PCIe Gen5 x16 limit",
@@ -76,21 +87,96 @@ class ReportSections:
     matched: pd.DataFrame = field(default_factory=pd.DataFrame)
     attribution: object = None
     comm_coverage: pd.DataFrame = field(default_factory=lambda: comm_coverage_frame([]))
+    bandwidth: pd.DataFrame = field(default_factory=lambda: _empty_summary())
+    titles: dict[Section, str] = field(default_factory=dict)
 
 
-def report_sections(source, *, progress: bool = False, top: int = TOP_KERNELS) -> ReportSections:
+def section_title(sec: ReportSections, section: Section) -> str:
+    """The heading a report shows: ``TITLES[section]``, or the sections' own (the offload title names the
+    detected PCIe generation)."""
+    return sec.titles.get(section, TITLES[section])
+
+
+def _empty_summary() -> pd.DataFrame:
+    from shardline.profiling.bandwidth import bandwidth_summary
+
+    return bandwidth_summary(pd.DataFrame())
+
+
+def report_sections(source, *, progress: bool = False, top: int = TOP_KERNELS, traceset=None) -> ReportSections:
     """Every section's frame for ``source`` (a ``TraceSet``, an events table or an ``Attribution``).
 
     The one orchestrator of the analyses: each runs once on the source's attribution, and the sections are
-    kept on it, so every output of one trace set (HTML, Markdown, TensorBoard) shows the same frames."""
+    kept on it, so every output of one trace set (HTML, Markdown, TensorBoard) shows the same frames.
+    ``traceset``: the ``TraceSet`` an ``Attribution`` source came from (a ``TraceSet`` source is its own): its
+    files and metadata give the collectives' dtypes and the GPUs' names, hence the links and their limits;
+    without one, sizes come from the events table only and every link is unknown."""
     from shardline.profiling.attribution import attribute
 
     attribution = attribute(source, caller="report_sections")
-    return attribution.cached(("report_sections", int(top)),
-                              lambda: _analyse(attribution, progress=progress, top=int(top)))
+    if traceset is None and _is_traceset(source):
+        traceset = source
+    return attribution.cached(("report_sections", int(top), traceset is not None),
+                              lambda: _analyse(attribution, progress=progress, top=int(top), traceset=traceset))
 
 
-def _analyse(attribution, *, progress: bool, top: int) -> ReportSections:
+def _is_traceset(source) -> bool:
+    return hasattr(source, "files") and hasattr(source, "metadata") and hasattr(source, "events")
+
+
+@dataclass(frozen=True)
+class _TraceSetView:
+    """A trace set's files and metadata with another layout's attribution: what ``collective_bandwidth`` reads,
+    so it runs on the attribution the report shows (``attribute`` finds it in ``attributions``)."""
+
+    events: pd.DataFrame
+    files: dict
+    metadata: dict
+    layout: object
+    attributions: dict
+
+
+def bandwidth_rows(attribution, *, traceset=None) -> pd.DataFrame:
+    """``collective_bandwidth`` of ``attribution`` (default links table), computed once per attribution and
+    kept on it; ``traceset``: the ``TraceSet`` it came from (see ``report_sections``)."""
+    from shardline.profiling.attribution import _layout_key, attribute
+    from shardline.profiling.bandwidth import collective_bandwidth
+
+    source = attribution
+    if traceset is not None:
+        source = traceset
+        if attribute(traceset, caller="bandwidth_rows") is not attribution:
+            source = _TraceSetView(events=attribution.events, files=traceset.files, metadata=traceset.metadata,
+                                   layout=attribution.layout,
+                                   attributions={_layout_key(attribution.layout): attribution})
+    return attribution.cached(("bandwidth_rows", traceset is not None), lambda: collective_bandwidth(source))
+
+
+def _bandwidth(attribution, traceset, notes: dict) -> pd.DataFrame:
+    from shardline.profiling.bandwidth import LATENCY_BOUND_BYTES, bandwidth_summary
+    from shardline.profiling.errors import ProfilingError
+
+    try:
+        rows = bandwidth_rows(attribution, traceset=traceset)
+    except ProfilingError as exc:
+        notes[Section.BANDWIDTH] = f"collective bandwidth not computed: {exc}"
+        return _empty_summary()
+    summary = bandwidth_summary(rows)
+    if summary.empty:
+        notes[Section.BANDWIDTH] = "no collective or point-to-point calls in this trace"
+        return summary
+    gpn = rows.attrs.get("gpus_per_node")
+    text = (f"busbw = algbw x the nccl-tests factor of the collective, medians per bucket; links for "
+            f"{gpn} GPUs per node ({rows.attrs.get('gpus_per_node_source')}); buckets whose calls are all under "
+            f"{LATENCY_BOUND_BYTES // (1 << 20)} MiB are latency-bound; \"≥\" marks a lower bound (the kernel's whole "
+            "duration, waiting included, where the group's calls were not all matched)")
+    if (summary["link"] == "").all() and traceset is None:
+        text += "; no trace set given, so no GPU names: links unknown"
+    notes[Section.BANDWIDTH] = text
+    return summary
+
+
+def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportSections:
     from shardline.profiling.attribution import comm_by_dim
     from shardline.profiling.bubbles import pipeline_bubbles
     from shardline.profiling.classify import match_names
@@ -98,7 +184,7 @@ def _analyse(attribution, *, progress: bool, top: int) -> ReportSections:
     from shardline.profiling.errors import AttributionError
 
     notes: dict[Section, str] = {}
-    bar = _bar(7, enabled=progress)
+    bar = _bar(8, enabled=progress)
     matched = pd.DataFrame()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -124,15 +210,65 @@ def _analyse(attribution, *, progress: bool, top: int) -> ReportSections:
         bar.update()
         kernels = top_kernels(attribution, top=top)
         bar.update()
-        offload = offload_traffic(attribution, bd)
+        links = host_links(attribution, getattr(traceset, "metadata", None) or {})
+        offload = offload_traffic(attribution, bd, links=links)
         bar.update()
         coverage = comm_coverage(attribution)
+        bar.update()
+        bw = _bandwidth(attribution, traceset, notes)
     bar.close()
     _note_findings(notes, caught=caught, cbd=cbd, offload=offload)
+    title, link_note = offload_title(links)
+    notes[Section.OFFLOAD] = "; ".join(n for n in (notes.get(Section.OFFLOAD), link_note) if n)
     notes[Section.COMM_COVERAGE] = coverage_note(coverage)
     return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
                           top_kernels=kernels, offload=offload, notes=notes, matched=matched,
-                          attribution=attribution, comm_coverage=coverage)
+                          attribution=attribution, comm_coverage=coverage, bandwidth=bw,
+                          titles={Section.OFFLOAD: title})
+
+
+#: A rank's host link: (rank, device name, link name, GB/s per direction, whether a device rule knew the name).
+HOST_LINK_COLUMNS = ("rank", "device_name", "link", "link_gbps", "known")
+
+
+def host_links(source, metadata) -> pd.DataFrame:
+    """The host PCIe link of each rank of ``source`` (``bandwidth.LinkTable.host_link`` of the first GPU name
+    its trace's ``deviceProperties`` give; "" and Gen5 where none)."""
+    from shardline.profiling.attribution import attribute
+    from shardline.profiling.bandwidth import link_table
+
+    table = link_table()
+    rows = []
+    for rank in attribute(source, caller="report_sections").ranks:
+        props = [p for p in (metadata.get(rank.rank, {}).get("deviceProperties") or []) if isinstance(p, dict)]
+        name = str(props[0].get("name", "")) if props else ""
+        link, known = table.host_link(name)
+        rows.append((int(rank.rank), name, link.name, link.gbps, bool(known and name)))
+    return pd.DataFrame(rows, columns=list(HOST_LINK_COLUMNS)).astype({"rank": np.int64, "link_gbps": np.float64,
+                                                                        "known": bool})
+
+
+def _pcie_text(link: str) -> str:
+    return link.replace("pcie-gen", "PCIe Gen")
+
+
+def offload_title(links: pd.DataFrame) -> tuple[str, str]:
+    """The offload section's title (the PCIe generation(s) of the ranks' host links) and a note on where the
+    generation came from."""
+    if links.empty:
+        return TITLES[Section.OFFLOAD], f"no GPU name: {_pcie_text('pcie-gen5')} x16 assumed"
+    found = links.drop_duplicates(["link"]).sort_values("link_gbps")
+    gens = "/".join(_pcie_text(g) for g in found["link"])
+    title = f"Offload traffic (H2D / D2H) vs the {gens} x16 limit" + ("s" if len(found) > 1 else "")
+    parts = []
+    for (name, link, gbps), part in links.groupby(["device_name", "link", "link_gbps"], sort=True):
+        ranks = sorted(part["rank"].tolist())
+        known = bool(part["known"].all())
+        what = f"{_pcie_text(link)} x16 ({gbps:g} GB/s per direction)"
+        parts.append(f"{what} from the device name {name!r} on ranks {ranks}" if known else
+                     f"{what} assumed on ranks {ranks}: " + (f"no rule knows the device name {name!r}" if name
+                                                              else "the trace names no GPU"))
+    return title, "host link " + "; ".join(parts)
 
 
 def _note_findings(notes: dict, *, caught, cbd: pd.DataFrame, offload: pd.DataFrame) -> None:
@@ -198,13 +334,14 @@ def top_kernels(source, *, top: int = TOP_KERNELS) -> pd.DataFrame:
     return per.groupby("category").head(top).reset_index(drop=True)
 
 
-def offload_traffic(source, bd: pd.DataFrame) -> pd.DataFrame:
-    """Per (rank, direction): copies, bytes, busy_ns, achieved_gbps, of_limit, pageable_copies, exposed_ns."""
+def offload_traffic(source, bd: pd.DataFrame, *, links: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per (rank, direction): copies, bytes, busy_ns, achieved_gbps, link, link_gbps, of_limit,
+    pageable_copies, exposed_ns. ``links``: ``host_links`` (PCIe Gen5 x16 for a rank it lacks)."""
     copies = _per_rank_work(source, lambda w: w, columns=("rank", "category", "msg_bytes", "dur_ns", "memory_kind"),
                             categories=("memcpy_h2d", "memcpy_d2h"))
     if copies is None or copies.empty:
-        return pd.DataFrame(columns=["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps",
-                                     "of_limit", "pageable_copies", "exposed_ns"])
+        return pd.DataFrame(columns=["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps", "link",
+                                     "link_gbps", "of_limit", "pageable_copies", "exposed_ns"])
     sized = copies["msg_bytes"].to_numpy() >= 0
     frame = pd.DataFrame({"rank": copies["rank"].to_numpy().astype(np.int64),
                           "direction": copies["category"].astype(str).to_numpy(),
@@ -216,13 +353,16 @@ def offload_traffic(source, bd: pd.DataFrame) -> pd.DataFrame:
         copies=("busy_ns", "size"), bytes=("bytes", "sum"), busy_ns=("busy_ns", "sum"),
         sized_ns=("sized_ns", "sum"), pageable_copies=("pageable", "sum"))
     out["achieved_gbps"] = out["bytes"] / out["sized_ns"].where(out["sized_ns"] > 0)
-    out["of_limit"] = out["achieved_gbps"] / PCIE_GEN5_X16_GBPS
+    by_rank = (links if links is not None else pd.DataFrame(columns=list(HOST_LINK_COLUMNS))).set_index("rank")
+    out["link"] = by_rank["link"].reindex(out["rank"]).fillna("pcie-gen5").to_numpy(dtype=object)
+    out["link_gbps"] = by_rank["link_gbps"].reindex(out["rank"]).fillna(PCIE_GEN5_X16_GBPS).to_numpy(dtype=float)
+    out["of_limit"] = out["achieved_gbps"] / out["link_gbps"]
     exposed = bd.groupby("rank")[["memcpy_h2d", "memcpy_d2h"]].sum() if len(bd) else None
     out["exposed_ns"] = [int(exposed.loc[r, d]) if exposed is not None and r in exposed.index else 0
                          for r, d in zip(out["rank"], out["direction"])]  # one per (rank, direction)
     out["direction"] = out["direction"].map({"memcpy_h2d": "H2D", "memcpy_d2h": "D2H"})
-    return out[["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps", "of_limit",
-                "pageable_copies", "exposed_ns"]]
+    return out[["rank", "direction", "copies", "bytes", "busy_ns", "achieved_gbps", "link", "link_gbps",
+                "of_limit", "pageable_copies", "exposed_ns"]]
 
 
 # --- display tables ---------------------------------------------------------------------------------------------
@@ -266,14 +406,56 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
         out[Section.OFFLOAD].append(("offload-table", pd.DataFrame({
             "rank": o["rank"].astype(str), "direction": o["direction"], "copies": o["copies"].astype(str),
             "bytes": o["bytes"].astype(str), "busy_ms": ms_text(o["busy_ns"]),
-            "achieved_GB/s": fixed(o["achieved_gbps"], 3), "of_64_GB/s_%": fixed(100 * o["of_limit"], 2),
+            "achieved_GB/s": fixed(o["achieved_gbps"], 3), "link": o["link"].astype(str),
+            "link_GB/s": fixed(o["link_gbps"], 2), "of_link_%": fixed(100 * o["of_limit"], 2),
             "pageable_copies": o["pageable_copies"].astype(str), "exposed_ms": ms_text(o["exposed_ns"])})))
+    if len(sec.bandwidth):
+        out[Section.BANDWIDTH].append(("bandwidth-table", bandwidth_table(sec.bandwidth)))
     if len(sec.comm_coverage):
         c = sec.comm_coverage
         out[Section.COMM_COVERAGE].append(("comm-coverage-table", pd.DataFrame({
             "finding": c["finding"], "name": c["name"], "category": c["category"], "ranks": c["ranks"],
             "count": c["count"].astype(str), "launched": c["launched"]})))
     return out
+
+
+def bandwidth_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """``bandwidth_summary`` as display strings: sizes in bytes, the median time in ms, bandwidths in GB/s
+    (three decimals) and the verdict ("latency-bound" or "x % of peak")."""
+    return pd.DataFrame({
+        "category": summary["category"].astype(str), "dtype": summary["dtype"].astype(str),
+        "size": summary["size_bucket"].astype(str), "group": summary["group"].astype(str),
+        "n": summary["group_size"].astype(str), "link": summary["link"].astype(str),
+        "link_GB/s": fixed(summary["link_gbps"], 2), "calls": summary["calls"].astype(str),
+        "ranks": summary["ranks"].astype(str), "bytes_median": fixed(summary["bytes_median"], 0),
+        "time_ms_median": fixed(summary["time_ns_median"] / 1e6, 6),
+        "algbw_GB/s": fixed(summary["algbw_gbps_median"], 3), "busbw_GB/s": fixed(summary["busbw_gbps_median"], 3),
+        "busbw_max_GB/s": fixed(summary["busbw_gbps_max"], 3), "basis": summary["time_basis"].astype(str),
+        "verdict": summary["verdict"].astype(str)}).reset_index(drop=True)
+
+
+def bandwidth_text(sec: ReportSections) -> str:
+    """The bandwidth section for the terminal: its title, note and table (plain columns); "" without calls."""
+    return _bandwidth_lines(sec.bandwidth, sec.notes.get(Section.BANDWIDTH))
+
+
+def bandwidth_terminal(source, *, traceset=None) -> str:
+    """``bandwidth_text`` of ``source`` (an ``Attribution``, ``TraceSet`` or events table) without the other
+    sections: for the terminal report, which shows the breakdown. ``traceset`` as in ``report_sections``."""
+    from shardline.profiling.attribution import attribute
+
+    attribution = attribute(source, caller="bandwidth_terminal")
+    if traceset is None and _is_traceset(source):
+        traceset = source
+    notes: dict[Section, str] = {}
+    return _bandwidth_lines(_bandwidth(attribution, traceset, notes), notes.get(Section.BANDWIDTH))
+
+
+def _bandwidth_lines(summary: pd.DataFrame, note: str | None) -> str:
+    if summary.empty:
+        return ""
+    return "\n".join(["", TITLES[Section.BANDWIDTH], *([note] if note else []),
+                      bandwidth_table(summary).to_string(index=False), ""])
 
 
 # --- communication coverage -------------------------------------------------------------------------------------

@@ -16,9 +16,13 @@ What lands where (``R`` a global rank, ``s`` = ``step_offset`` + the trace's ``P
         breakdown/stacked             PNG, the stacked breakdown of every rank and step (``plots``)
         breakdown/pipeline_timeline   PNG, the pipeline as executed, when the trace has pipeline annotations
         breakdown/table               markdown table of the window (text plugin)
+        bandwidth/summary             the collective-bandwidth section (``report_sections.bandwidth_table``:
+                                      busbw per category, dtype, size bucket, group, link; "latency-bound"
+                                      under 1 MiB), when the window has collectives
         _hparams_/*  + hparams/step_time_ms   the layout as hparams, the mean step time as its metric
     <logdir>/plugins/shardline/   the plugin's files: ``manifest.json`` listing every window's
-        ``window_<s>.json`` (breakdown, per-dimension communication, collective wait/transfer, bubbles) and
+        ``window_<s>.json`` (breakdown, per-dimension communication, collective wait/transfer, bubbles, the
+        bandwidth summary ``bandwidth.bandwidth_summary``) and
         the traces the plugin may serve (the merged trace of the window, the raw per-rank traces).
 
 Scalar values are float32 in the event file (TensorBoard's ``simple_value``): ms = ns / 1e6 rounded to float32.
@@ -72,6 +76,7 @@ class ImageTag(str, enum.Enum):
 
 
 TEXT_TAG = "breakdown/table"
+BANDWIDTH_TAG = "bandwidth/summary"
 COVERAGE_TAG = "diagnostics/comm_coverage"
 
 
@@ -99,7 +104,7 @@ def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, lay
     attribution = attribute(traceset, layout=_degrees(layout), caller="write_tensorboard")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TraceWarning)
-        sections = report_sections(attribution)
+        sections = report_sections(attribution, traceset=traceset)
     table = sections.breakdown if table is None else table
     if table.empty:
         raise TensorBoardError(f"nothing to write to {logdir}: the traces hold no work events to attribute")
@@ -108,7 +113,8 @@ def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, lay
     for rank, rows in table.groupby("rank", sort=True):
         _write_events(logdir / f"rank{int(rank)}", _rank_events(rows, labels=shown_parts(table)))
     _write_events(logdir, _root_events(table, attribution, extras=extras,
-                                       layout=_hparams(layout, traceset, extras), coverage=sections.comm_coverage))
+                                       layout=_hparams(layout, traceset, extras), coverage=sections.comm_coverage,
+                                       bandwidth=bandwidth_markdown(sections)))
     _write_plugin_data(logdir, traceset, table=table, extras=extras, layout=layout,
                        first_step=int(table["tb_step"].min()))
     return logdir
@@ -145,7 +151,8 @@ def _analyses(sections) -> dict[str, pd.DataFrame]:
     bubbles = sections.bubbles
     if "method" in bubbles:
         bubbles = bubbles[bubbles["method"] == BubbleMethod.ANNOTATIONS.value].reset_index(drop=True)
-    return {"comm_by_dim": sections.comm_by_dim, "wait_transfer": waits, "bubbles": bubbles}
+    return {"comm_by_dim": sections.comm_by_dim, "wait_transfer": waits, "bubbles": bubbles,
+            "bandwidth": sections.bandwidth}
 
 
 def _shift_steps(frame: pd.DataFrame, offset: int) -> pd.DataFrame:
@@ -182,10 +189,22 @@ def _rank_events(rows: pd.DataFrame, *, labels: list[str]) -> list[tuple[int, li
     return out
 
 
+def bandwidth_markdown(sections) -> str:
+    """The bandwidth section as markdown (its note and ``report_sections.bandwidth_table``); "" without
+    collectives."""
+    from shardline.profiling.report_sections import Section, bandwidth_table
+
+    if sections.bandwidth.empty:
+        return ""
+    note = sections.notes.get(Section.BANDWIDTH, "")
+    return (note + "\n\n" if note else "") + pipe_table(bandwidth_table(sections.bandwidth)) + "\n"
+
+
 def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict,
-                 coverage: pd.DataFrame | None = None) -> list[tuple[int, list]]:
-    """The run "." : layout, spread over ranks, images, the markdown table, hparams, and the communication-
-    coverage findings (``report_sections.comm_coverage``) as text when there are any."""
+                 coverage: pd.DataFrame | None = None, bandwidth: str = "") -> list[tuple[int, list]]:
+    """The run "." : layout, spread over ranks, images, the markdown table, hparams, the communication-
+    coverage findings (``report_sections.comm_coverage``) as text when there are any, and the bandwidth
+    section's markdown (``bandwidth_markdown``) when given."""
     first = int(table["tb_step"].min())
     events = [(first, [_custom_scalars_layout(table)])]
     spread = table.groupby("tb_step")["step_ns"].agg(["mean", "min", "max"])
@@ -198,6 +217,8 @@ def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict
 
         events.append((first, [_text(COVERAGE_TAG, coverage_note(coverage) + "\n\n" + pipe_table(
             coverage.astype(str), right_aligned=False) + "\n")]))
+    if bandwidth:
+        events.append((first, [_text(BANDWIDTH_TAG, bandwidth)]))
     events.append((first, _images(table, attribution, has_pipeline=not extras["bubbles"].empty)))
     events += [(first, [value]) for value in _hparams_values(layout)]
     events.append((first, [_scalar(Family.HPARAM_METRIC.value, table["step_ns"].mean() / 1e6)]))
