@@ -16,6 +16,11 @@ fraction ``bubble_ns / batch_ns`` is compared with the equal-cost ideal (p-1)/(m
 annotation names -- (p-1)/(v·m+p-1) for an interleaved schedule with v chunks per stage, which is
 (p-1)/(m+p-1) at v=1 (``m_seen`` counts the distinct forward micro-batches actually found).
 
+A rank without ``sl:pp`` rows that carries torch.distributed.pipelining's names (``PP:0F1``, ``Forward i``)
+is read through ``pipeline_adapters`` (compute spans net of their receive wait, p/m/v inferred) and measured
+the same way, with ``method="torch_pipelining"``; that measurement is ``pipeline_bubbles``' only: the
+breakdown's ``bubble`` column still comes from the ``sl:pp`` rows alone.
+
 Without annotations the estimate is the exposed ``p2p_recv`` time of ``breakdown`` (the idle a stage spends
 in receives), reported with ``method="p2p_recv_idle"``; phases and ideal are then unknown (NaN / -1).
 
@@ -39,6 +44,7 @@ _COMPUTE_ACTIONS = ("F", "B", "W")
 
 class BubbleMethod(str, enum.Enum):
     ANNOTATIONS = "annotations"
+    TORCH_PIPELINING = "torch_pipelining"  # torch.distributed.pipelining's names, via ``pipeline_adapters``
     P2P_RECV_IDLE = "p2p_recv_idle"
 
 
@@ -103,11 +109,15 @@ def pipeline_bubbles(source) -> pd.DataFrame:
 
     attribution = attribute(source, caller="pipeline_bubbles")
     rows = []
+    third_party = _third_party_rows(attribution)
     for rank in attribution.ranks:
         batches, actions = rank.pp_rows
+        method = BubbleMethod.ANNOTATIONS
+        if batches.empty and rank.rank in third_party:
+            (batches, actions), method = third_party[rank.rank], BubbleMethod.TORCH_PIPELINING
         windows = rank.windows
         for batch in batches.itertuples(index=False):  # one iteration per pipeline batch, not per event
-            row = _batch_row(rank.rank, batch=batch, actions=actions)
+            row = _batch_row(rank.rank, batch=batch, actions=actions) | {"method": method.value}
             # The step whose window holds the batch start (batches nest in ProfilerStep windows).
             holds = windows[(windows["start_ns"] <= batch.start_ns) & (windows["end_ns"] > batch.start_ns)]
             row["step"] = int(holds["step"].iloc[0]) if len(holds) else -1
@@ -121,6 +131,27 @@ def pipeline_bubbles(source) -> pd.DataFrame:
         "bubble_ns": table["p2p_recv"], "warmup_ns": -1, "steady_ns": -1, "cooldown_ns": -1,
         "bubble_fraction": table["p2p_recv"] / table["step_ns"].where(table["step_ns"] > 0),
         "ideal_fraction": np.nan})
+
+
+def _third_party_rows(attribution) -> dict[int, tuple[pd.DataFrame, pd.DataFrame]]:
+    """``pipeline_adapters.torch_pipelining_rows`` of every rank without ``sl:pp`` batches that carries
+    torch.distributed.pipelining names. A single-stage schedule's names carry no stage and a CPU/gloo trace no
+    process group: the pipeline is then taken to be these ranks, in rank order (stage = position, p = count)."""
+    from shardline.profiling import pipeline_adapters as adapters
+
+    candidates = {rank.rank: rank for rank in attribution.ranks if rank.pp_rows[0].empty}
+    events = attribution.events
+    named = match_names(events["name"], adapters.THIRD_PARTY_PP_PATTERN)
+    if not candidates or not named.any():  # most traces: no third-party pipeline names
+        return {}
+    rank_of = events["rank"].to_numpy()
+    found = sorted(set(np.unique(rank_of[named]).tolist()) & set(candidates))
+    # The adapter reads only the pipeline spans and the p2p rows of a rank.
+    rows = events[named | events["category"].isin(adapters.P2P_CATEGORIES).to_numpy()]
+    rows_rank = rows["rank"].to_numpy()
+    return {rank: adapters.torch_pipelining_rows(rows[rows_rank == rank], candidates[rank].lanes,
+                                                 p_default=len(found), stage_default=position)
+            for position, rank in enumerate(found)}
 
 
 def _batch_row(rank: int, *, batch, actions: pd.DataFrame) -> dict:
