@@ -4,7 +4,8 @@ step's time on every rank. Imports without torch.
 Public entry points (loaded on first use, so ``import shardline.profiling`` stays cheap):
 ``load(path) -> TraceSet`` and ``breakdown(traceset) -> DataFrame``; ``attribute(traceset) -> Attribution``, the
 one attributed object of a trace set every analysis and output reads; also ``classify_events``, ``comm_by_dim``,
-``pipeline_bubbles``, ``match_collectives``, ``stragglers``, ``clock_offsets``, ``CommRule``, ``Category``.
+``pipeline_bubbles``, ``match_p2p`` / ``p2p_messages`` (pipelines from send/recv alone), ``match_collectives``,
+``stragglers``, ``clock_offsets``, ``collective_bandwidth``, ``CommRule``, ``Category``.
 """
 
 # No `from __future__ import annotations` here: it would shadow the submodule shardline.profiling.annotations.
@@ -21,6 +22,8 @@ _EXPORTS = {
     "Category": "shardline.profiling.classify",
     "comm_by_dim": "shardline.profiling.attribution",
     "pipeline_bubbles": "shardline.profiling.bubbles",
+    "match_p2p": "shardline.profiling.p2p",
+    "p2p_messages": "shardline.profiling.p2p",
     "match_collectives": "shardline.profiling.collectives",
     "stragglers": "shardline.profiling.collectives",
     "clock_offsets": "shardline.profiling.collectives",

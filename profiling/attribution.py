@@ -30,9 +30,13 @@ set covers it::
             > memcpy_h2d > memcpy_d2h > memcpy_d2d > memset > bubble > p2p_send > p2p_recv > sync > idle
 
 so ``compute`` is all time with any compute running, each comm column is that collective's *exposed* time, and
-``idle`` is the rest. ``bubble`` is pipeline time (``sl:pp:batch`` windows minus ``F``/``B``/``W`` action spans,
-see ``bubbles``); it ranks above p2p because a pipeline recv kernel spinning for its peer is bubble, not
-transfer. The columns of ``EXCLUSIVE_COLUMNS`` sum to ``step_ns`` exactly in integer ns (asserted).
+``idle`` is the rest. ``bubble`` is pipeline time, measured per rank by the first method that applies (see
+``bubbles.rank_pipelines``): shardline's ``sl:pp:batch`` windows minus its ``F``/``B``/``W`` action spans;
+torch.distributed.pipelining's ``PP:*`` / ``Forward i`` spans net of their receive waits; else, on a trace with
+nothing but send/recv, the part of each receive spent before the matched send started on its peer
+(``p2p.match_p2p``; for one rank's trace an estimate from message size and link bandwidth). It ranks above p2p
+because a pipeline recv kernel spinning for its peer is bubble, not transfer. The columns of
+``EXCLUSIVE_COLUMNS`` sum to ``step_ns`` exactly in integer ns (asserted).
 
 Alongside: ``overlapped_<comm>`` = time(comm_c ∩ compute); ``comm_ns`` = time(∪ comm) and
 ``overlap_ratio`` = time(compute ∩ ∪comm) / time(∪comm) (HTA's definition; NaN without communication);
@@ -58,7 +62,7 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling import intervals as iv
-from shardline.profiling.bubbles import bubble_set, pp_rows
+from shardline.profiling.bubbles import pp_rows, rank_pipelines
 from shardline.profiling.classify import assign_dims, check_layout, classify_events
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.partition import (
@@ -116,7 +120,8 @@ def attribute(source, *, layout: Mapping[str, int] | None = None, caller: str = 
         events = classify_events(events, layout=chosen)
     elif _layout_key(chosen) != _layout_key(loaded_with):
         events = assign_dims(events, layout=chosen)
-    attribution = Attribution(events, layout=chosen, files=_files_of(source))
+    attribution = Attribution(events, layout=chosen, files=_files_of(source),
+                              metadata=getattr(source, "metadata", None))
     if cache is not None:
         cache[key] = attribution
     return attribution
@@ -152,14 +157,16 @@ class Attribution:
     ``layout`` the dims it was classified with (or None).
 
     ``ranks``: every rank of the table, in rank order (a :class:`RankAttribution` each); ``working``: those
-    with work to attribute. ``breakdown``: the per-(rank, step) partition, computed on first use and kept.
+    with work to attribute. ``metadata``: the trace set's metadata (``TraceSet.metadata``; empty for a table).
+    ``breakdown``: the per-(rank, step) partition, computed on first use and kept.
     """
 
     def __init__(self, events: pd.DataFrame, *, layout: Mapping[str, int] | None = None,
-                 files: Mapping[int, str] | None = None) -> None:
+                 files: Mapping[int, str] | None = None, metadata: Mapping | None = None) -> None:
         self.events = events
         self.layout = None if layout is None else dict(layout)
         self.files = dict(files or {})
+        self.metadata = dict(metadata or {})  # the trace set's per-rank metadata (device names, layout ...)
         self._memo: dict = {}
 
     def __repr__(self) -> str:
@@ -170,8 +177,12 @@ class Attribution:
         # The table's columns read once (views and category codes), shared by the ranks.
         table = Rows.of(self.events)
         return tuple(RankAttribution(self.events, table, rank=rank, selection=selection,
-                                     source=self.files.get(rank, f"rank {rank}"))
+                                     source=self.files.get(rank, f"rank {rank}"), pipelines=self._pipelines)
                      for rank, selection in rank_selections(self.events))
+
+    def _pipelines(self):
+        """``bubbles.rank_pipelines`` of this attribution (what each rank's bubble set is taken from)."""
+        return rank_pipelines(self)[0]
 
     @property
     def working(self) -> tuple[RankAttribution, ...]:
@@ -209,6 +220,7 @@ def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[st
     """The breakdown of every rank with work, and the warnings to issue (the one computation of it)."""
     rows = [rank.partition_columns() for rank in attribution.working]
     notes = tuple(rank.window_note for rank in attribution.working if rank.window_note)
+    notes += rank_pipelines(attribution)[1]  # the p2p pipeline inference's warnings
     if not rows:
         # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
         # the user gets the (empty) table with a warning rather than an exception.
@@ -229,8 +241,10 @@ class RankAttribution:
     the GPU step annotations were replaced by windows from the launched work (naming ``source``), or None.
     """
 
-    def __init__(self, events: pd.DataFrame, table: Rows, *, rank: int, selection, source: str = "") -> None:
+    def __init__(self, events: pd.DataFrame, table: Rows, *, rank: int, selection, source: str = "",
+                 pipelines=None) -> None:
         self._events = events
+        self._pipelines = pipelines
         self._table = table
         self.rank = rank
         rows = table.take(selection)
@@ -284,8 +298,10 @@ class RankAttribution:
 
     @functools.cached_property
     def bubble(self) -> iv.IntervalSet:
-        """The pipeline bubble set (``bubbles.bubble_set``); empty without pipeline annotations."""
-        return bubble_set(*self.pp_rows) if len(self.pipeline_positions) else iv.EMPTY
+        """The pipeline bubble set of the method ``bubbles.rank_pipelines`` measures this rank with (``sl:pp``
+        annotations, torch.distributed.pipelining's names, or its receive waits); empty without a pipeline."""
+        measured = self._pipelines().get(self.rank) if self._pipelines is not None else None
+        return iv.EMPTY if measured is None else measured.bubble
 
     @functools.cached_property
     def label_sets(self) -> dict[str, iv.IntervalSet]:

@@ -3,9 +3,10 @@
 Communication is recognised by evidence, strongest first:
 
 1. the collective name and process-group args (``collective``, ``pg_*`` columns) on the row itself;
-2. for a GPU kernel, the same args on its CPU op: the ``record_param_comms`` op with the kernel's External id,
-   or the innermost communication op / ``nccl:*`` / ``gloo:*`` / ``sl:comm:*`` annotation that contains the
-   kernel's launch (kernel.correlation == launch.correlation, launch inside the op on the same thread);
+2. for a GPU kernel, the same args on its CPU op (``launching_op``, public: every analysis that needs a
+   kernel's op asks it): the innermost communication op / ``nccl:*`` / ``gloo:*`` / ``sl:comm:*`` annotation
+   that contains the kernel's launch (kernel.correlation == launch.correlation, launch inside the op on the
+   same thread), else the ``record_param_comms`` op with the kernel's External id;
 3. the kernel's own name (all three NCCL generations, RCCL ``Generic``) and the user-extensible ``CommRule`` list.
 
 Only kernels that are communication by name or rule take a category from 2: a copy kernel launched inside an
@@ -479,40 +480,83 @@ def match_table(column: pd.Series, pattern: str) -> np.ndarray:
 
 def _link_kernels_to_ops(ev: pd.DataFrame, category: np.ndarray, want: np.ndarray):
     """For rows in ``want``: (category code of the linked CPU comm op or ``_NO_CAT``, index of that op row
-    or -1). ``category`` holds the rows' category codes."""
-    n = len(ev)
-    result = np.full(n, _NO_CAT, dtype=np.int8)
-    link = np.full(n, -1, dtype=np.int64)
+    or -1). ``category`` holds the rows' category codes; the op is ``launching_op``'s among the CPU comm rows,
+    one with a specific category (not other_comm) preferred."""
+    result = np.full(len(ev), _NO_CAT, dtype=np.int8)
+    link = np.full(len(ev), -1, dtype=np.int64)
     if not want.any():
         return result, link
-    lane_cpu = (ev["lane"] == Lane.CPU.value).to_numpy()
-    is_op = lane_cpu & _COMM_CODES[category]
-    rank = ev["rank"].to_numpy()
-    ext = ev["external_id"].to_numpy()
-    corr = ev["correlation"].to_numpy()
-    start = ev["start_ns"].to_numpy()
-    end = start + ev["dur_ns"].to_numpy()
-    stream = ev["stream"].to_numpy()
-    op_idx = np.flatnonzero(is_op)
-    # (a) External id of the kernel equals the External id of its record_param_comms op (recent Kineto).
-    k_idx = np.flatnonzero(want)
-    hit = _row_by_key(op_idx[ext[op_idx] >= 0], rank, ext, queries=k_idx, keep="last")
-    found = hit >= 0
-    # Old Kineto reuses the correlation id as the kernel's External id: accept only an op that began before.
-    found[found] = start[hit[found]] <= start[k_idx[found]]
-    link[k_idx[found]] = hit[found]
-    # (b) kernel.correlation == launch.correlation; the launch lies inside the op on the same thread.
-    rest = k_idx[~found & (corr[k_idx] >= 0)]
-    if len(rest):
-        lh = _row_by_key(np.flatnonzero(lane_cpu & (corr >= 0)), rank, corr, queries=rest, keep="first")
-        ok = lh >= 0
-        rest, launch = rest[ok], lh[ok]
-        specific = category != _CAT_CODE[Category.OTHER_COMM.value]
-        link[rest] = _innermost_container(op_idx, launch, rank=rank, stream=stream, start=start, end=end,
-                                          specific=specific)
+    ops = np.flatnonzero((ev["lane"] == Lane.CPU.value).to_numpy() & _COMM_CODES[category])
+    rows = np.flatnonzero(want)
+    link[rows] = launching_op(ev, ops=ops, rows=rows, prefer=category != _CAT_CODE[Category.OTHER_COMM.value])
     linked = link >= 0
     result[linked] = category[link[linked]]
     return result, link
+
+
+def launch_rows(events: pd.DataFrame, rows=None) -> np.ndarray:
+    """For each of ``rows`` (positions in ``events`` or a boolean mask; default every row): the position of
+    the row that launched it -- the first CPU row of its rank with its correlation id (the runtime call that
+    Kineto's ``ac2g`` flow joins to a kernel, memcpy or memset) -- or -1 (no correlation id, no such row)."""
+    rows = _positions(rows, len(events))
+    out = np.full(len(rows), -1, dtype=np.int64)
+    corr = events["correlation"].to_numpy()
+    rows_with = np.flatnonzero(corr[rows] >= 0)
+    if len(rows_with):
+        launches = np.flatnonzero((events["lane"] == Lane.CPU.value).to_numpy() & (corr >= 0))
+        out[rows_with] = _row_by_key(launches, events["rank"].to_numpy(), corr, queries=rows[rows_with],
+                                     keep="first")
+    return out
+
+
+def launching_op(events: pd.DataFrame, *, ops, rows=None, prefer=None) -> np.ndarray:
+    """For each of ``rows`` (positions in ``events`` or a boolean mask; default every row), the position of the
+    op among ``ops`` (CPU rows: positions or a mask) that launched it -- the op it belongs to -- or -1. By
+    evidence, strongest first:
+
+    1. its launch: a GPU row's is ``launch_rows``'s, a CPU row is its own (so a CPU row among ``ops`` is its own
+       op). The op is the innermost of ``ops`` holding the launch on its thread: same rank and stream,
+       ``op.start <= launch.start`` and ``launch.end <= op.end``; of ops that start together the shorter is the
+       inner one. ``prefer`` (a boolean per events row): the innermost preferred op holding the launch wins
+       over inner ones that are not preferred; ops that are not are tried only where no preferred one holds it.
+    2. where that finds none, its External id (recent Kineto gives a kernel its launching op's): the last op of
+       its rank with that id, if it began no later than the row (old Kineto reuses a kernel's correlation id
+       as its External id, which can equal a later op's).
+
+    Every caller that needs "the op of this kernel" asks here: the classifier (a kernel's collective and group
+    from its comm op), calibration (a GEMM's shapes), ``collective_bandwidth`` (a call's size args) and
+    ``report_sections.comm_coverage``. Vectorised: a sorted search per (rank, thread) holding ops, then a walk
+    back over the earlier ops only while one of them still reaches the launch."""
+    rows = _positions(rows, len(events))
+    ops = np.unique(_positions(ops, len(events)))
+    out = np.full(len(rows), -1, dtype=np.int64)
+    if not len(rows) or not len(ops):
+        return out
+    rank, stream = events["rank"].to_numpy(), events["stream"].to_numpy()
+    start = events["start_ns"].to_numpy()
+    dur = events["dur_ns"].to_numpy()
+    cpu = (events["lane"] == Lane.CPU.value).to_numpy()
+    point = np.where(cpu[rows], rows, launch_rows(events, rows))
+    has = np.flatnonzero(point >= 0)
+    for allowed in ((ops[np.asarray(prefer)[ops]],) if prefer is not None else ()) + (ops,):
+        todo = has[out[has] < 0]
+        if len(todo) and len(allowed):
+            out[todo] = _innermost(allowed, point[todo], rank=rank, stream=stream, start=start, dur=dur)
+    ext = events["external_id"].to_numpy()
+    rest = np.flatnonzero((out < 0) & (ext[rows] >= 0))
+    if len(rest):
+        hit = _row_by_key(ops[ext[ops] >= 0], rank, ext, queries=rows[rest], keep="last")
+        ok = hit >= 0
+        ok[ok] = start[hit[ok]] <= start[rows[rest[ok]]]
+        out[rest[ok]] = hit[ok]
+    return out
+
+
+def _positions(rows, n: int) -> np.ndarray:
+    if rows is None:
+        return np.arange(n, dtype=np.int64)
+    rows = np.asarray(rows)
+    return np.flatnonzero(rows) if rows.dtype == bool else rows.astype(np.int64, copy=False)
 
 
 def _row_by_key(rows: np.ndarray, rank: np.ndarray, key: np.ndarray, *, queries: np.ndarray,
@@ -538,41 +582,38 @@ def _row_by_key(rows: np.ndarray, rank: np.ndarray, key: np.ndarray, *, queries:
     return out
 
 
-def _innermost_container(op_idx, point_idx, *, rank, stream, start, end, specific) -> np.ndarray:
-    """Index of the innermost op interval containing each point event (same rank and thread), or -1.
+def _innermost(ops: np.ndarray, points: np.ndarray, *, rank, stream, start, dur) -> np.ndarray:
+    """Position of the innermost op of ``ops`` holding each point row (same rank and thread), or -1.
 
-    Ops on one thread nest or are disjoint, so the innermost container of a point is the last-starting op at
-    or before it that still covers it; checking a few predecessors handles siblings nested in a parent.
-    A container with a specific category (not other_comm, e.g. a bare ``record_param_comms``) is preferred
-    over a vaguer inner one.
-    """
-    out = np.full(len(point_idx), -1, dtype=np.int64)
-    for want_specific in (True, False):
-        _containers_pass(out, op_idx, point_idx, rank=rank, stream=stream, start=start, end=end,
-                         allowed=specific if want_specific else np.ones_like(specific))
-    return out
-
-
-def _containers_pass(out, op_idx, point_idx, *, rank, stream, start, end, allowed) -> None:
-    by_thread = op_idx[np.lexsort((stream[op_idx], rank[op_idx]))]  # the ops of each (rank, thread) together
-    r_sorted, s_sorted = rank[by_thread], stream[by_thread]
+    Per thread the ops are sorted by start (the longer first among equal starts, so a parent precedes its
+    child); the innermost holder of a point is the last op at or before the point's start that ends no earlier
+    than the point. Candidates are walked back one op at a time, only for points that some earlier op still
+    reaches (the running maximum of the ends): one step where ops nest or follow each other, a few more past
+    the earlier children of a parent."""
+    out = np.full(len(points), -1, dtype=np.int64)
+    end = start + dur
+    order = ops[np.lexsort((-dur[ops], start[ops], stream[ops], rank[ops]))]
+    r_sorted, s_sorted = rank[order], stream[order]
     change = np.flatnonzero((r_sorted[1:] != r_sorted[:-1]) | (s_sorted[1:] != s_sorted[:-1])) + 1
-    for ops in np.split(by_thread, change):
-        if not len(ops):
-            continue
-        r, s = rank[ops[0]], stream[ops[0]]
-        ops = ops[np.argsort(start[ops], kind="stable")]
-        sel = np.flatnonzero((rank[point_idx] == r) & (stream[point_idx] == s))
+    for group in np.split(order, change):
+        sel = np.flatnonzero((rank[points] == rank[group[0]]) & (stream[points] == stream[group[0]]))
         if not len(sel):
             continue
-        pts = point_idx[sel]
-        pos = np.searchsorted(start[ops], start[pts], side="right") - 1
-        for back in range(4):  # nesting depth of comm evidence in practice: c10d op > record_param > nccl:*
-            cand = pos - back
-            valid = (cand >= 0) & (out[sel] < 0)
-            c = ops[np.clip(cand, 0, None)]
-            covers = valid & allowed[c] & (start[c] <= start[pts]) & (end[c] >= end[pts])
-            out[sel[covers]] = c[covers]
+        g_start, g_end = start[group], end[group]
+        reach = np.maximum.accumulate(g_end)
+        p_start, p_end = start[points[sel]], end[points[sel]]
+        cand = np.searchsorted(g_start, p_start, side="right") - 1
+        todo = np.flatnonzero(cand >= 0)
+        while len(todo):
+            c = cand[todo]
+            live = reach[c] >= p_end[todo]  # else no op at or before c holds the point
+            todo, c = todo[live], c[live]
+            hit = g_end[c] >= p_end[todo]
+            out[sel[todo[hit]]] = group[c[hit]]
+            todo = todo[~hit]
+            cand[todo] -= 1
+            todo = todo[cand[todo] >= 0]
+    return out
 
 
 def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:

@@ -56,6 +56,8 @@ _SUFFIX_FORMATS = {".html": ReportFormat.HTML, ".htm": ReportFormat.HTML, ".md":
                    ".csv": ReportFormat.CSV, ".json": ReportFormat.JSON, ".parquet": ReportFormat.PARQUET}
 #: Formats rendered from every report section rather than the breakdown alone.
 _SECTION_FORMATS = (ReportFormat.MD, ReportFormat.HTML)
+#: Formats that show the collective bandwidth (the others carry the breakdown only).
+_BANDWIDTH_FORMATS = (*_SECTION_FORMATS, ReportFormat.TABLE, ReportFormat.TENSORBOARD)
 
 
 class UsageError(ProfilingError):
@@ -142,15 +144,16 @@ def read_rules(path: Path) -> tuple:
     return (*rules, *(r for r in DEFAULT_RULES if r.pattern not in mine))
 
 
-def load_traces(path: Path, args: argparse.Namespace):
-    """``load`` with the ``--rank`` and ``--rules`` of the command line."""
+def load_traces(path: Path, args: argparse.Namespace, *, op_args: bool = False):
+    """``load`` with the ``--rank`` and ``--rules`` of the command line; ``op_args``: the output shows the
+    collective bandwidth, whose sizes and dtypes come from the op args (read in the same decode)."""
     from shardline.profiling.classify import classify_in_place
     from shardline.profiling.errors import MissingRankError
     from shardline.profiling.load import load
 
     rules = read_rules(args.rules) if getattr(args, "rules", None) is not None else None
     try:
-        traceset = load(path, rank=getattr(args, "rank", None), classify=rules is None)
+        traceset = load(path, rank=getattr(args, "rank", None), classify=rules is None, op_args=op_args)
     except MissingRankError as exc:
         raise MissingRankError(f"{exc}; on the command line: --rank N") from None
     if rules is not None:
@@ -211,7 +214,7 @@ def run_report(args: argparse.Namespace) -> int:
             raise UsageError(f"--format {fmt.value} needs -o " + ("FILE" if fmt is ReportFormat.PARQUET else
                                                                    "LOGDIR"))
         with _stages(["loading", "analysing", "writing"], enabled=_wants_progress(args)) as done:
-            traceset = load_traces(args.path, args)
+            traceset = load_traces(args.path, args, op_args=fmt in _BANDWIDTH_FORMATS)
             done()
             if fmt is ReportFormat.TENSORBOARD:
                 return _write_tensorboard(traceset, logdir=args.output)
@@ -364,7 +367,7 @@ def run_merge(args: argparse.Namespace) -> int:
     from shardline.profiling.merge import merged_trace
 
     try:
-        traceset = load_traces(args.path, args)
+        traceset = load_traces(args.path, args, op_args=True)  # the merged trace's args carry busbw
         merged_trace(traceset, path=args.output, progress=_wants_progress(args))
     except (ProfilingError, OSError) as exc:
         return _fail("merge", exc)

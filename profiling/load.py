@@ -6,6 +6,10 @@ are recognised by content and extension (``readers.sniff``): Kineto JSON (``.jso
 flight-recorder JSON dumps and NCCL profiler-plugin dumps; anything else is ignored. The rows are
 classified (``classify.classify_events``, with the ``layout`` given) before they are returned; the trace set
 keeps that layout and its attributions (``attribution.attribute``), so each is computed once.
+
+``load(path, op_args=True)`` also keeps the op args the schema's columns drop (``schema.OP_ARG_COLUMNS``:
+shapes, a collective's element counts, dtype and splits), as extra columns of the same table: what
+calibration and ``collective_bandwidth`` read. Without it the table has the schema's columns only.
 """
 
 from __future__ import annotations
@@ -26,9 +30,25 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling.classify import check_layout, classify_in_place
-from shardline.profiling.errors import MissingRankError, MixedJobsError, TraceFormatError, TraceWarning
+from shardline.profiling.errors import (
+    MissingRankError,
+    MixedJobsError,
+    ProfilingError,
+    TraceFormatError,
+    TraceWarning,
+)
 from shardline.profiling.readers import Format, ReadResult, sniff
-from shardline.profiling.schema import COLUMNS, category_texts, check_events, empty_events, text_dtype
+from shardline.profiling.schema import (
+    COLUMNS,
+    OP_ARG_COLUMNS,
+    category_texts,
+    check_events,
+    conform,
+    empty_events,
+    has_op_args,
+    sorted_categorical,
+    text_dtype,
+)
 
 #: Readers by format, imported on first use so a Kineto-only job never imports sqlite3 or the log parser.
 _READERS = {
@@ -68,7 +88,7 @@ class TraceSet:
 
 def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None,
          keep_python: bool = False, classify: bool = True, workers: int | None = None,
-         layout: Mapping[str, int] | None = None) -> TraceSet:
+         layout: Mapping[str, int] | None = None, op_args: bool = False) -> TraceSet:
     """Read every recognised file under ``path`` into one :class:`TraceSet`.
 
     ``rank`` supplies ranks a trace does not record itself: an int for a single file, or a mapping from file
@@ -78,7 +98,8 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     groups, two files claiming one rank) raise :class:`MixedJobsError` naming them. ``keep_python`` keeps
     ``python_function`` stack events (dropped by default: no analysis uses them). ``classify=False`` leaves
     ``category``/``dim`` empty. ``layout``: the parallel degrees (``dict(tp=2, dp=4)``) that name the dims of
-    groups whose description does not (``classify``); kept on the trace set. ``workers``: processes reading
+    groups whose description does not (``classify``); kept on the trace set. ``op_args``: add the op-args
+    columns (``schema.OP_ARG_COLUMNS``; "" / -1 on rows of other formats). ``workers``: processes reading
     files in parallel (default: one per core when several large files are read; for small ones a thread of
     this process reads, gunzips and scans the next file while this one decodes; 1 reads one file after
     another in this process).
@@ -91,8 +112,8 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     if isinstance(rank, int) and not isinstance(rank, bool) and len(files) > 1:
         raise TraceFormatError(f"{root}: rank={rank} given for a folder of {len(files)} trace files; pass a "
                                "{file: rank} mapping instead")
-    jobs = [(file, fmt, _rank_for(file, rank), keep_python) for file, fmt in files]
-    results = [(file, fmt, result) for (file, fmt, _, _), result in zip(jobs, _read_all(jobs, workers=workers))]
+    jobs = [(file, fmt, _rank_for(file, rank), keep_python, bool(op_args)) for file, fmt in files]
+    results = [(job[0], job[1], result) for job, result in zip(jobs, _read_all(jobs, workers=workers))]
     _check_one_job(results)
     notes = [w for _, _, result in results for w in result.warnings]
     for note in notes:
@@ -107,7 +128,7 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     frames = [result.events for _, _, result in results if len(result.events)]
     for _, _, result in results:
         result.events = None  # the concatenation below is the only copy kept
-    events = _concat(frames)
+    events = _concat(frames, op_args=op_args)
     del frames
     if (events["source"] == "nccl_log").any() and (events["source"] == "kineto").any():
         from shardline.profiling.readers.join import join_nccl_log
@@ -124,6 +145,62 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     skipped = {file: result.skipped for file, _, result in results if result.skipped}
     return TraceSet(events=events, ranks=ranks, files=file_ranks, metadata=metadata, warnings=tuple(notes),
                     skipped=skipped, layout=layout)
+
+
+def read_op_args(source) -> pd.DataFrame:
+    """The op-args columns (``schema.OP_ARG_COLUMNS``) of the events of ``source`` (a ``TraceSet``, or an events
+    table), row for row (the table's index).
+
+    A table read with ``op_args=True`` has them. For a trace set loaded without, each of its Kineto traces is
+    read again with them (one more decode of every file: ``load(path, op_args=True)`` decodes once) and they
+    are set on that file's rows. Rows that no file gives them for hold "" / -1: rows of other formats, every
+    row of a bare events table, and those of a file whose rows no longer match the table's (a
+    ``TraceWarning`` names it)."""
+    events = getattr(source, "events", source)
+    if has_op_args(events):
+        return pd.DataFrame({column: events[column] for column in OP_ARG_COLUMNS}, copy=False)
+    from shardline.profiling.readers._kineto_columns import PYTHON_CATS
+
+    parts: dict[str, list] = {column: [] for column in OP_ARG_COLUMNS}
+    rank, kineto = events["rank"].to_numpy(), (events["source"] == Format.KINETO.value).to_numpy()
+    for file, ranks in (getattr(source, "files", None) or {}).items():
+        mine = np.flatnonzero(kineto & (rank == ranks[0])) if len(ranks) == 1 else []
+        if not len(mine):
+            continue
+        keep_python = bool(events["cat"].isin(list(PYTHON_CATS)).to_numpy()[mine].any())
+        try:
+            got = _read(Path(file), Format.KINETO, rank=int(ranks[0]), keep_python=keep_python,
+                        op_args=True).events
+        except (ProfilingError, OSError) as exc:
+            got, why = None, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "its rows differ from the loaded table's"
+        if got is None or len(got) != len(mine) or any(
+                not np.array_equal(got[c].to_numpy(), events[c].to_numpy()[mine]) for c in ("start_ns", "dur_ns")):
+            _warnings.warn(f"{file}: op args not read again ({why}); its shapes, dtypes and split sizes are "
+                           "unknown", TraceWarning, stacklevel=2)
+            continue
+        for column in OP_ARG_COLUMNS:
+            parts[column].append((mine, got[column].array if OP_ARG_COLUMNS[column] == "category"
+                                  else got[column].to_numpy()))
+    return pd.DataFrame({column: _placed(len(events), parts[column], OP_ARG_COLUMNS[column])
+                         for column in OP_ARG_COLUMNS}, index=events.index, copy=False)
+
+
+def _placed(n: int, parts: list, dtype: str):
+    """A column of ``n`` rows: each part's values (positions, values) at its positions, "" / -1 elsewhere."""
+    if dtype != "category":
+        out = np.full(n, -1, dtype=dtype)
+        for at, values in parts:
+            out[at] = values
+        return out
+    texts = {"": 0}
+    codes = np.zeros(n, dtype=np.int32)
+    for at, values in parts:
+        remap = np.array([texts.setdefault(t, len(texts)) for t in category_texts(values.categories)] + [0],
+                         dtype=np.int32)
+        codes[at] = remap[np.where(values.codes < 0, len(values.categories), values.codes)]
+    return sorted_categorical(codes, list(texts))
 
 
 def _discover(root: Path) -> list[tuple[Path, Format]]:
@@ -193,8 +270,8 @@ def _read_all(jobs: list, *, workers: int | None) -> list[ReadResult]:
 
 
 def _read_job(job: tuple, prefetched=None) -> ReadResult:
-    file, fmt, rank, keep_python = job
-    return _read(file, fmt, rank=rank, keep_python=keep_python, prefetched=prefetched)
+    file, fmt, rank, keep_python, op_args = job
+    return _read(file, fmt, rank=rank, keep_python=keep_python, op_args=op_args, prefetched=prefetched)
 
 
 def _read_prefetched(jobs: list) -> list[ReadResult]:
@@ -209,10 +286,11 @@ def _read_prefetched(jobs: list) -> list[ReadResult]:
 
     def fetch(index: int):
         if index < len(jobs) and jobs[index][1] is Format.KINETO:
-            planned = plan(jobs[index][0])  # from the file on disk: is it worth reading ahead (and mapped?)
+            # From the file on disk: is it worth reading ahead (and mapped?)
+            planned = plan(jobs[index][0], op_args=jobs[index][4])
             if planned.prefetch:
                 # Its plan goes along: every Python step the thread takes waits for the GIL this thread holds.
-                return pool.submit(prefetch, jobs[index][0], mapped=planned.mapped)
+                return pool.submit(prefetch, jobs[index][0], mapped=planned.mapped, op_args=planned.op_args)
         return None  # the reader reads it itself, in its turn
 
     results = []
@@ -281,10 +359,14 @@ def _reader(fmt: Format):
     return getattr(importlib.import_module(module), function)
 
 
-def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, prefetched=None) -> ReadResult:
+def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, op_args: bool = False,
+          prefetched=None) -> ReadResult:
     reader = _reader(fmt)
-    options = {"keep_python": keep_python, "prefetched": prefetched} if fmt is Format.KINETO else {}
+    options = {"keep_python": keep_python, "op_args": op_args, "prefetched": prefetched} \
+        if fmt is Format.KINETO else {}
     result = reader(file, rank=rank, **options)
+    if op_args and fmt is not Format.KINETO:  # no op args in these formats: the columns, empty
+        result.events = conform(result.events, op_args=True)
     if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:
         raise MissingRankError(f"{file}: the rank is not recorded (no distributedInfo.rank, no rank in the file "
                                "name); pass load(path, rank=N), or rank={file: N, ...} for a folder")
@@ -327,12 +409,13 @@ def _job_key(meta: dict) -> tuple:
     return (info.get("world_size"), info.get("backend"), default)
 
 
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+def _concat(frames: list[pd.DataFrame], *, op_args: bool = False) -> pd.DataFrame:
     """Concatenate event frames column by column, keeping categoricals categorical (pandas would fall back to
     object) and making exactly one copy of the data. The frames are consumed: each column is deleted from
-    them once joined, so the peak is one copy plus one column, not two copies."""
+    them once joined, so the peak is one copy plus one column, not two copies. ``op_args``: the frames carry
+    the op-args columns, and so does the result."""
     if not frames:
-        return empty_events()
+        return conform(empty_events(), op_args=op_args)
     if len(frames) == 1:
         frame = frames[0].reset_index(drop=True)
         for column in frame.columns:  # a spilled worker's columns are maps of files: own them
@@ -344,7 +427,7 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
     # Freeing each joined column keeps the peak at one copy; it costs a block-manager update per column and
     # frame, which only pays on big sets.
     big = sum(len(f) for f in frames) >= 1_000_000
-    for column, dtype in COLUMNS.items():
+    for column, dtype in ({**COLUMNS, **OP_ARG_COLUMNS} if op_args else COLUMNS).items():
         parts = [f[column] for f in frames]
         if dtype == "category":
             out[column] = union_texts([_text_categorical(p) for p in parts])

@@ -97,19 +97,24 @@ def comm_by_dim_figure(cbd: pd.DataFrame, *, title: str = "") -> bytes:
 
 
 def timeline_spans(source) -> pd.DataFrame:
-    """Spans of the pipeline timeline, one row per (rank, kind, start_ns, end_ns), from the ``sl:pp``
-    annotations: ``F`` -> forward, ``B``/``W`` -> backward, the bubble set -> bubble, and the rank's
-    communication work inside its batch windows -> communication. Empty when there are no annotations.
+    """Spans of the pipeline timeline, one row per (rank, kind, start_ns, end_ns), from the pipeline
+    annotations (shardline's ``sl:pp`` or torch.distributed.pipelining's, see ``bubbles.rank_pipelines``):
+    ``F`` -> forward, ``B``/``W`` -> backward, the bubble set -> bubble, and the rank's communication work
+    inside its batch windows -> communication. Empty when there are no annotations.
     ``source``: an ``Attribution``, a ``TraceSet`` or an events table (attributed first)."""
     from shardline.profiling import intervals as iv
     from shardline.profiling.attribution import attribute
+    from shardline.profiling.bubbles import rank_pipelines
     from shardline.profiling.schema import COMM_CATEGORIES
 
     frames = []
-    for rank in attribute(source, caller="timeline_spans").ranks:
-        batches, actions = rank.pp_rows
-        if batches.empty:
+    attribution = attribute(source, caller="timeline_spans")
+    pipelines = rank_pipelines(attribution)[0]
+    for rank in attribution.ranks:
+        measured = pipelines.get(rank.rank)
+        if measured is None or measured.batches.empty:  # p2p-measured ranks have no F/B spans to draw
             continue
+        batches, actions = measured.batches, measured.actions
         kinds = np.where(actions["action"] == "F", "forward",
                          np.where(actions["action"].isin(["B", "W"]), "backward", ""))
         busy = actions.assign(kind=kinds)[kinds != ""]
@@ -128,12 +133,13 @@ def timeline_spans(source) -> pd.DataFrame:
 
 def pipeline_timeline_figure(source, *, title: str = "") -> bytes:
     """PNG of the pipeline as executed: one row per rank, time (ms from the first batch start) across,
-    forward / backward / bubble spans, communication as a thin band under each row. Needs the ``sl:pp``
-    annotations of ``shardline.profiling.annotations``; without them the figure says so. ``source`` as for
+    forward / backward / bubble spans, communication as a thin band under each row. Needs pipeline
+    annotations (``timeline_spans``); without them the figure says so. ``source`` as for
     ``timeline_spans``."""
     spans = timeline_spans(source)
     if spans.empty:
-        return _empty("no pipeline annotations (sl:pp:*) in this trace", title=title)
+        return _empty("no pipeline annotations (sl:pp:* or torch.distributed.pipelining's) in this trace",
+                      title=title)
     origin = int(spans["start_ns"].min())
     ranks = sorted(spans["rank"].unique())
     fig = Figure(figsize=(10, 1 + 0.5 * len(ranks)), layout="constrained")

@@ -13,7 +13,7 @@ trace::
     achieved GB/s = bytes / busy ns        (1 byte/ns = 1 GB/s; copies without a recorded size are left out)
     of_limit      = achieved / link_gbps   (the rank's host PCIe link, x16, per direction)
 
-The host link is the PCIe generation the rank's GPU name implies (``bandwidth.LinkTable.host_link``: V100 Gen3
+The host link is the PCIe generation the rank's GPU name implies (``links.LinkTable.host_link``: V100 Gen3
 15.75, A100 Gen4 31.5, H100/B200 Gen5 64 GB/s); a name no rule knows (or no name) is taken as Gen5 and the
 section's note says so. The section's title names the generation(s) (``section_title``).
 
@@ -63,7 +63,7 @@ TITLES = {
     Section.COMM_BY_DIM: "Communication per parallel dimension (ms)",
     Section.COLLECTIVES: "Collectives: wait vs transfer, stragglers",
     Section.BANDWIDTH: "Collective bandwidth vs the link's limit (nccl-tests bus bandwidth)",
-    Section.PIPELINE: "Pipeline timeline and bubble vs the (p-1)/(m+p-1) ideal",
+    Section.PIPELINE: "Pipeline timeline and bubble vs the (p-1)/(v·m+p-1) ideal",
     Section.TOP_KERNELS: "Top kernels per category",
     Section.OFFLOAD: "Offload traffic (H2D / D2H) vs the PCIe Gen5 x16 limit",
     Section.COMM_COVERAGE: "Communication coverage: ops without a communication kernel, and the reverse",
@@ -178,8 +178,7 @@ def _bandwidth(attribution, traceset, notes: dict) -> pd.DataFrame:
 
 def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportSections:
     from shardline.profiling.attribution import comm_by_dim
-    from shardline.profiling.bubbles import pipeline_bubbles
-    from shardline.profiling.classify import match_names
+    from shardline.profiling.bubbles import MEASURED_METHODS, pipeline_bubbles
     from shardline.profiling.collectives import match_collectives, stragglers, wait_transfer
     from shardline.profiling.errors import AttributionError
 
@@ -199,14 +198,15 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
             wt, sg = pd.DataFrame(), pd.DataFrame()
             notes[Section.COLLECTIVES] = str(exc)
         bar.update()
-        # Without sl:pp annotations pipeline_bubbles gives the breakdown's p2p_recv column again; the section
+        # Without a measurable pipeline (annotations of shardline or torch.distributed.pipelining, or
+        # receives matched with sends) pipeline_bubbles restates the breakdown's p2p_recv; the section
         # points there instead.
-        if match_names(attribution.events["name"], "^sl:pp:batch:").any():
-            bubbles = pipeline_bubbles(attribution)
-        else:
+        bubbles = pipeline_bubbles(attribution)
+        if not bubbles["method"].isin(MEASURED_METHODS).any():
             bubbles = pd.DataFrame()
-            notes[Section.PIPELINE] = ("no pipeline annotations (sl:pp:*) in this trace; the time ranks spent "
-                                       "in receives is the breakdown's p2p_recv column")
+            notes[Section.PIPELINE] = ("no pipeline found in this trace (no sl:pp:* or torch.distributed."
+                                       "pipelining annotations, no receive matched with a send); the time ranks "
+                                       "spent in receives is the breakdown's p2p_recv column")
         bar.update()
         kernels = top_kernels(attribution, top=top)
         bar.update()
@@ -232,10 +232,10 @@ HOST_LINK_COLUMNS = ("rank", "device_name", "link", "link_gbps", "known")
 
 
 def host_links(source, metadata) -> pd.DataFrame:
-    """The host PCIe link of each rank of ``source`` (``bandwidth.LinkTable.host_link`` of the first GPU name
+    """The host PCIe link of each rank of ``source`` (``links.LinkTable.host_link`` of the first GPU name
     its trace's ``deviceProperties`` give; "" and Gen5 where none)."""
     from shardline.profiling.attribution import attribute
-    from shardline.profiling.bandwidth import link_table
+    from shardline.profiling.links import link_table
 
     table = link_table()
     rows = []
@@ -392,8 +392,10 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
     if len(sec.bubbles):
         b = sec.bubbles
         out[Section.PIPELINE].append(("bubbles-table", pd.DataFrame({
-            "rank": b["rank"].astype(str), "step": b["step"].astype(str), "schedule": b["schedule"].astype(str),
-            "p": b["p"].astype(str), "m": b["m"].astype(str), "batch_ms": ms_text(b["batch_ns"]),
+            "rank": b["rank"].astype(str), "step": b["step"].astype(str), "method": b["method"].astype(str),
+            "stage": b["stage"].astype(str), "schedule": b["schedule"].astype(str),
+            "p": b["p"].astype(str), "m": b["m"].astype(str), "v": b["v"].astype(str),
+            "batch_ms": ms_text(b["batch_ns"]),
             "bubble_ms": ms_text(b["bubble_ns"]), "bubble_%": fixed(100 * b["bubble_fraction"], 2),
             "ideal_%": fixed(100 * b["ideal_fraction"], 2)})))
     if len(sec.top_kernels):
@@ -483,10 +485,12 @@ def comm_coverage(source) -> pd.DataFrame:
     - ``communication op with no communication kernel``: a CPU communication op (``c10d::*``, ``nccl:*``,
       ``record_param_comms``, ``sl:comm:*``; not the host-only ``gloo:*``/``mpi:*``/``ucc:*``) inside whose
       span GPU work but no communication kernel was launched (kernel.correlation == launch.correlation, launch
-      inside the op on the same thread) and to which none links by External id. ``launched``: the kernels those
-      ops did launch (most frequent first, three at most) -- the names a new ``CommRule`` should match;
-    - ``communication kernel with no communication op``: a GPU communication kernel whose launch lies in no
-      communication op and that no op's External id names (DeepEP and symmetric-memory kernels run so).
+      inside the op on the same thread) and that is no communication kernel's op (``classify.launching_op``:
+      by its launch or its External id). ``launched``: the kernels those ops did launch (most frequent first,
+      three at most) -- the names a new ``CommRule`` should match;
+    - ``communication kernel with no communication op``: a GPU communication kernel that has no
+      ``launching_op`` among those ops: its launch lies in none, and no op's External id names it (DeepEP and
+      symmetric-memory kernels run so).
 
     Columns: finding, name, category, ranks (comma-separated), count (occurrences over those ranks), launched.
     Vectorised over the events table; one small loop per (rank, thread) holding communication ops."""
@@ -499,7 +503,7 @@ def comm_coverage(source) -> pd.DataFrame:
 
 
 def _coverage(ev: pd.DataFrame) -> pd.DataFrame:
-    from shardline.profiling.classify import _row_by_key, match_table
+    from shardline.profiling.classify import launch_rows, launching_op, match_table
     from shardline.profiling.schema import COMM_CATEGORIES, category_texts, codes_or_end
 
     cat_codes = codes_or_end(ev["category"])
@@ -508,38 +512,32 @@ def _coverage(ev: pd.DataFrame) -> pd.DataFrame:
     cpu = (ev["lane"] == "cpu").to_numpy()
     gpu = (ev["lane"] == "gpu").to_numpy()
     rank, stream = ev["rank"].to_numpy(), ev["stream"].to_numpy()
-    corr, ext = ev["correlation"].to_numpy(), ev["external_id"].to_numpy()
+    corr = ev["correlation"].to_numpy()
     start = ev["start_ns"].to_numpy()
     end = start + ev["dur_ns"].to_numpy()
-    launch_rows = np.flatnonzero(cpu & (corr >= 0))
-    ranks = np.intersect1d(np.unique(rank[launch_rows]), np.unique(rank[gpu]))
+    ranks = np.intersect1d(np.unique(rank[cpu & (corr >= 0)]), np.unique(rank[gpu]))
     if not len(ranks):
         return comm_coverage_frame([])
     considered = np.isin(rank, ranks)
     name_codes = codes_or_end(ev["name"])
     ops = np.flatnonzero(cpu & comm & considered & ~match_table(ev["name"], _HOST_BACKENDS)[name_codes])
     kernels = np.flatnonzero(gpu & considered & (corr >= 0))
-    launch = _row_by_key(launch_rows, rank, corr, queries=kernels, keep="first")
+    launch = launch_rows(ev, kernels)
     kernels, launch = kernels[launch >= 0], launch[launch >= 0]
     is_comm_kernel = comm[kernels]
-    ext_rows = np.flatnonzero(gpu & comm & considered & (ext >= 0))
-    by_ext = _row_by_key(ext_rows, rank, ext, queries=ops, keep="first") >= 0
-    op_linked = np.zeros(len(ev), dtype=bool)
-    op_linked[ops] = by_ext
+    comm_rows = np.flatnonzero(gpu & comm & considered)
+    op_of = launching_op(ev, ops=ops, rows=comm_rows)  # each communication kernel's op, -1 for none
     covered_ops, has_gpu_work, inside = _launches_inside(ops, launch, rank=rank, stream=stream, start=start, end=end,
                                            comm_launch=is_comm_kernel)
     # An op that launched no GPU work at all (work.wait()'s record_param_comms, a coalesced send whose kernel the
     # group end launches) is not evidence of a kernel nobody recognises.
-    uncovered = ops[has_gpu_work & ~(covered_ops | by_ext)]
+    uncovered = ops[has_gpu_work & ~(covered_ops | np.isin(ops, op_of))]
     texts = np.array([*category_texts(ev["name"].cat.categories), ""], dtype=object)
     labels = dict(rank=rank, name_codes=name_codes, texts=texts, categories=cat_texts[cat_codes])
     rows = _op_rows(uncovered, kernels, launch, inside, **labels)
-    # The reverse: comm kernels whose launch no op covers and whose External id no op carries.
-    comm_k, comm_l = kernels[is_comm_kernel], launch[is_comm_kernel]
-    in_op = _covered_points(ops, comm_l, rank=rank, stream=stream, start=start, end=end)
-    op_ext = np.flatnonzero(cpu & comm & (ext >= 0))
-    named = _row_by_key(op_ext, rank, ext, queries=comm_k, keep="first") >= 0 if len(comm_k) else np.zeros(0, bool)
-    orphans = comm_k[~(in_op | named)]
+    # The reverse: comm kernels (with a launch) that are no op's.
+    comm_k = kernels[is_comm_kernel]
+    orphans = comm_k[op_of[np.searchsorted(comm_rows, comm_k)] < 0]
     rows += _grouped(orphans, Finding.KERNEL_WITHOUT_OP, launched={}, **labels)
     return comm_coverage_frame(rows)
 
@@ -577,23 +575,6 @@ def _launches_inside(ops, launch, *, rank, stream, start, end, comm_launch):
         launched[idx] = hi > lo
         inside[key] = (group, mine, lo, hi)
     return covered, launched, inside
-
-
-def _covered_points(ops, points, *, rank, stream, start, end) -> np.ndarray:
-    """Does some op of the same (rank, thread) cover each point row's start? Ops nest or are disjoint, so the
-    running maximum of the ends of the ops begun at or before a point decides."""
-    out = np.zeros(len(points), dtype=bool)
-    op_groups = _groups(ops, rank=rank, stream=stream)
-    for key, sel in _groups(np.arange(len(points)), rank=rank[points], stream=stream[points]).items():
-        group = op_groups.get(key)
-        if group is None:
-            continue
-        group = group[np.argsort(start[group], kind="stable")]
-        reach = np.maximum.accumulate(end[group])
-        t = start[points[sel]]
-        pos = np.searchsorted(start[group], t, side="right") - 1
-        out[sel] = (pos >= 0) & (reach[np.clip(pos, 0, None)] >= t)
-    return out
 
 
 def _op_rows(uncovered, kernels, launch, inside, *, rank, name_codes, texts, categories) -> list[dict]:

@@ -32,11 +32,32 @@ peer           int32     peer global rank of a p2p op; -1
 memory_kind    category  host memory of a memcpy ("Pageable", "Pinned", "Device"); ""
 source         category  reader that produced the row ("kineto", "nccl_log", "nsys")
 =============  ========  ==================================================================================
+
+Op args (``OP_ARG_COLUMNS``): the Kineto reader adds these columns after the schema's only when asked
+(``load(path, op_args=True)``, ``read_kineto(..., op_args=True)``); without them the table is exactly the
+above. They keep the args of each event that the columns above drop: the shapes the profiler records with
+``record_shapes=True`` and a collective's own element counts, dtype and all-to-all-v splits. A JSON column
+holds the arg's value as the trace writes it (JSON text, e.g. ``[[8, 16], [16, 32]]``), "" where the event has
+none; ``json_values`` decodes a column once per distinct text. Rows of other readers hold "" / -1.
+
+===============  ========  ================================================================================
+column           dtype     meaning
+===============  ========  ================================================================================
+input_dims       category  ``Input Dims``: one shape (a list of ints) per input, JSON; ""
+input_types      category  ``Input type``: the inputs' C++ type names ("c10::BFloat16", "float"), JSON; ""
+concrete_inputs  category  ``Concrete Inputs``: scalar inputs as texts ("True", "0."), JSON; ""
+in_split_sizes   category  ``In split size`` of an all-to-all(-v) (a list, or a text holding one), JSON; ""
+out_split_sizes  category  ``Out split size``, the same; ""
+dtype            category  ``dtype`` of a collective (torch ScalarType name: "BFloat16"); ""
+in_nelems        int64     ``In msg nelems``: elements of the collective's input; -1
+out_nelems       int64     ``Out msg nelems``: elements of its output; -1
+===============  ========  ================================================================================
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import weakref
 from collections import Counter
@@ -78,6 +99,19 @@ COLUMNS: dict[str, str] = {
     "source": "category",
 }
 _COLUMN_LIST = list(COLUMNS)
+#: The op-args columns (module docstring), present only in a table read with ``op_args=True``.
+OP_ARG_COLUMNS: dict[str, str] = {
+    "input_dims": "category",
+    "input_types": "category",
+    "concrete_inputs": "category",
+    "in_split_sizes": "category",
+    "out_split_sizes": "category",
+    "dtype": "category",
+    "in_nelems": "int64",
+    "out_nelems": "int64",
+}
+#: The op-args columns that hold JSON text (``json_values`` decodes them).
+JSON_ARG_COLUMNS = ("input_dims", "input_types", "concrete_inputs", "in_split_sizes", "out_split_sizes")
 INT_COLUMNS = tuple(c for c, t in COLUMNS.items() if t.startswith("int"))
 STR_COLUMNS = tuple(c for c, t in COLUMNS.items() if t == "category")
 
@@ -179,14 +213,36 @@ def _cached_text_dtype(texts: tuple) -> pd.CategoricalDtype:
 _EMPTY_TEXT = text_dtype([""])
 
 
-def conform(frame: pd.DataFrame) -> pd.DataFrame:
-    """Add missing columns (-1 / ""), cast to the schema's dtypes and order the columns."""
-    if list(frame.columns) == _COLUMN_LIST and all(str(dtype) == want for dtype, want in
-                                                   zip(frame.dtypes, COLUMNS.values())):
+def has_op_args(frame: pd.DataFrame) -> bool:
+    """Whether an events table carries the op-args columns (``OP_ARG_COLUMNS``: read with ``op_args=True``)."""
+    return all(column in frame.columns for column in OP_ARG_COLUMNS)
+
+
+def json_values(column: pd.Series) -> np.ndarray:
+    """The decoded value of every row of a JSON op-args column (``JSON_ARG_COLUMNS``), as an object array: None
+    where the row has none ("") or its text is not JSON. Each distinct text the rows use is decoded once."""
+    codes = codes_or_end(column)
+    categories = np.array([*category_texts(column.cat.categories), ""], dtype=object)
+    used = np.unique(codes)
+    table = np.full(len(categories), None, dtype=object)
+    for code, text in zip(used.tolist(), categories[used].tolist()):
+        try:
+            table[code] = json.loads(text) if text else None
+        except ValueError:
+            pass
+    return table[codes]
+
+
+def conform(frame: pd.DataFrame, *, op_args: bool = False) -> pd.DataFrame:
+    """Add missing columns (-1 / ""), cast to the schema's dtypes and order the columns; ``op_args``: the
+    op-args columns (``OP_ARG_COLUMNS``) too, after the schema's. Any other column is dropped."""
+    wanted = {**COLUMNS, **OP_ARG_COLUMNS} if op_args else COLUMNS
+    if list(frame.columns) == (list(wanted) if op_args else _COLUMN_LIST) and all(str(dtype) == want for dtype, want in
+                                                   zip(frame.dtypes, wanted.values())):
         return frame  # already the schema (the Kineto reader builds it so)
     n = len(frame)
     out = {}
-    for column, dtype in COLUMNS.items():
+    for column, dtype in wanted.items():
         if column in frame:
             values = frame[column]
             if dtype == "category":
@@ -209,6 +265,6 @@ def check_events(frame: pd.DataFrame) -> None:
     problems = [f"column {c!r} appears {n} times" for c, n in Counter(frame.columns).items() if n > 1 and c in COLUMNS]
     problems += [f"missing column {c!r}" for c in COLUMNS if c not in dtypes]
     problems += [f"column {c!r} has dtype {dtypes[c]}, expected {t}"
-                 for c, t in COLUMNS.items() if c in dtypes and str(dtypes[c]) != t]
+                 for c, t in (*COLUMNS.items(), *OP_ARG_COLUMNS.items()) if c in dtypes and str(dtypes[c]) != t]
     if problems:
         raise ValueError("events table breaks the schema: " + "; ".join(problems))

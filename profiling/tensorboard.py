@@ -139,8 +139,8 @@ def _degrees(layout: Mapping | None) -> dict[str, int] | None:
 
 def _analyses(sections) -> dict[str, pd.DataFrame]:
     """The other analyses the views show, from the report's sections: per-dimension comm, collective
-    wait/transfer per (rank, step, category), the pipeline bubbles measured from annotations."""
-    from shardline.profiling.bubbles import BubbleMethod
+    wait/transfer per (rank, step, category), the pipeline bubbles measured (from annotations or matched p2p)."""
+    from shardline.profiling.bubbles import MEASURED_METHODS
 
     matched = sections.matched
     if matched.empty:  # no collectives in this window
@@ -150,7 +150,7 @@ def _analyses(sections) -> dict[str, pd.DataFrame]:
             calls=("instance", "size"), wait_ns=("wait_ns", "sum"), transfer_ns=("transfer_ns", "sum"))
     bubbles = sections.bubbles
     if "method" in bubbles:
-        bubbles = bubbles[bubbles["method"] == BubbleMethod.ANNOTATIONS.value].reset_index(drop=True)
+        bubbles = bubbles[bubbles["method"].isin(MEASURED_METHODS)].reset_index(drop=True)
     return {"comm_by_dim": sections.comm_by_dim, "wait_transfer": waits, "bubbles": bubbles,
             "bandwidth": sections.bandwidth}
 

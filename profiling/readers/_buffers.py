@@ -99,12 +99,13 @@ class Prefetched(NamedTuple):
     plan: _plan.ReadPlan | None = None  # the plan for data
 
 
-def prefetch(path: Path, *, mapped: bool | None = None) -> Prefetched:
+def prefetch(path: Path, *, mapped: bool | None = None, op_args: bool = False) -> Prefetched:
     """Read the file's bytes (gunzipped) and run the native scanner over them: the parts of reading a trace
     that run without the GIL. ``mapped``: the caller's plan for the file already decided (``load`` planned
-    it to see whether it is worth prefetching), so this thread does not plan it from the file again."""
+    it to see whether it is worth prefetching), so this thread does not plan it from the file again.
+    ``op_args``: the read keeps the op args (its plan has no native scan to run ahead)."""
     data = trace_buffer(path, mapped=mapped)
-    chosen = _plan.plan(path, data=data)
+    chosen = _plan.plan(path, data=data, op_args=op_args)
     first = chosen.paths[0] if chosen.paths else None
     return Prefetched(data, native_scan(data) if first is _plan.DecodePath.NATIVE else None, chosen)
 

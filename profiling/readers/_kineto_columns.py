@@ -2,7 +2,8 @@
 
 Split from ``kineto.py`` to keep each file focused: this half knows nothing about JSON, only about turning
 a batch of ``Event`` structs into arrays (then dropping the structs) and the arrays into schema rows:
-exact ns times, lanes, message sizes, memcpy host-memory kind, B/E pairing and ``ProfilerStep`` steps.
+exact ns times, lanes, message sizes, memcpy host-memory kind, B/E pairing and ``ProfilerStep`` steps; and,
+when asked (``op_args``), the op-args columns (``schema.OP_ARG_COLUMNS``) after the schema's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from shardline.profiling.readers._numtext import decimal_texts_to_scaled
 from shardline.profiling.readers._plan import DecodePath
 from shardline.profiling.schema import (
     COLUMNS,
+    JSON_ARG_COLUMNS,
+    OP_ARG_COLUMNS,
     category_texts,
     empty_texts,
     sorted_categorical,
@@ -140,9 +143,10 @@ def _factorize(values: list) -> pd.Categorical:
     return pd.Categorical.from_codes(codes, dtype=text_dtype(list(index)), validate=False)
 
 
-def columns_from_events(events: list, *, keep_python: bool, arrow: bool = True) -> Columns:
+def columns_from_events(events: list, *, keep_python: bool, arrow: bool = True, op_args: bool = False) -> Columns:
     """One batch of decoded events (msgspec ``Event`` structs) -> its columns; ``arrow``: the time texts may
-    be cast by Arrow (else numpy parses them: the same ns).
+    be cast by Arrow (else numpy parses them: the same ns); ``op_args``: the events were decoded with their op
+    args (``kineto.OpArgsEvent``), which become the batch's ``op_args`` columns.
 
     Every field is pulled out with ``operator.attrgetter`` over the whole batch (a C loop, no Python frame
     per event) and converted to an array in one call; per-value Python runs only for mixed-type fields.
@@ -177,18 +181,32 @@ def columns_from_events(events: list, *, keep_python: bool, arrow: bool = True) 
     ts, dur = scaled[:n], scaled[n:]
     external = _ints_or_else(args, "external_id", "external_id_legacy", overflow)
     dst = _ints_or_else(args, "dst_rank", "src_rank", overflow)
+    texts = {key: _texts(list(map(_get(key), args))) for key in _TEXT_ARGS}
+    in_nelems, out_nelems = _field(args, "in_nelems", overflow), _field(args, "out_nelems", overflow)
+    extra = None
+    if op_args:
+        extra = {key: _json_texts(list(map(_get(key), args))) for key in JSON_ARG_COLUMNS}
+        extra.update(dtype=texts["dtype"], in_nelems=in_nelems, out_nelems=out_nelems)
     return assemble(
         ph, cat, _factorize(list(map(_get("name"), kept))), gpu=gpu, pid=pid, tid=tid, arg_device=arg_device,
         arg_stream=arg_stream, ts=ts, dur=dur, bad_time=bad[:n] | bad[n:],
-        correlation=_field(args, "correlation", overflow), external=external,
-        texts={key: _texts(list(map(_get(key), args))) for key in _TEXT_ARGS},
-        group_size=_field(args, "group_size", overflow), in_nelems=_field(args, "in_nelems", overflow),
-        out_nelems=_field(args, "out_nelems", overflow), nbytes=_field(args, "nbytes", overflow),
-        seq=_field(args, "seq", overflow), dst=dst, overflow=len(overflow))
+        correlation=_field(args, "correlation", overflow), external=external, texts=texts,
+        group_size=_field(args, "group_size", overflow), in_nelems=in_nelems, out_nelems=out_nelems,
+        nbytes=_field(args, "nbytes", overflow), seq=_field(args, "seq", overflow), dst=dst,
+        overflow=len(overflow), op_args=extra)
 
 
 #: The args text columns, by their events-table (and ``_Args``) names.
 _TEXT_ARGS = ("collective", "pg_name", "pg_desc", "pg_ranks", "dtype")
+
+
+def _json_texts(raws: list) -> pd.Categorical:
+    """Categorical of the raw JSON values of one op arg (msgspec ``Raw`` slices, ``b""`` where absent), as
+    text: each distinct value is decoded from UTF-8 once (invalid bytes replaced), "" where absent."""
+    values = list(map(bytes, raws))
+    index = {value: i for i, value in enumerate(dict.fromkeys(values))}
+    codes = np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
+    return sorted_texts(codes, [value.decode("utf-8", errors="replace") for value in index])
 
 
 class Columns:
@@ -206,7 +224,7 @@ class Columns:
 
     __slots__ = ("ph", "cat", "name", "lane", "device", "stream", "ts", "dur", "bad_time", "correlation",
                  "external_id", "collective", "pg_name", "pg_desc", "pg_ranks", "pg_size", "msg_bytes", "seq",
-                 "peer", "pid", "overflow", "narrowed")
+                 "peer", "pid", "overflow", "narrowed", "op_args")
 
     ph: pd.Categorical
     cat: pd.Categorical
@@ -230,6 +248,8 @@ class Columns:
     pid: np.ndarray
     overflow: int
     narrowed: dict
+    #: the op-args columns by ``schema.OP_ARG_COLUMNS`` name, or None (not asked for)
+    op_args: dict | None
 
     def __init__(self, **columns) -> None:
         missing = [name for name in self.__slots__ if name not in columns]
@@ -253,10 +273,11 @@ class Decoded(NamedTuple):
 
 
 def assemble(ph, cat, name, *, gpu, pid, tid, arg_device, arg_stream, ts, dur, bad_time, correlation, external,
-             texts: dict, group_size, in_nelems, out_nelems, nbytes, seq, dst, overflow: int) -> Columns:
+             texts: dict, group_size, in_nelems, out_nelems, nbytes, seq, dst, overflow: int,
+             op_args: dict | None = None) -> Columns:
     """The columns of one batch, whichever path read it, from its kept rows' fields (int64, as read):
     ``texts`` holds the args text categoricals by ``_TEXT_ARGS`` name, ``dst`` the peer (Dst Rank, else Src
-    Rank).
+    Rank), ``op_args`` the op-args columns (or None).
 
     The int32 columns are narrowed here, for every path alike: an arg beyond int32 counts as absent (-1), as
     one beyond int64 does when it is read (so a GPU row's device then falls back to its pid), and a pid that a
@@ -276,7 +297,7 @@ def assemble(ph, cat, name, *, gpu, pid, tid, arg_device, arg_stream, ts, dur, b
         seq=seq, peer=_narrow(dst, "peer", narrowed),
         # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
         pid=pid if has_begin_end(ph) else np.full(len(gpu), -1, dtype=np.int64),
-        overflow=overflow, narrowed=narrowed)
+        overflow=overflow, narrowed=narrowed, op_args=op_args)
 
 
 def _narrow(values: np.ndarray, column: str, narrowed: dict) -> np.ndarray:
@@ -375,6 +396,7 @@ class _NoArgs:
     correlation = external_id = external_id_legacy = device = stream = nbytes = -1
     group_size = in_nelems = out_nelems = seq = src_rank = dst_rank = -1
     collective = pg_name = pg_desc = pg_ranks = dtype = ""
+    input_dims = input_types = concrete_inputs = in_split_sizes = out_split_sizes = b""
 
 
 _NO_ARGS = _NoArgs()
@@ -391,15 +413,22 @@ def _concat(batches: list[Columns]) -> dict:
             out[key] = sum(b.overflow for b in batches)
         elif key == "narrowed":
             out[key] = {column: sum(b.narrowed.get(column, 0) for b in batches) for column in NARROW_COLUMNS}
+        elif key == "op_args":
+            out[key] = None if first is None else {column: _joined([b.op_args.pop(column) for b in batches])
+                                                   for column in OP_ARG_COLUMNS}
         elif len(batches) == 1:
             out[key] = first
         else:
-            parts = [getattr(b, key) for b in batches]
-            out[key] = union_categoricals(parts) if isinstance(first, pd.Categorical) else np.concatenate(parts)
-            del parts
+            out[key] = _joined([getattr(b, key) for b in batches])
             for b in batches:
                 setattr(b, key, None)
     return out
+
+
+def _joined(parts: list):
+    """One column of several batches' parts (categoricals unioned, arrays concatenated)."""
+    return parts[0] if len(parts) == 1 else union_categoricals(parts) if isinstance(parts[0], pd.Categorical) \
+        else np.concatenate(parts)
 
 
 def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
@@ -410,6 +439,7 @@ def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
     ``conform`` has nothing left to do): a frame per step of the way costs about a millisecond each.
     """
     cols = _concat(batches)
+    cols.update(cols.pop("op_args") or {})  # the op-args columns, when asked for, go along with every row
     if cols["overflow"]:
         warnings.append(f"{path}: {cols['overflow']} integer args beyond int64 were set to -1")
     warnings.extend(f"{path}: {count} integer values beyond int32 in the {column} column were set to -1"
@@ -440,7 +470,8 @@ def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
     cols["category"] = cols["dim"] = empty_texts(n)
     cols["memory_kind"] = _memory_kind(cols["name"])
     cols["step"] = assign_steps(cols)
-    return pd.DataFrame({column: cols[column] for column in COLUMNS}, copy=False)
+    return pd.DataFrame({column: cols[column] for column in (*COLUMNS, *OP_ARG_COLUMNS) if column in cols},
+                        copy=False)
 
 
 _KINETO = pd.CategoricalDtype(pd.Index(["kineto"], dtype=_STR))

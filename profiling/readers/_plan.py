@@ -18,7 +18,8 @@ time texts msgspec leaves raw (``_kineto_columns._arrow_times_ns``), unless ``SH
 next one in the plan reads it (the fallbacks keep the results identical); a *forced* plan (the ``force``
 argument, or ``SHARDLINE_KINETO_PATH``) holds one path and a refusal raises :class:`PathRefused` instead, so
 the tests and the benchmark know which path produced what. Environment variables are read when a plan is
-made, never at import: ``SHARDLINE_KINETO_NATIVE=0`` leaves the scanner out.
+made, never at import: ``SHARDLINE_KINETO_NATIVE=0`` leaves the scanner out. A read that keeps the op args
+(``op_args=True``: the ``schema.OP_ARG_COLUMNS``) leaves it out too: the scanner reads the schema's fields only.
 
 Light to import (no msgspec, no Arrow): ``load``'s prefetch thread plans before the reader is imported.
 """
@@ -83,7 +84,8 @@ class ReadPlan:
     imported inside a fresh small read's critical path (``load`` imports it before its prefetch thread starts).
     """
 
-    __slots__ = ("paths", "mapped", "arrow", "strict", "chunk_bytes", "batch_events", "reason", "prefetch")
+    __slots__ = ("paths", "mapped", "arrow", "strict", "chunk_bytes", "batch_events", "reason", "prefetch",
+                 "op_args")
 
     paths: tuple[DecodePath, ...]
     #: read the file through a memory map (``STREAM``), not into memory
@@ -99,11 +101,14 @@ class ReadPlan:
     #: reading the file ahead of its turn pays (``load``'s prefetch): a document read whole, at most
     #: ``NATIVE_MAX_BYTES``; a bigger one is decoded in bounded chunks, and holding it early only adds to the peak
     prefetch: bool
+    #: the decode keeps the op args (``schema.OP_ARG_COLUMNS``); never on the native path
+    op_args: bool
 
     def __init__(self, paths: tuple[DecodePath, ...], *, mapped: bool, arrow: bool, strict: bool = False,
-                 chunk_bytes: int = -1, batch_events: int = -1, reason: str = "", prefetch: bool = False):
+                 chunk_bytes: int = -1, batch_events: int = -1, reason: str = "", prefetch: bool = False,
+                 op_args: bool = False):
         values = (tuple(paths), mapped, arrow, strict, CHUNK_BYTES if chunk_bytes < 0 else chunk_bytes,
-                  BATCH_EVENTS if batch_events < 0 else batch_events, reason, prefetch)
+                  BATCH_EVENTS if batch_events < 0 else batch_events, reason, prefetch, bool(op_args))
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
 
@@ -163,29 +168,32 @@ def arrow_on() -> bool:
     return arrow_installed() and _switch("SHARDLINE_KINETO_ARROW")
 
 
-def plan(path: Path, *, data=None, force: DecodePath | str | None = None) -> ReadPlan:
+def plan(path: Path, *, data=None, force: DecodePath | str | None = None, op_args: bool = False) -> ReadPlan:
     """The plan for reading ``path``: from its size and kind on disk (``data`` None: whether to map it),
-    or from the buffer already read (``data``: bytes or a memory map).
+    or from the buffer already read (``data``: bytes or a memory map); ``op_args``: the read keeps the op args.
 
     Rules, in order: a forced path (``force``, else ``SHARDLINE_KINETO_PATH``) is the whole plan; a plain
     file of at least ``MAP_MIN_BYTES`` is mapped and streamed; an in-memory document of at most
-    ``NATIVE_MAX_BYTES`` goes to the native scanner first (where built and not switched off); then msgspec
-    in one call up to ``ONE_CALL_MAX_BYTES``, else in chunks (``STREAM``); ``SLICES`` last, always.
+    ``NATIVE_MAX_BYTES`` goes to the native scanner first (where built and not switched off, and the op args
+    are not asked for); then msgspec in one call up to ``ONE_CALL_MAX_BYTES``, else in chunks (``STREAM``);
+    ``SLICES`` last, always.
     """
     force = force or os.environ.get("SHARDLINE_KINETO_PATH") or None
     native, arrow = native_on(), arrow_on()
     size, gzip, mapped = _measure(path, data)
     whole = not gzip or size <= NATIVE_MAX_BYTES
     if force is not None:
-        chosen = _forced(DecodePath(force), size=size, gzip=gzip, data=data, arrow=arrow)
+        chosen = _forced(DecodePath(force), size=size, gzip=gzip, data=data, arrow=arrow, op_args=op_args)
     elif mapped if data is not None else not gzip and size >= MAP_MIN_BYTES:
-        chosen = ReadPlan((DecodePath.STREAM, DecodePath.SLICES), mapped=True, arrow=arrow,
+        chosen = ReadPlan((DecodePath.STREAM, DecodePath.SLICES), mapped=True, arrow=arrow, op_args=op_args,
                           reason=f"a plain file of {size} bytes >= {MAP_MIN_BYTES}: mapped and streamed")
     else:
         paths, why = [], []
-        if native and size <= NATIVE_MAX_BYTES:
+        if native and size <= NATIVE_MAX_BYTES and not op_args:
             paths.append(DecodePath.NATIVE)
             why.append(f"{size} bytes <= {NATIVE_MAX_BYTES}: native scanner first")
+        elif op_args:
+            why.append("op args asked for: not the native scanner (it reads the schema's fields only)")
         elif size <= NATIVE_MAX_BYTES:
             why.append("native scanner " + ("switched off" if native_built() else "not built"))
         if size <= ONE_CALL_MAX_BYTES:
@@ -195,17 +203,21 @@ def plan(path: Path, *, data=None, force: DecodePath | str | None = None) -> Rea
             paths.append(DecodePath.STREAM)
             why.append(f"msgspec chunks above {ONE_CALL_MAX_BYTES}")
         paths.append(DecodePath.SLICES)
-        chosen = ReadPlan(tuple(paths), mapped=False, arrow=arrow, prefetch=whole, reason="; ".join(why))
+        chosen = ReadPlan(tuple(paths), mapped=False, arrow=arrow, prefetch=whole, reason="; ".join(why),
+                          op_args=op_args)
     log.debug("%s: plan %s (%s)", path, "/".join(p.value for p in chosen.paths), chosen.reason)
     return chosen
 
 
-def _forced(path: DecodePath, *, size: int, gzip: bool, data, arrow: bool) -> ReadPlan:
+def _forced(path: DecodePath, *, size: int, gzip: bool, data, arrow: bool, op_args: bool) -> ReadPlan:
     """A one-path plan that raises where the path refuses (STREAM maps a plain file whatever its size)."""
     if path is DecodePath.NATIVE and not native_built():
         raise PathRefused("the native scanner was not built")
+    if path is DecodePath.NATIVE and op_args:
+        raise PathRefused("the native scanner does not read the op args")
     mapped = path is DecodePath.STREAM and not gzip if data is None else isinstance(data, mmap.mmap)
-    return ReadPlan((path,), mapped=mapped, arrow=arrow, strict=True, reason=f"forced ({size} bytes)")
+    return ReadPlan((path,), mapped=mapped, arrow=arrow, strict=True, reason=f"forced ({size} bytes)",
+                    op_args=op_args)
 
 
 def _measure(path: Path, data) -> tuple[int, bool, bool]:

@@ -15,11 +15,16 @@ Decoding is columnar, by one of five paths that give the same columns (``_kineto
 native C scanner, a memory-mapped stream of chunks, msgspec in one call, Arrow chunks, and msgspec slices
 with salvage (damage keeps the events before it, with a warning). Which path reads a trace, and what each
 hands on when it cannot read it exactly, is the plan's (``_plan.plan``, which logs its choice at debug level).
+
+``op_args=True`` also keeps the args the schema's columns drop (shapes, a collective's element counts, dtype
+and splits: ``schema.OP_ARG_COLUMNS``, after the schema's columns): the events are then decoded into
+``OpArgsEvent`` (the same fields and those args as raw JSON) by the msgspec paths, never the native scanner.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import re
 from pathlib import Path
@@ -69,10 +74,28 @@ class Event(msgspec.Struct, gc=False):
     args: _Args | None = None
 
 
+class _OpArgs(_Args, gc=False):
+    # The op args (``schema.OP_ARG_COLUMNS``) that are JSON values, kept as raw text: decoded by whoever reads
+    # them, once per distinct text (``schema.json_values``).
+    input_dims: msgspec.Raw = msgspec.field(name="Input Dims", default=msgspec.Raw(b""))
+    input_types: msgspec.Raw = msgspec.field(name="Input type", default=msgspec.Raw(b""))
+    concrete_inputs: msgspec.Raw = msgspec.field(name="Concrete Inputs", default=msgspec.Raw(b""))
+    in_split_sizes: msgspec.Raw = msgspec.field(name="In split size", default=msgspec.Raw(b""))
+    out_split_sizes: msgspec.Raw = msgspec.field(name="Out split size", default=msgspec.Raw(b""))
+
+
+class OpArgsEvent(Event, gc=False):
+    """``Event`` with the op args too (a read with ``op_args=True``)."""
+
+    args: _OpArgs | None = None
+
+
 _META_KEYS = ("distributedInfo", "baseTimeNanoseconds", "deviceProperties", "schemaVersion", "traceName",
               "displayTimeUnit", "cupti_version", "cuda_runtime_version", "cuda_driver_version", "record_shapes")
 _DECODE_EVENT = msgspec.json.Decoder(Event)
 _DECODE_EVENTS = msgspec.json.Decoder(list[Event])
+_DECODE_OP_EVENT = msgspec.json.Decoder(OpArgsEvent)
+_DECODE_OP_EVENTS = msgspec.json.Decoder(list[OpArgsEvent])
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODE_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
 _BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
@@ -85,29 +108,33 @@ def rank_from_name(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False,
+def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = False, op_args: bool = False,
                 prefetched: Prefetched | None = None, force: DecodePath | str | None = None) -> ReadResult:
     """Read one Kineto trace into events (see the module docstring for the mapping).
 
     The rank is ``distributedInfo.rank``, else ``rank``, else one written in the file name; none of them
     raises :class:`MissingRankError` from ``load`` (here it is returned as ``-1`` in ``metadata``). A trace
-    truncated or corrupted part-way gives a warning and the events before the damage. ``prefetched``:
-    ``prefetch(path)``, when the caller has already run it. ``force``: decode with this path only
-    (``_plan.plan``), raising ``PathRefused`` where it cannot read the trace exactly.
+    truncated or corrupted part-way gives a warning and the events before the damage. ``op_args``: add the
+    op-args columns (``schema.OP_ARG_COLUMNS``). ``prefetched``: ``prefetch(path)``, when the caller has already
+    run it. ``force``: decode with this path only (``_plan.plan``), raising ``PathRefused`` where it cannot
+    read the trace exactly.
     """
     path = Path(path)
     if prefetched is not None:
         data, scanned, chosen = prefetched.data, prefetched.scanned, prefetched.plan
+        if chosen is not None and chosen.op_args != op_args:
+            scanned, chosen = _NOT_SCANNED, None  # planned for another read: plan this one
     else:
         data = _buffers.trace_buffer(path) if force is None else \
-            _buffers.trace_buffer(path, mapped=_plan.plan(path, force=force).mapped)
+            _buffers.trace_buffer(path, mapped=_plan.plan(path, force=force, op_args=op_args).mapped)
         scanned, chosen = _NOT_SCANNED, None
     if chosen is None or force is not None:
-        chosen = _plan.plan(path, data=data, force=force)
+        chosen = _plan.plan(path, data=data, force=force, op_args=op_args)
     warnings: list[str] = []
     decoded = _Decoding(path, data, chosen, keep_python=keep_python, warnings=warnings).run(scanned)
     del data
     if isinstance(decoded, ReadResult):
+        decoded.events = conform(decoded.events, op_args=op_args)
         return decoded
     top, batches, _ = decoded
     del decoded
@@ -119,15 +146,16 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
         file_rank = _int32_rank(path, rank, "the rank argument", warnings) if rank is not None else \
             _int32_rank(path, rank_from_name(path), "the file name", warnings)
     base = metadata.get("baseTimeNanoseconds")
-    base_ns = base if isinstance(base, int) and not isinstance(base, bool) else 0
-    if base is not None and not base_ns:
+    integral = isinstance(base, int) and not isinstance(base, bool)
+    base_ns = base if integral else 0
+    if base is not None and not integral:  # 0 is a valid base (times already absolute)
         warnings.append(f"{path}: baseTimeNanoseconds {base!r} is not an integer; times kept as written")
     frame = finish_frame(path, batches, base_ns=base_ns, rank=-1 if file_rank is None else file_rank,
                          warnings=warnings)
     metadata["rank_source"] = ("distributedInfo" if info.get("rank") == file_rank and file_rank is not None
                                else "argument" if rank is not None and rank == file_rank
                                else "file name" if file_rank is not None else "none")
-    return ReadResult(conform(frame), metadata={-1 if file_rank is None else file_rank: metadata},
+    return ReadResult(conform(frame, op_args=op_args), metadata={-1 if file_rank is None else file_rank: metadata},
                       warnings=warnings)
 
 
@@ -151,6 +179,10 @@ class _Decoding:
         self.path, self.data, self.plan = path, data, plan
         self.keep_python, self.warnings = keep_python, warnings
         self._split = None
+        # The event structs: with the op args only when the plan keeps them.
+        self.decode_events = (_DECODE_OP_EVENTS if plan.op_args else _DECODE_EVENTS).decode
+        self.decode_batch = functools.partial(_decode_batch, decode=(_DECODE_OP_EVENT if plan.op_args
+                                                                     else _DECODE_EVENT).decode)
 
     def run(self, scanned) -> Decoded | ReadResult:
         for step in self.plan.paths:
@@ -164,7 +196,8 @@ class _Decoding:
         raise AssertionError(f"{self.path}: no path of the plan read it ({self.plan})")  # SLICES never refuses
 
     def _columns(self, events: list):
-        return columns_from_events(events, keep_python=self.keep_python, arrow=self.plan.arrow)
+        return columns_from_events(events, keep_python=self.keep_python, arrow=self.plan.arrow,
+                                   op_args=self.plan.op_args)
 
     def _refused(self, step: DecodePath, why: str) -> None:
         self.plan.refused(self.path, step, why)
@@ -184,7 +217,7 @@ class _Decoding:
         noted = len(self.warnings)
         with _gc_paused():
             out = stream_mapped(self.path, self.data, chunk_bytes=self.plan.chunk_bytes,
-                                decode_events=_DECODE_EVENTS.decode, decode_batch=_decode_batch,
+                                decode_events=self.decode_events, decode_batch=self.decode_batch,
                                 warnings=self.warnings, to_columns=self._columns)
         if out is None:
             del self.warnings[noted:]
@@ -209,7 +242,7 @@ class _Decoding:
             return None
         try:
             with _gc_paused():
-                events = _DECODE_EVENTS.decode(events_raw)
+                events = self.decode_events(events_raw)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             self._refused(DecodePath.ONE_CALL, "some event does not decode")
             return None
@@ -229,7 +262,7 @@ class _Decoding:
             batches = []
             step = self.plan.batch_events
             for start in range(0, len(raws), step):
-                decoded = _decode_batch(self.path, raws[start:start + step], self.warnings)
+                decoded = self.decode_batch(self.path, raws[start:start + step], self.warnings)
                 batches.append(self._columns(decoded))
                 del decoded
                 pages.release(raws[min(start + step, len(raws)) - 1])
@@ -394,23 +427,21 @@ def _gc_paused():
             gc.enable()
 
 
-def _decode_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
-    """Decode one batch of raw event slices (one decoder call each: no joined copy of the batch)."""
-    decode = _DECODE_EVENT.decode
+def _decode_batch(path: Path, raws: list, warnings: list[str], *, decode=_DECODE_EVENT.decode) -> list[Event]:
+    """Decode one batch of raw event slices (one ``decode`` call each: no joined copy of the batch)."""
     try:
         return [decode(raw) for raw in raws]
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
-        return _salvage_batch(path, raws, warnings)
+        return _salvage_batch(path, raws, warnings, decode=decode)
 
 
-def _salvage_batch(path: Path, raws: list, warnings: list[str]) -> list[Event]:
+def _salvage_batch(path: Path, raws: list, warnings: list[str], *, decode) -> list[Event]:
     """The careful path: an event with invalid UTF-8 is kept with the bad bytes replaced by U+FFFD, a
     mistyped event is dropped; one warning per file and kind counts them.
 
     Whether an event's bytes are valid UTF-8 is decided by Python's codec after any failed decode, never by
     the decoder's error class or text (they differ between msgspec versions: ``_buffers.utf8_repaired``).
     """
-    decode = _DECODE_EVENT.decode
     kept, replaced, dropped, first = [], 0, 0, None
     for raw in raws:
         try:

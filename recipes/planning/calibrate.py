@@ -5,12 +5,12 @@ the given cluster with every fitted number replaced (and `` (calibrated)`` added
 :func:`~.steptime.predict`; ``.to_yaml()`` writes the same numbers as a catalog override file (the base's GPU
 and link names, only the fitted fields) that :func:`~.catalog.load_catalog` merges.
 
-The trace is read by :func:`shardline.profiling.load` (events, classification, process groups); the shapes of
-the CPU ops, which the events table does not keep, are read from the same files (``Input Dims``, ``Input
-type``, ``Concrete Inputs``: the profiler's ``record_shapes=True``). A GPU kernel belongs to the innermost
-known op that launched it: its launch is the CPU row with the kernel's correlation id (the ``ac2g`` flow), the op
-the innermost one on that thread whose interval holds the launch; without a launch row, the op whose External
-id the kernel carries (an op that began before it). An op's time ``t`` is the sum of its kernels' durations.
+The trace is read by :func:`shardline.profiling.load` with its op args (events, classification, process
+groups, and the CPU ops' ``Input Dims``, ``Input type``, ``Concrete Inputs``: the profiler's
+``record_shapes=True``; a loaded trace set without them has them read by ``load.read_op_args``). A GPU kernel
+belongs to the known op that launched it (``classify.launching_op`` among the known ops: the innermost one
+holding the kernel's launch, the CPU row with its correlation id; else the one whose External id it carries,
+begun before it). An op's time ``t`` is the sum of its kernels' durations.
 
 GEMMs -> ``gpu.matmul_fraction_bf16`` (bf16 and fp16 operands: one peak) and ``gpu.matmul_fraction_fp8``
 (``aten::_scaled_mm``). Ops ``mm [M,K][K,N]``, ``addmm``, ``_addmm_activation``, ``bmm [B,M,K][B,K,N]``,
@@ -65,21 +65,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import gzip
 import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pandas as pd
 import yaml
 
+from shardline.profiling.classify import launching_op
 from shardline.profiling.errors import ProfilingError
-from shardline.profiling.load import TraceSet, load
-from shardline.profiling.readers import Format, sniff
+from shardline.profiling.load import TraceSet, load, read_op_args
+from shardline.profiling.schema import json_values
 from shardline.recipes.planning import catalog as hw
 from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.steptime import FLASH_BWD_OVER_FWD
@@ -265,7 +264,7 @@ def _load(profile) -> tuple[TraceSet, str]:
     if not path.exists():
         raise PlanError(f"calibration profile {path}: no such file or folder")
     try:
-        return load(path), str(path)
+        return load(path, op_args=True), str(path)
     except ProfilingError as error:
         raise PlanError(f"calibration profile {path}: {error}") from None
 
@@ -287,127 +286,28 @@ def _devices(traces: TraceSet) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------- ops and their time
 
 
-class _ShapeEvent(msgspec.Struct, gc=False):
-    name: msgspec.Raw = msgspec.Raw(b'""')
-    args: msgspec.Raw = msgspec.Raw(b"null")
-
-
-class _Document(msgspec.Struct, gc=False):
-    traceEvents: list[_ShapeEvent] = msgspec.field(default_factory=list)
-
-
-_DOCUMENT = msgspec.json.Decoder(_Document)
-_EVENTS = msgspec.json.Decoder(list[_ShapeEvent])
-_WANTED = {msgspec.json.encode(name): name for name in _KNOWN_OPS}
-
-
-def _shapes(traces: TraceSet) -> dict[tuple[int, str, int], tuple]:
-    """(rank, op name, External id) -> (Input Dims, Input type, Concrete Inputs) of every known op of every
-    Kineto file; an id seen twice with other shapes is dropped (ambiguous)."""
-    out: dict[tuple[int, str, int], tuple] = {}
-    ambiguous = set()
-    for file, ranks in traces.files.items():
-        if len(ranks) != 1 or sniff(Path(file)) is not Format.KINETO:
-            continue
-        for name, args in _read_ops(Path(file)):
-            ext = args.get("External id", args.get("external id", -1))
-            if not isinstance(ext, int) or ext < 0:
-                continue
-            key = (ranks[0], name, ext)
-            value = (args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"))
-            if key in out and out[key] != value:
-                ambiguous.add(key)
-            out[key] = value
-    for key in ambiguous:
-        del out[key]
-    return out
-
-
-def _read_ops(path: Path) -> list[tuple[str, dict]]:
-    """(name, args) of the known ops in one Kineto file: every event's name is compared as raw JSON text, only
-    the known ops' args are decoded. A file that no longer decodes gives a warning and nothing."""
-    try:
-        data = path.read_bytes()
-        if data[:2] == b"\x1f\x8b":
-            data = gzip.decompress(data)
-        head = data.lstrip()[:1]
-        events = _EVENTS.decode(data) if head == b"[" else _DOCUMENT.decode(data).traceEvents
-    except (OSError, EOFError, gzip.BadGzipFile, msgspec.DecodeError, msgspec.ValidationError) as error:
-        warnings.warn(f"{path}: op shapes not read ({error}); its GEMMs and attention are not calibrated",
-                      CalibrationWarning, stacklevel=4)
-        return []
-    out = []
-    for event in events:
-        name = _WANTED.get(bytes(event.name))
-        if name is not None:
-            args = msgspec.json.decode(event.args)
-            if isinstance(args, dict):
-                out.append((name, args))
-    return out
-
-
 def _op_table(traces: TraceSet, kernels: np.ndarray) -> pd.DataFrame:
     """One row per known op that launched kernels: kind, name, rank, kernels, t_ns (their summed duration) and
-    dims/types/concrete (None where the trace has no shapes for it)."""
+    dims/types/concrete, the op's own ``Input Dims`` / ``Input type`` / ``Concrete Inputs`` (None where the
+    trace has no shapes for it)."""
     ev = traces.events
     op_rows = np.flatnonzero(((ev["lane"] == "cpu") & ev["name"].isin(list(_KNOWN_OPS))).to_numpy())
-    owner = _launching_op(ev, op_rows, kernels)
+    owner = launching_op(ev, ops=op_rows, rows=kernels)
     linked = owner >= 0
     per_op = pd.DataFrame({"op": owner[linked], "t_ns": ev["dur_ns"].to_numpy()[kernels[linked]]})
     per_op = per_op.groupby("op").agg(t_ns=("t_ns", "sum"), kernels=("t_ns", "size")).reset_index()
     rows = per_op["op"].to_numpy()
-    shapes = _shapes(traces) if len(rows) else {}
+    args = read_op_args(traces) if len(rows) else None
+    shapes = {column: json_values(args[column].iloc[rows]) if len(rows) else [] for column in _SHAPE_ARGS}
     names = ev["name"].iloc[rows].astype(str).to_numpy()
-    rank, ext = ev["rank"].to_numpy()[rows], ev["external_id"].to_numpy()[rows]
-    found = [shapes.get((int(r), name, int(x)), (None, None, None)) for name, r, x in zip(names, rank, ext)]
-    return pd.DataFrame({"kind": [_KNOWN_OPS[name] for name in names], "name": names, "rank": rank,
-                         "kernels": per_op["kernels"].to_numpy(), "t_ns": per_op["t_ns"].to_numpy(),
-                         "dims": [f[0] for f in found], "types": [f[1] for f in found],
-                         "concrete": [f[2] for f in found]})
+    return pd.DataFrame({"kind": [_KNOWN_OPS[name] for name in names], "name": names,
+                         "rank": ev["rank"].to_numpy()[rows], "kernels": per_op["kernels"].to_numpy(),
+                         "t_ns": per_op["t_ns"].to_numpy(), "dims": shapes["input_dims"],
+                         "types": shapes["input_types"], "concrete": shapes["concrete_inputs"]})
 
 
-def _launching_op(ev: pd.DataFrame, ops: np.ndarray, kernels: np.ndarray) -> np.ndarray:
-    """For each kernel row, the row of the innermost op of ``ops`` that launched it, or -1 (module docstring)."""
-    rank, stream = ev["rank"].to_numpy().astype(np.int64), ev["stream"].to_numpy()
-    start = ev["start_ns"].to_numpy()
-    end, dur = start + ev["dur_ns"].to_numpy(), ev["dur_ns"].to_numpy()
-    corr, ext = ev["correlation"].to_numpy(), ev["external_id"].to_numpy()
-    out = np.full(len(kernels), -1, dtype=np.int64)
-    if not len(ops):
-        return out
-    cpu = (ev["lane"] == "cpu").to_numpy()
-    launch = _first_row(rank, corr, np.flatnonzero(cpu & (corr >= 0)), kernels)
-    has = launch >= 0
-    points = launch[has]
-    found = np.full(len(points), -1, dtype=np.int64)
-    for r, s in set(zip(rank[points].tolist(), stream[points].tolist())):
-        mine = ops[(rank[ops] == r) & (stream[ops] == s)]
-        mine = mine[np.lexsort((-dur[mine], start[mine]))]  # by start; a parent before a child starting with it
-        sel = np.flatnonzero((rank[points] == r) & (stream[points] == s))
-        pts = points[sel]
-        pos = np.searchsorted(start[mine], start[pts], side="right") - 1
-        for back in range(4):  # known ops nest at most 3 deep (sdpa > _sdpa_flash > _flash_attention_forward)
-            cand = mine[np.clip(pos - back, 0, None)] if len(mine) else pos
-            ok = (pos - back >= 0) & (found[sel] < 0)
-            ok[ok] = (start[cand[ok]] <= start[pts[ok]]) & (end[cand[ok]] >= end[pts[ok]])
-            found[sel[ok]] = cand[ok]
-    out[has] = found
-    rest = np.flatnonzero(~has)
-    by_ext = _first_row(rank, ext, ops[ext[ops] >= 0], kernels[rest])
-    ok = by_ext >= 0
-    ok[ok] = start[by_ext[ok]] <= start[kernels[rest[ok]]]  # old Kineto reuses correlation ids as External ids
-    out[rest[ok]] = by_ext[ok]
-    return out
-
-
-def _first_row(rank: np.ndarray, key: np.ndarray, rows: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """For each query row, the first of ``rows`` with the same (rank, key), or -1."""
-    if not len(rows) or not len(queries):
-        return np.full(len(queries), -1, dtype=np.int64)
-    index = pd.MultiIndex.from_arrays([rank[rows], key[rows]])
-    keep = ~index.duplicated(keep="first")
-    position = index[keep].get_indexer(pd.MultiIndex.from_arrays([rank[queries], key[queries]]))
-    return np.where(position >= 0, rows[keep][np.clip(position, 0, None)], -1)
+#: The op-args columns of the shapes (``load(..., op_args=True)``; the profiler's ``record_shapes=True``).
+_SHAPE_ARGS = ("input_dims", "input_types", "concrete_inputs")
 
 
 # ------------------------------------------------------------------------------------------ compute rates

@@ -1,5 +1,6 @@
-"""Fixtures of the profiling tests: the synthetic-trace generator (loaded by path: tests use importlib mode), and
-the independent reference reading of a Kineto trace that every decode path of the reader is checked against."""
+"""Fixtures of the profiling tests: the synthetic-trace generator and the report readers (helper modules loaded by
+path: tests use importlib mode), the DLRM report the report tests share, and the independent reference reading of
+a Kineto trace that every decode path of the reader is checked against."""
 
 from __future__ import annotations
 
@@ -14,16 +15,41 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("shardline_synthetic_traces",
-                                               Path(__file__).with_name("synthetic_traces.py"))
-synthetic_traces = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(synthetic_traces)
+
+def _helper(name: str) -> types.ModuleType:
+    """A helper module of this folder, loaded by path (the tests run in importlib mode: no package to import)."""
+    spec = importlib.util.spec_from_file_location(f"shardline_tests_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+synthetic_traces = _helper("synthetic_traces")
+report_pages = _helper("report_pages")
 
 
 @pytest.fixture(scope="session")
 def synth():
     """The generator module ``tests/profiling/synthetic_traces.py``."""
     return synthetic_traces
+
+
+@pytest.fixture(scope="session")
+def pages():
+    """``tests/profiling/report_pages.py``: a rendered report's tables read back (``parse_html``, ``frame``,
+    ``md_tables``)."""
+    return report_pages
+
+
+@pytest.fixture(scope="session")
+def dlrm_report(traces_dir):
+    """Eight real ranks (param's DLRM: Tesla V100-SXM2, NCCL all-reduce / all-to-all, pinned and pageable copies)
+    and their report sections, ``(traceset, sections)``, loaded once for every report test."""
+    from shardline.profiling.load import load
+    from shardline.profiling.report_sections import report_sections
+
+    ts = load(traces_dir / "param" / "dlrm_kineto")
+    return ts, report_sections(ts)
 
 
 # --- the reference: plain ``json`` with exact decimals, one event at a time, written from the format's rules

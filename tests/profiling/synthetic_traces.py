@@ -169,6 +169,130 @@ def _one_f_one_b_order(warmup: int, m: int) -> list[tuple[str, int]]:
     return order
 
 
+# --- scenario: a pipeline traced with nothing but spinning NCCL send/recv kernels -------------------------------
+
+def spinning_pipeline(p: int, m: int, *, schedule: str = "1f1b", f: int = 1000, b: int = 2000,
+                      nbytes: int = 4_500_000, gbps: float = 450.0, steps: int = 2,
+                      stage_rank: list[int] | None = None, offsets: list[int] | None = None,
+                      group_ranks: bool = True, megatron_nvtx: bool = False) -> tuple[list[dict], dict]:
+    """A Megatron-style pipeline with no annotations: compute kernels on stream 7, NCCL ``SendRecv`` kernels
+    for every activation/gradient (receives on stream 20, sends on 21), an all-reduce over all ranks closing
+    each step (stream 22) and a GPU ``ProfilerStep#k`` per step.
+
+    A stage posts the receive for an action's input when it is free (the recv kernel starts spinning then);
+    the producer's send kernel starts when the producing action ends; the data lands
+    ``max(recv start, send start) + nbytes / gbps`` later (the send kernel spins until then too), and the
+    action computes after that. Truth, per rank and step: ``wait`` = sum over its receives of
+    ``max(0, send start - recv start)`` (the stage waits for data its upstream has not sent: bubble) and
+    ``transfer`` = the rest of its receives. ``stage_rank[s]`` is the rank of stage s (default: s);
+    ``offsets[r]`` is added to every time of rank r (clock skew); ``group_ranks`` records the pipeline group's
+    ``Process Group Ranks`` in stage order (else only the peers say who is where).
+
+    ``megatron_nvtx`` (1F1B only) adds what an Nsight export of Megatron-core holds on the host: a
+    ``cudaLaunchKernel`` row 200 ns before each compute and receive kernel (same correlation id) and the
+    schedule's NVTX ranges ``...schedules.forward_backward_pipelining_without_interleaving.{warmup,steady,
+    cooldown}`` around the launches of each phase's actions; ``truth["phase_wait"][step, rank, k]`` is the
+    wait of the receives of phase k (warm-up, steady, cool-down)."""
+    stage_rank = list(range(p)) if stage_rank is None else list(stage_rank)
+    offsets = [0] * p if offsets is None else list(offsets)
+    transfer = int(round(nbytes / gbps))  # bytes / (GB/s) = ns
+    nelems = nbytes // 2  # bf16
+    order = {s: (_one_f_one_b_order(p - s - 1, m) if schedule == "1f1b"
+                 else [("F", i) for i in range(m)] + [("B", i) for i in range(m)]) for s in range(p)}
+    rows: list[dict] = []
+    truth = {"wait": np.zeros((steps, p), np.int64), "transfer": np.zeros((steps, p), np.int64),
+             "compute": np.zeros((steps, p), np.int64), "step_start": [], "step_end": [], "steps": steps,
+             "phase_wait": np.zeros((steps, p, 3), np.int64)}
+    launches: dict[tuple[int, int, int], list[int]] = {}  # (step, rank, phase) -> host launch times
+    pg = str(stage_rank) if group_ranks else ""
+
+    def phase_of(stage, position):
+        warmup = min(p - stage - 1, m)
+        return 0 if position < warmup else 1 if position < warmup + 2 * (m - warmup) else 2
+
+    def launched(row, step, stage, position):
+        if megatron_nvtx:
+            row["correlation"] = len(rows) + 1
+            host = row["start_ns"] - 200
+            launches.setdefault((step, row["rank"], phase_of(stage, position)), []).append(host)
+            rows.append({"rank": row["rank"], "lane": "cpu", "device": -1, "stream": 100 + row["rank"],
+                         "name": "cudaLaunchKernel", "cat": "cuda_runtime", "start_ns": host, "dur_ns": 5,
+                         "correlation": row["correlation"], "source": "kineto", "category": "compute"})
+        return row
+
+    def comm(stage, category, start, dur, peer_stage, stream):
+        rank = stage_rank[stage]
+        key = "Src Rank" if category == "p2p_recv" else "Dst Rank"
+        extra = {"stream": stream, "peer_arg": (key, stage_rank[peer_stage]), "peer": stage_rank[peer_stage],
+                 "in_nelems": nelems, "out_nelems": nelems, "dtype": "BFloat16", "pg_size": p,
+                 "msg_bytes": nelems * 2}
+        if pg:
+            extra.update(pg_ranks=pg, pg_name="pp", pg_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+        rows.append(dict(gpu_event(rank, category, int(start + offsets[rank]), int(dur), **extra), category=category))
+
+    t0 = 0
+    for step in range(steps):
+        done = {"F": np.zeros((p, m), np.int64), "B": np.zeros((p, m), np.int64)}
+        sent = {"F": np.full((p, m), -1, np.int64), "B": np.full((p, m), -1, np.int64)}
+        free = {s: t0 for s in range(p)}
+        pos = {s: 0 for s in range(p)}
+        pending = p * 2 * m
+        while pending:
+            progressed = False
+            for s in range(p):
+                while pos[s] < len(order[s]):
+                    kind, i = order[s][pos[s]]
+                    peer = s - 1 if kind == "F" else s + 1
+                    if 0 <= peer < p and sent[kind][peer, i] < 0:
+                        break  # the producer has not run yet
+                    if kind == "B" and s == p - 1 and done["F"][s, i] == 0:
+                        break
+                    start = free[s]
+                    if 0 <= peer < p:  # receive the input: spin until the data lands
+                        send_start = int(sent[kind][peer, i])
+                        landed = max(start, send_start) + transfer
+                        comm(s, "p2p_recv", start, landed - start, peer, 20)
+                        launched(rows[-1], step, s, pos[s])
+                        comm(peer, "p2p_send", send_start, landed - send_start, s, 21)
+                        truth["wait"][step, stage_rank[s]] += max(0, send_start - start)
+                        truth["phase_wait"][step, stage_rank[s], phase_of(s, pos[s])] += max(0, send_start - start)
+                        truth["transfer"][step, stage_rank[s]] += landed - max(start, send_start)
+                        start = landed
+                    cost = f if kind == "F" else b
+                    rows.append(dict(gpu_event(stage_rank[s], "compute", int(start + offsets[stage_rank[s]]), cost),
+                                     category="compute"))
+                    launched(rows[-1], step, s, pos[s])
+                    truth["compute"][step, stage_rank[s]] += cost
+                    free[s] = start + cost
+                    done[kind][s, i] = free[s]
+                    sent[kind][s, i] = free[s]  # the output leaves as soon as it exists
+                    pos[s] += 1
+                    pending -= 1
+                    progressed = True
+            assert progressed, "pipeline generator deadlocked"  # a bug in the generator itself
+        arrive = max(free.values())
+        for s in range(p):  # the closing all-reduce (gradient norm): ends together on every rank
+            rank = stage_rank[s]
+            rows.append(dict(gpu_event(rank, "all_reduce", int(free[s] + offsets[rank]), int(arrive + 50 - free[s]),
+                                       stream=22, pg_name="0", pg_desc="default_pg", pg_ranks=str(list(range(p))),
+                                       pg_size=p, seq=step), category="all_reduce"))
+        end = arrive + 50
+        for s in range(p):
+            rank = stage_rank[s]
+            rows.append(annotation(rank, f"ProfilerStep#{step}", int(t0 + offsets[rank]), int(end - t0)))
+        truth["step_start"].append(t0)
+        truth["step_end"].append(end)
+        t0 = end
+    if megatron_nvtx:
+        assert schedule == "1f1b", "the generator lays out Megatron's phases for 1F1B only"
+        name = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving."
+        for (_step, rank, k), times in sorted(launches.items()):
+            rows.append({"rank": rank, "lane": "cpu", "device": -1, "stream": 100 + rank,
+                         "name": name + ("warmup", "steady", "cooldown")[k], "cat": "nvtx", "source": "nsys",
+                         "start_ns": min(times) - 1, "dur_ns": max(times) - min(times) + 3, "category": "compute"})
+    return rows, truth
+
+
 # --- scenario: one collective on many ranks with known arrival, transfer and clock skew -------------------------
 
 def skewed_collectives(arrivals: np.ndarray, *, transfer: np.ndarray, offsets: np.ndarray,
@@ -192,9 +316,11 @@ def skewed_collectives(arrivals: np.ndarray, *, transfer: np.ndarray, offsets: n
 
 # --- Kineto JSON writer ---------------------------------------------------------------------------------------
 
-def write_kineto(rows: list[dict], folder: Path, *, world: int | None = None) -> list[Path]:
+def write_kineto(rows: list[dict], folder: Path, *, world: int | None = None,
+                 device_name: str | None = None) -> list[Path]:
     """One ``rank{r}.pt.trace.json.gz`` per rank; ts in µs relative to ``baseTimeNanoseconds`` with the ns
-    fraction kept, GPU rows on pid=device/tid=stream, CPU rows on the rank's pid/thread."""
+    fraction kept, GPU rows on pid=device/tid=stream, CPU rows on the rank's pid/thread; ``device_name``:
+    the GPU's name in ``deviceProperties``."""
     folder.mkdir(parents=True, exist_ok=True)
     ranks = sorted({r["rank"] for r in rows})
     world = world or (max(ranks) + 1)
@@ -205,6 +331,8 @@ def write_kineto(rows: list[dict], folder: Path, *, world: int | None = None) ->
         trace = [_kineto_event(r, base) for r in mine]
         doc = {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
                "baseTimeNanoseconds": base, "traceEvents": trace}
+        if device_name:
+            doc["deviceProperties"] = [{"id": rank % 8, "name": device_name}]
         path = folder / f"rank{rank}.pt.trace.json.gz"
         with gzip.open(path, "wt") as fh:
             json.dump(doc, fh)
@@ -220,9 +348,12 @@ def _kineto_event(row: dict, base: int) -> dict:
         args.update({"device": row["device"], "stream": row["stream"]})
     for column, key in (("collective", "Collective name"), ("pg_name", "Process Group Name"),
                         ("pg_desc", "Process Group Description"), ("pg_ranks", "Process Group Ranks"),
-                        ("pg_size", "Group size"), ("seq", "Seq")):
+                        ("pg_size", "Group size"), ("seq", "Seq"), ("in_nelems", "In msg nelems"),
+                        ("out_nelems", "Out msg nelems"), ("dtype", "dtype")):
         if column in row:
             args[key] = row[column]
+    if "peer_arg" in row:  # ("Src Rank" | "Dst Rank", global rank), as torch records a p2p call's peer
+        args[row["peer_arg"][0]] = row["peer_arg"][1]
     return {"ph": "X", "cat": row["cat"], "name": row["name"],
             "pid": row["device"] if gpu else 1000 + row["rank"], "tid": row["stream"],
             "ts": rel / 1000, "dur": row["dur_ns"] / 1000,

@@ -7,13 +7,12 @@ number shown must be ``bandwidth_summary(collective_bandwidth(ts))``'s, written 
 from __future__ import annotations
 
 import json
-from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling import collective_bandwidth, load
+from shardline.profiling import collective_bandwidth
 from shardline.profiling.bandwidth import bandwidth_summary, link_table
 from shardline.profiling.merge import merged_trace
 from shardline.profiling.report_html import render_html
@@ -24,17 +23,17 @@ from shardline.profiling.report_sections import (
     Section,
     bandwidth_text,
     offload_title,
-    report_sections,
     section_title,
 )
 from shardline.profiling.tables import fixed
 
 
 @pytest.fixture(scope="module")
-def dlrm(traces_dir):
-    ts = load(traces_dir / "param" / "dlrm_kineto")
+def dlrm(dlrm_report):
+    """The shared DLRM report (``conftest.dlrm_report``) with its bandwidth rows and their summary."""
+    ts, sections = dlrm_report
     rows = collective_bandwidth(ts)
-    return ts, report_sections(ts), rows, bandwidth_summary(rows)
+    return ts, sections, rows, bandwidth_summary(rows)
 
 
 def _expected(summary: pd.DataFrame) -> dict[str, list[str]]:
@@ -56,38 +55,11 @@ def _check(table: pd.DataFrame, summary: pd.DataFrame) -> None:
     assert table["verdict"][~latency].str.endswith("% of peak").all()
 
 
-def _md_table(text: str, first_column: str) -> pd.DataFrame:
-    for block in text.split("\n\n"):
-        lines = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("|---")]
-        if lines and lines[0].startswith(f"| {first_column} | dtype | size |"):
-            cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
-            return pd.DataFrame(cells[1:], columns=cells[0])
+def _md_table(pages, text: str, first_column: str) -> pd.DataFrame:
+    for table in pages.md_tables(text):
+        if table[0][:3] == [first_column, "dtype", "size"]:
+            return pages.frame(table)
     raise AssertionError("no bandwidth table in the text")
-
-
-class _Table(HTMLParser):
-    def __init__(self, table_id: str) -> None:
-        super().__init__()
-        self.table_id, self.rows, self._inside, self._cell = table_id, [], False, None
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "table":
-            self._inside = dict(attrs).get("id") == self.table_id
-        elif self._inside and tag == "tr":
-            self.rows.append([])
-        elif self._inside and tag in ("td", "th"):
-            self._cell = []
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self.rows[-1].append("".join(self._cell))
-            self._cell = None
-        elif tag == "table":
-            self._inside = False
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell.append(data)
 
 
 def test_section_is_the_summary(dlrm):
@@ -96,16 +68,14 @@ def test_section_is_the_summary(dlrm):
     assert set(summary["link"]) == {"nvlink2"}  # V100 SXM2, one node of eight
 
 
-def test_markdown_and_html_show_the_summary(dlrm):
+def test_markdown_and_html_show_the_summary(dlrm, pages):
     ts, sec, _rows, summary = dlrm
     text = render_markdown(sec)
     assert f"## {TITLES[Section.BANDWIDTH]}" in text
-    _check(_md_table(text, "category"), summary)
-    parser = _Table("bandwidth-table")
+    _check(_md_table(pages, text, "category"), summary)
     doc = render_html(sec, events=ts.events)
-    parser.feed(doc)
     assert f'<section id="{Section.BANDWIDTH.value}">' in doc
-    _check(pd.DataFrame(parser.rows[1:], columns=parser.rows[0]), summary)
+    _check(pages.frame(pages.parse_html(doc).tables["bandwidth-table"]), summary)
 
 
 def test_terminal_shows_the_summary(dlrm):
@@ -119,7 +89,7 @@ def test_terminal_shows_the_summary(dlrm):
         assert f" {busbw} " in line and line.rstrip().endswith(verdict)
 
 
-def test_tensorboard_shows_the_summary(dlrm, tmp_path):
+def test_tensorboard_shows_the_summary(dlrm, tmp_path, pages):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from shardline.profiling.tensorboard import BANDWIDTH_TAG, write_tensorboard
@@ -129,7 +99,7 @@ def test_tensorboard_shows_the_summary(dlrm, tmp_path):
     acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
     acc.Reload()
     text = acc.Tensors(BANDWIDTH_TAG)[0].tensor_proto.string_val[0].decode()
-    _check(_md_table(text, "category"), summary)
+    _check(_md_table(pages, text, "category"), summary)
     window = json.loads(next((logdir / "plugins" / "shardline").glob("window_*.json")).read_text())
     assert [r["busbw_gbps_median"] for r in window["bandwidth"]] == summary["busbw_gbps_median"].tolist()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,8 @@ from shardline.profiling.classify import (
     CommRule,
     classify_events,
     desc_dim,
+    launch_rows,
+    launching_op,
     layout_dim,
     name_categories,
     name_category,
@@ -96,6 +99,40 @@ def test_old_kineto_external_id_equal_to_correlation_does_not_link_to_a_later_op
     rows = [_kernel(SENDRECV, ext=5, start=10),
             _cpu("record_param_comms", 100, 80, ext=5, collective="allreduce")]
     assert _classify(rows)["category"].tolist() == ["other_comm", "all_reduce"]
+
+
+def _launch_table() -> pd.DataFrame:
+    """Thread 1 of rank 0: an op P [100, 400) (row 0) holding five ops one after another (c0..c4, rows 1-5, 40 ns
+    each, every 50 ns from 110) and a launch after them. Rows 0-6 ops, 7-9 launches, 10-14 the work."""
+    ops = [_cpu("P", 100, 300, ext=50)] + [_cpu(f"c{i}", 110 + 50 * i, 40, ext=51 + i) for i in range(5)]
+    ops.append(_cpu("twin", 160, 10, ext=60))  # starts with c1 ([160, 200)), ends first: the inner one (row 6)
+    launches = [_cpu("cudaLaunchKernel", 165, 2, cat="cuda_runtime", corr=1),    # inside twin, in c1, in P
+                _cpu("cudaLaunchKernel", 370, 2, cat="cuda_runtime", corr=2),    # in P only, past five children
+                _cpu("cudaLaunchKernel", 500, 2, cat="cuda_runtime", corr=3)]    # in no op
+    work = [_kernel("k1", corr=1, start=600), _kernel("k2", corr=2, start=700),
+            _kernel("k3", corr=3, ext=52, start=800),  # no op holds its launch: its External id (c1, begun before)
+            _kernel("k4", ext=54, start=120),          # no launch; its External id names c3, which began later
+            _cpu("aten::add", 262, 5)]                 # a CPU row: its own launch, inside c3
+    return conform(pd.DataFrame(ops + launches + work))
+
+
+def test_launching_op_is_the_innermost_op_holding_the_launch_else_the_external_id():
+    ev = _launch_table()
+    ops = np.arange(7)
+    assert launch_rows(ev, [10, 11, 12, 13, 14]).tolist() == [7, 8, 9, -1, -1]
+    assert launching_op(ev, ops=ops, rows=[10, 11, 12, 13, 14]).tolist() == [6, 0, 2, -1, 4]
+    # positions or a boolean mask, every row by default; a CPU op is its own op
+    mask = np.zeros(len(ev), dtype=bool)
+    mask[ops] = True
+    every = launching_op(ev, ops=mask)
+    assert every[:7].tolist() == list(range(7)) and every[10:].tolist() == [6, 0, 2, -1, 4]
+    # preferred ops win over inner ones that are not; where none holds the launch, any op
+    prefer = np.zeros(len(ev), dtype=bool)
+    prefer[0] = True
+    assert launching_op(ev, ops=ops, rows=[10, 12, 14], prefer=prefer).tolist() == [0, 2, 0]
+    prefer[:] = False
+    prefer[5] = True  # c4 holds neither
+    assert launching_op(ev, ops=ops, rows=[10, 14], prefer=prefer).tolist() == [6, 4]
 
 
 def test_own_collective_arg_beats_the_kernel_name_and_copy_kernels_stay_compute():

@@ -13,13 +13,7 @@ from shardline.profiling.cli import main
 
 
 @pytest.fixture(scope="module")
-def trace_folder(tmp_path_factory):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("synth_for_cli", Path(__file__).with_name("synthetic_traces.py"))
-    synth = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synth)
+def trace_folder(tmp_path_factory, synth):
     a, _ = synth.zero_tp_offload(rank=0)
     b, _ = synth.zero_tp_offload(rank=1, t0=2_000_000)
     folder = tmp_path_factory.mktemp("run")

@@ -23,13 +23,7 @@ T0 = 1_700_000_000_123_456_789
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("synth_for_merge", Path(__file__).with_name("synthetic_traces.py"))
-    synth = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synth)
+def job(tmp_path_factory, synth):
     arrivals = np.array([[0, 50, 20], [100, 130, 180], [300, 301, 250]])
     rows, truth = synth.skewed_collectives(arrivals + T0, transfer=np.array([30, 40, 7]),
                                            offsets=np.array([0, 3, 11]))

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import threading
 from decimal import Decimal
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -24,53 +23,6 @@ from shardline.profiling.report_html import render_html
 from shardline.profiling.report_sections import Section, report_sections
 
 MS = Decimal(1_000_000)
-
-
-class _Tables(HTMLParser):
-    """Collects every <table id=...> as a header list and rows of cell texts, plus section ids and URLs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables: dict[str, list[list[str]]] = {}
-        self.sections: list[str] = []
-        self.urls: list[str] = []
-        self.tags: set[str] = set()
-        self._table = None
-        self._cell = None
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        self.tags.add(tag)
-        self.urls += [v for k, v in attrs.items() if k in ("src", "href") and v]
-        if tag == "section":
-            self.sections.append(attrs.get("id"))
-        elif tag == "table":
-            self._table = self.tables.setdefault(attrs["id"], [])
-        elif tag == "tr" and self._table is not None:
-            self._table.append([])
-        elif tag in ("td", "th"):
-            self._cell = []
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self._table[-1].append("".join(self._cell))
-            self._cell = None
-        elif tag == "table":
-            self._table = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell.append(data)
-
-
-def parse_html(text: str) -> _Tables:
-    parser = _Tables()
-    parser.feed(text)
-    return parser
-
-
-def frame(rows: list[list[str]]) -> pd.DataFrame:
-    return pd.DataFrame(rows[1:], columns=rows[0])
 
 
 def ns(text: str) -> int:
@@ -95,28 +47,23 @@ def check_breakdown_table(shown: pd.DataFrame, bd: pd.DataFrame) -> None:
 
 
 @pytest.fixture(scope="module")
-def synth_run(tmp_path_factory):
+def synth_run(tmp_path_factory, synth):
     """Two ZeRO/TP/offload ranks and a 3-stage 1F1B pipeline in one job: ranks 0-1 offload, 2-4 pipeline."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("synth_for_report", Path(__file__).with_name("synthetic_traces.py"))
-    synth = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synth)
     rows, _ = synth.one_f_one_b(3, 4, f=100, b=200, t0=1_000_000)
     folder = tmp_path_factory.mktemp("report") / "run"
     synth.write_kineto(rows, folder)
     return folder
 
 
-def test_html_sections_and_numbers_match_the_frames(synth_run, tmp_path):
+def test_html_sections_and_numbers_match_the_frames(synth_run, tmp_path, pages):
     out = tmp_path / "report.html"
     assert main(["profile", "report", str(synth_run), "-o", str(out)]) == 0  # format from the suffix
-    doc = parse_html(out.read_text())
+    doc = pages.parse_html(out.read_text())
     assert doc.sections == [s.value for s in Section]
     ts = load(synth_run)
     bd = breakdown(ts)
-    check_breakdown_table(frame(doc.tables["breakdown-table"]), bd)
-    bubbles = frame(doc.tables["bubbles-table"])
+    check_breakdown_table(pages.frame(doc.tables["breakdown-table"]), bd)
+    bubbles = pages.frame(doc.tables["bubbles-table"])
     # 1F1B with equal costs: bubble (p-1)(f+b) of a makespan (m+p-1)(f+b) on every stage; ideal (p-1)/(m+p-1)
     assert [ns(v) for v in bubbles["bubble_ms"]] == [2 * 300] * 3
     assert [ns(v) for v in bubbles["batch_ms"]] == [6 * 300] * 3
@@ -124,84 +71,74 @@ def test_html_sections_and_numbers_match_the_frames(synth_run, tmp_path):
     assert [ns(v) for v in bubbles["bubble_ms"]] == bd["bubble"].tolist()  # the same time the breakdown gives
 
 
-def test_html_is_self_contained(synth_run, tmp_path):
+def test_html_is_self_contained(synth_run, tmp_path, pages):
     ts = load(synth_run)
     text = render_html(report_sections(ts), events=ts.events)
-    doc = parse_html(text)
+    doc = pages.parse_html(text)
     assert "script" not in doc.tags and "link" not in doc.tags and "iframe" not in doc.tags
     assert doc.urls and all(u.startswith(("data:image/png;base64,", "#")) for u in doc.urls)
     assert sum(u.startswith("data:image/png") for u in doc.urls) == 3  # breakdown, comm by dim, pipeline
     assert "http://" not in text and "https://" not in text and "url(" not in text
 
 
-def test_markdown_has_the_same_tables(synth_run, capsys):
+def test_markdown_has_the_same_tables(synth_run, capsys, pages):
     assert main(["profile", "report", str(synth_run), "--format", "md"]) == 0
     text = capsys.readouterr().out
     ts = load(synth_run)
-    html_doc = parse_html(render_html(report_sections(ts), events=ts.events))
-    blocks = [b for b in text.split("\n\n") if b.startswith("| ")]
-    md_tables = [[[c.strip() for c in line.strip("|").split(" | ")] for line in b.splitlines() if
-                  not line.startswith("|---")] for b in blocks]
+    html_doc = pages.parse_html(render_html(report_sections(ts), events=ts.events))
+    md_tables = pages.md_tables(text)
     assert md_tables == list(html_doc.tables.values())
     from shardline.profiling.report_sections import TITLES
 
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [TITLES[s] for s in Section]
-    check_breakdown_table(frame(md_tables[0]), breakdown(ts))
+    check_breakdown_table(pages.frame(md_tables[0]), breakdown(ts))
 
 
-@pytest.fixture(scope="module")
-def dlrm(traces_dir):
-    """Eight real ranks (param's DLRM, NCCL all-reduce / all-to-all, pinned and pageable copies) and their
-    report sections, loaded once for the module."""
-    ts = load(traces_dir / "param" / "dlrm_kineto")
-    return ts, report_sections(ts)
-
-
-def test_dlrm_report_matches_the_breakdown(dlrm):
-    ts, sec = dlrm
-    _check_corpus_report(ts, sec)
+def test_dlrm_report_matches_the_breakdown(dlrm_report, pages):
+    ts, sec = dlrm_report
+    _check_corpus_report(ts, sec, pages)
 
 
 @pytest.mark.parametrize(("corpus_path", "rank"), [
     ("tracelens/b200/eager_trace.json.gz", None), ("hta/trace_filter", None), ("hta/cpu_only", None),
     ("hta/amd_trace/mi250_minitoy_train_ROCm6_2_kineto.json.gz", 0), ("hta/nccl_parser_config", None),
     ("nsys_ai/tests/fixtures/h100_2gpu_1s.sqlite", None)])
-def test_corpus_reports_match_the_breakdown(traces_dir, corpus_path, rank):
+def test_corpus_reports_match_the_breakdown(traces_dir, corpus_path, rank, pages):
     ts = load(traces_dir / corpus_path, rank=rank)
-    _check_corpus_report(ts, report_sections(ts))
+    _check_corpus_report(ts, report_sections(ts), pages)
 
 
-def _check_corpus_report(ts, sec) -> None:
-    doc = parse_html(render_html(sec, events=ts.events))
+def _check_corpus_report(ts, sec, pages) -> None:
+    doc = pages.parse_html(render_html(sec, events=ts.events))
     assert doc.sections == [s.value for s in Section]
     bd = breakdown(ts)
     pd.testing.assert_frame_equal(sec.breakdown, bd)
-    check_breakdown_table(frame(doc.tables["breakdown-table"]), bd)
+    check_breakdown_table(pages.frame(doc.tables["breakdown-table"]), bd)
     if len(sec.comm_by_dim):
-        shown = frame(doc.tables["comm-by-dim-table"])
+        shown = pages.frame(doc.tables["comm-by-dim-table"])
         for column in ("comm", "exposed", "overlapped"):
             assert [ns(v) for v in shown[f"{column}_ms"]] == sec.comm_by_dim[f"{column}_ns"].tolist()
     if len(sec.top_kernels):
-        shown = frame(doc.tables["top-kernels-table"])
+        shown = pages.frame(doc.tables["top-kernels-table"])
         assert shown["name"].tolist() == sec.top_kernels["name"].tolist()
         assert [ns(v) for v in shown["total_ms"]] == sec.top_kernels["total_ns"].tolist()
     if len(sec.wait_transfer):
-        shown = frame(doc.tables["wait-transfer-table"])
+        shown = pages.frame(doc.tables["wait-transfer-table"])
         assert [ns(v) for v in shown["wait_ms"]] == sec.wait_transfer["wait_ns"].astype(np.int64).tolist()
         assert [ns(v) for v in shown["transfer_ms"]] == sec.wait_transfer["transfer_ns"].astype(np.int64).tolist()
 
 
-def test_collective_section_is_match_collectives(dlrm):
-    ts, sec = dlrm
+def test_collective_section_is_match_collectives(dlrm_report, pages):
+    ts, sec = dlrm_report
     pd.testing.assert_frame_equal(sec.wait_transfer, wait_transfer(match_collectives(ts)))
-    doc = parse_html(render_html(sec, events=ts.events))
-    straggler = frame(doc.tables["stragglers-table"])
+    doc = pages.parse_html(render_html(sec, events=ts.events))
+    straggler = pages.frame(doc.tables["stragglers-table"])
     assert straggler["straggler_rank"].astype(int).tolist() == sec.stragglers["straggler_rank"].tolist()
     assert [ns(v) for v in straggler["caused_wait_ms"]] == sec.stragglers["caused_wait_ns"].astype(np.int64).tolist()
 
 
-def test_offload_traffic_against_the_events(dlrm):
-    ts, sec = dlrm
+def test_offload_traffic_against_the_events(dlrm_report, pages):
+    ts, sec = dlrm_report
     ev = ts.events
     h2d = ev[(ev["category"] == "memcpy_h2d") & (ev["lane"] == "gpu") & (ev["rank"] == 0)]
     row = sec.offload[(sec.offload["rank"] == 0) & (sec.offload["direction"] == "H2D")].iloc[0]
@@ -212,7 +149,7 @@ def test_offload_traffic_against_the_events(dlrm):
     assert row["pageable_copies"] == (h2d["memory_kind"] == "Pageable").sum() > 0
     assert row["exposed_ns"] == sec.breakdown.query("rank == 0")["memcpy_h2d"].sum()
     assert "pageable" in sec.notes[Section.OFFLOAD]  # flagged
-    shown = frame(parse_html(render_html(sec)).tables["offload-table"])
+    shown = pages.frame(pages.parse_html(render_html(sec)).tables["offload-table"])
     assert shown["bytes"].astype(int).tolist() == sec.offload["bytes"].tolist()
     np.testing.assert_allclose(shown["achieved_GB/s"].astype(float), sec.offload["achieved_gbps"], atol=5e-4)
 
@@ -330,15 +267,15 @@ def test_the_request_trap_catches_a_page_request(tmp_path):
     assert "cdn.example.invalid" in proxy.foreign_hosts()
 
 
-def test_html_renders_in_headless_chromium_without_requests(synth_run, tmp_path):
+def test_html_renders_in_headless_chromium_without_requests(synth_run, tmp_path, pages):
     out = tmp_path / "report.html"
     assert main(["profile", "report", str(synth_run), "--format", "html", "-o", str(out)]) == 0
     dom, proxy = _browse(out, tmp_path, "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert proxy.foreign_hosts() == set(), proxy.requests
-    rendered = parse_html(dom.stdout)
+    rendered = pages.parse_html(dom.stdout)
     assert rendered.sections == [s.value for s in Section]
-    check_breakdown_table(frame(rendered.tables["breakdown-table"]), breakdown(load(synth_run)))
+    check_breakdown_table(pages.frame(rendered.tables["breakdown-table"]), breakdown(load(synth_run)))
     shot = tmp_path / "report.png"
     _browse(out, tmp_path, f"--screenshot={shot}", "--window-size=1200,2400")
     import matplotlib.image as mpimg

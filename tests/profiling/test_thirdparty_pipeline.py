@@ -2,9 +2,11 @@
 
 Real traces: ``PipelineStage`` on 2 forked gloo ranks under ``torch.profiler`` (CPU activities), one Chrome trace
 per rank. torch 2.13's ``ScheduleGPipe`` records ``Forward i`` / ``Backward i``; ``ScheduleInterleaved1F1B`` with
-one stage per rank runs the 1F1B order through the runtime that records ``PP:{stage}{action}{microbatch}``;
-``Schedule1F1B`` records no span at all (schedules.py has no ``record_function`` in it), so it keeps the
-p2p-receive estimate. A synthetic frame with the exact names checks the adapter's arithmetic to the ns.
+one stage per rank runs the 1F1B order through the runtime that records ``PP:{stage}{action}{microbatch}``, with
+two stages per rank (r, r+p) the interleaved order; ``ScheduleDualPipeV`` (stages r and 2p-1-r) adds the
+overlapped ``PP:(aFi;bBj)OVERLAP_F_B`` spans; ``Schedule1F1B`` records no span at all (its schedules.py code has
+no ``record_function``), so it is measured from its send/recv alone (``p2p``). A synthetic frame with the exact
+names checks the adapter's arithmetic to the ns.
 """
 
 from __future__ import annotations
@@ -23,15 +25,26 @@ def _run_profiled(rank, world, folder, schedule, m):
     from torch import nn
 
     torch.manual_seed(0)
-    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-    stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
     cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
-           "interleaved": pipelining.ScheduleInterleaved1F1B}[schedule]
-    sched = cls([stage] if schedule == "interleaved" else stage, m, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+           "interleaved": pipelining.ScheduleInterleaved1F1B, "interleaved_v2": pipelining.ScheduleInterleaved1F1B,
+           "dualpipev": pipelining.ScheduleDualPipeV}[schedule]
+    loss = lambda o, t: ((o - t) ** 2).mean()  # noqa: E731
+    if schedule in ("interleaved_v2", "dualpipev"):  # two stages per rank: r and r+p, or the V's r and 2p-1-r
+        index = [rank, rank + world] if schedule == "interleaved_v2" else [rank, 2 * world - 1 - rank]
+        stages = [pipelining.PipelineStage(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), i, 2 * world,
+                                           torch.device("cpu")) for i in index]
+        sched = cls(stages, m, loss_fn=loss)
+    else:
+        stage = pipelining.PipelineStage(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), rank, world,
+                                         torch.device("cpu"))
+        sched = cls([stage] if schedule == "interleaved" else stage, m, loss_fn=loss)
     x, target = torch.randn(8 * m, 64), torch.zeros(8 * m, 64)
 
     def step():
-        sched.step(x) if rank == 0 else sched.step(target=target, losses=[])
+        if schedule == "dualpipev":  # the V: rank 0 holds the first and the last stage
+            sched.step(x, target=target, losses=[]) if rank == 0 else sched.step()
+        else:
+            sched.step(x) if rank == 0 else sched.step(target=target, losses=[])
 
     step()  # warm-up outside the profile (first-call allocations, gloo pairs)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -40,17 +53,24 @@ def _run_profiled(rank, world, folder, schedule, m):
     return rank
 
 
+SCHEDULES = ("gpipe", "interleaved", "1f1b", "interleaved_v2", "dualpipev")
+
+
+def _run_all(rank, world, folders, m):
+    """Every schedule on one process group (one fork and gloo rendezvous for all), one trace each."""
+    for schedule, folder in zip(SCHEDULES, folders):
+        _run_profiled(rank, world, folder, schedule, m)
+    return rank
+
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     from shardline.plugins.testing import run_ranks
     from shardline.profiling.load import load
 
-    out = {}
-    for schedule in ("gpipe", "interleaved", "1f1b"):
-        folder = tmp_path_factory.mktemp(schedule)
-        assert run_ranks(_run_profiled, WORLD, folder, schedule, M, timeout=120) == [0, 1]
-        out[schedule] = load(folder)
-    return out
+    folders = [tmp_path_factory.mktemp(schedule) for schedule in SCHEDULES]
+    assert run_ranks(_run_all, WORLD, folders, M, timeout=180) == [0, 1]
+    return {schedule: load(folder) for schedule, folder in zip(SCHEDULES, folders)}
 
 
 @pytest.mark.parametrize(("schedule", "name"), [("gpipe", "gpipe"), ("interleaved", "1f1b")])
@@ -81,11 +101,61 @@ def test_real_torch_pipelining_trace_gives_measured_bubbles(traces, schedule, na
     assert (bubbles["batch_ns"] <= steps.loc[bubbles.index]).all()
 
 
-def test_schedule_1f1b_records_no_spans_and_keeps_the_p2p_estimate(traces):
+@pytest.mark.parametrize(("schedule", "name", "ideal"), [
+    ("interleaved_v2", "interleaved", (WORLD - 1) / (2 * M + WORLD - 1)), ("dualpipev", "dualpipev", np.nan)])
+def test_real_two_stages_per_rank(traces, schedule, name, ideal):
+    """ScheduleInterleaved1F1B with stages r and r+p, ScheduleDualPipeV with r and 2p-1-r (whose overlapped
+    ``PP:(aFi;bBj)OVERLAP_F_B`` spans carry a forward and a backward): v=2, every micro-batch seen."""
+    from shardline.profiling.attribution import breakdown
     from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
 
-    bubbles = pipeline_bubbles(traces["1f1b"])
-    assert (bubbles["method"] == BubbleMethod.P2P_RECV_IDLE.value).all()
+    traceset = traces[schedule]
+    bubbles = pipeline_bubbles(traceset).set_index("rank")
+    assert (bubbles["method"] == BubbleMethod.TORCH_PIPELINING.value).all()
+    assert (bubbles["v"] == 2).all() and (bubbles["m"] == M).all() and (bubbles["m_seen"] == M).all()
+    assert (bubbles["schedule"] == name).all() and (bubbles["p"] == WORLD).all()
+    assert np.allclose(bubbles["ideal_fraction"], ideal, equal_nan=True)
+    assert (bubbles[["warmup_ns", "steady_ns", "cooldown_ns"]].sum(axis=1) == bubbles["bubble_ns"]).all()
+    # The breakdown's bubble column is this bubble set, less what a label above it covers (compute ops).
+    table = breakdown(traceset).set_index("rank")
+    assert ((table["bubble"] > 0) & (table["bubble"] <= bubbles["bubble_ns"])).all()
+
+
+def test_schedule_1f1b_records_no_spans_and_is_measured_from_its_send_recv(traces):
+    """Schedule1F1B records no span: its gloo send/recv rows alone give the pipeline (two ranks, no peer
+    recorded: each one's peer is the other, the first stage opens with a send) and the bubble."""
+    from shardline.profiling.attribution import attribute, breakdown
+    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
+    from shardline.profiling.p2p import match_p2p, pipelines_of
+    from shardline.profiling.partition import partition_columns
+
+    traceset = traces["1f1b"]
+    bubbles = pipeline_bubbles(traceset).set_index("rank")
+    assert (bubbles["method"] == BubbleMethod.P2P_MATCHED.value).all()
+    assert bubbles.loc[[0, 1], "stage"].tolist() == [0, 1]
+    assert (bubbles["p"] == WORLD).all() and (bubbles["m"] == M).all() and (bubbles["v"] == 1).all()
+    assert (bubbles["schedule"] == "1f1b").all()
+    assert [p.ranks for p in pipelines_of(traceset)] == [(0, 1)]
+    matched = match_p2p(traceset)
+    receives = matched[matched["kind"] == "recv"]
+    assert len(receives) == WORLD * M and (receives["method"] == "matched").all()
+    # One host clock: a receive completes only after its matched send started.
+    assert (receives["send_start_ns"] <= receives["end_ns"]).all()
+    table = breakdown(traceset).set_index("rank")
+    assert (table["bubble"] == bubbles["bubble_ns"]).all() and (table["bubble"] >= 0).all()
+    # Stage 0 waits for its first gradient, which needs stage 1's first forward and backward: in the receive
+    # (bubble), or, when gloo's send of the activation before it blocked until stage 1 took it, in that send
+    # (a send's wait for its receiver is back-pressure and stays p2p_send). Which one is up to the run.
+    assert table.loc[0, "bubble"] + table.loc[0, "p2p_send"] > 0
+    # The split only moves receive time from p2p to bubble: partitioned without the bubble set, the same
+    # windows give the same compute, collectives and idle, and bubble + p2p equals their p2p.
+    for rank in attribute(traceset).working:
+        sets = dict(rank.label_sets, bubble=(np.empty(0, np.int64), np.empty(0, np.int64)))
+        windows = rank.attributed_windows
+        plain = partition_columns(sets, win_start=windows["start_ns"], win_end=windows["end_ns"])
+        row = table.loc[rank.rank]
+        assert plain["compute"][0] == row["compute"] and plain["idle"][0] == row["idle"]
+        assert plain["p2p_send"][0] + plain["p2p_recv"][0] == row["bubble"] + row["p2p_send"] + row["p2p_recv"]
 
 
 def _frame(rows):
