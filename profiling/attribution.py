@@ -38,6 +38,10 @@ nothing but send/recv, the part of each receive spent before the matched send st
 because a pipeline recv kernel spinning for its peer is bubble, not transfer. The columns of
 ``EXCLUSIVE_COLUMNS`` sum to ``step_ns`` exactly in integer ns (asserted).
 
+``idle`` is split by cause into ``idle_host_bound``, ``idle_sync``, ``idle_dataloader``, ``idle_dependency`` and
+``idle_other`` (``idle.IDLE_CAUSES``, rules in ``shardline.profiling.idle``), which sum to ``idle`` exactly, so
+with the other exclusive columns to the step; ``EXCLUSIVE_COLUMNS`` keeps the one ``idle``.
+
 Alongside: ``overlapped_<comm>`` = time(comm_c ∩ compute); ``comm_ns`` = time(∪ comm) and
 ``overlap_ratio`` = time(compute ∩ ∪comm) / time(∪comm) (HTA's definition; NaN without communication);
 ``pageable_memcpy_ns`` = time with an H2D/D2H copy from/to pageable host memory running (the slow, blocking
@@ -218,7 +222,13 @@ class Attribution:
 
 def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[str, ...]]:
     """The breakdown of every rank with work, and the warnings to issue (the one computation of it)."""
-    rows = [rank.partition_columns() for rank in attribution.working]
+    from shardline.profiling.idle import idle_causes  # idle reads this module's objects
+
+    rows = []
+    for rank in attribution.working:
+        columns = rank.partition_columns()
+        columns.update(idle_causes(attribution, rank, idle=columns["idle"]))  # asserted to sum to idle
+        rows.append(columns)
     notes = tuple(rank.window_note for rank in attribution.working if rank.window_note)
     notes += rank_pipelines(attribution)[1]  # the p2p pipeline inference's warnings
     if not rows:
@@ -310,11 +320,22 @@ class RankAttribution:
         return label_sets(work, self.lanes, bubble=self.bubble)
 
     def partition_columns(self) -> dict[str, np.ndarray]:
-        """The breakdown columns of this rank (``partition.partition_columns`` of its sets and windows)."""
+        """The breakdown columns of this rank (``partition.partition_columns`` of its sets and windows); keeps
+        the idle set the partition leaves (``idle_set``)."""
         steps, starts, ends = self._attributed
         leading = {"rank": np.full(len(steps), self.rank, dtype=np.int64), "step": steps,
                    "lanes": np.full(len(steps), self.lanes, dtype=object)}
-        return partition_columns(self.label_sets, win_start=starts, win_end=ends, leading=leading)
+        idle: list = []
+        columns = partition_columns(self.label_sets, win_start=starts, win_end=ends, leading=leading, idle_out=idle)
+        self.__dict__["idle_set"] = idle[0]
+        return columns
+
+    @functools.cached_property
+    def idle_set(self) -> iv.IntervalSet:
+        """The time no label covers, over the hull of the attributed windows and the work: what the
+        breakdown's ``idle`` totals per window (``idle`` splits it by cause)."""
+        self.partition_columns()
+        return self.__dict__["idle_set"]
 
 
 def _positions(selection, mask: np.ndarray) -> np.ndarray:
@@ -366,8 +387,10 @@ def comm_by_dim(source, *, layout: Mapping[str, int] | None = None) -> pd.DataFr
 
 def empty_breakdown() -> pd.DataFrame:
     """A zero-row breakdown with every column ``breakdown`` returns."""
+    from shardline.profiling.idle import IDLE_CAUSES
+
     columns = ["rank", "step", "lanes", "start_ns", "end_ns", "step_ns", *LABELS, *OVERLAP_COLUMNS, "comm_ns",
-               "pageable_memcpy_ns"]
+               "pageable_memcpy_ns", *IDLE_CAUSES]
     frame = pd.DataFrame({c: np.empty(0, dtype=np.int64) for c in columns})
     frame["lanes"] = frame["lanes"].astype(str)
     frame["overlap_ratio"] = np.empty(0, dtype=float)

@@ -252,9 +252,11 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
 
     coverage = comm_coverage(attribution)
     if fmt is ReportFormat.TABLE:
-        from shardline.profiling.report_sections import bandwidth_terminal
+        from shardline.profiling.report_sections import bandwidth_terminal, report_sections, why_terminal
 
-        return render_table(table) + render_coverage(coverage) + bandwidth_terminal(attribution, traceset=traceset)
+        why = why_terminal(report_sections(attribution, traceset=traceset))
+        return (render_table(table) + why + render_coverage(coverage)
+                + bandwidth_terminal(attribution, traceset=traceset))
     if len(coverage):  # the machine formats carry the breakdown only: the finding goes to stderr
         from shardline.profiling.report_sections import coverage_note
 

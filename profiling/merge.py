@@ -13,10 +13,12 @@ Layout of the file (loadable by chrome://tracing, Perfetto UI and XProf's trace 
   ``collective_bandwidth`` reports (the collective kernels of a GPU rank, the outermost comm ops of a CPU one) also
   carries ``busbw_gbps``, ``algbw_gbps``, ``link`` and ``efficiency`` (its row of
   ``report_sections.bandwidth_rows``, joined on rank, name, start and duration; a NaN is left out);
-- three added threads per rank: ``sl: steps`` (one slice per step window), ``sl: categories`` (the exclusive
+- four added threads per rank: ``sl: steps`` (one slice per step window), ``sl: categories`` (the exclusive
   attribution as a timeline: each ns of a step window under the label that wins it, by ``attribution``'s priority
-  over the rank's label sets, so its per-window totals are the ``breakdown`` columns exactly) and
-  ``sl: pipeline bubbles`` (the rank's bubble set); all three read the trace set's ``Attribution``;
+  over the rank's label sets, so its per-window totals are the ``breakdown`` columns exactly),
+  ``sl: pipeline bubbles`` (the rank's bubble set) and ``sl: critical path`` (the pieces of each step's
+  cross-rank critical path that lie on this rank, ``"step N: label"``, at the rank's recorded times:
+  ``critical_path``); all four read the trace set's ``Attribution``;
 - flow arrows (``"ph": "s"`` -> ``"ph": "f"``, ``"bp": "e"``) from the last-arriving rank of every matched
   collective instance (``match_collectives``) to each other member: the arrow points from the rank that was
   waited for to the ranks that waited.
@@ -28,8 +30,8 @@ its recorded clock (no alignment is applied). T0 is the earliest start of any ra
 Reading it back. ``load`` reads any Chrome trace as *one* rank (Kineto writes one file per rank), so
 ``load(merged, rank=0)`` returns every original row with exact ``start_ns``/``dur_ns``, names, lanes, GPU devices
 and streams and collective args -- all under rank 0, CPU thread ids replaced by track numbers, plus the added
-tracks' rows (``cat`` ``sl_step``, ``sl_category``, ``sl_bubble``). The file is for viewers; analysis should load
-the per-rank traces.
+tracks' rows (``cat`` ``sl_step``, ``sl_category``, ``sl_bubble``, ``sl_critical_path``). The file is for
+viewers; analysis should load the per-rank traces.
 
 Memory: events are formatted and written in chunks of ``CHUNK_ROWS`` rows, one string per row, never a dict per
 event, so the writer holds the events table plus one chunk.
@@ -50,8 +52,9 @@ from shardline.profiling.errors import AttributionError, ProfilingError, TraceFo
 from shardline.profiling.partition import LABELS, segment_owners
 
 CHUNK_ROWS = 200_000
-ADDED_TRACKS = ("sl: steps", "sl: categories", "sl: pipeline bubbles")
-_ADDED_CATS = {"sl: steps": "sl_step", "sl: categories": "sl_category", "sl: pipeline bubbles": "sl_bubble"}
+ADDED_TRACKS = ("sl: steps", "sl: categories", "sl: pipeline bubbles", "sl: critical path")
+_ADDED_CATS = {"sl: steps": "sl_step", "sl: categories": "sl_category", "sl: pipeline bubbles": "sl_bubble",
+               "sl: critical path": "sl_critical_path"}
 #: events-table column -> Kineto arg name (the ones ``readers.kineto`` reads back).
 _ARG_NAMES = {"collective": "Collective name", "pg_name": "Process Group Name",
               "pg_desc": "Process Group Description", "pg_ranks": "Process Group Ranks", "pg_size": "Group size",
@@ -305,7 +308,10 @@ def _slice_lines(*, rank: int, tid: int, cat: str, names, start, end, base: int)
 
 
 def _added_lines(attribution, *, tracks: pd.DataFrame, base: int):
+    from shardline.profiling.critical_path import critical_path
+
     tid_of = {(r.rank, r.label): r.tid for r in tracks[tracks["lane"] == "sl"].itertuples(index=False)}
+    path = critical_path(attribution)
     for rank in attribution.working:
         windows = rank.windows
         yield from _slice_lines(rank=rank.rank, tid=tid_of[(rank.rank, "sl: steps")], cat="sl_step",
@@ -318,6 +324,12 @@ def _added_lines(attribution, *, tracks: pd.DataFrame, base: int):
         bubble_s, bubble_e = rank.bubble
         yield from _slice_lines(rank=rank.rank, tid=tid_of[(rank.rank, "sl: pipeline bubbles")], cat="sl_bubble",
                                 names=["bubble"] * len(bubble_s), start=bubble_s, end=bubble_e, base=base)
+        mine = path[path["rank"] == rank.rank]  # the chain is on the aligned clock: back to this rank's
+        recorded = mine["start_ns"].to_numpy(np.int64) + mine["offset_ns"].to_numpy(np.int64)
+        yield from _slice_lines(rank=rank.rank, tid=tid_of[(rank.rank, "sl: critical path")],
+                                cat="sl_critical_path", names=("step " + mine["step"].astype(str) + ": "
+                                                               + mine["label"].astype(str)).to_numpy(),
+                                start=recorded, end=recorded + mine["dur_ns"].to_numpy(np.int64), base=base)
 
 
 def collective_flows(source) -> pd.DataFrame:

@@ -29,12 +29,15 @@ def partition(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end
 
 
 def partition_columns(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray, win_end: np.ndarray,
-                      leading: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                      leading: dict[str, np.ndarray] | None = None,
+                      idle_out: list | None = None) -> dict[str, np.ndarray]:
     """Exclusive partition of each window ``[win_start[k], win_end[k])`` by ``LABELS`` priority, + overlap.
 
     Elementary segments lie between consecutive endpoints of all sets and windows, so each segment is wholly
     inside or outside every set; it goes to the first covering label (idle if none). Per-label prefix sums
     over segments give any window's total as a difference of two prefix values, exactly, in int64.
+    ``idle_out``: a list to which the idle set is appended -- the segments no label covers, over the hull of
+    the windows and the sets (what ``idle`` totals per window), so nobody has to union the sets again.
     """
     win_start = np.asarray(win_start, np.int64)
     win_end = np.asarray(win_end, np.int64)
@@ -59,6 +62,9 @@ def partition_columns(sets: dict[str, iv.IntervalSet], *, win_start: np.ndarray,
                                   "step_ns": win_end - win_start}
     for k, label in enumerate(LABELS):
         out[label] = totals(owner == k)
+    if idle_out is not None:
+        idle = np.flatnonzero(owner == len(LABELS) - 1)
+        idle_out.append(iv.union(points[idle], points[idle + 1]))
     parts = np.sum([out[label] for label in LABELS], axis=0)
     if not np.array_equal(parts, out["step_ns"]):  # the partition covers each window once, by construction
         raise AssertionError(f"attribution parts {parts} do not sum to step times {out['step_ns']}")

@@ -1,9 +1,11 @@
 """The sections of a post-hoc report, as DataFrames, and their display tables (shared by HTML and markdown).
 
 ``report_sections(traceset)`` is the one orchestrator of the analyses: on the trace set's ``Attribution`` it
-runs each once -- ``breakdown``, ``comm_by_dim``, ``match_collectives`` (-> ``wait_transfer``, ``stragglers``),
-``pipeline_bubbles``, ``collective_bandwidth`` (-> ``bandwidth_summary``) -- and two summaries of the attributed work rows that no analysis gives: the top kernels (or
-ops) per category and the offload traffic. The sections are kept on the attribution; the renderers (HTML,
+runs each once -- ``breakdown`` (with idle by cause), ``critical_path`` (-> ``critical_path_summary``, one
+line per step in the section's note), ``launch_stats``, ``comm_by_dim``, ``match_collectives`` (->
+``wait_transfer``, ``stragglers``), ``pipeline_bubbles``, ``collective_bandwidth`` (-> ``bandwidth_summary``) --
+and two summaries of the attributed work rows that no analysis gives: the top kernels (or ops) per category and
+the offload traffic. The sections are kept on the attribution; the renderers (HTML,
 Markdown, TensorBoard) format these frames and never recompute them, so a number in a report is a number of a
 frame here.
 
@@ -49,6 +51,8 @@ class Section(str, enum.Enum):
     """Report sections, in order; the value is the HTML id and the markdown anchor."""
 
     BREAKDOWN = "breakdown"
+    CRITICAL_PATH = "critical-path"
+    IDLE = "idle"
     COMM_BY_DIM = "comm-by-dim"
     COLLECTIVES = "collectives"
     BANDWIDTH = "bandwidth"
@@ -60,6 +64,8 @@ class Section(str, enum.Enum):
 
 TITLES = {
     Section.BREAKDOWN: "Step time per rank and step (exclusive, ms)",
+    Section.CRITICAL_PATH: "Critical path across ranks: what each step waited on (share of the path)",
+    Section.IDLE: "Idle by cause, and how late the host launched GPU work",
     Section.COMM_BY_DIM: "Communication per parallel dimension (ms)",
     Section.COLLECTIVES: "Collectives: wait vs transfer, stragglers",
     Section.BANDWIDTH: "Collective bandwidth vs the link's limit (nccl-tests bus bandwidth)",
@@ -89,6 +95,8 @@ class ReportSections:
     comm_coverage: pd.DataFrame = field(default_factory=lambda: comm_coverage_frame([]))
     bandwidth: pd.DataFrame = field(default_factory=lambda: _empty_summary())
     titles: dict[Section, str] = field(default_factory=dict)
+    critical_path: pd.DataFrame = field(default_factory=pd.DataFrame)  # critical_path_summary (rank, label, dim)
+    launch: pd.DataFrame = field(default_factory=pd.DataFrame)  # idle.launch_stats
 
 
 def section_title(sec: ReportSections, section: Section) -> str:
@@ -181,9 +189,10 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
     from shardline.profiling.bubbles import MEASURED_METHODS, pipeline_bubbles
     from shardline.profiling.collectives import match_collectives, stragglers, wait_transfer
     from shardline.profiling.errors import AttributionError
+    from shardline.profiling.idle import launch_stats
 
     notes: dict[Section, str] = {}
-    bar = _bar(8, enabled=progress)
+    bar = _bar(10, enabled=progress)
     matched = pd.DataFrame()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -216,6 +225,10 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
         coverage = comm_coverage(attribution)
         bar.update()
         bw = _bandwidth(attribution, traceset, notes)
+        bar.update()
+        path = _critical_path(attribution, notes)
+        bar.update()
+        launch = launch_stats(attribution)
     bar.close()
     _note_findings(notes, caught=caught, cbd=cbd, offload=offload)
     title, link_note = offload_title(links)
@@ -224,7 +237,42 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
     return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
                           top_kernels=kernels, offload=offload, notes=notes, matched=matched,
                           attribution=attribution, comm_coverage=coverage, bandwidth=bw,
-                          titles={Section.OFFLOAD: title})
+                          titles={Section.OFFLOAD: title}, critical_path=path, launch=launch)
+
+
+def why_terminal(sections: ReportSections) -> str:
+    """The terminal's lines on what the steps waited on: the critical path of the first steps in words, and
+    the idle of all ranks by cause (ms)."""
+    from shardline.profiling.idle import IDLE_CAUSES
+
+    lines = []
+    note = sections.notes.get(Section.CRITICAL_PATH, "")
+    if len(sections.critical_path):
+        lines += ["", "critical path:"] + [f"  {part}" for part in note.split("; ")]
+    bd = sections.breakdown
+    if len(bd) and "idle_other" in bd and int(bd["idle"].sum()) > 0:
+        parts = ", ".join(f"{c.removeprefix('idle_').replace('_', '-')} {bd[c].sum() / 1e6:.3f} ms"
+                          for c in IDLE_CAUSES if int(bd[c].sum()))
+        lines += ["", f"idle by cause (all ranks, {bd['idle'].sum() / 1e6:.3f} ms): {parts}"]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+#: Steps whose critical path a report describes in words (the table holds every step).
+DESCRIBED_STEPS = 5
+
+
+def _critical_path(attribution, notes: dict) -> pd.DataFrame:
+    """``critical_path_summary`` of the trace set's chain (per step, rank, label, dim), and in ``notes`` one
+    line per step (the first ``DESCRIBED_STEPS``) saying what the step waited on."""
+    from shardline.profiling.critical_path import critical_path, critical_path_summary, describe
+
+    summary = critical_path_summary(critical_path(attribution))
+    steps = sorted(set(summary["step"].tolist()))
+    lines = [describe(summary, step) for step in steps[:DESCRIBED_STEPS]]
+    if len(steps) > DESCRIBED_STEPS:
+        lines.append(f"... {len(steps) - DESCRIBED_STEPS} more steps in the table")
+    notes[Section.CRITICAL_PATH] = "; ".join(lines) if lines else "no step to walk"
+    return summary
 
 
 #: A rank's host link: (rank, device name, link name, GB/s per direction, whether a device rule knew the name).
@@ -398,6 +446,27 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
             "batch_ms": ms_text(b["batch_ns"]),
             "bubble_ms": ms_text(b["bubble_ns"]), "bubble_%": fixed(100 * b["bubble_fraction"], 2),
             "ideal_%": fixed(100 * b["ideal_fraction"], 2)})))
+    if len(sec.critical_path):
+        c = sec.critical_path
+        out[Section.CRITICAL_PATH].append(("critical-path-table", pd.DataFrame({
+            "step": c["step"].astype(str), "rank": c["rank"].astype(str), "label": c["label"].astype(str),
+            "dim": c["dim"].astype(str), "path_ms": ms_text(c["dur_ns"]), "share_%": fixed(100 * c["share"], 2)})))
+    bd = sec.breakdown
+    if len(bd) and "idle_other" in bd:
+        from shardline.profiling.idle import IDLE_CAUSES
+
+        table = {"rank": bd["rank"].astype(str), "step": bd["step"].astype(str), "idle_ms": ms_text(bd["idle"])}
+        table.update({f"{c.removeprefix('idle_')}_ms": ms_text(bd[c]) for c in IDLE_CAUSES})
+        out[Section.IDLE].append(("idle-table", pd.DataFrame(table)))
+    if len(sec.launch):
+        lt = sec.launch
+        out[Section.IDLE].append(("launch-table", pd.DataFrame({
+            "rank": lt["rank"].astype(str), "launches": lt["launches"].astype(str),
+            "delay_median_us": fixed(lt["launch_delay_median_ns"] / 1e3, 1),
+            "delay_p90_us": fixed(lt["launch_delay_p90_ns"] / 1e3, 1),
+            "delay_max_us": fixed(lt["launch_delay_max_ns"].where(lt["launch_delay_max_ns"] >= 0) / 1e3, 1),
+            "kernels": lt["kernels"].astype(str), "short_kernels": lt["short_kernels"].astype(str),
+            "short_%_of_busy": fixed(100 * lt["short_kernel_share"], 2)})))
     if len(sec.top_kernels):
         k = sec.top_kernels
         out[Section.TOP_KERNELS].append(("top-kernels-table", pd.DataFrame({

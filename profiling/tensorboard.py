@@ -78,6 +78,7 @@ class ImageTag(str, enum.Enum):
 TEXT_TAG = "breakdown/table"
 BANDWIDTH_TAG = "bandwidth/summary"
 COVERAGE_TAG = "diagnostics/comm_coverage"
+WHY_TAG = "diagnostics/critical_path_and_idle"
 
 
 def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, layout: Mapping | None = None,
@@ -114,7 +115,7 @@ def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, lay
         _write_events(logdir / f"rank{int(rank)}", _rank_events(rows, labels=shown_parts(table)))
     _write_events(logdir, _root_events(table, attribution, extras=extras,
                                        layout=_hparams(layout, traceset, extras), coverage=sections.comm_coverage,
-                                       bandwidth=bandwidth_markdown(sections)))
+                                       bandwidth=bandwidth_markdown(sections), why=_why_markdown(sections)))
     _write_plugin_data(logdir, traceset, table=table, extras=extras, layout=layout,
                        first_step=int(table["tb_step"].min()))
     return logdir
@@ -152,7 +153,7 @@ def _analyses(sections) -> dict[str, pd.DataFrame]:
     if "method" in bubbles:
         bubbles = bubbles[bubbles["method"].isin(MEASURED_METHODS)].reset_index(drop=True)
     return {"comm_by_dim": sections.comm_by_dim, "wait_transfer": waits, "bubbles": bubbles,
-            "bandwidth": sections.bandwidth}
+            "bandwidth": sections.bandwidth, "critical_path": sections.critical_path, "launch": sections.launch}
 
 
 def _shift_steps(frame: pd.DataFrame, offset: int) -> pd.DataFrame:
@@ -200,11 +201,26 @@ def bandwidth_markdown(sections) -> str:
     return (note + "\n\n" if note else "") + pipe_table(bandwidth_table(sections.bandwidth)) + "\n"
 
 
+def _why_markdown(sections) -> str:
+    """The critical path (its lines and table) and the idle by cause, as the report sections show them."""
+    from shardline.profiling.report_sections import Section, display_tables
+
+    tables = display_tables(sections)
+    parts = []
+    for section, heading in ((Section.CRITICAL_PATH, "Critical path"), (Section.IDLE, "Idle by cause")):
+        note = sections.notes.get(section, "")
+        shown = tables.get(section, [])
+        if note or shown:
+            parts.append(f"### {heading}\n\n" + "\n\n".join(
+                ([note.replace("; ", "\n\n")] if note else []) + [pipe_table(t) for _, t in shown]))
+    return "\n\n".join(parts) + ("\n" if parts else "")
+
+
 def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict,
-                 coverage: pd.DataFrame | None = None, bandwidth: str = "") -> list[tuple[int, list]]:
+                 coverage: pd.DataFrame | None = None, bandwidth: str = "", why: str = "") -> list[tuple[int, list]]:
     """The run "." : layout, spread over ranks, images, the markdown table, hparams, the communication-
-    coverage findings (``report_sections.comm_coverage``) as text when there are any, and the bandwidth
-    section's markdown (``bandwidth_markdown``) when given."""
+    coverage findings (``report_sections.comm_coverage``) as text when there are any, the bandwidth
+    section's markdown (``bandwidth_markdown``) and the critical path with idle by cause when given."""
     first = int(table["tb_step"].min())
     events = [(first, [_custom_scalars_layout(table)])]
     spread = table.groupby("tb_step")["step_ns"].agg(["mean", "min", "max"])
@@ -219,6 +235,8 @@ def _root_events(table: pd.DataFrame, attribution, *, extras: dict, layout: dict
             coverage.astype(str), right_aligned=False) + "\n")]))
     if bandwidth:
         events.append((first, [_text(BANDWIDTH_TAG, bandwidth)]))
+    if why:
+        events.append((first, [_text(WHY_TAG, why)]))
     events.append((first, _images(table, attribution, has_pipeline=not extras["bubbles"].empty)))
     events += [(first, [value]) for value in _hparams_values(layout)]
     events.append((first, [_scalar(Family.HPARAM_METRIC.value, table["step_ns"].mean() / 1e6)]))

@@ -358,3 +358,151 @@ def _kineto_event(row: dict, base: int) -> dict:
             "pid": row["device"] if gpu else 1000 + row["rank"], "tid": row["stream"],
             "ts": rel / 1000, "dur": row["dur_ns"] / 1000,
             "args": args}
+
+
+# --- scenarios: critical paths known by construction (``critical_path``) ----------------------------------------
+
+def _collective(rank: int, category: str, start: int, end: int, *, world: int, seq: int, desc: str,
+                offsets: list[int], stream: int = 20) -> dict:
+    """A collective kernel of one group over all ``world`` ranks, on rank's clock (true time + offset)."""
+    return dict(gpu_event(rank, category, int(start + offsets[rank]), int(end - start), stream=stream,
+                          pg_name="0", pg_desc=desc, pg_ranks=str(list(range(world))), pg_size=world, seq=seq),
+                category=category)
+
+
+def straggler_all_reduce(world: int = 4, *, straggler: int = 2, compute: int = 1000, extra: int = 600,
+                         transfer: int = 200, offsets: list[int] | None = None) -> tuple[list[dict], dict]:
+    """One step: every rank computes ``[0, compute)`` (the straggler ``extra`` ns longer), then all-reduces
+    over the world (``default_pg``: dim world) from its compute's end until ``last + transfer``, where
+    ``last = compute + extra`` is the straggler's arrival; ``ProfilerStep#0`` spans ``[0, end)`` on every
+    rank. ``offsets[r]`` is added to rank r's clock (the all-reduce ends together, so it aligns them).
+
+    Truth ``path``: the rows (rank, label, start, end) on the true clock -- the straggler's compute up to its
+    arrival, then the transfer. Every rank ends at once, so the path's end is on the lowest rank (the
+    documented tie), whose wait leads to the straggler."""
+    offsets = [0] * world if offsets is None else list(offsets)
+    last = compute + extra
+    end = last + transfer
+    rows = []
+    for r in range(world):
+        arrive = last if r == straggler else compute
+        rows.append(dict(gpu_event(r, "compute", offsets[r], arrive), category="compute"))
+        rows.append(_collective(r, "all_reduce", arrive, end, world=world, seq=0, desc="default_pg", offsets=offsets))
+        rows.append(annotation(r, "ProfilerStep#0", offsets[r], end))
+    path = [(straggler, "compute", 0, last), (0, "all_reduce transfer", last, end)]
+    if straggler == 0:
+        path = [(0, "compute", 0, last), (0, "all_reduce transfer", last, end)]
+    return rows, {"path": path, "end": end, "last": last}
+
+
+def zero3_step(world: int = 3, *, slow: int = 1, compute: int = 1000, slow_compute: int = 1400, gather: int = 100,
+               prefetch: int = 300, scatter: int = 150, offsets: list[int] | None = None) -> tuple[list[dict], dict]:
+    """A ZeRO-3-like step over a data-parallel group (``mesh_dp``: dim dp) of ``world`` ranks, rank ``slow``
+    computing ``slow_compute`` per layer where the others take ``compute`` (true clock; ``offsets`` as in
+    ``straggler_all_reduce``):
+
+        all-gather layer 1      [0, gather)                          every rank arrives at 0: no wait
+        layer 1 forward         [gather, gather + c_r)
+        all-gather layer 2      [gather + c_r, E1)                   E1 = 2 gather + c_slow: waits for ``slow``
+        layer 2 forward         [E1, E1 + c_r), with the all-gather of layer 3 prefetched on another stream
+                                [E1, E1 + prefetch) under it (every rank arrives at E1: no wait, hidden)
+        layer 3 forward         [E1 + c_r, E1 + 2 c_r)
+        reduce-scatter          [E1 + 2 c_r, end)                    end = E1 + 2 c_slow + scatter
+
+    Truth ``path`` (rank, label, start, end): on ``slow``, the first all-gather's transfer, its layer-1
+    compute, the second all-gather's transfer (it arrived last), its layers 2-3 compute (the hidden
+    prefetch is under compute), then the reduce-scatter's transfer on the lowest rank (every rank ends at
+    once: the documented tie)."""
+    offsets = [0] * world if offsets is None else list(offsets)
+    cost = [slow_compute if r == slow else compute for r in range(world)]
+    e1 = 2 * gather + slow_compute
+    end = e1 + 2 * slow_compute + scatter
+    rows = []
+    for r in range(world):
+        c = cost[r]
+        calls = [("all_gather", 0, gather, 20), ("all_gather", gather + c, e1, 20),
+                 ("all_gather", e1, e1 + prefetch, 21), ("reduce_scatter", e1 + 2 * c, end, 20)]
+        for seq, (category, start, stop, stream) in enumerate(calls):
+            rows.append(_collective(r, category, start, stop, world=world, seq=seq, desc="mesh_dp", offsets=offsets,
+                                    stream=stream))
+        for start in (gather, e1, e1 + c):
+            rows.append(dict(gpu_event(r, "compute", start + offsets[r], c), category="compute"))
+        rows.append(annotation(r, "ProfilerStep#0", offsets[r], end))
+    path = [(slow, "all_gather transfer", 0, gather), (slow, "compute", gather, gather + slow_compute),
+            (slow, "all_gather transfer", gather + slow_compute, e1), (slow, "compute", e1, e1 + 2 * slow_compute),
+            (0, "reduce_scatter transfer", e1 + 2 * slow_compute, end)]
+    return rows, {"path": path, "end": end}
+
+
+# --- scenario: idle decomposed (host-bound launches, syncs, data loading, cross-stream waits) -------------------
+
+def host_row(rank: int, name: str, start: int, dur: int, *, cat: str = "cuda_runtime", correlation: int = -1,
+             stream: int | None = None) -> dict:
+    """One CPU-lane row of the rank's host thread (``100 + rank``, the thread ``annotation`` uses): a runtime
+    call (linked to its GPU work by ``correlation``), a ``cpu_op`` or a ``user_annotation`` span. ``stream``:
+    another lane id, e.g. the GPU stream a Kineto ``cuda_sync`` row names."""
+    return {"rank": rank, "lane": "cpu", "device": -1, "stream": 100 + rank if stream is None else stream,
+            "name": name, "cat": cat, "start_ns": start, "dur_ns": dur, "correlation": correlation,
+            "source": "kineto"}
+
+
+def launched(rank: int, category: str, start: int, dur: int, *, launch: int, correlation: int,
+             stream: int | None = None, call: str = "cudaLaunchKernel") -> list[dict]:
+    """A GPU work row and the 10 ns runtime call that launched it at ``launch`` (same correlation id)."""
+    extra = {} if stream is None else {"stream": stream}
+    return [gpu_event(rank, category, start, dur, correlation=correlation, **extra),
+            host_row(rank, call, launch, 10, correlation=correlation)]
+
+
+def idle_causes_steps(rank: int = 0, *, t0: int = 1_000_000) -> tuple[list[dict], dict]:
+    """Two GPU steps [0, 500) and [500, 1000) (offset t0) whose idle gaps each have one cause, laid out by hand.
+
+    Kernels (stream 7 unless said; launch call start in brackets): [0,100) (-50), [200,300) (150),
+    [400,450) (360), [600,650) (570), stream 20 [750,800) (496), [900,950) (610). Host: cudaStreamSynchronize
+    [250,330); DataLoader ``__next__`` [420,520); ``aten::item`` [500,540); cudaStreamWaitEvent at 490;
+    cudaDeviceSynchronize [700,720); Lightning's ``train_dataloader_next`` [960,980). Gaps and causes:
+
+    - [100,200): next launched at 150 > 100: host-bound 100;
+    - [300,400): launched at 360: sync [300,330) 30, host-bound 70;
+    - [450,600): launched at 570: dataloader [450,500) 50 (step 1), sync (item inside the loader) [500,540) 40,
+      host-bound [540,600) 60 (step 2);
+    - [650,750): the stream-20 kernel was launched at 496 < 650 behind the wait at 490: dependency 100 (the
+      device synchronize inside does not matter: the work was queued);
+    - [800,900): launched at 610 < 800, no wait since the previous stream-7 launch (570): other 100;
+    - [950,1000): no next work: dataloader [960,980) 20, other 30.
+    """
+    def t(x):
+        return t0 + x
+
+    rows = []
+    for i, (start, dur, launch, stream) in enumerate(((0, 100, -50, 7), (200, 100, 150, 7), (400, 50, 360, 7),
+                                                      (600, 50, 570, 7), (750, 50, 496, 20), (900, 50, 610, 7))):
+        rows += launched(rank, "compute", t(start), dur, launch=t(launch), correlation=i + 1, stream=stream)
+    rows += [host_row(rank, "cudaStreamSynchronize", t(250), 80, correlation=90),
+             host_row(rank, "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", t(420), 100,
+                      cat="user_annotation"),
+             host_row(rank, "aten::item", t(500), 40, cat="cpu_op"),
+             host_row(rank, "cudaStreamWaitEvent", t(490), 5, correlation=91),
+             host_row(rank, "cudaDeviceSynchronize", t(700), 20, correlation=92),
+             host_row(rank, "[_TrainingEpochLoop].train_dataloader_next", t(960), 20, cat="user_annotation"),
+             annotation(rank, "ProfilerStep#1", t(0), 500), annotation(rank, "ProfilerStep#2", t(500), 500)]
+    truth = {"step": [1, 2], "idle": [250, 350], "idle_host_bound": [170, 60], "idle_sync": [30, 40],
+             "idle_dataloader": [50, 20], "idle_dependency": [0, 100], "idle_other": [0, 130]}
+    return rows, truth
+
+
+def gloo_all_reduce(arrivals: list[int], *, end: int, step: int | None = None) -> list[dict]:
+    """CPU (gloo) ranks, one thread each: rank r runs ``aten::mm`` over ``[0, arrivals[r])``, then a
+    ``c10d::allreduce_`` to ``end`` holding its ``record_param_comms`` and ``gloo:all_reduce`` (nested, as torch
+    records them); a CPU ``ProfilerStep#step`` over ``[0, end)`` when ``step`` is given. Rows are already
+    categorised by name (``conform`` them, the classifier runs in ``attribute``)."""
+    rows = []
+    for rank, arrive in enumerate(arrivals):
+        spans = [("aten::mm", "cpu_op", 0, arrive, {}), ("c10d::allreduce_", "cpu_op", arrive, end, {}),
+                 ("record_param_comms", "cpu_op", arrive + 1, end - 10, {"collective": "allreduce", "seq": 0}),
+                 ("gloo:all_reduce", "user_annotation", arrive + 2, end - 20, {})]
+        if step is not None:
+            spans.append((f"ProfilerStep#{step}", "user_annotation", 0, end, {}))
+        rows += [dict(rank=rank, lane="cpu", stream=1, name=name, cat=cat, start_ns=lo, dur_ns=hi - lo, **extra)
+                 for name, cat, lo, hi, extra in spans]
+    return rows

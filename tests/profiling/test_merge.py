@@ -49,7 +49,8 @@ def test_valid_chrome_trace_with_ranks_as_processes(job, tmp_path):
     assert {e["pid"] for e in slices} == set(ts.ranks)
     threads = {(e["pid"], e["tid"]) for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert {(e["pid"], e["tid"]) for e in slices} <= threads  # every slice lies on a named track
-    assert sum(e.get("cat") not in ("sl_step", "sl_category", "sl_bubble") for e in slices) == len(ts.events)
+    assert sum(e.get("cat") not in ("sl_step", "sl_category", "sl_bubble", "sl_critical_path")
+               for e in slices) == len(ts.events)
 
 
 def test_gzip_and_plain_hold_the_same_document(job, tmp_path):
