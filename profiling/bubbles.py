@@ -53,6 +53,9 @@ from shardline.profiling.classify import Lane, match_names
 from shardline.profiling.errors import TraceWarning
 
 _COMPUTE_ACTIONS = ("F", "B", "W")
+P2P_CATEGORIES = ("p2p_send", "p2p_recv")
+#: The names ``pipeline_adapters`` reads (checked here first, so a trace without them never imports it).
+THIRD_PARTY_PP_PATTERN = r"^(PP:\d|PP:\(|Forward \d|Backward \d)"
 
 
 class BubbleMethod(str, enum.Enum):
@@ -87,7 +90,7 @@ def rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ...
 
 
 def _rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ...]]:
-    from shardline.profiling import p2p
+    from shardline.profiling.survey import is_in
 
     out: dict[int, RankPipeline] = {}
     for rank in attribution.ranks:
@@ -99,7 +102,11 @@ def _rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ..
         if not batches.empty:
             out[number] = RankPipeline(BubbleMethod.TORCH_PIPELINING, batches, actions, bubble_set(batches, actions))
     rest = [rank.rank for rank in attribution.working if rank.rank not in out]
-    if not rest or p2p.p2p_messages(attribution).empty:
+    if not rest or not is_in(attribution.events["category"], P2P_CATEGORIES).any():  # most traces: no p2p
+        return out, ()
+    from shardline.profiling import p2p
+
+    if p2p.p2p_messages(attribution).empty:
         return out, ()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TraceWarning)
@@ -346,12 +353,14 @@ def _third_party_rows(attribution) -> dict[int, tuple[pd.DataFrame, pd.DataFrame
     """``pipeline_adapters.torch_pipelining_rows`` of every rank without ``sl:pp`` batches that carries
     torch.distributed.pipelining names. A single-stage schedule's names carry no stage and a CPU/gloo trace no
     process group: the pipeline is then taken to be these ranks, in rank order (stage = position, p = count)."""
+    events = attribution.events
+    named = match_names(events["name"], THIRD_PARTY_PP_PATTERN)
+    if not named.any():  # most traces: no third-party pipeline names
+        return {}
     from shardline.profiling import pipeline_adapters as adapters
 
     candidates = {rank.rank: rank for rank in attribution.ranks if rank.pp_rows[0].empty}
-    events = attribution.events
-    named = match_names(events["name"], adapters.THIRD_PARTY_PP_PATTERN)
-    if not candidates or not named.any():  # most traces: no third-party pipeline names
+    if not candidates:
         return {}
     rank_of = events["rank"].to_numpy()
     found = sorted(set(np.unique(rank_of[named]).tolist()) & set(candidates))

@@ -76,6 +76,7 @@ tables, sorted searches, interval-set arithmetic), no Python loop per event.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -83,9 +84,9 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling import intervals as iv
-from shardline.profiling.classify import Lane, match_table
+from shardline.profiling.classify import Lane
 from shardline.profiling.partition import LABELS
-from shardline.profiling.schema import COMM_CATEGORIES, codes_or_end
+from shardline.profiling.schema import COMM_CATEGORIES, codes_or_end, per_category_table
 from shardline.profiling.survey import in_table, rank_selections
 
 if TYPE_CHECKING:
@@ -138,16 +139,27 @@ class _Table:
         self.cpu = in_table(events["lane"], (Lane.CPU.value,))
         self.kernel = in_table(events["category"], _KERNEL_CATEGORIES)
         self.sync_category = in_table(events["category"], ("sync",))
-        # One byte per name category: which of the patterns it matches (bit flags).
-        flags = np.zeros(len(events["name"].cat.categories) + 1, dtype=np.uint8)
-        for bit, pattern in enumerate((LAUNCH_PATTERN, SYNC_PATTERN, _QUERY_PATTERN, WAIT_PATTERN,
-                                       _WAIT_ROW_PATTERN, DATALOADER_PATTERN)):
-            flags |= match_table(events["name"], pattern).astype(np.uint8) << bit
-        self.flags = flags
+        # One byte per name category: which of the patterns it matches (bit flags). Only the names that can
+        # match one (their first characters say so) meet the patterns: a trace holds few of them.
+        self.flags = per_category_table(events["name"], ("idle.flags",), _name_flags)
         self.selections = dict(rank_selections(events))
 
 
 _LAUNCH, _SYNC, _QUERY, _WAIT, _WAIT_ROW, _DATALOADER = (1 << bit for bit in range(6))
+#: Every pattern above starts with one of these (a cheap filter before the regular expressions).
+_PREFIXES = ("cu", "hip", "Stream ", "Event ", "Context ", "aten::item", "aten::_local_scalar_dense",
+             "enumerate(DataLoader)", "[")
+
+
+def _name_flags(texts) -> np.ndarray:
+    """Bit flags of each name (and a trailing 0 for a missing one): which of the patterns it matches."""
+    flags = np.zeros(len(texts) + 1, dtype=np.uint8)
+    patterns = [re.compile(p).match for p in (LAUNCH_PATTERN, SYNC_PATTERN, _QUERY_PATTERN, WAIT_PATTERN,
+                                              _WAIT_ROW_PATTERN, DATALOADER_PATTERN)]
+    for position, text in enumerate(texts):  # one iteration per distinct name
+        if text.startswith(_PREFIXES):
+            flags[position] = sum(1 << bit for bit, match in enumerate(patterns) if match(text))
+    return flags
 
 
 def _table(attribution: Attribution) -> _Table:
@@ -223,7 +235,7 @@ def idle_sets(attribution: Attribution, rank: RankAttribution) -> dict[str, iv.I
     return attribution.cached(("idle.sets", rank.rank), lambda: _idle_sets(attribution, rank))
 
 
-def _idle_sets(attribution: Attribution, rank: RankAttribution) -> dict[str, iv.IntervalSet]:
+def _idle_sets(attribution: Attribution, rank: RankAttribution, *, other: bool = True) -> dict[str, iv.IntervalSet]:
     table = _table(attribution)
     windows = rank.attributed_windows
     work = rank.work_positions
@@ -236,7 +248,8 @@ def _idle_sets(attribution: Attribution, rank: RankAttribution) -> dict[str, iv.
         sets.update(_gpu_causes(idle, table, work, host))
     else:
         sets["idle_dataloader"] = iv.intersect(idle, host.dataloader)
-    sets["idle_other"] = iv.subtract(idle, iv.merge(*(sets[c] for c in IDLE_CAUSES if c != "idle_other")))
+    if other:  # the rest of the idle set (idle_causes takes its total as the difference instead)
+        sets["idle_other"] = iv.subtract(idle, iv.merge(*(sets[c] for c in IDLE_CAUSES if c != "idle_other")))
     return {"idle": idle, **sets}
 
 
@@ -266,11 +279,14 @@ def _gpu_causes(idle: iv.IntervalSet, table: _Table, work: np.ndarray, host: _Ho
         k = nxt[queued]
         dependency[queued] = host.waits_between(stream[k], previous[k], launch[k])
     host_side = (gap_start[late | ~known], gap_end[late | ~known])
-    sync = iv.intersect(host_side, host.sync)
-    loading = iv.subtract(iv.intersect(host_side, host.dataloader), sync)
+    sync = iv.intersect(host_side, host.sync) if len(host.sync[0]) else iv.EMPTY
+    loading = (iv.subtract(iv.intersect(host_side, host.dataloader), sync) if len(host.dataloader[0])
+               else iv.EMPTY)
+    late_gaps = (gap_start[late], gap_end[late])
+    blocked = iv.merge(sync, loading)
     return {"idle_dependency": (gap_start[dependency], gap_end[dependency]), "idle_sync": sync,
             "idle_dataloader": loading,
-            "idle_host_bound": iv.subtract((gap_start[late], gap_end[late]), iv.merge(sync, loading))}
+            "idle_host_bound": iv.subtract(late_gaps, blocked) if len(blocked[0]) else late_gaps}
 
 
 def _previous_launch_on_stream(stream: np.ndarray, launch: np.ndarray) -> np.ndarray:
@@ -290,11 +306,16 @@ def idle_causes(attribution: Attribution, rank: RankAttribution, *,
     partition's ``idle`` column of this rank) when given: ``AssertionError`` if not equal."""
     windows = rank.attributed_windows
     lo, hi = windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()
-    sets = _idle_sets(attribution, rank)  # not kept: the breakdown needs only the totals
-    out = {cause: iv.window_totals(sets[cause], lo=lo, hi=hi) for cause in IDLE_CAUSES}
-    total = iv.window_totals(sets["idle"], lo=lo, hi=hi) if idle is None else np.asarray(idle, dtype=np.int64)
+    sets = _idle_sets(attribution, rank, other=False)  # not kept: the breakdown needs only the totals
+    zero = np.zeros(len(lo), dtype=np.int64)
+    out = {cause: iv.window_totals(sets[cause], lo=lo, hi=hi) if len(sets[cause][0]) else zero
+           for cause in IDLE_CAUSES if cause != "idle_other"}
+    measured = iv.window_totals(sets["idle"], lo=lo, hi=hi)
+    # The causes are disjoint subsets of the idle set (by construction), so the rest of it is other.
+    out["idle_other"] = measured - np.sum(list(out.values()), axis=0, dtype=np.int64)
+    total = measured if idle is None else np.asarray(idle, dtype=np.int64)
     parts = np.sum([out[cause] for cause in IDLE_CAUSES], axis=0, dtype=np.int64)
-    if not np.array_equal(parts, total):  # disjoint sets covering the idle set, by construction
+    if not np.array_equal(parts, total) or (out["idle_other"] < 0).any():
         raise AssertionError(f"rank {rank.rank}: idle causes {parts.tolist()[:5]} do not sum to idle "
                              f"{total.tolist()[:5]}")
     return out

@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling import intervals as iv
+from shardline.profiling.bubbles import THIRD_PARTY_PP_PATTERN  # noqa: F401  (any row an adapter reads)
 
 #: Names torch.distributed.pipelining records (the ``PP:`` actions and the single-stage spans).
 TORCH_PP_PATTERN = r"^PP:(?P<stage>\d+)(?P<kind>F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)" \
@@ -50,8 +51,6 @@ TORCH_SINGLE_PATTERN = r"^(?P<kind>Forward|Backward) (?P<microbatch>\d+)$"
 #: ``PP:(0F3;3B1)OVERLAP_F_B`` (``_Action.__repr__`` of an action with ``sub_actions``).
 TORCH_OVERLAP_PATTERN = r"^PP:\((?P<subs>[^()]*)\)OVERLAP_F_B$"
 _SUB_ACTION = re.compile(r"^(?P<stage>\d+)(?P<kind>F|I|B|W)(?P<microbatch>\d*)$")
-#: Any row an adapter reads (the selector a survey of pipeline rows can use).
-THIRD_PARTY_PP_PATTERN = r"^(PP:\d|PP:\(|Forward \d|Backward \d)"
 
 _COMPUTE = {"F": "F", "B": "B", "I": "B", "W": "W", "Forward": "F", "Backward": "B"}
 _RECV_FOR = {"RECV_F": "F", "RECV_B": "B"}  # the action whose input a posted receive carries
