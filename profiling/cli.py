@@ -1,4 +1,4 @@
-"""``shardline profile report | diff | merge``: breakdowns, reports, run-to-run diffs and the merged trace.
+"""``shardline profile report | diff | merge | whatif``: breakdowns, reports, run diffs, merged traces, what-ifs.
 
 ``add_commands(subparsers)`` registers ``profile`` on the ``shardline`` console script (each leaf parser sets
 ``func(args) -> int``); ``main(argv)`` runs the same parser standalone, for tests and ``python -m``.
@@ -10,6 +10,8 @@
 - ``profile diff BEFORE AFTER``: per rank and category, the mean-step time before, after and the delta; the deltas
   sum to the step-time delta exactly (``diff.diff_breakdowns``).
 - ``profile merge PATH -o FILE``: all ranks in one Chrome trace (``merge.merged_trace``).
+- ``profile whatif PATH --scenario S [--scenario S2 ...]``: the step time per rank and step predicted under each
+  scenario (``what_if.what_if``; ``S`` as ``what_if.Scenario.parse`` reads it, e.g. ``comm_faster:k=2``).
 - every command: ``--rules FILE`` (YAML/JSON communication rules before the built-in ones, ``read_rules``) and
   ``--rank N`` (the rank of a single file that records none; without it such a file is an error, status 2).
 
@@ -65,7 +67,7 @@ class UsageError(ProfilingError):
 
 
 def add_commands(subparsers) -> None:
-    """Add ``profile report``, ``profile diff`` and ``profile merge`` to an ``argparse`` subparsers object."""
+    """Add ``profile report``, ``diff``, ``merge`` and ``whatif`` to an ``argparse`` subparsers object."""
     profile = subparsers.add_parser("profile", help="analyse profiler traces")
     commands = profile.add_subparsers(dest="profile_command", metavar="COMMAND")
     commands.required = True
@@ -94,6 +96,19 @@ def add_commands(subparsers) -> None:
     _load_flags(merge)
     _progress_flag(merge)
     merge.set_defaults(func=run_merge)
+
+    whatif = commands.add_parser("whatif", help="predicted step time per rank and step under a scenario")
+    whatif.add_argument("path", type=Path)
+    whatif.add_argument("--scenario", action="append", required=True, metavar="S",
+                        help="overlap[:dim=D,category=C] | comm_faster:k=K[,dim=D,category=C] | "
+                             "no_straggler[:rank=R] | no_host_bound | pipeline:m=M[,v=V,schedule=gpipe|1f1b|"
+                             "interleaved,keep=microbatch|batch]; give several to compare")
+    whatif.add_argument("--format", choices=[f.value for f in DiffFormat if f is not DiffFormat.MD],
+                        default=DiffFormat.TABLE.value)
+    whatif.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    _load_flags(whatif)
+    _progress_flag(whatif)
+    whatif.set_defaults(func=run_whatif)
 
 
 def _load_flags(parser) -> None:
@@ -252,11 +267,16 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
 
     coverage = comm_coverage(attribution)
     if fmt is ReportFormat.TABLE:
-        from shardline.profiling.report_sections import bandwidth_terminal, report_sections, why_terminal
+        from shardline.profiling.report_sections import (
+            bandwidth_terminal,
+            findings_terminal,
+            report_sections,
+            why_terminal,
+        )
 
-        why = why_terminal(report_sections(attribution, traceset=traceset))
-        return (render_table(table) + why + render_coverage(coverage)
-                + bandwidth_terminal(attribution, traceset=traceset))
+        sections = report_sections(attribution, traceset=traceset)
+        return (findings_terminal(sections) + render_table(table) + why_terminal(sections)
+                + render_coverage(coverage) + bandwidth_terminal(attribution, traceset=traceset))
     if len(coverage):  # the machine formats carry the breakdown only: the finding goes to stderr
         from shardline.profiling.report_sections import coverage_note
 
@@ -373,6 +393,29 @@ def run_merge(args: argparse.Namespace) -> int:
         merged_trace(traceset, path=args.output, progress=_wants_progress(args))
     except (ProfilingError, OSError) as exc:
         return _fail("merge", exc)
+    return 0
+
+
+def run_whatif(args: argparse.Namespace) -> int:
+    """Parse the scenarios (a bad one fails before loading), load, predict, render."""
+    from shardline.profiling.what_if import Scenario, what_if
+
+    try:
+        scenarios = [Scenario.parse(text) for text in args.scenario]
+        table = what_if(load_traces(args.path, args), scenarios)
+        fmt = DiffFormat(args.format)
+        if fmt is DiffFormat.CSV:
+            text = table.to_csv(index=False)
+        elif fmt is DiffFormat.JSON:
+            text = table.to_json(orient="records", indent=1) + "\n"
+        else:
+            shown = table.assign(rank=table["rank"].map(lambda r: "all" if r == -1 else str(r)),
+                                 **{f"{c}_ms": table[f"{c}_ns"] / 1e6 for c in ("measured", "predicted", "saved")})
+            text = shown[["step", "rank", "scenario", "method", "measured_ms", "predicted_ms", "saved_ms",
+                          "note"]].to_string(index=False, float_format=lambda v: f"{v:.3f}") + "\n"
+        _emit(text, args.output)
+    except (ProfilingError, OSError) as exc:
+        return _fail("whatif", exc)
     return 0
 
 

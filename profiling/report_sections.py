@@ -33,6 +33,7 @@ frame's integer ns); ratios and bandwidths are rounded to the stated decimals (`
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ TOP_KERNELS = 5
 class Section(str, enum.Enum):
     """Report sections, in order; the value is the HTML id and the markdown anchor."""
 
+    FINDINGS = "findings"
     BREAKDOWN = "breakdown"
     CRITICAL_PATH = "critical-path"
     IDLE = "idle"
@@ -64,6 +66,7 @@ class Section(str, enum.Enum):
 
 TITLES = {
     Section.BREAKDOWN: "Step time per rank and step (exclusive, ms)",
+    Section.FINDINGS: "Findings: what to change, by what it saves per step",
     Section.CRITICAL_PATH: "Critical path across ranks: what each step waited on (share of the path)",
     Section.IDLE: "Idle by cause, and how late the host launched GPU work",
     Section.COMM_BY_DIM: "Communication per parallel dimension (ms)",
@@ -97,6 +100,7 @@ class ReportSections:
     titles: dict[Section, str] = field(default_factory=dict)
     critical_path: pd.DataFrame = field(default_factory=pd.DataFrame)  # critical_path_summary (rank, label, dim)
     launch: pd.DataFrame = field(default_factory=pd.DataFrame)  # idle.launch_stats
+    findings: pd.DataFrame = field(default_factory=pd.DataFrame)  # findings.findings, ranked
 
 
 def section_title(sec: ReportSections, section: Section) -> str:
@@ -234,10 +238,28 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
     title, link_note = offload_title(links)
     notes[Section.OFFLOAD] = "; ".join(n for n in (notes.get(Section.OFFLOAD), link_note) if n)
     notes[Section.COMM_COVERAGE] = coverage_note(coverage)
-    return ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
-                          top_kernels=kernels, offload=offload, notes=notes, matched=matched,
-                          attribution=attribution, comm_coverage=coverage, bandwidth=bw,
-                          titles={Section.OFFLOAD: title}, critical_path=path, launch=launch)
+    sections = ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
+                              top_kernels=kernels, offload=offload, notes=notes, matched=matched,
+                              attribution=attribution, comm_coverage=coverage, bandwidth=bw,
+                              titles={Section.OFFLOAD: title}, critical_path=path, launch=launch)
+    from shardline.profiling.findings import findings  # the rules read the sections above
+
+    found = findings(attribution, sections=sections)
+    if found.empty:
+        notes[Section.FINDINGS] = "no rule found anything to change in this trace"
+    return dataclasses.replace(sections, findings=found)
+
+
+def findings_terminal(sections: ReportSections, *, top: int = 5) -> str:
+    """The terminal's first lines: the ``top`` findings, largest saving first ("" when there are none)."""
+    found = sections.findings
+    if found is None or found.empty:
+        return ""
+    lines = ["findings (what to change, by what it saves per step):"]
+    lines += [f"  {int(row.rank)}. {row.text}" for row in found.head(top).itertuples(index=False)]
+    if len(found) > top:
+        lines.append(f"  ... {len(found) - top} more in the Markdown/HTML report")
+    return "\n".join(lines) + "\n\n"
 
 
 def why_terminal(sections: ReportSections) -> str:
@@ -418,6 +440,12 @@ def offload_traffic(source, bd: pd.DataFrame, *, links: pd.DataFrame | None = No
 def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.DataFrame]]]:
     """Per section, its (table id, table of display strings) pairs; empty list where the section has no data."""
     out: dict[Section, list[tuple[str, pd.DataFrame]]] = {s: [] for s in Section}
+    if len(sec.findings):
+        f = sec.findings
+        saves = ["" if np.isnan(v) else str(ms_text([int(round(v))])[0]) for v in f["saves_ns"]]
+        out[Section.FINDINGS].append(("findings-table", pd.DataFrame({
+            "#": f["rank"].astype(str), "saves_ms_per_step": saves, "method": f["method"].astype(str),
+            "finding": f["text"].astype(str), "measured": f["measured"].astype(str)})))
     if len(sec.breakdown):
         out[Section.BREAKDOWN].append(("breakdown-table", breakdown_table(sec.breakdown, style=REPORT)))
     if len(sec.comm_by_dim):

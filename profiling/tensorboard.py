@@ -78,7 +78,7 @@ class ImageTag(str, enum.Enum):
 TEXT_TAG = "breakdown/table"
 BANDWIDTH_TAG = "bandwidth/summary"
 COVERAGE_TAG = "diagnostics/comm_coverage"
-WHY_TAG = "diagnostics/critical_path_and_idle"
+WHY_TAG = "diagnostics/findings_critical_path_idle"
 
 
 def write_tensorboard(traceset, *, logdir: str | Path, step_offset: int = 0, layout: Mapping | None = None,
@@ -153,7 +153,8 @@ def _analyses(sections) -> dict[str, pd.DataFrame]:
     if "method" in bubbles:
         bubbles = bubbles[bubbles["method"].isin(MEASURED_METHODS)].reset_index(drop=True)
     return {"comm_by_dim": sections.comm_by_dim, "wait_transfer": waits, "bubbles": bubbles,
-            "bandwidth": sections.bandwidth, "critical_path": sections.critical_path, "launch": sections.launch}
+            "bandwidth": sections.bandwidth, "critical_path": sections.critical_path, "launch": sections.launch,
+            "findings": sections.findings}
 
 
 def _shift_steps(frame: pd.DataFrame, offset: int) -> pd.DataFrame:
@@ -207,7 +208,8 @@ def _why_markdown(sections) -> str:
 
     tables = display_tables(sections)
     parts = []
-    for section, heading in ((Section.CRITICAL_PATH, "Critical path"), (Section.IDLE, "Idle by cause")):
+    for section, heading in ((Section.FINDINGS, "Findings"), (Section.CRITICAL_PATH, "Critical path"),
+                             (Section.IDLE, "Idle by cause")):
         note = sections.notes.get(section, "")
         shown = tables.get(section, [])
         if note or shown:

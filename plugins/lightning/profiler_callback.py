@@ -85,6 +85,7 @@ class StepProfiler(pl.Callback):
         self.trace_dirs: list[Path] = []
         self.tables: list = []
         self.summary: str = ""
+        self.findings: list = []  # per window: the report's findings (``shardline.profiling.findings``)
         self._profiler = None
         self._rank = 0
         self._timings = _Timings()
@@ -174,6 +175,9 @@ class StepProfiler(pl.Callback):
                 attribution = attribute(traceset)
                 table = attribution.breakdown
                 self._write_html(traceset, attribution, name=folder.name)
+                from shardline.profiling.report_sections import report_sections
+
+                self.findings.append(report_sections(attribution).findings)
             self.tables.append(table)
             for logger in loggers:
                 write_tensorboard(traceset, logdir=Path(logger.log_dir) / TRACE_DIR, layout=layout)
@@ -198,6 +202,9 @@ class StepProfiler(pl.Callback):
             shares = ", ".join(f"{name} {100 * value / row['step_ns']:.1f}%" for name, value in parts.head(3).items()
                                if value > 0 and row["step_ns"] > 0)
             lines.append(f"{int(rank):>4} {int(steps[rank]):>5} {row['step_ns'] / 1e6:>9.3f}  {shares}")
+        for folder, found in zip(self.trace_dirs, self.findings):  # what to change, largest saving first
+            for row in found.head(3).itertuples(index=False):
+                lines.append(f"finding ({folder.name}) {int(row.rank)}: {row.text}")
         recorded, n_rec = self._timings.mean_ms(StepKind.RECORD)
         plain, n_plain = self._timings.mean_ms(StepKind.OFF)
         if n_rec and n_plain:

@@ -139,7 +139,14 @@ def test_summary_is_printed_with_overhead_and_report_written(profiled_run):
     report = (Path(rank0["log_dir"]) / TRACE_DIR / REPORT_NAME).read_text()
     assert summary in report and "window0" in report
     html = (Path(rank0["log_dir"]) / TRACE_DIR / "report_window0.html").read_text()
-    assert '<section id="breakdown">' in html
+    assert '<section id="breakdown">' in html and '<section id="findings">' in html
+    # The summary carries the window's top findings, as the profiling core ranks them for those traces.
+    from shardline.profiling.findings import findings
+    from shardline.profiling.load import load
+
+    (folder,) = rank0["trace_dirs"]
+    want = [f"finding (window0) {int(r.rank)}: {r.text}" for r in findings(load(folder)).head(3).itertuples()]
+    assert want and [line for line in lines if line.startswith("finding (")] == want
 
 
 def test_one_window_computes_its_breakdown_once(profiled_run):
