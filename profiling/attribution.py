@@ -59,6 +59,7 @@ callback, the CLI) reads these; none derives them again from the raw table.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Mapping
 
@@ -171,6 +172,7 @@ class Attribution:
         self.layout = None if layout is None else dict(layout)
         self.files = dict(files or {})
         self.metadata = dict(metadata or {})  # the trace set's per-rank metadata (device names, layout ...)
+        self.timings: dict[str, float] = {}  # seconds some analyses took (``idle_causes``; reports add theirs)
         self._memo: dict = {}
 
     def __repr__(self) -> str:
@@ -225,10 +227,14 @@ def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[st
     from shardline.profiling.idle import idle_causes  # idle reads this module's objects
 
     rows = []
+    spent = 0.0
     for rank in attribution.working:
         columns = rank.partition_columns()
+        started = time.perf_counter()
         columns.update(idle_causes(attribution, rank, idle=columns["idle"]))  # asserted to sum to idle
+        spent += time.perf_counter() - started
         rows.append(columns)
+    attribution.timings["idle_causes"] = spent
     notes = tuple(rank.window_note for rank in attribution.working if rank.window_note)
     notes += rank_pipelines(attribution)[1]  # the p2p pipeline inference's warnings
     if not rows:

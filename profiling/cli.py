@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import enum
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -77,6 +78,9 @@ def add_commands(subparsers) -> None:
                         help="table (terminal); csv, json, parquet (the breakdown, integer ns); md, html (the full "
                              "report); tensorboard (-o LOGDIR). Default: from the -o suffix, else table")
     report.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    report.add_argument("--timings", action="store_true",
+                        help="print the seconds each analysis took (load, breakdown, idle causes, critical path, "
+                             "findings with their what-ifs, ...) to stderr")
     _load_flags(report)
     _progress_flag(report)
     report.set_defaults(func=run_report)
@@ -207,6 +211,22 @@ def _stages(names: Sequence[str], *, enabled: bool):
         bar.close()
 
 
+def _print_timings(traceset, *, fmt: ReportFormat, loaded: float, total: float) -> None:
+    """``--timings``: where the report's time went, one line on stderr (seconds per analysis; rendering and
+    writing are the rest of the total). The machine formats compute the breakdown only."""
+    from shardline.profiling.attribution import attribute
+
+    attribution = attribute(traceset, caller="report")
+    if fmt in _SECTION_FORMATS or fmt is ReportFormat.TABLE:
+        from shardline.profiling.report_sections import report_sections
+
+        stages = dict(report_sections(attribution, traceset=traceset).timings)  # the ones just computed
+    else:
+        stages = {"idle_causes": attribution.timings.get("idle_causes", 0.0)}
+    parts = [f"load {loaded:.3f}"] + [f"{name} {value:.3f}" for name, value in stages.items()]
+    print(f"shardline profile report: seconds: {', '.join(parts)}; total {total:.3f}", file=sys.stderr)
+
+
 def _fail(command: str, exc: BaseException) -> int:
     print(f"shardline profile {command}: error: {exc}", file=sys.stderr)
     return 2
@@ -229,12 +249,16 @@ def run_report(args: argparse.Namespace) -> int:
             raise UsageError(f"--format {fmt.value} needs -o " + ("FILE" if fmt is ReportFormat.PARQUET else
                                                                    "LOGDIR"))
         with _stages(["loading", "analysing", "writing"], enabled=_wants_progress(args)) as done:
+            started = time.perf_counter()
             traceset = load_traces(args.path, args, op_args=fmt in _BANDWIDTH_FORMATS)
+            loaded = time.perf_counter() - started
             done()
             if fmt is ReportFormat.TENSORBOARD:
                 return _write_tensorboard(traceset, logdir=args.output)
             text = _render_report(traceset, fmt=fmt, source=str(args.path), progress=_wants_progress(args))
             done()
+            if args.timings:
+                _print_timings(traceset, fmt=fmt, loaded=loaded, total=time.perf_counter() - started)
             if fmt is ReportFormat.PARQUET:
                 _write_parquet(text, args.output)
             else:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -101,6 +102,7 @@ class ReportSections:
     critical_path: pd.DataFrame = field(default_factory=pd.DataFrame)  # critical_path_summary (rank, label, dim)
     launch: pd.DataFrame = field(default_factory=pd.DataFrame)  # idle.launch_stats
     findings: pd.DataFrame = field(default_factory=pd.DataFrame)  # findings.findings, ranked
+    timings: dict = field(default_factory=dict)  # seconds per analysis (breakdown includes idle_causes)
 
 
 def section_title(sec: ReportSections, section: Section) -> str:
@@ -197,20 +199,29 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
 
     notes: dict[Section, str] = {}
     bar = _bar(10, enabled=progress)
+    timings: dict[str, float] = {}
+    clock = [time.perf_counter()]
+
+    def done(stage: str) -> None:  # one stage of the report finished: time it, advance the bar
+        now = time.perf_counter()
+        timings[stage] = timings.get(stage, 0.0) + now - clock[0]
+        clock[0] = now
+        bar.update()
+
     matched = pd.DataFrame()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bd = attribution.breakdown
-        bar.update()
+        done("breakdown")
         cbd = comm_by_dim(attribution)
-        bar.update()
+        done("comm_by_dim")
         try:
             matched = match_collectives(attribution)
             wt, sg = wait_transfer(matched), stragglers(matched)
         except AttributionError as exc:
             wt, sg = pd.DataFrame(), pd.DataFrame()
             notes[Section.COLLECTIVES] = str(exc)
-        bar.update()
+        done("collectives")
         # Without a measurable pipeline (annotations of shardline or torch.distributed.pipelining, or
         # receives matched with sends) pipeline_bubbles restates the breakdown's p2p_recv; the section
         # points there instead.
@@ -220,19 +231,20 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
             notes[Section.PIPELINE] = ("no pipeline found in this trace (no sl:pp:* or torch.distributed."
                                        "pipelining annotations, no receive matched with a send); the time ranks "
                                        "spent in receives is the breakdown's p2p_recv column")
-        bar.update()
+        done("pipeline")
         kernels = top_kernels(attribution, top=top)
-        bar.update()
+        done("top_kernels")
         links = host_links(attribution, getattr(traceset, "metadata", None) or {})
         offload = offload_traffic(attribution, bd, links=links)
-        bar.update()
+        done("offload")
         coverage = comm_coverage(attribution)
-        bar.update()
+        done("coverage")
         bw = _bandwidth(attribution, traceset, notes)
-        bar.update()
+        done("bandwidth")
         path = _critical_path(attribution, notes)
-        bar.update()
+        done("critical_path")
         launch = launch_stats(attribution)
+        done("launch_stats")
     bar.close()
     _note_findings(notes, caught=caught, cbd=cbd, offload=offload)
     title, link_note = offload_title(links)
@@ -244,10 +256,13 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
                               titles={Section.OFFLOAD: title}, critical_path=path, launch=launch)
     from shardline.profiling.findings import findings  # the rules read the sections above
 
+    started = time.perf_counter()
     found = findings(attribution, sections=sections)
+    timings["findings"] = time.perf_counter() - started  # what-if included
+    timings["idle_causes"] = attribution.timings.get("idle_causes", 0.0)  # inside breakdown
     if found.empty:
         notes[Section.FINDINGS] = "no rule found anything to change in this trace"
-    return dataclasses.replace(sections, findings=found)
+    return dataclasses.replace(sections, findings=found, timings=timings)
 
 
 def findings_terminal(sections: ReportSections, *, top: int = 5) -> str:

@@ -205,3 +205,22 @@ def test_readme_findings_block_is_this_report(traces_dir):
         pattern = (rf"^\s+{row.step}\s+all\s+{row.scenario}\s+{row.method}\s+{row.measured_ns / 1e6:.3f}\s+"
                    rf"{row.predicted_ns / 1e6:.3f}\s+{row.saved_ns / 1e6:.3f}\s+{re.escape(row.note)}$")
         assert re.search(pattern, readme, flags=re.M), row
+
+
+def test_report_timings_name_every_analysis(synth, tmp_path, capsys):
+    """``--timings`` says where the report's time went: load, each analysis (the issue-20 ones included: idle
+    causes, critical path, findings with their what-ifs), and the total."""
+    import re
+
+    from shardline.recipes.cli import main
+
+    rows, _ = synth.straggler_all_reduce(4, straggler=2)
+    synth.write_kineto(rows, tmp_path / "t")
+    assert main(["profile", "report", str(tmp_path / "t"), "--timings", "-o", str(tmp_path / "r.html")]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("shardline profile report: seconds: load ")
+    stages = dict(re.findall(r"(\w+) (\d+\.\d{3})", line.split("seconds: ")[1]))
+    for name in ("load", "breakdown", "critical_path", "launch_stats", "findings", "idle_causes", "total"):
+        assert name in stages, (name, line)
+    parts = sum(float(v) for k, v in stages.items() if k not in ("total", "idle_causes"))  # idle: in breakdown
+    assert parts <= float(stages["total"]) + 0.002 and float(stages["idle_causes"]) <= float(stages["breakdown"])
