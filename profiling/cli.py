@@ -78,6 +78,8 @@ def add_commands(subparsers) -> None:
                         help="table (terminal); csv, json, parquet (the breakdown, integer ns); md, html (the full "
                              "report); tensorboard (-o LOGDIR). Default: from the -o suffix, else table")
     report.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    report.add_argument("--op-args", action="store_true",
+                        help="read the op args (dtypes, Input Dims, split sizes) whatever the traces' size")
     report.add_argument("--timings", action="store_true",
                         help="print the seconds each analysis took (load, breakdown, idle causes, critical path, "
                              "findings with their what-ifs, ...) to stderr")
@@ -97,6 +99,8 @@ def add_commands(subparsers) -> None:
     merge = commands.add_parser("merge", help="all ranks in one Chrome-trace JSON (Perfetto, chrome://tracing)")
     merge.add_argument("path", type=Path)
     merge.add_argument("-o", "--output", type=Path, required=True, help="the merged trace (.json or .json.gz)")
+    merge.add_argument("--op-args", action="store_true",
+                       help="read the op args (dtypes, Input Dims, split sizes) whatever the traces' size")
     _load_flags(merge)
     _progress_flag(merge)
     merge.set_defaults(func=run_merge)
@@ -163,20 +167,45 @@ def read_rules(path: Path) -> tuple:
     return (*rules, *(r for r in DEFAULT_RULES if r.pattern not in mine))
 
 
+#: Above this many bytes of trace files the report and merge commands read no op args unless ``--op-args``:
+#: they keep the decode on the native scanner (about 4x faster, and no op-arg columns in memory); the
+#: bandwidth then takes sizes from the kernels' own element counts and says dtype "" (the op args give the
+#: dtype, ``Input Dims`` sizes of older PyTorch, and all-to-all-v split sizes).
+OP_ARGS_MAX_BYTES = 256 << 20
+
+
+def _trace_bytes(path: Path) -> int:
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
 def load_traces(path: Path, args: argparse.Namespace, *, op_args: bool = False):
     """``load`` with the ``--rank`` and ``--rules`` of the command line; ``op_args``: the output shows the
-    collective bandwidth, whose sizes and dtypes come from the op args (read in the same decode)."""
+    collective bandwidth, whose sizes and dtypes come from the op args (read in the same decode) -- for sets
+    up to ``OP_ARGS_MAX_BYTES``, or any size with ``--op-args`` (a note on stderr says when they were left
+    out)."""
     from shardline.profiling.classify import classify_in_place
     from shardline.profiling.errors import MissingRankError
     from shardline.profiling.load import load
 
     rules = read_rules(args.rules) if getattr(args, "rules", None) is not None else None
+    skipped = False
+    if op_args and not getattr(args, "op_args", False):
+        size = _trace_bytes(path)
+        if size > OP_ARGS_MAX_BYTES:
+            op_args, skipped = False, True
+            print(f"shardline profile: note: {size / 1e6:.0f} MB of traces: op args (dtypes, Input Dims, split "
+                  "sizes) not read, to keep the fast decoder; --op-args reads them", file=sys.stderr)
     try:
         traceset = load(path, rank=getattr(args, "rank", None), classify=rules is None, op_args=op_args)
     except MissingRankError as exc:
         raise MissingRankError(f"{exc}; on the command line: --rank N") from None
     if rules is not None:
         classify_in_place(traceset.events, rules=rules, layout=traceset.layout)
+    if skipped:  # and no analysis reads the files again for them
+        object.__setattr__(traceset, "reread_op_args", False)
     return traceset
 
 

@@ -74,6 +74,9 @@ class TraceSet:
     that hold no events (an execution trace, a memory timeline) -> what they are. ``layout``: the parallel
     degrees (``dict(tp=, cp=, dp=, pp=)``) the events were classified with, or None. ``attributions``: the
     ``attribution.Attribution`` of each layout asked for, kept by ``attribute`` (not to be filled by hand).
+    ``reread_op_args``: whether an analysis that wants the op args a set loaded without them lacks may read
+    its Kineto files again for them (``read_op_args``); False keeps every analysis to the loaded table (the
+    CLI's choice for large sets, see ``cli.OP_ARGS_MAX_BYTES``).
     """
 
     events: pd.DataFrame
@@ -83,6 +86,7 @@ class TraceSet:
     warnings: tuple[str, ...] = ()
     skipped: dict[Path, str] = field(default_factory=dict)
     layout: Mapping[str, int] | None = None
+    reread_op_args: bool = True
     attributions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
@@ -159,6 +163,9 @@ def read_op_args(source) -> pd.DataFrame:
     events = getattr(source, "events", source)
     if has_op_args(events):
         return pd.DataFrame({column: events[column] for column in OP_ARG_COLUMNS}, copy=False)
+    if not getattr(source, "reread_op_args", True):  # the loader chose the table alone (a large set)
+        return pd.DataFrame({column: _placed(len(events), [], OP_ARG_COLUMNS[column]) for column in OP_ARG_COLUMNS},
+                            index=events.index, copy=False)
     from shardline.profiling.readers._kineto_columns import PYTHON_CATS
 
     parts: dict[str, list] = {column: [] for column in OP_ARG_COLUMNS}

@@ -115,3 +115,27 @@ def test_reports_diff_and_merge_run_without_torch(trace_folder, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == {"r.html", "d.md", "m.json"}
+
+
+def test_large_sets_keep_the_fast_decoder_unless_op_args_is_given(tmp_path, capsys, monkeypatch):
+    """Above ``OP_ARGS_MAX_BYTES`` the report reads no op args (and nothing re-reads the files for them): a
+    note says so; ``--op-args`` reads them anyway."""
+    import shardline.profiling.cli as cli
+    from shardline.profiling.load import read_op_args
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1.0, "dur": 2.0,
+         "args": {"device": 0, "stream": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0.5, "dur": 1.0,
+         "args": {"Input Dims": [[2, 3]], "Input type": ["float"]}}]}))
+    monkeypatch.setattr(cli, "OP_ARGS_MAX_BYTES", 10)
+    import argparse
+
+    plain = argparse.Namespace(rules=None, rank=None, op_args=False)
+    small = cli.load_traces(folder, plain, op_args=True)
+    assert "note: " in capsys.readouterr().err and not small.reread_op_args
+    assert (read_op_args(small)["input_dims"] == "").all()  # not read again either
+    forced = cli.load_traces(folder, argparse.Namespace(rules=None, rank=None, op_args=True), op_args=True)
+    assert capsys.readouterr().err == "" and (forced.events["input_dims"] == "[[2, 3]]").any()
