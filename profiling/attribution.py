@@ -232,6 +232,7 @@ def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[st
         columns = rank.partition_columns()
         started = time.perf_counter()
         columns.update(idle_causes(attribution, rank, idle=columns["idle"]))  # asserted to sum to idle
+        rank.__dict__.pop("idle_set", None)  # gap-sized: not kept once counted (``idle_set`` partitions again)
         spent += time.perf_counter() - started
         rows.append(columns)
     attribution.timings["idle_causes"] = spent

@@ -136,13 +136,25 @@ def test_tp_group_across_nodes_is_found_and_one_within_a_node_is_not(synth, tmp_
 
 # --- coverage -----------------------------------------------------------------------------------------------------
 
-def test_an_unknown_communication_kernel_is_a_diagnostic_finding(synth):
-    from shardline.profiling.report_sections import report_sections
+def test_an_unknown_communication_kernel_is_a_diagnostic_finding(synth, tmp_path):
+    """The coverage test's own trace (an ``nccl:all_reduce`` op that launched only a kernel no rule knows, and an
+    all-gather kernel under no op) gives both diagnostics, unranked by saving; a covered trace gives none."""
+    import importlib.util
+    from pathlib import Path
 
-    rows, _ = synth.zero_tp_offload()
-    frame = _frame(synth, rows)
-    sections = report_sections(frame)
-    assert findings(frame, rules=_rules("comm_coverage"), sections=sections).empty == sections.comm_coverage.empty
+    from shardline.profiling.load import load
+
+    spec = importlib.util.spec_from_file_location("coverage_case", Path(__file__).with_name("test_comm_coverage.py"))
+    case = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(case)
+    table = _found(load(case.write_trace(tmp_path / "job.pt.trace.json.gz")), "comm_coverage")
+    assert table["text"].tolist() == [
+        "communication kernel with no communication op: 1 × (ncclDevKernel_AllGather_RING_LL"
+        "(ncclDevKernelArgsStorage<4096ul>))",
+        "communication op with no communication kernel: 1 × (nccl:all_reduce)"]
+    assert table["saves_ns"].isna().all() and (table["method"] == "").all()
+    quiet, _ = synth.straggler_all_reduce(4)
+    assert _found(_frame(synth, quiet), "comm_coverage").empty
 
 
 # --- ranking, rules as data, the reports -------------------------------------------------------------------------
