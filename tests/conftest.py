@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,20 @@ def traces_dir() -> Path:
     if not TRACES_DIR.is_dir():
         pytest.skip(f"trace corpus not found at {TRACES_DIR} (set SHARDLINE_TRACES to its folder)")
     return TRACES_DIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deepspeed_lazy_import_before_forking():
+    """``deepspeed.initialize`` imports DeepSpeed's Muon optimizer lazily (its ZeRO optimizer check), and that
+    module calls ``torch.compile`` at import, which imports ``torch._inductor``: about 3 s of CPU in every rank
+    that ``run_ranks`` forks, on every run (6 s of wall time for 4 ranks on 2 cores). Imported here once, before
+    the first fork, the ranks inherit it. Only when a collected test module has imported DeepSpeed, so a run of
+    the profiler's tests alone never pays it; the ranks import exactly what they would have imported anyway."""
+    if "deepspeed" in sys.modules:
+        # torch.jit's deprecation notices from that import are torch's and DeepSpeed's, not the first test's
+        with contextlib.suppress(ImportError), warnings.catch_warnings():  # ImportError: another DeepSpeed
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
 """The user's path, end to end: ``shardline fit --config tiny`` with a ModelCheckpoint every 3 steps, then
-``--ckpt_path`` of the step-3 checkpoint, on the same layout (the next losses are the uninterrupted run's,
-exactly) and on another (dp4 x ZeRO-3: the same within float32 summation order), and Lightning's conventions:
-``save_top_k`` keeps the best k, ``save_last`` keeps ``last.ckpt``, ``--ckpt_path last`` resumes from it."""
+``--ckpt_path`` of the step-3 checkpoint on the same layout (the next losses are the uninterrupted run's,
+exactly), and ``--ckpt_path last`` (step 6) on another layout (dp4 x ZeRO-3: the same within float32 summation
+order), with Lightning's conventions: ``save_top_k`` keeps the best k, ``save_last`` keeps ``last.ckpt``,
+``--ckpt_path last`` resumes from it. (A checkpoint saved in dp4 x ZeRO-3 read back in tp2 x pp2: test_reshard.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from shardline.recipes.fit import RECIPES_DIR
 from tests.recipes.test_fit import _command, _scalars
 
 SMALL = ["--model.n_layer", "2", "--model.d_model", "64", "--model.seq_len", "64", "--data.max_bytes", "300000",
-         "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1", "--trainer.max_steps", "6",
+         "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1", "--trainer.max_steps", "8",
          "--trainer.enable_checkpointing", "true"]
 
 
@@ -33,25 +34,23 @@ def _fit(tmp_path: Path, name: str, run_command, *extra: str) -> dict[int, float
 @pytest.mark.slow
 def test_fit_resume_on_the_same_and_another_layout(tmp_path, run_command):
     full = _fit(tmp_path, "full", run_command)
-    assert sorted(full) == list(range(6))
+    assert sorted(full) == list(range(8))
     ckpts = tmp_path / "ckpts"
     step3 = ckpts / "epoch=0-step=3.ckpt"
     assert (step3 / MANIFEST).is_file() and (ckpts / "epoch=0-step=6.ckpt" / MANIFEST).is_file()
     assert (ckpts / "last.ckpt" / MANIFEST).is_file() and (ckpts / POINTER).read_text().strip() == "last.ckpt"
 
-    same = _fit(tmp_path, "same", run_command, "--ckpt_path", str(step3))
+    same = _fit(tmp_path, "same", run_command, "--ckpt_path", str(step3), "--trainer.max_steps", "6")
     assert sorted(same) == [3, 4, 5]
     # The same layout, the same batches (the loader's position inside the epoch), the same arithmetic: exact.
     assert [same[s] for s in (3, 4, 5)] == [full[s] for s in (3, 4, 5)]
 
-    # dp4 x ZeRO-3 (was tp2 x pp2 x ZeRO-1); data.batch_size is per dp rank, so 4 keeps the global batch of 16.
-    other = _fit(tmp_path, "other", run_command, "--ckpt_path", str(step3),
+    # --ckpt_path last: Lightning takes the newest last*.ckpt in ckpts/ (the "same" run's last-v1.ckpt: step 6,
+    # saved in the recipe's tp2 x pp2 x ZeRO-1) and goes on in dp4 x ZeRO-3; data.batch_size is per dp rank, so 4
+    # keeps the global batch of 16.
+    other = _fit(tmp_path, "other", run_command, "--ckpt_path", "last",
                  "--trainer.strategy.init_args.tp", "1", "--trainer.strategy.init_args.pp", "1",
                  "--trainer.strategy.init_args.zero_stage", "3", "--data.batch_size", "4")
-    # Another summation order (no TP all-reduce, ZeRO-3 reduce-scatter): float32 rounding over 3 steps.
-    assert [other[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], rel=1e-5)
-
-    # --ckpt_path last: Lightning finds ckpts/last.ckpt, the step-6 state "other" saved last (in dp4 x ZeRO-3),
-    # and goes on from step 6 in the recipe's tp2 x pp2.
-    again = _fit(tmp_path, "last", run_command, "--ckpt_path", "last", "--trainer.max_steps", "7")
-    assert sorted(again) == [6]
+    assert sorted(other) == [6, 7]  # two steps: the loaded weights (step 6), then the loaded Adam state (step 7)
+    # Another summation order (no TP all-reduce, ZeRO-3 reduce-scatter): float32 rounding over 2 steps.
+    assert [other[s] for s in (6, 7)] == pytest.approx([full[s] for s in (6, 7)], rel=1e-5)

@@ -320,10 +320,21 @@ def _fit_twin(rank, world, path):
             "cpu_offload": bool(engine.zero_cpu_offload())}
 
 
+def _load_cpu_adam_op() -> None:
+    """DeepSpeedCPUAdam loads its C++ op in every rank (building it on first use), and loading probes the CPU
+    with py-cpuinfo subprocesses: about 2 s a rank, every run. Loaded once here, before the fork, the ranks
+    inherit it (DeepSpeed keeps the ops a process has loaded); their optimizer is the same cpu_adam."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    CPUAdamBuilder().load()
+
+
 def _train_and_check(twin: dict, tmp_path, name: str) -> None:
     """Train ``twin`` for its two optimizer steps on forked gloo ranks and check what ran."""
     from shardline.plugins.testing import run_ranks
 
+    if twin["model"].get("optimizer") == "cpu_adam":
+        _load_cpu_adam_op()
     twin = dict(twin, trainer={**twin["trainer"], "default_root_dir": str(tmp_path)})  # LightningCLI's config.yaml
     path = tmp_path / f"{name}-twin.yaml"
     path.write_text(emit.twin_yaml(twin))
