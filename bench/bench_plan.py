@@ -110,7 +110,7 @@ SEARCHES = (("llama3-405b", "dgx-h100", 16384, 8192, 2048), ("gpt3-175b", "dgx-a
 
 
 def _search_times() -> list[str]:
-    """The full search (``shardline plan`` without --layout), timed in this process, best of 3 runs each."""
+    """The full search (``shardline plan`` without --layout), timed in this process, best of 3 cold runs each."""
     from shardline.recipes.planning import search
     from shardline.recipes.planning.catalog import load_catalog
     from shardline.recipes.planning.models import packaged
@@ -120,23 +120,24 @@ def _search_times() -> list[str]:
     for name, node, gpus, seq, batch in SEARCHES:
         times, result = [], None
         for _ in range(3):
-            search._representatives.cache_clear()
+            search.clear_caches()
             start = time.perf_counter()
             result = search.plan(packaged(name), catalog.cluster(node), gpus=gpus, seq_len=seq, global_batch=batch)
             times.append(time.perf_counter() - start)
         best = result.best
         lay = best.layout
         rows.append(f"| {name} | {gpus} x {catalog.cluster(node).gpu.name} | {seq} x {batch} | {result.evaluated} | "
-                    f"{len(result.fitting)} | {min(times):.2f} s | {search._short(lay)} | "
+                    f"{len(result.fitting)} | {min(times):.2f} s | {search.describe(lay)} | "
                     f"{best.memory.most_loaded.total / 2**30:.1f} | {best.step_s:.2f} | "
                     f"{best.prediction.tokens_per_s_per_gpu:.0f} | {100 * best.prediction.mfu:.1f}% |")
     return [
         "## The full search",
         "",
         "`shardline.recipes.planning.search.plan` without a fixed field (what `shardline plan` runs without "
-        "`--layout`), wall time on this 2-core machine, best of 3 runs in one process (the target: under 10 s for "
-        "llama3-405b on 16,384 GPUs). Best layout, its most loaded rank's GiB and its predicted step as the model "
-        "prices shardline (synchronous TP collectives, ZeRO overlapped with compute).",
+        "`--layout`), wall time on this 2-core machine, best of 3 runs in one process, each from cold planner "
+        "caches (`search.clear_caches()`; the target: under 10 s for llama3-405b on 16,384 GPUs). Best layout, "
+        "its most loaded rank's GiB and its predicted step as the model prices shardline (synchronous TP "
+        "collectives, ZeRO overlapped with compute).",
         "",
         "| model | GPUs | seq x batch | layouts priced | fit | search time | best layout | GiB | step s | "
         "tokens/s/GPU | MFU |",

@@ -180,7 +180,7 @@ def _run(args) -> int:
         command = "shardline plan " + " ".join(shlex.quote(a) for a in _reproducer(args))
         Path(args.emit).write_text(recipe_yaml(model, row, cl, gpus=args.gpus, seq_len=seq,
                                                global_batch=args.global_batch, command=command))
-        print(f"wrote {args.emit}: {search._short(row.layout)}", file=sys.stderr)
+        print(f"wrote {args.emit}: {search.describe(row.layout)}", file=sys.stderr)
     return 0 if result.fitting else 1
 
 
@@ -201,14 +201,14 @@ def _compare(args, model, cl, seq, fixed) -> int:
     from shardline.recipes.planning.catalog import PlanError
     from shardline.recipes.planning.compare import compare
     from shardline.recipes.planning.layout import PlanLayout
-    from shardline.recipes.planning.search import _check_fixed
+    from shardline.recipes.planning.search import check_fixed
 
     needed = ("tp", "pp", "cp")
     missing = [k for k in needed if k not in fixed]
     if missing:
         raise PlanError(f"--compare needs the run's layout: give --recipe RUN.yaml or --layout with "
                         f"{', '.join(missing)} (and dp, zero, micro_batches, micro_batch_size as the run had)")
-    _check_fixed(model, fixed, args.gpus)
+    check_fixed(model, fixed, args.gpus)
     if "dp" not in fixed:
         fixed["dp"] = args.gpus // (fixed["tp"] * fixed["pp"] * fixed["cp"])
     if fixed.get("chunks", 1) > 1:

@@ -502,6 +502,13 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: b
     return s * b * h * ((34 + attention) / t if sp else 10 + (24 + attention) / t)
 
 
-__all__ = ["CATEGORIES", "FIXED_OVERHEAD_BYTES", "GIB", "MemoryEstimate", "RankMemory", "block_bytes", "estimate",
-           "hosted_stages", "representative_ranks", "in_flight_peak", "korthikanti_layer_bytes", "layer_numels", "layout_problems",
+def clear_caches() -> None:
+    """Forget the per-layer, per-rank, per-block and pipeline-order tables memoised across :func:`estimate` calls
+    (see :func:`shardline.recipes.planning.search.clear_caches`)."""
+    for cached in (_layer_numels, _rank_static, block_bytes, _interleaved_order):
+        cached.cache_clear()
+
+
+__all__ = ["CATEGORIES", "FIXED_OVERHEAD_BYTES", "GIB", "MemoryEstimate", "RankMemory", "block_bytes", "clear_caches",
+           "estimate", "hosted_stages", "representative_ranks", "in_flight_peak", "korthikanti_layer_bytes", "layer_numels", "layout_problems",
            "model_states", "padded_vocab", "rank_parameters", "zero_model_states"]

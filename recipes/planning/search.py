@@ -310,7 +310,7 @@ def _zero_stages(fixed: dict[str, Any], oo: str, op: str) -> list[int]:
     return [1, 2, 3] if oo != "none" else [0, 1, 2, 3]
 
 
-def _check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int) -> None:
+def check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int) -> None:
     """A fixed field no layout can have is an error naming it (never an empty result)."""
     problems = [f"{k}={fixed[k]!r} must be an integer >= 1" for k in
                 ("tp", "pp", "dp", "cp", "chunks", "micro_batches", "micro_batch_size")
@@ -345,6 +345,11 @@ def _check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int) -> None:
         raise PlanError("layout: " + "; ".join(problems))
 
 
+def _node_cpu_bytes(estimate: mem.MemoryEstimate, cluster: Cluster) -> float:
+    """The CPU RAM one node's offload needs: the most offloading rank's CPU bytes on every GPU of the node."""
+    return max(r.cpu for r in estimate.ranks) * cluster.gpus_per_node
+
+
 def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | None, cluster: Cluster) -> list[str]:
     top = estimate.most_loaded
     problems = []
@@ -353,7 +358,7 @@ def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | N
         problems.append(f"does not fit: {top.total / GIB:.1f} GiB on rank {top.rank} ({parts}) > "
                         f"{usable / GIB:.1f} GiB usable")
     if cpu_ram is not None:
-        node_cpu = max(r.cpu for r in estimate.ranks) * cluster.gpus_per_node
+        node_cpu = _node_cpu_bytes(estimate, cluster)
         if node_cpu > cpu_ram:
             problems.append(f"does not fit: offload needs {node_cpu / GIB:.0f} GiB of CPU RAM per node > "
                             f"cpu_ram_gib={cpu_ram / GIB:.0f}")
@@ -377,7 +382,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                          ("offload_optimizer", OFFLOAD), ("offload_params", OFFLOAD)):
         if key in fixed and fixed[key] not in allowed:
             raise PlanError(f"layout: {key}={fixed[key]!r} must be one of {allowed}")
-    _check_fixed(model, fixed, gpus)
+    check_fixed(model, fixed, gpus)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise PlanError(f"headroom={headroom!r} must be a share of HBM in [0, 1)")
     if cpu_ram_gib is not None and not (isinstance(cpu_ram_gib, (int, float)) and cpu_ram_gib > 0):
@@ -427,7 +432,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                     if tp > cluster.gpus_per_node:
                         row.notes.append(f"tp={tp} > gpus_per_node={cluster.gpus_per_node}: TP crosses the NICs")
                     if cpu_ram is None and row.memory is not None and (oo, op) != ("none", "none"):
-                        node = max(r.cpu for r in row.memory.ranks) * cluster.gpus_per_node / GIB
+                        node = _node_cpu_bytes(row.memory, cluster) / GIB
                         row.notes.append(f"offload needs {node:.0f} GiB of CPU RAM per node (not checked: give "
                                          f"cpu_ram_gib / --cpu-ram-gib)")
                     level_rows.append(row)
@@ -448,7 +453,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
     for family, row in closest.items():
         if family in fitting_families:
             continue
-        rejected[family] = f"{_short(row.layout)}: " + "; ".join(row.problems)
+        rejected[family] = f"{describe(row.layout)}: " + "; ".join(row.problems)
         if not any(r is row for r in rows):
             rows.append(row)
     rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else
@@ -494,7 +499,19 @@ def _representatives(model: ModelSpec, tp: int, pp: int, chunks: int) -> list[in
                                                       schedule="interleaved" if chunks > 1 else "1f1b"))
 
 
-def _short(lay: PlanLayout) -> str:
+def clear_caches() -> None:
+    """Forget what the planner memoises across calls (the representative pipeline ranks here, the estimator's
+    per-layer and per-rank tables in :mod:`.memory`): the next :func:`plan` runs as in a fresh process. For
+    timing the search; results never depend on it."""
+    _representatives.cache_clear()
+    mem.clear_caches()
+
+
+def describe(lay: PlanLayout) -> str:
+    """``lay`` on one line, as the table, the rejected families and ``shardline plan --emit`` show it: ``tp``,
+    ``pp``, ``dp``, ``cp``, ``zero``, ``mbs`` (micro-batch size) and ``m`` (micro-batches) always; ``sp``,
+    ``SCHEDULExCHUNKS``, ``recompute`` and ``offload=OPTIMIZER/PARAMS`` only where they are not the default,
+    e.g. ``tp=8,pp=4,dp=2,cp=1,sp=megatron,interleavedx2,zero=1,mbs=1,m=64,recompute=full``."""
     parts = [f"tp={lay.tp}", f"pp={lay.pp}", f"dp={lay.dp}", f"cp={lay.cp}"]
     if lay.sp != "none":
         parts.append(f"sp={lay.sp}")
@@ -526,7 +543,7 @@ def format_table(result: PlanResult, top: int = 10) -> str:
 
         def f(x, spec=".1f"):
             return "-" if x is None else format(x, spec)
-        lines.append((str(i), _short(row.layout), "yes" if row.fits else "NO", f(g.get("total")), f(g.get("params")),
+        lines.append((str(i), describe(row.layout), "yes" if row.fits else "NO", f(g.get("total")), f(g.get("params")),
                       f(g.get("grads")), f(g.get("optimizer")), f(g.get("activations")), f(g.get("buffers")),
                       f(p and p.step_s, ".3f"), f(p and p.tokens_per_s_per_gpu, ".0f"),
                       f(p and p.tflops_per_gpu, ".0f"), f(p and 100 * p.mfu, ".1f"),
@@ -539,7 +556,7 @@ def format_table(result: PlanResult, top: int = 10) -> str:
             for r in lines]
     misfits = [r for r in (result.rows[:top] if top else result.rows) if not r.fits]
     for row in misfits:
-        out.append(f"  {_short(row.layout)}: {'; '.join(row.problems)}")
+        out.append(f"  {describe(row.layout)}: {'; '.join(row.problems)}")
     if result.rejected:
         out += ["", "rejected:"] + [f"  {k}: {v}" for k, v in result.rejected.items()]
     out.append("")
@@ -549,4 +566,5 @@ def format_table(result: PlanResult, top: int = 10) -> str:
     return "\n".join(out)
 
 
-__all__ = ["HEADROOM", "LAYOUT_KEYS", "PlanResult", "PlanRow", "format_table", "parse_layout", "plan"]
+__all__ = ["HEADROOM", "LAYOUT_KEYS", "PlanResult", "PlanRow", "check_fixed", "clear_caches", "describe",
+           "format_table", "parse_layout", "plan"]
