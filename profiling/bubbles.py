@@ -257,7 +257,8 @@ def _pipeline_shape(ranks: tuple[int, ...], msgs: pd.DataFrame) -> dict:
     """p, m, v and the schedule of one pipeline in one step, from its receive counts (``p2p`` docstring):
     the last stage receives v·m activations from the one before it; with p > 2 the first stage receives
     (v-1)·m from the last (the ring an interleaved schedule closes); p = 2 cannot tell a ring from a line
-    and gives v = 1. GPipe sends all m activations from the first stage before its first gradient arrives."""
+    and gives v = 1. Under GPipe the last stage receives all m activations before it sends its first
+    gradient; under 1F1B it sends that gradient after the first one."""
     p = len(ranks)
     recv = msgs[msgs["kind"] == "recv"]
     first, last = ranks[0], ranks[-1]
@@ -266,13 +267,15 @@ def _pipeline_shape(ranks: tuple[int, ...], msgs: pd.DataFrame) -> dict:
     m = vm - wrap
     v = vm // m if m > 0 and vm % m == 0 else 1
     m = m if m > 0 else vm
-    grads = recv[(recv["rank"] == first) & (recv["peer"] == ranks[1])] if p >= 2 else recv.iloc[:0]
-    sends = msgs[(msgs["kind"] == "send") & (msgs["rank"] == first) & (msgs["peer"] == ranks[1])] if p >= 2 \
+    # The last stage tells the schedules apart (the first one cannot when m <= p-1: it runs every forward
+    # first in both): under GPipe all m activations arrive before its first gradient leaves, under 1F1B one.
+    acts = recv[(recv["rank"] == last) & (recv["peer"] == ranks[-2])] if p >= 2 else recv.iloc[:0]
+    grads_out = msgs[(msgs["kind"] == "send") & (msgs["rank"] == last) & (msgs["peer"] == ranks[-2])] if p >= 2 \
         else msgs.iloc[:0]
     if v > 1:
         schedule = "interleaved"
-    elif len(grads) and len(sends):
-        early = int((sends["start_ns"] < grads["end_ns"].min()).sum())
+    elif len(acts) and len(grads_out):
+        early = int((acts["end_ns"] <= grads_out["start_ns"].min()).sum())
         schedule = "gpipe" if early >= m else "1f1b"
     else:
         schedule = ""

@@ -29,6 +29,7 @@ def _load(synth, tmp_path, **kwargs):
     {"p": 4, "m": 8, "stage_rank": [2, 0, 3, 1], "group_ranks": False,  # only peers: the ring gives the order
      "offsets": [0, 5_000, -3_000, 12_000]},                            # and the clocks disagree
     {"p": 4, "m": 4, "schedule": "gpipe", "f": 3_000, "b": 6_000},
+    {"p": 4, "m": 2},  # m <= p-1: stage 0 runs both forwards first, as under GPipe; the last stage alternates
 ])
 def test_spinning_receives_split_into_bubble_and_transfer(synth, tmp_path, variant):
     from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
