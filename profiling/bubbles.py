@@ -51,9 +51,9 @@ import shardline.profiling.annotations as contract
 from shardline.profiling import intervals as iv
 from shardline.profiling.classify import Lane, match_names
 from shardline.profiling.errors import TraceWarning
+from shardline.profiling.schema import P2P_CATEGORIES
 
 _COMPUTE_ACTIONS = ("F", "B", "W")
-P2P_CATEGORIES = ("p2p_send", "p2p_recv")
 #: The names ``pipeline_adapters`` reads (checked here first, so a trace without them never imports it).
 THIRD_PARTY_PP_PATTERN = r"^(PP:\d|PP:\(|Forward \d|Backward \d)"
 
@@ -368,7 +368,7 @@ def _third_party_rows(attribution) -> dict[int, tuple[pd.DataFrame, pd.DataFrame
     rank_of = events["rank"].to_numpy()
     found = sorted(set(np.unique(rank_of[named]).tolist()) & set(candidates))
     # The adapter reads only the pipeline spans and the p2p rows of a rank.
-    rows = events[named | events["category"].isin(adapters.P2P_CATEGORIES).to_numpy()]
+    rows = events[named | events["category"].isin(P2P_CATEGORIES).to_numpy()]
     rows_rank = rows["rank"].to_numpy()
     return {rank: adapters.torch_pipelining_rows(rows[rows_rank == rank], candidates[rank].lanes,
                                                  p_default=len(found), stage_default=position)

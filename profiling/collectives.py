@@ -37,9 +37,9 @@ import pandas as pd
 from shardline.profiling.attribution import attribute
 from shardline.profiling.classify import Lane
 from shardline.profiling.errors import AttributionError, TraceWarning
-from shardline.profiling.schema import COMM_CATEGORIES
+from shardline.profiling.schema import COMM_CATEGORIES, P2P_CATEGORIES
 
-COLLECTIVE_CATEGORIES = tuple(c for c in COMM_CATEGORIES if c not in ("p2p_send", "p2p_recv"))
+COLLECTIVE_CATEGORIES = tuple(c for c in COMM_CATEGORIES if c not in P2P_CATEGORIES)
 
 
 class ClockAlignment(str, enum.Enum):

@@ -51,7 +51,7 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling.errors import ProfilingError
-from shardline.profiling.schema import COMM_CATEGORIES
+from shardline.profiling.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from shardline.profiling.tables import ms_text
 
 FINDING_COLUMNS = ("rank", "rule", "saves_ns", "method", "measured", "change", "text")
@@ -157,7 +157,7 @@ def _exposed_collective(ctx: _Context, threshold: float) -> list[Finding]:
     bd = ctx.breakdown
     out = []
     for category in COMM_CATEGORIES:
-        if category in ("p2p_send", "p2p_recv") or category not in bd:
+        if category in P2P_CATEGORIES or category not in bd:
             continue
         share = float((bd[category] / bd["step_ns"].where(bd["step_ns"] > 0)).mean())
         if not share >= threshold:

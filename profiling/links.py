@@ -32,10 +32,11 @@ import pandas as pd
 
 from shardline.profiling.classify import Lane
 from shardline.profiling.errors import ProfilingError
+from shardline.profiling.schema import P2P_CATEGORIES
 
 __all__ = ["DEFAULT_GPUS_PER_NODE", "DEFAULT_HOST_PCIE", "DEFAULT_LINKS", "DEFAULT_NIC", "DEVICE_RULES", "HOST_PCIE",
            "P2P_CATEGORIES", "Link", "LinkTable", "LinkTableError", "check_gpus_per_node", "crossed_links",
-           "device_names", "group_sizes", "link_table", "node_size", "nodes_spanned"]
+           "device_names", "group_sizes", "link_table", "node_size", "nodes_spanned", "parse_ranks"]
 
 
 class LinkTableError(ProfilingError, ValueError):
@@ -44,8 +45,6 @@ class LinkTableError(ProfilingError, ValueError):
 
 #: Node size assumed when neither the user, the links file, the layout nor the device indices tell.
 DEFAULT_GPUS_PER_NODE = 8
-#: Point-to-point categories: a call's "group" is its rank and its peer.
-P2P_CATEGORIES = ("p2p_send", "p2p_recv")
 
 
 @dataclass(frozen=True)
@@ -275,7 +274,8 @@ def _pg_config(metadata: Mapping) -> dict[str, list[int]]:
     return groups
 
 
-def _parse_ranks(text: str) -> list[int] | None:
+def parse_ranks(text: str) -> list[int] | None:
+    """A ``Process Group Ranks`` text (``"[0, 1, 2]"``) as its ranks; None for anything else."""
     try:
         ranks = json.loads(text) if text else None
     except ValueError:
@@ -288,7 +288,7 @@ def _group_ranks(rows: pd.DataFrame, metadata: Mapping) -> dict[tuple[str, str],
     config, world = _pg_config(metadata), _world(metadata)
     out = {}
     for name, text in rows[["pg_name", "pg_ranks"]].drop_duplicates().itertuples(index=False):
-        ranks = _parse_ranks(text)
+        ranks = parse_ranks(text)
         if ranks is None:
             ranks = config.get(name) if name else (list(range(world)) if world > 0 and not text else None)
         out[(name, text)] = ranks

@@ -57,8 +57,9 @@ import pandas as pd
 from shardline.profiling import intervals as iv
 from shardline.profiling.classify import Lane
 from shardline.profiling.errors import AttributionError, TraceWarning
+from shardline.profiling.links import parse_ranks
+from shardline.profiling.schema import P2P_CATEGORIES
 
-P2P_CATEGORIES = ("p2p_send", "p2p_recv")
 MESSAGE_COLUMNS = ("rank", "step", "kind", "peer", "group", "start_ns", "end_ns", "dur_ns", "bytes", "row")
 _ROW_COLUMNS = ("rank", "lane", "cat", "stream", "category", "dim", "start_ns", "dur_ns", "external_id", "peer",
                 "msg_bytes", "pg_name", "pg_ranks")
@@ -229,7 +230,7 @@ def pipeline_stages(messages: pd.DataFrame) -> tuple[list[Pipeline], pd.DataFram
                          "benchmark), not a pipeline: their receives stay p2p")
             continue
         groups = set(edges.loc[edges["rank"].isin(members), "group"].tolist())
-        listed = [_ranks_of(text) for text in groups]
+        listed = [parse_ranks(str(text)) for text in groups]
         exact = [lst for lst in listed if lst is not None and sorted(lst) == sorted(members)]
         if exact:
             pipelines.append(Pipeline(tuple(exact[0]), "process group"))
@@ -274,16 +275,6 @@ def _components(a: np.ndarray, b: np.ndarray) -> list[list[int]]:
     for x in list(parent):
         groups.setdefault(find(x), []).append(x)
     return sorted(sorted(g) for g in groups.values())
-
-
-def _ranks_of(text: str) -> list[int] | None:
-    text = str(text).strip()
-    if not (text.startswith("[") and text.endswith("]")):
-        return None
-    try:
-        return [int(x) for x in text[1:-1].replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        return None
 
 
 def _order(messages: pd.DataFrame, members: list[int]) -> list[int]:

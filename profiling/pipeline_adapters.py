@@ -42,6 +42,7 @@ import pandas as pd
 
 from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import THIRD_PARTY_PP_PATTERN  # noqa: F401  (any row an adapter reads)
+from shardline.profiling.schema import P2P_CATEGORIES
 
 #: Names torch.distributed.pipelining records (the ``PP:`` actions and the single-stage spans).
 TORCH_PP_PATTERN = r"^PP:(?P<stage>\d+)(?P<kind>F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)" \
@@ -54,7 +55,6 @@ _SUB_ACTION = re.compile(r"^(?P<stage>\d+)(?P<kind>F|I|B|W)(?P<microbatch>\d*)$"
 
 _COMPUTE = {"F": "F", "B": "B", "I": "B", "W": "W", "Forward": "F", "Backward": "B"}
 _RECV_FOR = {"RECV_F": "F", "RECV_B": "B"}  # the action whose input a posted receive carries
-P2P_CATEGORIES = ("p2p_recv", "p2p_send")
 
 
 def has_torch_pipelining(events: pd.DataFrame) -> bool:

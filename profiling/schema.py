@@ -71,6 +71,8 @@ CATEGORIES = (
 )
 COMM_CATEGORIES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p_send",
                    "p2p_recv", "barrier", "other_comm")
+#: The point-to-point categories (a call meets one peer, not a group).
+P2P_CATEGORIES = ("p2p_send", "p2p_recv")
 MEMCPY_CATEGORIES = ("memcpy_h2d", "memcpy_d2h", "memcpy_d2d")
 
 COLUMNS: dict[str, str] = {

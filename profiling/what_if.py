@@ -72,12 +72,11 @@ from shardline.profiling import intervals as iv
 from shardline.profiling.attribution import attribute
 from shardline.profiling.errors import AttributionError, ProfilingError
 from shardline.profiling.partition import LABELS
-from shardline.profiling.schema import COMM_CATEGORIES
+from shardline.profiling.schema import COMM_CATEGORIES, P2P_CATEGORIES
 
 __all__ = ["RESULT_COLUMNS", "Keep", "Method", "Scenario", "ScenarioError", "ScenarioKind", "what_if"]
 
 RESULT_COLUMNS = ("step", "rank", "scenario", "method", "measured_ns", "predicted_ns", "saved_ns", "note")
-_P2P = ("p2p_send", "p2p_recv")
 #: Breakdown columns of work besides compute that no scenario here removes (the floor of a replay).
 _WORK_COLUMNS = ("memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset")
 #: Chain labels of communication work (the rest of the communication labels are waiting).
@@ -213,7 +212,7 @@ class Scenario:
         """The communication categories it applies to."""
         if not self.categories:
             return COMM_CATEGORIES
-        return tuple(c for c in COMM_CATEGORIES if c in self.categories or (c in _P2P and "p2p" in self.categories))
+        return tuple(c for c in COMM_CATEGORIES if c in self.categories or (c in P2P_CATEGORIES and "p2p" in self.categories))
 
 
 def what_if(source, scenario) -> pd.DataFrame:
@@ -376,7 +375,7 @@ def _exposed_comm(context: _Context, rank, scenario: Scenario, *, transfer_only:
 def _wait_transfer(context: _Context, rank: int, category: str, *, waits_for: int | None = None):
     """(wait set, transfer set) of the rank's matched calls of ``category`` (receives for p2p) on its own
     clock; ``waits_for``: only the waits for that rank (the last arriver, the sender)."""
-    if category in _P2P:
+    if category in P2P_CATEGORIES:
         mine = context.receives[context.receives["rank"] == rank]
         if waits_for is not None:
             mine = mine[mine["peer"] == waits_for]
