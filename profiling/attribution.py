@@ -70,6 +70,7 @@ from shardline.profiling import intervals as iv
 from shardline.profiling.bubbles import pp_rows, rank_pipelines
 from shardline.profiling.classify import assign_dims, check_layout, classify_events
 from shardline.profiling.errors import AttributionError, TraceWarning
+from shardline.profiling.idle import idle_causes
 from shardline.profiling.partition import (
     EXCLUSIVE_COLUMNS,
     LABELS,
@@ -224,8 +225,6 @@ class Attribution:
 
 def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[str, ...]]:
     """The breakdown of every rank with work, and the warnings to issue (the one computation of it)."""
-    from shardline.profiling.idle import idle_causes  # idle reads this module's objects
-
     rows = []
     spent = 0.0
     for rank in attribution.working:
@@ -302,6 +301,11 @@ class RankAttribution:
     def attributed_windows(self) -> pd.DataFrame:
         steps, starts, ends = self._attributed
         return pd.DataFrame({"step": steps, "start_ns": starts, "end_ns": ends})
+
+    @property
+    def window_bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(step, start_ns, end_ns)`` of ``attributed_windows`` as arrays (not to be modified)."""
+        return self._attributed
 
     @property
     def pipeline(self) -> pd.DataFrame:

@@ -191,6 +191,21 @@ _ANCHORED = re.compile("|".join(f"(?:{p.pattern})" for p in (
 COMM_WORD_RE = re.compile(r"all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|send|recv|"
                           r"nccl|rccl|hccl|msccl|nvshmem|rocshmem|multimem|symm_?mem|p2p|dispatch|combine|"
                           r"barrier|lamport|fcollect")
+
+
+def _spellings(alternative: str) -> list[str]:
+    """The literal texts one alternative of ``COMM_WORD_RE`` matches: letters and digits, ``_?`` between them."""
+    if not re.fullmatch(r"[a-z0-9]+(?:_\?[a-z0-9]+)*", alternative):
+        raise ValueError(f"COMM_WORD_RE alternative {alternative!r} is not words joined by '_?'")
+    words = alternative.split("_?")
+    out = [words[0]]
+    for word in words[1:]:
+        out = [head + sep + word for head in out for sep in ("", "_")]
+    return out
+
+
+#: Every text ``COMM_WORD_RE`` matches, spelled out (it matches nothing else: words joined by optional ``_``).
+_COMM_WORDS = tuple(text for alternative in COMM_WORD_RE.pattern.split("|") for text in _spellings(alternative))
 #: The CPU ops whose copies are the collective itself: NCCL >= 2.28 runs some collectives on the copy engines,
 #: and they appear as memcpy launched inside the ``nccl:*`` op.
 _CE_OP_RE = r"^(nccl|rccl):"
@@ -258,11 +273,20 @@ def name_categories(names: list[str], *, rules: Sequence[CommRule] = DEFAULT_RUL
             possible |= np.array([re.search(rule.pattern, name) is not None for name in names], dtype=bool)
             continue
         for text in literals:
-            at = [hit.start() for hit in re.finditer(re.escape(text), joined)]
-            if at:
-                possible[np.searchsorted(starts, at, side="right") - 1] = True
+            _mark_names_containing(possible, joined, starts, text)
     compute = (Category.COMPUTE.value, False)
     return [name_category(name, rules=rules) if maybe else compute for name, maybe in zip(names, possible.tolist())]
+
+
+def _mark_names_containing(marks: np.ndarray, joined: str, starts: np.ndarray, text: str) -> None:
+    """Set ``marks[i]`` for every name ``i`` of ``joined`` (the names joined by newlines, name ``i`` starting at
+    ``starts[i]``) that contains ``text``: ``str.find`` scans (several times faster than a regular expression's
+    search for a literal), resuming at the next name after each hit, so the loop runs once per matching name."""
+    at = joined.find(text)
+    while at >= 0:
+        name = int(np.searchsorted(starts, at, side="right")) - 1
+        marks[name] = True
+        at = joined.find(text, int(starts[name + 1]) if name + 1 < len(starts) else len(joined))
 
 
 def _memcpy_op(op: str) -> str:
@@ -407,11 +431,15 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     name_kernel = np.array([k for _, k in names], dtype=bool)
     # Not communication by name, but may inherit a launching op's collective: a communication word in the
     # name, or a device-to-device copy (copy-engine collectives).
-    name_word = comm_word_table(texts) & ~_COMM_CODES[name_cat]
-    name_copy = name_cat == _CAT_CODE[Category.MEMCPY_D2D.value]
     name_codes = codes_or_end(out["name"])
-    category = name_cat[name_codes]
     gpu = (out["lane"] == Lane.GPU.value).to_numpy()
+    # Only a GPU row inherits: the words are looked for in the names GPU rows use (most names are CPU ops').
+    gpu_names = np.flatnonzero(np.bincount(name_codes[gpu], minlength=len(texts)))
+    name_word = np.zeros(len(texts), dtype=bool)
+    name_word[gpu_names] = comm_word_table([texts[i] for i in gpu_names.tolist()])
+    name_word &= ~_COMM_CODES[name_cat]
+    name_copy = name_cat == _CAT_CODE[Category.MEMCPY_D2D.value]
+    category = name_cat[name_codes]
     is_comm_kernel = name_kernel[name_codes] & gpu
     inherits = (name_word | name_copy)[name_codes] & gpu
 
@@ -450,11 +478,12 @@ def comm_word_table(texts: list[str]) -> np.ndarray:
     joined = "\n".join(texts)
     lowered = joined.lower()
     if len(lowered) == len(joined):
-        at = [hit.start() for hit in COMM_WORD_RE.finditer(lowered)]
+        for word in _COMM_WORDS:  # the pattern's words, each found by a str.find scan
+            _mark_names_containing(out, lowered, starts, word)
     else:  # a character whose lower case is longer (İ) would shift the offsets
         at = [hit.start() for hit in re.finditer(COMM_WORD_RE.pattern, joined, re.IGNORECASE)]
-    if at:
-        out[np.searchsorted(starts, at, side="right") - 1] = True
+        if at:
+            out[np.searchsorted(starts, at, side="right") - 1] = True
     return out
 
 

@@ -151,11 +151,14 @@ _PREFIXES = ("cu", "hip", "Stream ", "Event ", "Context ", "aten::item", "aten::
              "enumerate(DataLoader)", "[")
 
 
+_FLAG_PATTERNS = [re.compile(p).match for p in (LAUNCH_PATTERN, SYNC_PATTERN, _QUERY_PATTERN, WAIT_PATTERN,
+                                                _WAIT_ROW_PATTERN, DATALOADER_PATTERN)]  # in bit order
+
+
 def _name_flags(texts) -> np.ndarray:
     """Bit flags of each name (and a trailing 0 for a missing one): which of the patterns it matches."""
     flags = np.zeros(len(texts) + 1, dtype=np.uint8)
-    patterns = [re.compile(p).match for p in (LAUNCH_PATTERN, SYNC_PATTERN, _QUERY_PATTERN, WAIT_PATTERN,
-                                              _WAIT_ROW_PATTERN, DATALOADER_PATTERN)]
+    patterns = _FLAG_PATTERNS
     for position, text in enumerate(texts):  # one iteration per distinct name
         if text.startswith(_PREFIXES):
             flags[position] = sum(1 << bit for bit, match in enumerate(patterns) if match(text))
@@ -237,9 +240,8 @@ def idle_sets(attribution: Attribution, rank: RankAttribution) -> dict[str, iv.I
 
 def _idle_sets(attribution: Attribution, rank: RankAttribution, *, other: bool = True) -> dict[str, iv.IntervalSet]:
     table = _table(attribution)
-    windows = rank.attributed_windows
     work = rank.work_positions
-    if not len(work) and not len(windows):
+    if not len(work) and not len(rank.window_bounds[0]):
         return {"idle": iv.EMPTY, **{cause: iv.EMPTY for cause in IDLE_CAUSES}}
     idle = rank.idle_set  # the partition's own idle segments, over the hull of the windows and the work
     host = _host(attribution, rank)
@@ -304,8 +306,7 @@ def idle_causes(attribution: Attribution, rank: RankAttribution, *,
     """Per attributed window of ``rank`` (the rows of ``rank.partition_columns()``, in that order): the ns of
     each cause of :data:`IDLE_CAUSES` (int64). Their sum is the window's idle, checked against ``idle`` (the
     partition's ``idle`` column of this rank) when given: ``AssertionError`` if not equal."""
-    windows = rank.attributed_windows
-    lo, hi = windows["start_ns"].to_numpy(), windows["end_ns"].to_numpy()
+    _, lo, hi = rank.window_bounds  # the arrays of ``attributed_windows``, without building its frame
     sets = _idle_sets(attribution, rank, other=False)  # not kept: the breakdown needs only the totals
     zero = np.zeros(len(lo), dtype=np.int64)
     out = {cause: iv.window_totals(sets[cause], lo=lo, hi=hi) if len(sets[cause][0]) else zero

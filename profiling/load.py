@@ -127,9 +127,9 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
     for file, _fmt, result in results:
         for r, meta in result.metadata.items():
             metadata.setdefault(r, {}).update({**meta, "files": [*metadata.get(r, {}).get("files", []), file]})
-        ranks_here = result.events["rank"].unique() if len(result.events) else list(result.metadata)
+        ranks_here = np.unique(_table_of(result)["rank"]) if result.n_events else list(result.metadata)
         file_ranks[file] = tuple(sorted(int(r) for r in ranks_here))
-    frames = [result.events for _, _, result in results if len(result.events)]
+    frames = [_table_of(result) for _, _, result in results if result.n_events]
     for _, _, result in results:
         result.events = None  # the concatenation below is the only copy kept
     events = _concat(frames, op_args=op_args)
@@ -141,9 +141,10 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
         for note in joined_notes:
             _warnings.warn(note, TraceWarning, stacklevel=2)
         notes += joined_notes
-    if classify:
+    if classify:  # checks the table (check_events) before it fills category and dim
         events = classify_in_place(events, layout=layout)  # the loaded table is ours alone: no copy
-    check_events(events)
+    else:
+        check_events(events)
     ranks = tuple(sorted(int(r) for r in events["rank"].unique() if r >= 0)) if len(events) else tuple(
         sorted(r for r in metadata if r >= 0))
     skipped = {file: result.skipped for file, _, result in results if result.skipped}
@@ -291,10 +292,13 @@ def _read_prefetched(jobs: list) -> list[ReadResult]:
     from shardline.profiling.readers._buffers import prefetch  # light: starts at once
     from shardline.profiling.readers._plan import plan
 
+    # Every file planned from disk (is it worth reading ahead, and mapped?) before the thread starts: a file
+    # opened here while the thread holds the GIL would wait for it (up to the switch interval) on each call.
+    plans = [plan(job[0], op_args=job[4]) if job[1] is Format.KINETO else None for job in jobs]
+
     def fetch(index: int):
-        if index < len(jobs) and jobs[index][1] is Format.KINETO:
-            # From the file on disk: is it worth reading ahead (and mapped?)
-            planned = plan(jobs[index][0], op_args=jobs[index][4])
+        if index < len(jobs) and plans[index] is not None:
+            planned = plans[index]
             if planned.prefetch:
                 # Its plan goes along: every Python step the thread takes waits for the GIL this thread holds.
                 return pool.submit(prefetch, jobs[index][0], mapped=planned.mapped, op_args=planned.op_args)
@@ -416,14 +420,22 @@ def _job_key(meta: dict) -> tuple:
     return (info.get("world_size"), info.get("backend"), default)
 
 
-def _concat(frames: list[pd.DataFrame], *, op_args: bool = False) -> pd.DataFrame:
-    """Concatenate event frames column by column, keeping categoricals categorical (pandas would fall back to
-    object) and making exactly one copy of the data. The frames are consumed: each column is deleted from
-    them once joined, so the peak is one copy plus one column, not two copies. ``op_args``: the frames carry
-    the op-args columns, and so does the result."""
+def _table_of(result: ReadResult):
+    """A read's rows as ``_concat`` takes them: its columns where the reader handed columns (no frame built),
+    else its frame."""
+    return result.columns if result.columns is not None else result.events
+
+
+def _concat(frames: list, *, op_args: bool = False) -> pd.DataFrame:
+    """Concatenate event frames (or readers' column dicts, ``ReadResult.columns``) column by column, keeping
+    categoricals categorical (pandas would fall back to object) and making exactly one copy of the data. The
+    frames are consumed: each column is deleted from them once joined, so the peak is one copy plus one column,
+    not two copies. ``op_args``: the frames carry the op-args columns, and so does the result."""
     if not frames:
         return conform(empty_events(), op_args=op_args)
     if len(frames) == 1:
+        if isinstance(frames[0], dict):
+            return pd.DataFrame(frames[0], copy=False)
         frame = frames[0].reset_index(drop=True)
         for column in frame.columns:  # a spilled worker's columns are maps of files: own them
             values = frame[column]
@@ -433,13 +445,14 @@ def _concat(frames: list[pd.DataFrame], *, op_args: bool = False) -> pd.DataFram
     out = {}
     # Freeing each joined column keeps the peak at one copy; it costs a block-manager update per column and
     # frame, which only pays on big sets.
-    big = sum(len(f) for f in frames) >= 1_000_000
+    big = sum(len(f) if isinstance(f, pd.DataFrame) else len(f["rank"]) for f in frames) >= 1_000_000
     for column, dtype in ({**COLUMNS, **OP_ARG_COLUMNS} if op_args else COLUMNS).items():
         parts = [f[column] for f in frames]
         if dtype == "category":
             out[column] = union_texts([_text_categorical(p) for p in parts])
         else:
-            out[column] = np.concatenate([p.to_numpy(dtype=dtype) for p in parts])
+            out[column] = np.concatenate([np.asarray(p, dtype=dtype) if isinstance(p, np.ndarray)
+                                          else p.to_numpy(dtype=dtype) for p in parts])
         del parts
         if big:
             for frame in frames:  # the caller's frames are spent: free each column once it is joined
@@ -478,7 +491,8 @@ def _is_mapped(array: np.ndarray) -> bool:
 def _text_categorical(column: pd.Series) -> pd.Categorical:
     """The column as a categorical whose categories have pandas' default string dtype (readers may differ:
     object vs str categories cannot be unioned)."""
-    values = column.array if column.dtype == "category" else pd.Categorical(column.astype(str))
+    values = column if isinstance(column, pd.Categorical) else column.array if column.dtype == "category" \
+        else pd.Categorical(column.astype(str))
     categories = values.categories
     if categories.dtype != _STR_DTYPE:
         values = pd.Categorical.from_codes(values.codes, categories=categories.astype(str).astype(_STR_DTYPE))

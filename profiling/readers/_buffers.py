@@ -8,6 +8,7 @@ importing the reader. Whether a file is mapped, read ahead or scanned natively i
 from __future__ import annotations
 
 import gzip
+import json
 import mmap
 import zlib
 from pathlib import Path
@@ -123,3 +124,41 @@ def utf8_repaired(data) -> bytes | None:
     except UnicodeDecodeError:
         return raw.decode("utf-8", errors="replace").encode("utf-8")
     return None
+
+
+NOT_JSON = object()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_value(raw):
+    """One small raw JSON value (a top-level key's, a string literal), decoded by the standard library (msgspec
+    is imported only by the paths that need it: ``msgspec_paths``) with msgspec's strictness: NaN and
+    Infinity, invalid UTF-8 and lone surrogates are no JSON. ``NOT_JSON`` when it does not decode."""
+    raw = bytes(raw)
+    try:
+        # Decoded as UTF-8 first: given bytes, ``json.loads`` would guess UTF-16/32 from NUL bytes and pass
+        # UTF-8-encoded surrogates.
+        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return NOT_JSON
+    if b"\\u" in raw and not _encodable(value):  # only a \\u escape makes a lone surrogate (UTF-8 was checked)
+        return NOT_JSON
+    return value
+
+
+def _encodable(value) -> bool:
+    """Whether every text in the decoded value is valid Unicode (no lone surrogate from a ``\\ud800`` escape)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    return True

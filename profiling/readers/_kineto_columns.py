@@ -432,11 +432,12 @@ def _joined(parts: list):
 
 
 def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
-                 warnings: list[str]) -> pd.DataFrame:
+                 warnings: list[str]) -> dict:
     """Concatenate batches, apply the time base, pair B/E, and derive sizes, memory kinds and steps.
 
-    Works on the column dict and builds the frame once, in the schema's column order and dtypes (so
-    ``conform`` has nothing left to do): a frame per step of the way costs about a millisecond each.
+    Works on the column dict and returns it in the schema's column order and dtypes (``schema.conforms``
+    checks it): a frame per step of the way would cost about a millisecond each, and ``load`` joins the
+    columns of many files without building a frame per file (``ReadResult.columns``).
     """
     cols = _concat(batches)
     cols.update(cols.pop("op_args") or {})  # the op-args columns, when asked for, go along with every row
@@ -470,8 +471,7 @@ def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
     cols["category"] = cols["dim"] = empty_texts(n)
     cols["memory_kind"] = _memory_kind(cols["name"])
     cols["step"] = assign_steps(cols)
-    return pd.DataFrame({column: cols[column] for column in (*COLUMNS, *OP_ARG_COLUMNS) if column in cols},
-                        copy=False)
+    return {column: cols[column] for column in (*COLUMNS, *OP_ARG_COLUMNS) if column in cols}
 
 
 _KINETO = pd.CategoricalDtype(pd.Index(["kineto"], dtype=_STR))

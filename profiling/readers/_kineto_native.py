@@ -17,7 +17,6 @@ off (``_plan``).
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pandas as pd
 
@@ -46,7 +45,6 @@ _TXT = ("ph", "cat", "name", "pid", "tid", "device", "stream", "seq", "collectiv
         "pg_ranks", "dtype")
 _I = {name: i for i, name in enumerate(_I64)}
 _T = {name: i for i, name in enumerate(_TXT)}
-_DECODE_TEXT = msgspec.json.Decoder(str)
 
 
 _NOT_SCANNED = object()
@@ -74,11 +72,17 @@ def read(data, *, keep_python: bool, scanned=_NOT_SCANNED) -> Decoded | None:
 
 def _decode(raws: list) -> list | None:
     """The texts of raw JSON string contents (already checked valid UTF-8 without control characters);
-    None when an escape does not decode."""
-    try:
-        return [raw.decode() if b"\\" not in raw else _DECODE_TEXT.decode(b'"' + raw + b'"') for raw in raws]
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-        return None
+    None when an escape does not decode (or decodes to a lone surrogate, which msgspec refuses too)."""
+    texts = []
+    for raw in raws:
+        if b"\\" not in raw:
+            texts.append(raw.decode())
+            continue
+        text = _buffers.json_value(b'"' + raw + b'"')
+        if not isinstance(text, str):
+            return None
+        texts.append(text)
+    return texts
 
 
 def _merged(codes: np.ndarray, texts: list) -> tuple[np.ndarray, list]:

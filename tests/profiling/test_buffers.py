@@ -55,3 +55,47 @@ def test_damaged_gzip_file_is_our_error(tmp_path):
     path.write_bytes(gzip.compress(b'{"traceEvents": []}')[:-5])
     with pytest.raises(TraceFormatError, match=r"rank0\.json\.gz: corrupt or truncated gzip"):
         _buffers.read_bytes(path)
+
+
+# --- json_value: the standard library's JSON with msgspec's strictness (the native path's metadata and escapes)
+
+@pytest.mark.parametrize("raw, want", [
+    (b'{"rank": 3, "world_size": 8}', {"rank": 3, "world_size": 8}),
+    (b"1700000000123456789", 1700000000123456789),  # beyond float precision: an exact int
+    (b'"caf\\u00e9"', "caf\u00e9"),
+    (b'"\\ud83d\\ude00"', "\U0001f600"),  # a surrogate pair is one character
+    (b"[1.5, null, true]", [1.5, None, True]),
+])
+def test_json_value_decodes_json(raw, want):
+    assert _buffers.json_value(raw) == want
+    assert _buffers.json_value(memoryview(raw)) == want  # a slice of the document buffer
+
+
+@pytest.mark.parametrize("raw", [
+    b"NaN", b"[Infinity]", b"-Infinity",  # not JSON (msgspec refuses them; json.loads would not)
+    b'"a\\ud800b"', b'{"k": ["\\udfff"]}', b'{"\\ud800": 1}',  # a lone surrogate: no text
+    b'"\xff"', b'"\xed\xa0\x80"',  # invalid UTF-8, including a UTF-8-encoded surrogate
+    b'"\x00a\x00"', b"\xef\xbb\xbf1",  # bytes json.loads would read as UTF-16, a BOM
+    b"{", b"", b"1 2",
+])
+def test_json_value_refuses_what_is_not_json(raw):
+    assert _buffers.json_value(raw) is _buffers.NOT_JSON
+
+
+def test_a_natively_read_trace_never_imports_msgspec(traces_dir):
+    """The msgspec paths (``kineto.msgspec_paths``) are imported only when one reads a trace: ``load`` and
+    ``breakdown`` of intact traces the scanner reads leave msgspec unimported (~10 ms of a small set's read)."""
+    import subprocess
+    import sys
+
+    if not _buffers.native_available():
+        pytest.skip("the native scanner was not built (no C compiler)")
+    code = ("import sys, warnings; warnings.simplefilter('ignore')\n"
+            "from shardline.profiling import breakdown, load\n"
+            f"assert len(breakdown(load({str(traces_dir / 'hta' / 'trace_filter')!r})))\n"
+            "assert 'msgspec' not in sys.modules, 'msgspec was imported'\n"
+            "from shardline.profiling.readers import kineto\n"
+            "assert kineto.Event.__module__.endswith('_kineto_msgspec')  # the names still reachable\n"
+            "assert 'msgspec' in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -194,6 +194,23 @@ def test_name_categories_equals_one_name_at_a_time(names, with_newline_rule):
     assert name_categories(names, rules=rules) == [name_category(n, rules=rules) for n in names]
 
 
+_WORDY = st.one_of(_NAMES, st.text(alphabet="alre_dcugths\nİNCL2p", max_size=40), st.sampled_from([
+    "my_all_to_allv_kernel", "AllToAll", "all_toall", "symm_mem_x", "symmmem", "nvshmemx_barrier_all",
+    "sendrecv", "p2p\nrecv", "reduce_scatter\nall_gather", "İstanbul_allreduce"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_WORDY, max_size=12))
+def test_comm_word_table_equals_the_pattern_searched_per_name(names):
+    # The table is built by str.find scans of the joined names, one per spelling of the pattern's words
+    # (classify._COMM_WORDS): it must say exactly what COMM_WORD_RE, searched in each name alone, says.
+    from shardline.profiling.classify import COMM_WORD_RE, comm_word_table
+
+    want = [COMM_WORD_RE.search(name.lower()) is not None if len(name.lower()) == len(name)
+            else re.search(COMM_WORD_RE.pattern, name, re.IGNORECASE) is not None for name in names]
+    assert comm_word_table(names).tolist() == want
+
+
 @pytest.mark.parametrize("desc, dim", [
     ("sl:tp", "tp"), ("sl:dp_cp", "dp_cp"), ("mesh_tp", "tp"), ("mesh_dp_shard", "dp"), ("mesh_pp", "pp"),
     ("mesh_cp", "cp"), ("mesh_dp_shard_cp", "dp_cp"), ("mesh_ep", "ep"), ("TENSOR_MODEL_PARALLEL_GROUP", "tp"),
