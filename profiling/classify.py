@@ -655,15 +655,21 @@ def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
         values = out[column]
         if isinstance(values.dtype, pd.CategoricalDtype):
             # On the codes: "" is a category like any other; the result keeps the used values, sorted.
-            vocabulary = [*category_texts(values.cat.categories), ""]
+            vocabulary = [*category_texts(values.dtype.categories), ""]
             codes = codes_or_end(values).astype(np.int32)  # a copy: the column itself is replaced below
             _dedupe(vocabulary, codes)
-            missing = codes[rows] == vocabulary.index("")
+            empty = vocabulary.index("")
+            missing = (codes[rows] == empty) & (codes[src] != empty)
+            if not missing.any():  # every linked kernel has its own (or its op has none): the column stays
+                continue
             codes[rows[missing]] = codes[src[missing]]
             out[column] = sorted_categorical(codes, vocabulary)
         else:
-            current = values.to_numpy().copy()
-            missing = current[rows] < 0
+            current = values.to_numpy()
+            missing = (current[rows] < 0) & (current[src] >= 0)
+            if not missing.any():
+                continue
+            current = current.copy()
             current[rows[missing]] = current[src[missing]]
             out[column] = current.astype(values.dtype)
 
