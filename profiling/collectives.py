@@ -148,11 +148,39 @@ def _instance_ids(calls: pd.DataFrame) -> np.ndarray:
 
 
 def _offsets(calls: pd.DataFrame) -> dict[int, int]:
+    """Per rank, the offset of its clock from the lowest rank's: the median, over the instances two ranks share,
+    of the difference of their ends (a collective ends at the same moment on every member), chained through
+    the ranks between where a rank shares no group with the lowest one (a DP peer of a TP peer of rank 0).
+
+    In integers throughout: absolute ns times (~1.7e18) in a float would be rounded to 256 ns. Each instance
+    pairs its members with its lowest-rank member; from the lowest rank the offsets spread over those pairs,
+    the pair sharing the most instances first, each rank taking its offset from the first rank that reaches
+    it (fewest hops). A rank no pair reaches keeps 0."""
     ref = int(calls["rank"].min())
-    ends = calls.pivot_table(index=["group", "category", "instance"], columns="rank", values="end_ns",
-                             aggfunc="first")
-    diffs = ends.sub(ends[ref], axis=0)
-    return {int(r): int(np.round(diffs[r].median())) if diffs[r].notna().any() else 0 for r in ends.columns}
+    instance = calls.groupby(["group", "category", "instance"], sort=False).ngroup().to_numpy()
+    rows = pd.DataFrame({"i": instance, "r": calls["rank"].to_numpy().astype(np.int64),
+                         "e": calls["end_ns"].to_numpy().astype(np.int64)}).drop_duplicates(["i", "r"])
+    anchor = rows.groupby("i")["r"].transform("min").to_numpy()
+    anchor_end = rows.set_index(["i", "r"])["e"]
+    rows["a"] = anchor
+    rows["d"] = rows["e"].to_numpy() - anchor_end.loc[list(zip(rows["i"], anchor))].to_numpy()
+    pairs = rows[rows["r"] != rows["a"]].groupby(["a", "r"])["d"].agg(["median", "size"]).reset_index()
+    pairs = pairs.sort_values(["size", "a", "r"], ascending=[False, True, True], kind="stable")
+    edges: dict[int, list[tuple[int, float]]] = {}
+    for a, r, d in zip(pairs["a"].tolist(), pairs["r"].tolist(), pairs["median"].tolist()):
+        edges.setdefault(a, []).append((r, d))  # offset(r) = offset(a) + d
+        edges.setdefault(r, []).append((a, -d))
+    offsets = {ref: 0.0}
+    frontier = [ref]
+    while frontier:  # breadth first: fewest hops from the lowest rank
+        following = []
+        for rank in frontier:
+            for other, d in edges.get(rank, ()):
+                if other not in offsets:
+                    offsets[other] = offsets[rank] + d
+                    following.append(other)
+        frontier = following
+    return {int(r): int(np.round(offsets.get(int(r), 0.0))) for r in np.unique(rows["r"].to_numpy())}
 
 
 def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:

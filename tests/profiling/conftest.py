@@ -26,12 +26,19 @@ def _helper(name: str) -> types.ModuleType:
 
 synthetic_traces = _helper("synthetic_traces")
 report_pages = _helper("report_pages")
+job_traces = _helper("job_traces")
 
 
 @pytest.fixture(scope="session")
 def synth():
     """The generator module ``tests/profiling/synthetic_traces.py``."""
     return synthetic_traces
+
+
+@pytest.fixture(scope="session")
+def jobs():
+    """The multi-rank job generator ``tests/profiling/job_traces.py`` (``write_job``)."""
+    return job_traces
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,162 @@
+"""The job generator (``job_traces.write_job``) against the real profiler: its traces load like torch's, and the
+analyses recover the job's structure (ranks, steps, process groups, the pipeline) and its ground truth."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardline.profiling.errors import TraceWarning
+
+_SPEC = importlib.util.spec_from_file_location("shardline_tests_job_traces", Path(__file__).with_name("job_traces.py"))
+job_traces = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(job_traces)
+
+COMM = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p_send", "p2p_recv")
+DIM_OF_DESC = {"TENSOR_MODEL_PARALLEL_GROUP": "tp", "DATA_PARALLEL_GROUP": "dp", "PIPELINE_MODEL_PARALLEL_GROUP": "pp"}
+
+
+def _load(folder: Path):
+    from shardline.profiling import load
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traceset = load(folder)
+    return traceset, [str(w.message) for w in caught if issubclass(w.category, TraceWarning)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The tiny default job (tp=2, pp=2, dp=2, 2 steps of 4 micro-batches), written and loaded once."""
+    folder = tmp_path_factory.mktemp("job")
+    truth = job_traces.write_job(folder)
+    traceset, notes = _load(folder)
+    return folder, truth, traceset, notes
+
+
+def test_every_rank_loads_as_written(job):
+    folder, truth, traceset, notes = job
+    world = truth["world"]
+    assert world == 8 and notes == []
+    assert traceset.ranks == tuple(range(world))
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"rank{r}.pt.trace.json.gz" for r in range(world))
+    rows = traceset.events.groupby("rank").size()
+    assert rows.tolist() == truth["rows"]  # every complete event read, nothing more
+    gpu = traceset.events[traceset.events["lane"].astype(str) == "gpu"]
+    assert gpu[gpu["cat"].astype(str) != "gpu_user_annotation"].groupby("rank").size().tolist() == truth["kernels"]
+
+    doc = json.loads(gzip.open(truth["files"][3]).read())
+    assert doc["distributedInfo"]["rank"] == 3 and doc["distributedInfo"]["world_size"] == world
+    assert doc["distributedInfo"]["backend"] == "nccl" and doc["schemaVersion"] == 1
+    assert doc["deviceProperties"][3]["name"] == job_traces.DEVICE_NAME
+    assert isinstance(doc["baseTimeNanoseconds"], int) and list(doc)[-1] == "baseTimeNanoseconds"
+    assert len(doc["traceEvents"]) == truth["events"][3]
+    # Activities in time order (Kineto's metadata, Trace span and instants close the array).
+    activity = [e for e in doc["traceEvents"] if e["ph"] in ("X", "s", "f") and e.get("cat") != "Trace"]
+    ts = [float(e["ts"]) for e in activity]
+    assert ts == sorted(ts)
+    steps = [e for e in activity if e["name"].startswith("ProfilerStep#")]
+    assert [(e["name"], e["cat"]) for e in steps] == [("ProfilerStep#2", "user_annotation"),
+                                                      ("ProfilerStep#2", "gpu_user_annotation"),
+                                                      ("ProfilerStep#3", "user_annotation"),
+                                                      ("ProfilerStep#3", "gpu_user_annotation")]
+
+
+def test_breakdown_sees_compute_tp_p2p_and_the_bubble(job):
+    from shardline.profiling import attribute, breakdown
+    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
+    from shardline.profiling.bubbles import BubbleMethod, rank_pipelines
+
+    _, truth, traceset, _ = job
+    table = breakdown(traceset)
+    assert sorted(zip(table["rank"], table["step"])) == [(r, s) for r in range(truth["world"]) for s in truth["steps"]]
+    assert (table[list(EXCLUSIVE_COLUMNS)].sum(axis=1) == table["step_ns"]).all()
+    for column in ("compute", "all_reduce", "reduce_scatter", "all_gather", "p2p_send", "p2p_recv", "bubble"):
+        assert (table[column] > 0).all(), column
+    assert (table["compute"] > 0.4 * table["step_ns"]).all()
+    pipelines, notes = rank_pipelines(attribute(traceset))
+    assert notes == ()
+    assert {r: p.method for r, p in pipelines.items()} == dict.fromkeys(range(truth["world"]), BubbleMethod.P2P_MATCHED)
+
+
+def test_collectives_match_across_every_group_member_by_seq(job):
+    from shardline.profiling.collectives import match_collectives
+
+    _, truth, traceset, _ = job
+    matched = match_collectives(traceset)
+    groups = truth["groups"]
+    assert (matched["members"] == matched["group"].map(lambda g: len(groups[g]["ranks"]))).all()
+    used = {name: info for name, info in groups.items() if info["collectives"]}
+    descs = {info["desc"] for info in used.values()}
+    assert descs == {"TENSOR_MODEL_PARALLEL_GROUP", "DATA_PARALLEL_GROUP", "MODEL_PARALLEL_GROUP"}
+    assert set(matched["group"]) == set(used)
+    for name, info in used.items():
+        mine = matched[matched["group"] == name]
+        calls = sum(info["collectives"].values())
+        # Every member made every call, and the Seq numbers (one counter per group) run without a gap.
+        assert sorted(mine["rank"].unique().tolist()) == info["ranks"]
+        for _, seqs in mine.groupby("rank")["instance"]:
+            assert sorted(seqs.tolist()) == list(range(info["seq0"], info["seq0"] + calls))
+
+
+def test_dims_from_the_megatron_group_descriptions(job):
+    _, truth, traceset, _ = job
+    ev = traceset.events
+    comm = ev[ev["category"].astype(str).isin(COMM)]
+    desc, dim = comm["pg_desc"].astype(str), comm["dim"].astype(str)
+    for text, want in DIM_OF_DESC.items():
+        assert (dim[desc == text] == want).all() and (desc == text).any(), text
+    kernels = comm[(comm["lane"].astype(str) == "gpu") & (comm["cat"].astype(str) == "kernel")]
+    p2p = kernels["category"].astype(str).isin(("p2p_send", "p2p_recv"))
+    assert (kernels.loc[p2p, "dim"].astype(str) == "pp").all() and p2p.any()
+    assert set(kernels.loc[p2p, "name"].astype(str)) == {job_traces.SEND_RECV}
+    tp_kernels = kernels[kernels["pg_desc"].astype(str) == "TENSOR_MODEL_PARALLEL_GROUP"]
+    assert set(tp_kernels["category"].astype(str)) == {"all_reduce", "broadcast"}
+    dp_kernels = kernels[kernels["dim"].astype(str) == "dp"]
+    assert set(dp_kernels["category"].astype(str)) == {"reduce_scatter", "all_gather"}
+    # Megatron's MODEL_PARALLEL_GROUP (tp x pp) names no single dimension.
+    assert set(kernels.loc[kernels["pg_desc"].astype(str) == "MODEL_PARALLEL_GROUP", "dim"].astype(str)) == {"unknown"}
+
+
+def test_bubble_is_the_receive_wait_on_one_clock(tmp_path):
+    """Without clock skew the breakdown's bubble is exactly the time the receives spun before their send."""
+    from shardline.profiling import breakdown
+
+    truth = job_traces.write_job(tmp_path, clock_skew_ns=0, seed=1)
+    traceset, notes = _load(tmp_path)
+    assert notes == []
+    table = breakdown(traceset)
+    for row in table.itertuples(index=False):
+        assert row.bubble == truth["recv_wait_ns"][truth["steps"].index(row.step), row.rank] > 0
+
+
+def test_clock_offsets_recovered_on_every_rank(job):
+    # Exactly, to the ns, on every rank: also those that share no group with rank 0 (aligned through the ranks
+    # they do share one with), with absolute ns times (~1.7e18: a float would round them to 256 ns).
+    from shardline.profiling.collectives import match_collectives
+
+    _, truth, traceset, _ = job
+    got = match_collectives(traceset).groupby("rank")["offset_ns"].first()
+    want = np.array(truth["clock_offset_ns"]) - truth["clock_offset_ns"][0]
+    assert got.tolist() == want.tolist()
+
+
+def test_files_sized_by_mb_per_rank(tmp_path):
+    truth = job_traces.write_job(tmp_path, mb_per_rank=2, gzip_files=False)
+    sizes = [p.stat().st_size for p in truth["files"]]
+    assert sizes == truth["bytes"]
+    assert all(1.6e6 <= size <= 2.4e6 for size in sizes), sizes
+    assert len(truth["steps"]) > 2  # more steps than the default
+
+
+def test_thirty_two_ranks_generate_and_load(tmp_path):
+    truth = job_traces.write_job(tmp_path, tp=2, pp=4, dp=4, steps=1, micro_batches=4)
+    traceset, notes = _load(tmp_path)
+    assert traceset.ranks == tuple(range(32)) and notes == []
+    assert truth["pipelines"][0] == [0, 2, 4, 6]
