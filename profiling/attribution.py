@@ -168,8 +168,15 @@ class Attribution:
     """
 
     def __init__(self, events: pd.DataFrame, *, layout: Mapping[str, int] | None = None,
-                 files: Mapping[int, str] | None = None, metadata: Mapping | None = None) -> None:
+                 files: Mapping[int, str] | None = None, metadata: Mapping | None = None,
+                 pipelines: Mapping | None = None, contexts: Mapping | None = None) -> None:
         self.events = events
+        # Measured elsewhere (``scale``: a worker's own annotations, or the driver's matching across ranks):
+        # rank -> ``bubbles.RankPipeline``, used instead of ``rank_pipelines`` for the bubble sets.
+        self.given_pipelines = None if pipelines is None else dict(pipelines)
+        # rank -> ``scale.RankContext``: lanes and windows from the rank's whole trace, for a table that holds
+        # only some of its rows (``scale``'s compact rows).
+        self.contexts = dict(contexts or {})
         self.layout = None if layout is None else dict(layout)
         self.files = dict(files or {})
         self.metadata = dict(metadata or {})  # the trace set's per-rank metadata (device names, layout ...)
@@ -184,12 +191,14 @@ class Attribution:
         # The table's columns read once (views and category codes), shared by the ranks.
         table = Rows.of(self.events)
         return tuple(RankAttribution(self.events, table, rank=rank, selection=selection,
-                                     source=self.files.get(rank, f"rank {rank}"), pipelines=self._pipelines)
+                                     source=self.files.get(rank, f"rank {rank}"), pipelines=self._pipelines,
+                                     context=self.contexts.get(rank))
                      for rank, selection in rank_selections(self.events))
 
     def _pipelines(self):
-        """``bubbles.rank_pipelines`` of this attribution (what each rank's bubble set is taken from)."""
-        return rank_pipelines(self)[0]
+        """``bubbles.rank_pipelines`` of this attribution (what each rank's bubble set is taken from), or the
+        pipelines it was given."""
+        return self.given_pipelines if self.given_pipelines is not None else rank_pipelines(self)[0]
 
     @property
     def working(self) -> tuple[RankAttribution, ...]:
@@ -258,12 +267,21 @@ class RankAttribution:
     """
 
     def __init__(self, events: pd.DataFrame, table: Rows, *, rank: int, selection, source: str = "",
-                 pipelines=None) -> None:
+                 pipelines=None, context=None) -> None:
         self._events = events
         self._pipelines = pipelines
         self._table = table
         self.rank = rank
         rows = table.take(selection)
+        if context is not None:  # the rank's whole trace said (``scale.RankContext``): its rows here are a part
+            self.lanes = context.lanes
+            mask = rows.work_on(self.lanes)
+            self.work_positions = _positions(selection, mask)
+            self.pipeline_positions = _positions(selection, rows.pipeline)
+            self.has_work = bool(context.has_work)
+            self._windows, self._attributed = context.windows, context.attributed
+            self.window_note = context.window_note
+            return
         mask, self.lanes = rows.work()
         self.work_positions = _positions(selection, mask)
         self.pipeline_positions = _positions(selection, rows.pipeline)

@@ -92,12 +92,7 @@ def rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ...
 def _rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ...]]:
     from shardline.profiling.survey import is_in
 
-    out: dict[int, RankPipeline] = {}
-    for rank in attribution.ranks:
-        if len(rank.pipeline_positions):
-            batches, actions = rank.pp_rows
-            if not batches.empty:
-                out[rank.rank] = RankPipeline(BubbleMethod.ANNOTATIONS, batches, actions, bubble_set(batches, actions))
+    out = annotated_pipelines(attribution)
     for number, (batches, actions) in _third_party_rows(attribution).items():
         if not batches.empty:
             out[number] = RankPipeline(BubbleMethod.TORCH_PIPELINING, batches, actions, bubble_set(batches, actions))
@@ -124,6 +119,18 @@ def _rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ..
             continue
         out[int(number)] = RankPipeline(method, _NO_BATCHES, _NO_ACTIONS, p2p.wait_set(matched, int(number)))
     return out, notes
+
+
+def annotated_pipelines(attribution) -> dict[int, RankPipeline]:
+    """``rank_pipelines``' first source alone: the ranks whose own ``sl:pp`` annotations measure their bubble
+    (each rank by itself, unlike the other sources, which need the other ranks' rows)."""
+    out: dict[int, RankPipeline] = {}
+    for rank in attribution.ranks:
+        if len(rank.pipeline_positions):
+            batches, actions = rank.pp_rows
+            if not batches.empty:
+                out[rank.rank] = RankPipeline(BubbleMethod.ANNOTATIONS, batches, actions, bubble_set(batches, actions))
+    return out
 
 
 def pp_rows(events: pd.DataFrame, lanes: str) -> tuple[pd.DataFrame, pd.DataFrame]:

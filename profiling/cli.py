@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import html
 import sys
 import time
 import warnings
@@ -83,6 +84,15 @@ def add_commands(subparsers) -> None:
     report.add_argument("--timings", action="store_true",
                         help="print the seconds each analysis took (load, breakdown, idle causes, critical path, "
                              "findings with their what-ifs, ...) to stderr")
+    report.add_argument("--executor", choices=["local", "ray", "dask"], default=None,
+                        help="analyse each rank in a worker (scale.analyze) on this executor: the local process "
+                             "pool, Ray or Dask; the driver holds only the communication rows. Reports many-rank "
+                             "distributions; csv/json/parquet carry the full per-rank breakdown")
+    report.add_argument("--address", default=None,
+                        help="with --executor ray/dask: the cluster (ray.init address, Dask scheduler); default "
+                             "a local one")
+    report.add_argument("--workers", type=int, default=None,
+                        help="with --executor local/dask: worker processes (default: the cores)")
     _load_flags(report)
     _progress_flag(report)
     report.set_defaults(func=run_report)
@@ -277,6 +287,8 @@ def run_report(args: argparse.Namespace) -> int:
         if fmt in (ReportFormat.PARQUET, ReportFormat.TENSORBOARD) and args.output is None:
             raise UsageError(f"--format {fmt.value} needs -o " + ("FILE" if fmt is ReportFormat.PARQUET else
                                                                    "LOGDIR"))
+        if args.executor is not None or args.address is not None or args.workers is not None:
+            return _report_at_scale(args, fmt)
         with _stages(["loading", "analysing", "writing"], enabled=_wants_progress(args)) as done:
             started = time.perf_counter()
             traceset = load_traces(args.path, args, op_args=fmt in _BANDWIDTH_FORMATS)
@@ -295,6 +307,56 @@ def run_report(args: argparse.Namespace) -> int:
             done()
     except (ProfilingError, OSError) as exc:
         return _fail("report", exc)
+    return 0
+
+
+def _report_at_scale(args: argparse.Namespace, fmt: ReportFormat) -> int:
+    """``report --executor``: every rank analysed in a worker (``scale.analyze``); the distributions over the
+    ranks (``rank_summary``) in table/md/html, with the per-rank table too up to ``rank_summary.MANY_RANKS``
+    ranks; csv/json/parquet: the full per-rank breakdown."""
+    from shardline.profiling import rank_summary
+    from shardline.profiling.collectives import match_collectives
+    from shardline.profiling.errors import AttributionError
+    from shardline.profiling.scale import analyze
+
+    if args.executor is None:
+        raise UsageError("--address and --workers go with --executor local|ray|dask")
+    if fmt is ReportFormat.TENSORBOARD:
+        raise UsageError("--executor writes table, md, html, csv, json or parquet, not tensorboard")
+    if args.rules is not None or args.rank is not None:
+        raise UsageError("--executor reads every file with the built-in rules and the ranks the files record: "
+                         "--rules and --rank are not supported with it")
+    if args.address is not None and args.executor == "local":
+        raise UsageError("--address names a Ray or Dask cluster: it needs --executor ray or dask")
+    started = time.perf_counter()
+    result = analyze(args.path, executor=args.executor, address=args.address, workers=args.workers)
+    table = result.breakdown
+    if fmt in (ReportFormat.CSV, ReportFormat.JSON, ReportFormat.PARQUET):
+        if fmt is ReportFormat.PARQUET:
+            _write_parquet(table, args.output)
+        else:
+            _emit(render(table, fmt=fmt), args.output)
+        return 0
+    try:
+        matched = match_collectives(result.attribution)
+    except AttributionError:  # no communication calls in the trace
+        matched = None
+    categories = rank_summary.category_distribution(table)
+    collectives = rank_summary.collective_distribution(matched) if matched is not None else None
+    kind = {ReportFormat.TABLE: "text", ReportFormat.MD: "md", ReportFormat.HTML: "html"}[fmt]
+    title = (f"{args.path}: {len(result.ranks)} ranks, {result.events:,} events read by {args.executor} workers, "
+             f"{result.compact_events:,} communication rows at the driver")
+    text = rank_summary.render(categories, collectives, fmt=kind, title=title)
+    if len(result.ranks) <= rank_summary.MANY_RANKS and len(table):  # few ranks: the per-rank table too
+        per_rank = render_table(table)
+        text += "\n" + (per_rank if fmt is ReportFormat.TABLE else f"```\n{per_rank}```\n" if fmt is ReportFormat.MD
+                        else f"<pre>{html.escape(per_rank)}</pre>")
+    if fmt is ReportFormat.HTML:
+        text = ("<!doctype html><html><head><meta charset='utf-8'><title>shardline report</title></head><body>"
+                + text + "</body></html>")
+    if args.timings:
+        print(f"shardline profile report: analysed in {time.perf_counter() - started:.2f} s", file=sys.stderr)
+    _emit(text, args.output)
     return 0
 
 
@@ -328,13 +390,26 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
         )
 
         sections = report_sections(attribution, traceset=traceset)
-        return (findings_terminal(sections) + render_table(table) + why_terminal(sections)
+        return (findings_terminal(sections) + _per_rank_or_distribution(table, sections) + why_terminal(sections)
                 + render_coverage(coverage) + bandwidth_terminal(attribution, traceset=traceset))
     if len(coverage):  # the machine formats carry the breakdown only: the finding goes to stderr
         from shardline.profiling.report_sections import coverage_note
 
         print(f"shardline profile report: note: {coverage_note(coverage)}", file=sys.stderr)
     return table if fmt is ReportFormat.PARQUET else render(table, fmt=fmt)
+
+
+def _per_rank_or_distribution(table: pd.DataFrame, sections) -> str:
+    """The terminal's breakdown: a row per rank and step, or beyond ``rank_summary.MANY_RANKS`` ranks the
+    distributions over the ranks (the per-rank table is then in ``-o FILE.csv`` / ``.parquet``)."""
+    from shardline.profiling import rank_summary
+
+    if not len(table) or table["rank"].nunique() <= rank_summary.MANY_RANKS:
+        return render_table(table)
+    collectives = rank_summary.collective_distribution(sections.matched) if len(sections.matched) else None
+    return rank_summary.render(rank_summary.category_distribution(table), collectives, fmt="text",
+                               title=f"{table['rank'].nunique()} ranks: distributions over the ranks (the per-rank "
+                                     "table: -o FILE.csv or .parquet)") + "\n"
 
 
 def render_coverage(coverage: pd.DataFrame) -> str:

@@ -461,15 +461,29 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
         out[Section.FINDINGS].append(("findings-table", pd.DataFrame({
             "#": f["rank"].astype(str), "saves_ms_per_step": saves, "method": f["method"].astype(str),
             "finding": f["text"].astype(str), "measured": f["measured"].astype(str)})))
-    if len(sec.breakdown):
+    from shardline.profiling import rank_summary
+
+    # Beyond a few dozen ranks a row per rank is unreadable: those tables become distributions over the ranks
+    # (median, p90, max, the worst ranks by name); the per-rank tables stay in csv/parquet (``report``).
+    many = len(sec.breakdown) and sec.breakdown["rank"].nunique() > rank_summary.MANY_RANKS
+    if many:
+        out[Section.BREAKDOWN].append(("breakdown-distribution-table", rank_summary.display(
+            rank_summary.category_distribution(sec.breakdown))))
+        if len(sec.comm_by_dim):
+            out[Section.COMM_BY_DIM].append(("comm-by-dim-distribution-table", rank_summary.display(
+                rank_summary.dim_distribution(sec.comm_by_dim))))
+        if len(sec.matched):
+            out[Section.COLLECTIVES].append(("collective-distribution-table", rank_summary.display(
+                rank_summary.collective_distribution(sec.matched))))
+    elif len(sec.breakdown):
         out[Section.BREAKDOWN].append(("breakdown-table", breakdown_table(sec.breakdown, style=REPORT)))
-    if len(sec.comm_by_dim):
+    if len(sec.comm_by_dim) and not many:
         c = sec.comm_by_dim
         out[Section.COMM_BY_DIM].append(("comm-by-dim-table", pd.DataFrame({
             "rank": c["rank"].astype(str), "step": c["step"].astype(str), "dim": c["dim"].astype(str),
             "comm_ms": ms_text(c["comm_ns"]), "exposed_ms": ms_text(c["exposed_ns"]),
             "overlapped_ms": ms_text(c["overlapped_ns"])})))
-    if len(sec.wait_transfer):
+    if len(sec.wait_transfer) and not many:
         w = sec.wait_transfer
         out[Section.COLLECTIVES].append(("wait-transfer-table", pd.DataFrame({
             "rank": w["rank"].astype(str), "category": w["category"].astype(str), "calls": w["calls"].astype(str),
@@ -480,7 +494,11 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
         out[Section.COLLECTIVES].append(("stragglers-table", pd.DataFrame({
             "step": s["step"].astype(str), "straggler_rank": s["straggler_rank"].astype(str),
             "caused_wait_ms": ms_text(s["caused_wait_ns"]), "times_last": s["times_last"].astype(str)})))
-    if len(sec.bubbles):
+    if len(sec.bubbles) and many:
+        out[Section.PIPELINE].append(("bubbles-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
+            sec.bubbles, {"batch_ns": "ns", "bubble_ns": "ns", "bubble_fraction": "%", "ideal_fraction": "%"},
+            by=("method", "stage")))))
+    elif len(sec.bubbles):
         b = sec.bubbles
         out[Section.PIPELINE].append(("bubbles-table", pd.DataFrame({
             "rank": b["rank"].astype(str), "step": b["step"].astype(str), "method": b["method"].astype(str),
@@ -495,13 +513,17 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
             "step": c["step"].astype(str), "rank": c["rank"].astype(str), "label": c["label"].astype(str),
             "dim": c["dim"].astype(str), "path_ms": ms_text(c["dur_ns"]), "share_%": fixed(100 * c["share"], 2)})))
     bd = sec.breakdown
-    if len(bd) and "idle_other" in bd:
+    if len(bd) and "idle_other" in bd and not many:  # many ranks: the idle causes are rows of the distribution
         from shardline.profiling.idle import IDLE_CAUSES
 
         table = {"rank": bd["rank"].astype(str), "step": bd["step"].astype(str), "idle_ms": ms_text(bd["idle"])}
         table.update({f"{c.removeprefix('idle_')}_ms": ms_text(bd[c]) for c in IDLE_CAUSES})
         out[Section.IDLE].append(("idle-table", pd.DataFrame(table)))
-    if len(sec.launch):
+    if len(sec.launch) and many:
+        out[Section.IDLE].append(("launch-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
+            sec.launch, {"launches": "", "launch_delay_median_ns": "ns", "launch_delay_p90_ns": "ns",
+                         "kernels": "", "short_kernels": "", "short_kernel_share": "%"}))))
+    elif len(sec.launch):
         lt = sec.launch
         out[Section.IDLE].append(("launch-table", pd.DataFrame({
             "rank": lt["rank"].astype(str), "launches": lt["launches"].astype(str),
@@ -515,7 +537,11 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
         out[Section.TOP_KERNELS].append(("top-kernels-table", pd.DataFrame({
             "category": k["category"], "name": k["name"], "calls": k["calls"].astype(str),
             "total_ms": ms_text(k["total_ns"]), "share_%": fixed(100 * k["share"], 2)})))
-    if len(sec.offload):
+    if len(sec.offload) and many:
+        out[Section.OFFLOAD].append(("offload-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
+            sec.offload, {"copies": "", "bytes": "", "busy_ns": "ns", "achieved_gbps": "", "of_limit": "%",
+                          "pageable_copies": "", "exposed_ns": "ns"}, by=("direction",)))))
+    elif len(sec.offload):
         o = sec.offload
         out[Section.OFFLOAD].append(("offload-table", pd.DataFrame({
             "rank": o["rank"].astype(str), "direction": o["direction"], "copies": o["copies"].astype(str),

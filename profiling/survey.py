@@ -140,14 +140,18 @@ class Rows:
 
     def work(self) -> tuple[np.ndarray, str]:
         """Mask of the rows attributed for one rank and the lane kind used (``Lane.GPU`` or ``Lane.CPU``)."""
-        t = self.tables
-        gpu = self.lane_gpu & ~t.annotation_cat[self.cat] & ~t.annotation_name[self.name]
+        gpu = self.work_on(Lane.GPU.value)
         if gpu.any():
             return gpu, Lane.GPU.value
-        # CPU ops are work; among annotations only communication ones (gloo:* / nccl:* / sl:comm:*) are.
-        cpu = self.lane_cpu & ~t.step_marker[self.name] & (
-            t.cpu_op_cat[self.cat] | (self.comm & t.comm_op_cat[self.cat]))
-        return cpu, Lane.CPU.value
+        return self.work_on(Lane.CPU.value), Lane.CPU.value
+
+    def work_on(self, lanes: str) -> np.ndarray:
+        """Mask of the rows that are work on that lane kind: GPU rows but annotations; on the CPU, ops and the
+        communication annotations (gloo:* / nccl:* / sl:comm:*)."""
+        t = self.tables
+        if lanes == Lane.GPU.value:
+            return self.lane_gpu & ~t.annotation_cat[self.cat] & ~t.annotation_name[self.name]
+        return self.lane_cpu & ~t.step_marker[self.name] & (t.cpu_op_cat[self.cat] | (self.comm & t.comm_op_cat[self.cat]))
 
 
 #: What the work rows' label sets and windows read.
