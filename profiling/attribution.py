@@ -245,7 +245,8 @@ def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[st
         rows.append(columns)
     attribution.timings["idle_causes"] = spent
     notes = tuple(rank.window_note for rank in attribution.working if rank.window_note)
-    notes += rank_pipelines(attribution)[1]  # the p2p pipeline inference's warnings
+    if attribution.given_pipelines is None:  # given: measured, and warned about, where they were
+        notes += rank_pipelines(attribution)[1]  # the p2p pipeline inference's warnings
     if not rows:
         # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
         # the user gets the (empty) table with a warning rather than an exception.

@@ -37,7 +37,12 @@ files both claim is refused (``MixedJobsError``), as ``load`` does.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import pickle
+import shutil
+import socket
+import tempfile
 import warnings as _warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -120,28 +125,42 @@ def analyze(path, *, executor: str = "local", address: str | None = None, worker
     if layout is not None:
         check_layout(layout)
         layout = dict(layout)
-    jobs = [(str(file), layout, keep_python, None) for file, _ in _discover(Path(path))]
-    with _executor(executor, address=address, workers=workers) as run:
-        parts = run(map_file, jobs)
-        return _reduce(parts, layout=layout, keep_python=keep_python, run=run)
+    files = _discover(Path(path))
+    folder = tempfile.mkdtemp(prefix="shardline-scale-")
+    spill = (folder, socket.gethostname())
+    try:
+        with _executor(executor, address=address, workers=workers) as run:
+            parts = run(map_file, [(str(file), layout, keep_python, None, spill) for file, _ in files])
+            return _reduce(parts, layout=layout, keep_python=keep_python, run=run, spill=spill)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def map_file(job: tuple) -> RankPart:
     """The map of one trace file (see the module docstring), run in a worker: never raises for a bad file,
-    whose ``RankPart.error`` says why instead. ``job``: ``(file, layout, keep_python, given)``, ``given`` None
-    in the first map, else rank -> the ``bubbles.RankPipeline`` the driver measured (the second map)."""
-    file, layout, keep_python, given = job
+    whose ``RankPart.error`` says why instead. ``job``: ``(file, layout, keep_python, given, spill)``; ``given``
+    None in the first map, else rank -> the ``bubbles.RankPipeline`` the driver measured (the second map);
+    ``spill``: ``(folder, host)`` of the driver, or None. On the driver's host, the first map keeps the loaded
+    table of a rank that may need the second one (it has p2p or pipelining rows) in ``folder``, and the
+    second map reads it from there instead of the trace; a worker on another host reads the trace again."""
+    file, layout, keep_python, given, spill = job
     from shardline.profiling.attribution import Attribution, attribute
     from shardline.profiling.bubbles import annotated_pipelines
     from shardline.profiling.load import load
 
-    try:
-        with _warnings.catch_warnings(record=True) as caught:
-            _warnings.simplefilter("always", TraceWarning)
-            ts = load(file, layout=layout, keep_python=keep_python)
-    except (TraceFormatError, OSError) as exc:
-        return RankPart(file=file, error=str(exc))
-    noted = [str(w.message) for w in caught if issubclass(w.category, TraceWarning)]
+    kept = _kept_path(file, spill)
+    if given is not None and kept is not None and kept.exists():
+        ts, noted = pickle.loads(kept.read_bytes())
+    else:
+        try:
+            with _warnings.catch_warnings(record=True) as caught:
+                _warnings.simplefilter("always", TraceWarning)
+                ts = load(file, layout=layout, keep_python=keep_python)
+        except (TraceFormatError, OSError) as exc:
+            return RankPart(file=file, error=str(exc))
+        noted = [str(w.message) for w in caught if issubclass(w.category, TraceWarning)]
+        if given is None and kept is not None and _may_need_peers(ts.events):
+            kept.write_bytes(pickle.dumps((ts, noted), protocol=5))
     part = RankPart(file=file, metadata=dict(ts.metadata), warnings=noted,
                     skipped=next(iter(ts.skipped.values()), None), events=len(ts.events))
     if not len(ts.events):
@@ -157,31 +176,50 @@ def map_file(job: tuple) -> RankPart:
     part.contexts = {rank.rank: RankContext(rank.lanes, rank._windows, rank._attributed, rank.window_note,
                                             rank.has_work) for rank in attribution.ranks}
     if given is None:
-        part.compact = compact_rows(ts.events)
+        part.compact = compact_rows(ts.events, {rank.rank: rank.lanes for rank in attribution.ranks})
     return part
 
 
-def compact_rows(events: pd.DataFrame) -> pd.DataFrame:
-    """The rows of a classified events table the cross-rank analyses read: every row of a communication
-    category, the CPU launch calls of those rows (same rank and correlation id), the ``ProfilerStep#N``
-    markers and the pipeline annotations (``sl:pp:*`` and torch.distributed.pipelining's names), in table
-    order."""
+def _kept_path(file: str, spill) -> Path | None:
+    """Where the first map keeps a file's loaded table for the second: None off the driver's host."""
+    if spill is None or socket.gethostname() != spill[1]:
+        return None
+    return Path(spill[0]) / (hashlib.sha1(file.encode()).hexdigest() + ".pickle")
+
+
+def _may_need_peers(events: pd.DataFrame) -> bool:
+    """Whether some rank's bubble may be measured across ranks (p2p rows, or torch.distributed.pipelining's
+    names), so that the second map may read this file again."""
+    from shardline.profiling.bubbles import THIRD_PARTY_PP_PATTERN
+    from shardline.profiling.classify import match_names
+    from shardline.profiling.schema import P2P_CATEGORIES
+    from shardline.profiling.survey import is_in
+
+    return bool(is_in(events["category"], P2P_CATEGORIES).any() or match_names(events["name"],
+                                                                                THIRD_PARTY_PP_PATTERN).any())
+
+
+def compact_rows(events: pd.DataFrame, lanes: Mapping[int, str]) -> pd.DataFrame:
+    """The rows of a classified events table the cross-rank analyses read, in table order: a rank's work rows of
+    the communication categories on the lanes it is attributed on (``lanes``: rank -> ``Lane`` value: its GPU
+    kernels, or on a CPU rank its comm ops), on a GPU rank also its CPU p2p ops (where a p2p kernel's peer, size
+    and group come from), the ``ProfilerStep#N`` markers and the pipeline annotations (``sl:pp:*`` and
+    torch.distributed.pipelining's names)."""
     from shardline.profiling.bubbles import THIRD_PARTY_PP_PATTERN
     from shardline.profiling.classify import Lane, match_names
-    from shardline.profiling.schema import COMM_CATEGORIES
+    from shardline.profiling.schema import COMM_CATEGORIES, P2P_CATEGORIES
     from shardline.profiling.survey import PP_PREFIX, is_in
 
+    rank = events["rank"].to_numpy()
+    gpu_rank = np.isin(rank, [r for r, lane in lanes.items() if lane == Lane.GPU.value])
+    on_gpu = (events["lane"] == Lane.GPU.value).to_numpy()
     comm = is_in(events["category"], COMM_CATEGORIES)
-    keep = comm | match_names(events["name"], rf"^ProfilerStep#\d+|^{PP_PREFIX}|{THIRD_PARTY_PP_PATTERN}")
-    correlation = events["correlation"].to_numpy()
-    cpu = (events["lane"] == Lane.CPU.value).to_numpy()
-    launched = np.unique(correlation[comm & ~cpu & (correlation >= 0)])
-    if len(launched):
-        keep |= cpu & np.isin(correlation, launched)
+    keep = comm & np.where(gpu_rank, on_gpu | is_in(events["category"], P2P_CATEGORIES), ~on_gpu)
+    keep |= match_names(events["name"], rf"^ProfilerStep#\d+|^{PP_PREFIX}|{THIRD_PARTY_PP_PATTERN}")
     return events[keep].reset_index(drop=True)
 
 
-def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run) -> ScaleResult:
+def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run, spill) -> ScaleResult:
     from shardline.profiling.attribution import Attribution, empty_breakdown
     from shardline.profiling.bubbles import BubbleMethod, rank_pipelines
     from shardline.profiling.load import _concat
@@ -218,7 +256,7 @@ def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run) -> ScaleRe
     rows = {rank: part for part in good for rank in part.contexts}
     if given:  # the ranks whose bubble needs their peers: read again with the bubble the driver measured
         again = sorted({rows[r].file for r in given if r in rows})
-        jobs = [(f, layout, keep_python, {r: p for r, p in given.items() if r in rows and rows[r].file == f})
+        jobs = [(f, layout, keep_python, {r: p for r, p in given.items() if r in rows and rows[r].file == f}, spill)
                 for f in again]
         for part in run(map_file, jobs):
             if part.error is not None:

@@ -107,6 +107,22 @@ def test_a_generated_32_rank_job_gives_the_single_table_results(jobs, tmp_path):
     _same_cross_rank(ts, result)
 
 
+def test_the_second_map_reads_the_kept_table_not_the_trace(synth, tmp_path, monkeypatch):
+    # On the driver's host the first map keeps each pipeline rank's loaded table; the second map, which needs
+    # the driver's bubble, starts from it: every trace is decoded once (workers=1 runs the map in this process).
+    import shardline.profiling.load as load_module
+
+    rows, _ = synth.spinning_pipeline(p=4, m=4)
+    synth.write_kineto(rows, tmp_path, device_name=H100)
+    _, want = _reference(tmp_path)
+    reads = []
+    original = load_module.load
+    monkeypatch.setattr(load_module, "load", lambda path, **kw: reads.append(path) or original(path, **kw))
+    result = _analyze(tmp_path, executor="local", workers=1)
+    pd.testing.assert_frame_equal(want, result.breakdown)
+    assert sorted(reads) == sorted(str(f) for f in tmp_path.iterdir())  # once each
+
+
 def test_sl_pp_annotations_are_measured_in_the_worker(synth, tmp_path):
     rows, _ = synth.one_f_one_b(4, 6)
     synth.write_kineto(rows, tmp_path)
