@@ -244,8 +244,16 @@ def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run, spill) -> 
             metadata.setdefault(rank, {}).update(meta)
     notes += _missing_ranks(metadata, owner)
     contexts = {rank: ctx for part in good for rank, ctx in part.contexts.items()}
-    compact = _concat([p.compact for p in good if p.compact is not None and len(p.compact)])
-    compact = compact.sort_values("rank", kind="stable").reset_index(drop=True)
+    # In rank order without a sort (a copy of every row): the files' parts by their lowest rank; each part's
+    # rows are dropped once joined (``_concat`` frees their columns as it goes on big sets).
+    shares = sorted((p for p in good if p.compact is not None and len(p.compact)), key=lambda p: min(p.contexts))
+    compact = _concat([p.compact for p in shares])
+    for p in shares:
+        p.compact = None
+    del shares
+    rank_column = compact["rank"].to_numpy()
+    if len(rank_column) and not (rank_column[1:] >= rank_column[:-1]).all():  # a file of several ranks
+        compact = compact.sort_values("rank", kind="stable").reset_index(drop=True)
     attribution = Attribution(compact, layout=layout, files={r: f for r, f in owner.items()}, metadata=metadata,
                               contexts=contexts)
     given = {}
