@@ -47,6 +47,27 @@ def _empty(message: str, *, title: str) -> bytes:
     return _png(fig)
 
 
+def _ranks_sorted_figure(bd: pd.DataFrame, parts: list[str], *, title: str) -> bytes:
+    """Many ranks: each rank's mean step, its exclusive parts stacked, the ranks sorted by step time along x
+    (a bar per rank and step would be unreadable); the slowest rank is named."""
+    means = bd.groupby("rank")[["step_ns", *parts]].mean().sort_values("step_ns", kind="stable")
+    x = np.arange(len(means))
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    colours = [COLOURS.get(c) for c in parts]
+    ax.stackplot(x, *[means[c].to_numpy(dtype=float) / 1e6 for c in parts], labels=parts,
+                 colors=colours if all(colours) else None, step="mid")
+    slowest = int(means.index[-1])
+    ax.annotate(f"slowest: rank {slowest}", xy=(x[-1], means["step_ns"].iloc[-1] / 1e6), xytext=(-8, 4),
+                textcoords="offset points", ha="right", fontsize=8)
+    ax.set_xlim(0, max(len(means) - 1, 1))
+    ax.set_ylabel("ms (mean step)")
+    ax.set_xlabel(f"{len(means)} ranks, sorted by step time")
+    ax.set_title(title or "step time by exclusive category, per rank")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return _png(fig)
+
+
 def breakdown_figure(bd: pd.DataFrame, *, title: str = "") -> bytes:
     """PNG of the stacked exclusive breakdown: one bar per (rank, step), ms, one segment per non-zero column.
 
@@ -59,6 +80,10 @@ def breakdown_figure(bd: pd.DataFrame, *, title: str = "") -> bytes:
     parts = [c for c in EXCLUSIVE_COLUMNS if (bd[c] != 0).any()]
     if not parts:  # e.g. an NCCL log: instantaneous lines, every step 0 ns long
         return _empty("every attributed step is 0 ns long", title=title)
+    from shardline.profiling.rank_summary import MANY_RANKS
+
+    if bd["rank"].nunique() > MANY_RANKS:
+        return _ranks_sorted_figure(bd, parts, title=title)
     labels = [f"r{r} s{s}" for r, s in zip(bd["rank"], bd["step"])]
     x = np.arange(len(bd))
     fig = Figure(figsize=(min(4 + 0.35 * len(bd), 24), 4.5), layout="constrained")

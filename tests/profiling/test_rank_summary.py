@@ -119,6 +119,10 @@ def test_reports_of_many_ranks_show_distributions_in_every_format(jobs, tmp_path
     page = render_html(sections, events=attribution)
     assert "breakdown-distribution-table" in page and "collective-distribution-table" in page
     assert "breakdown-table" not in page.replace("breakdown-distribution-table", "")
+    from shardline.profiling import plots
+
+    png = plots.breakdown_figure(attribution.breakdown)  # the ranks sorted by step time, not a bar per row
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 10 * plots._DPI
     text = _per_rank_or_distribution(attribution.breakdown, sections)
     assert "40 ranks: distributions over the ranks" in text and "Per communication group" in text
     assert main(["profile", "report", str(folder), "-o", str(tmp_path / "b.csv")]) == 0
