@@ -261,7 +261,8 @@ def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run, spill) -> 
         measured, pipeline_notes = rank_pipelines(attribution)
         notes += pipeline_notes
         given = {r: p for r, p in measured.items() if p.method is not BubbleMethod.ANNOTATIONS}
-    rows = {rank: part for part in good for rank in part.contexts}
+    rows = {rank: part for part in good for rank in part.contexts if rank >= 0}
+    results = {part.file: (part.breakdown, part.notes) for part in good}
     if given:  # the ranks whose bubble needs their peers: read again with the bubble the driver measured
         again = sorted({rows[r].file for r in given if r in rows})
         jobs = [(f, layout, keep_python, {r: p for r, p in given.items() if r in rows and rows[r].file == f}, spill)
@@ -269,16 +270,13 @@ def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run, spill) -> 
         for part in run(map_file, jobs):
             if part.error is not None:
                 raise TraceFormatError(f"{part.file}: could not be read again ({part.error})")
-            for rank in part.contexts:
-                rows[rank] = dataclasses.replace(rows[rank], breakdown=part.breakdown, notes=part.notes)
-    tables, seen = [], set()
-    for rank in sorted(rows):
-        part = rows[rank]
-        if part.file in seen or part.breakdown is None:
-            continue
-        seen.add(part.file)
-        tables.append(part.breakdown)
-        notes += [n for n in part.notes if n not in notes]
+            results[part.file] = (part.breakdown, part.notes)
+    tables = []
+    for part in sorted(good, key=lambda p: min(p.contexts, default=0)):
+        table, part_notes = results[part.file]
+        if table is not None:
+            tables.append(table)
+        notes += [n for n in part_notes if n not in notes]
     breakdown = pd.concat(tables, ignore_index=True).sort_values(["rank", "step"], kind="stable") \
         .reset_index(drop=True) if tables else empty_breakdown()
     for note in notes:
