@@ -29,6 +29,7 @@ A group of ``size`` ranks ``stride`` apart (rank order tp fastest, then cp, dp, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,7 @@ def p2p_s(size_bytes: float, link: GroupLink) -> float:
     return size_bytes / link.bytes_per_s + link.latency_s
 
 
+@functools.lru_cache(maxsize=65536)
 def quantization(m: int, n: int, sms: int, *, batch: int = 1) -> float:
     """Useful fraction of the tensor cores for an ``M x N`` output in CTA tiles over ``sms`` SMs: ``M N batch /
     (waves * sms * tile)``, the best over ``CTA_TILES`` (tile and wave quantization)."""

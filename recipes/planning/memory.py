@@ -74,6 +74,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -474,8 +475,9 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
     for r in range(layout.pp) if pp_ranks is None else pp_ranks:
         static = _rank_static(model, layout.tp, layout.pp, layout.chunks if layout.pp > 1 else 1, r)
         states = _states(static.sizes, static.shadow, layout, dtype_bytes)
-        per_stage = {s: stage_bytes(model, layers, g, layout) for s, layers in static.stages}
-        saved, in_flight = in_flight_peak(layout, r, per_stage)
+        saved, in_flight = _saved_activations(model, static, g, layout.recompute, layout.cp, layout.pp,
+                                              layout.micro_batches, layout.schedule, layout.chunks, r)
+        in_flight = dict(in_flight)
         if static.has_blocks and model.architecture == "llama" and layout.recompute != "full":
             saved += 2 * g.s * model.dim_per_head * dtype_bytes  # the rotary tables, shared by every block
         recompute = block_bytes(model, g) if static.has_blocks and layout.recompute == "full" else 0
@@ -489,6 +491,29 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
             buffers=sum(parts.values()), cpu=states["cpu"], nvme=states["nvme"], in_flight=in_flight,
             detail=detail))
     return MemoryEstimate(model=model, layout=layout, seq_len=seq_len, dtype_bytes=dtype_bytes, ranks=tuple(ranks))
+
+
+class _ActivationFields(NamedTuple):
+    recompute: str
+    cp: int
+    pp: int
+    micro_batches: int
+    schedule: str
+    chunks: int
+
+
+@functools.lru_cache(maxsize=65536)
+def _saved_activations(model: ModelSpec, static: _RankStatic, g: _Shape, recompute: str, cp: int, pp: int,
+                       micro_batches: int, schedule: str, chunks: int, pp_rank: int) -> tuple[int, tuple]:
+    """``in_flight_peak`` of a rank's stages: the same for every ZeRO stage, offload and dp of a structure, so
+    computed once per (cut, micro-batch shape, recompute, schedule) and kept; ``(peak bytes, ((stage, in
+    flight), ...))``."""
+    # What stage_bytes and in_flight_peak read of a layout (a PlanLayout would check fields they ignore).
+    layout = _ActivationFields(recompute=recompute, cp=cp, pp=pp, micro_batches=micro_batches, schedule=schedule,
+                               chunks=chunks)
+    per_stage = {s: stage_bytes(model, layers, g, layout) for s, layers in static.stages}
+    saved, in_flight = in_flight_peak(layout, pp_rank, per_stage)
+    return saved, tuple(in_flight.items())
 
 
 def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -505,7 +530,7 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: b
 def clear_caches() -> None:
     """Forget the per-layer, per-rank, per-block and pipeline-order tables memoised across :func:`estimate` calls
     (see :func:`shardline.recipes.planning.search.clear_caches`)."""
-    for cached in (_layer_numels, _rank_static, block_bytes, _interleaved_order):
+    for cached in (_layer_numels, _rank_static, block_bytes, _interleaved_order, _saved_activations):
         cached.cache_clear()
 
 

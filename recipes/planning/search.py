@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardline.recipes.planning import catalog as hw
 from shardline.recipes.planning import memory as mem
 from shardline.recipes.planning import steptime
 from shardline.recipes.planning.catalog import Cluster, PlanError
@@ -501,10 +502,11 @@ def _representatives(model: ModelSpec, tp: int, pp: int, chunks: int) -> list[in
 
 def clear_caches() -> None:
     """Forget what the planner memoises across calls (the representative pipeline ranks here, the estimator's
-    per-layer and per-rank tables in :mod:`.memory`): the next :func:`plan` runs as in a fresh process. For
-    timing the search; results never depend on it."""
+    per-layer and per-rank tables in :mod:`.memory`, the GEMM tile quantization in :mod:`.catalog`): the next
+    :func:`plan` runs as in a fresh process. For timing the search; results never depend on it."""
     _representatives.cache_clear()
     mem.clear_caches()
+    hw.quantization.cache_clear()
 
 
 def describe(lay: PlanLayout) -> str:
