@@ -274,18 +274,18 @@ class RankAttribution:
         self._table = table
         self.rank = rank
         rows = table.take(selection)
-        if context is not None:  # the rank's whole trace said (``scale.RankContext``): its rows here are a part
+        if context is None:
+            mask, self.lanes = rows.work()
+        else:  # the rank's whole trace said (``scale.RankContext``): its rows here are a part of it
             self.lanes = context.lanes
             mask = rows.work_on(self.lanes)
-            self.work_positions = _positions(selection, mask)
-            self.pipeline_positions = _positions(selection, rows.pipeline)
+        self.work_positions = _positions(selection, mask)
+        self.pipeline_positions = _positions(selection, rows.pipeline)
+        if context is not None:
             self.has_work = bool(context.has_work)
             self._windows, self._attributed = context.windows, context.attributed
             self.window_note = context.window_note
             return
-        mask, self.lanes = rows.work()
-        self.work_positions = _positions(selection, mask)
-        self.pipeline_positions = _positions(selection, rows.pipeline)
         self.has_work = bool(len(self.work_positions))
         work = rows.take(mask, ("start", "dur", "step", "correlation"))
         self._windows, note = rank_windows(rows, lanes=self.lanes, work=work)

@@ -341,12 +341,10 @@ def _report_at_scale(args: argparse.Namespace, fmt: ReportFormat) -> int:
         matched = match_collectives(result.attribution)
     except AttributionError:  # no communication calls in the trace
         matched = None
-    categories = rank_summary.category_distribution(table)
-    collectives = rank_summary.collective_distribution(matched) if matched is not None else None
     kind = {ReportFormat.TABLE: "text", ReportFormat.MD: "md", ReportFormat.HTML: "html"}[fmt]
     title = (f"{args.path}: {len(result.ranks)} ranks, {result.events:,} events read by {args.executor} workers, "
              f"{result.compact_events:,} communication rows at the driver")
-    text = rank_summary.render(categories, collectives, fmt=kind, title=title)
+    text = rank_summary.summary(table, matched, fmt=kind, title=title)
     if len(result.ranks) <= rank_summary.MANY_RANKS and len(table):  # few ranks: the per-rank table too
         per_rank = render_table(table)
         text += "\n" + (per_rank if fmt is ReportFormat.TABLE else f"```\n{per_rank}```\n" if fmt is ReportFormat.MD
@@ -406,10 +404,9 @@ def _per_rank_or_distribution(table: pd.DataFrame, sections) -> str:
 
     if not len(table) or table["rank"].nunique() <= rank_summary.MANY_RANKS:
         return render_table(table)
-    collectives = rank_summary.collective_distribution(sections.matched) if len(sections.matched) else None
-    return rank_summary.render(rank_summary.category_distribution(table), collectives, fmt="text",
-                               title=f"{table['rank'].nunique()} ranks: distributions over the ranks (the per-rank "
-                                     "table: -o FILE.csv or .parquet)") + "\n"
+    return rank_summary.summary(table, sections.matched, fmt="text",
+                                title=f"{table['rank'].nunique()} ranks: distributions over the ranks (the per-rank "
+                                      "table: -o FILE.csv or .parquet)") + "\n"
 
 
 def render_coverage(coverage: pd.DataFrame) -> str:

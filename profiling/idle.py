@@ -158,10 +158,9 @@ _FLAG_PATTERNS = [re.compile(p).match for p in (LAUNCH_PATTERN, SYNC_PATTERN, _Q
 def _name_flags(texts) -> np.ndarray:
     """Bit flags of each name (and a trailing 0 for a missing one): which of the patterns it matches."""
     flags = np.zeros(len(texts) + 1, dtype=np.uint8)
-    patterns = _FLAG_PATTERNS
     for position, text in enumerate(texts):  # one iteration per distinct name
         if text.startswith(_PREFIXES):
-            flags[position] = sum(1 << bit for bit, match in enumerate(patterns) if match(text))
+            flags[position] = sum(1 << bit for bit, match in enumerate(_FLAG_PATTERNS) if match(text))
     return flags
 
 

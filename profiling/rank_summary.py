@@ -128,9 +128,8 @@ def numeric_distribution(table: pd.DataFrame, columns: dict[str, str], *, by: tu
                 continue
             numbers = values.to_numpy(dtype=float)
             show = _ms if unit == "ns" else (lambda v: f"{v:.1%}") if unit == "%" else (lambda v: f"{v:.4g}")
-            order = np.lexsort((values.index.to_numpy(), -numbers))[:worst]
             rows.append((*key, column, len(values), *(show(v) for v in _quantiles(numbers)),
-                         ", ".join(f"r{int(values.index[i])} ({show(numbers[i])})" for i in order)))
+                         _worst(values.index.to_numpy(), numbers, worst, show=show, positive_only=False)))
     return pd.DataFrame(rows, columns=[*by, *NUMERIC_COLUMNS])
 
 
@@ -140,14 +139,24 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
     return _shown(table, head)
 
 
+def summary(breakdown: pd.DataFrame, matched: pd.DataFrame | None, *, fmt: str = "text", title: str = "") -> str:
+    """``render`` of the breakdown's category distribution and, when there are matched collectives
+    (``collectives.match_collectives``' rows; None or empty: none), their per-group distribution."""
+    collectives = collective_distribution(matched) if matched is not None and len(matched) else None
+    return render(category_distribution(breakdown), collectives, fmt=fmt, title=title)
+
+
 def _quantiles(values: np.ndarray) -> tuple[float, float, float]:
     median, p90 = np.percentile(values, [50, 90])
     return float(median), float(p90), float(values.max())
 
 
-def _worst(ranks: np.ndarray, values: np.ndarray, count: int) -> str:
-    order = np.lexsort((ranks, -values))[:count]  # most first; ties: the lower rank
-    return ", ".join(f"r{int(ranks[i])} ({_ms(values[i])})" for i in order if values[i] > 0)
+def _worst(ranks: np.ndarray, values: np.ndarray, count: int, *, show=None, positive_only: bool = True) -> str:
+    """The ``count`` ranks with the largest values, most first (ties: the lower rank), as "r7 (12.3 ms)";
+    ``show`` formats a value (default ms/µs); ``positive_only`` leaves out ranks at 0."""
+    show = _ms if show is None else show
+    order = np.lexsort((ranks, -values))[:count]
+    return ", ".join(f"r{int(ranks[i])} ({show(values[i])})" for i in order if values[i] > 0 or not positive_only)
 
 
 def _ms(ns: float) -> str:

@@ -167,9 +167,12 @@ def map_file(job: tuple) -> RankPart:
         return part
     whole = attribute(ts)
     # The bubble: in the first map, the rank's own sl:pp annotations only (the other sources need the other
-    # ranks); in the second, the driver's.
+    # ranks); in the second, the driver's. The ranks are surveyed once: the annotations are read off this
+    # attribution's own ranks before anything asks for a bubble.
     attribution = Attribution(whole.events, layout=whole.layout, files=whole.files, metadata=whole.metadata,
-                              pipelines=annotated_pipelines(whole) if given is None else given)
+                              pipelines={} if given is None else given)
+    if given is None:
+        attribution.given_pipelines = annotated_pipelines(attribution)
     with _warnings.catch_warnings():
         _warnings.simplefilter("ignore", TraceWarning)  # its notes go along (``RankPart.notes``)
         part.breakdown, part.notes = attribution._breakdown
