@@ -13,7 +13,8 @@ Costs. A GEMM ``M x N x K`` takes ``max(2MNK / (P f q), bytes / (HBM h))``: ``P`
 GPU's sustained GEMM share, ``q`` the tile-and-wave quantization (NVIDIA's "Matrix Multiplication Background"
 guide: ``M N / (waves * SMs * tile)``, the best of ``CTA_TILES``), ``h`` the reachable share of HBM. Collectives
 are alpha-beta over the link the group crosses, ``B`` its collective bandwidth, ``alpha`` its per-step latency,
-``alpha0`` NCCL's base latency::
+``alpha0`` NCCL's base latency (and each link's ``channels``: the SMs a running collective holds, which a GEMM
+beside it does without, ``gemm_s(..., sms=)``)::
 
     ring all-reduce                           2(N-1)/N * S/B + 2(N-1) alpha + alpha0
     tree all-reduce                           2 S/(0.92 B) + 2 log2(N) alpha + alpha0   (the cheaper is taken)
@@ -44,6 +45,8 @@ LINK_KINDS = ("intra", "inter", "host")
 NCCL_BASE_LATENCY_S = 8.4e-6  # NCCL src/graph/tuning.cc baseLat[RING][SIMPLE]
 TREE_EFFICIENCY = 0.92  # NCCL src/graph/tuning.cc: a tree all-reduce's busBw * .92
 CTA_TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS/CUTLASS tensor-core CTA tiles (Ampere/Hopper)
+# A link entry without ``channels`` gets its kind's packaged figure (catalog.yaml: NVLink 24, IB 16, PCIe 2).
+DEFAULT_CHANNELS = {"intra": 24, "inter": 16, "host": 2}
 
 
 class PlanError(RecipeError):
@@ -90,13 +93,15 @@ class Gpu:
 @dataclass(frozen=True)
 class Link:
     """A link's data-sheet bandwidth ``gbps`` and NCCL's modelled ``collective_gbps``, both per direction in
-    GB/s; ``latency_us`` per ring step."""
+    GB/s; ``latency_us`` per ring step; ``channels`` the SMs a collective on it holds while it runs (one NCCL
+    channel, one CTA, per SM)."""
 
     name: str
     gbps: float
     collective_gbps: float
     latency_us: float
     kind: str
+    channels: int
 
     @property
     def bytes_per_s(self) -> float:
@@ -149,11 +154,13 @@ class Cluster:
 
 @dataclass(frozen=True)
 class GroupLink:
-    """The link a process group's collectives cross: bandwidth (bytes/s), per-step latency (s)."""
+    """The link a process group's collectives cross: bandwidth (bytes/s), per-step latency (s), and the SMs
+    (NCCL channels) a collective on it occupies."""
 
     bytes_per_s: float
     latency_s: float
     crosses_nodes: bool
+    channels: int = 0
 
 
 def group_link(cluster: Cluster, *, size: int, stride: int) -> GroupLink:
@@ -161,11 +168,11 @@ def group_link(cluster: Cluster, *, size: int, stride: int) -> GroupLink:
     g = cluster.gpus_per_node
     intra = cluster.intra_node
     if size * stride <= g and g % (size * stride) == 0:
-        return GroupLink(intra.bytes_per_s, intra.latency_s, False)
+        return GroupLink(intra.bytes_per_s, intra.latency_s, False, intra.channels)
     per_node = max(1, min(size, g // stride))
     nic = cluster.node_nic_bytes_per_s * per_node / g
     bandwidth = min(nic, intra.bytes_per_s) if per_node > 1 else nic
-    return GroupLink(bandwidth, cluster.inter_node.latency_s, True)
+    return GroupLink(bandwidth, cluster.inter_node.latency_s, True, cluster.inter_node.channels)
 
 
 def ring_all_reduce_s(size_bytes: float, n: int, link: GroupLink) -> float:
@@ -216,14 +223,18 @@ def quantization(m: int, n: int, sms: int, *, batch: int = 1) -> float:
     return best
 
 
-def gemm_s(gpu: Gpu, m: int, n: int, k: int, *, dtype: str, batch: int = 1, out_bytes: float = 2) -> float:
+def gemm_s(gpu: Gpu, m: int, n: int, k: int, *, dtype: str, batch: int = 1, out_bytes: float = 2,
+           sms: int | None = None) -> float:
     """``max(2MNK / (P f q), (A + B + C bytes) / HBM)`` for ``batch`` GEMMs of ``M x N x K`` (the roofline; the
     output ``C`` costs ``out_bytes`` per element: 2, or 8 when accumulated into an fp32 buffer, read and
-    written)."""
+    written). ``sms``: the GEMM runs on that many of the GPU's SMs (the rest held by a concurrent collective):
+    the peak scales by ``sms / gpu.sms`` and the waves are counted over ``sms``."""
     flops = 2 * m * n * k * batch
     in_bytes = 1 if dtype == "fp8" else 2
     moved = batch * (in_bytes * (m * k + k * n) + out_bytes * m * n)
-    rate = gpu.peak_flops(dtype) * gpu.matmul_fraction(dtype) * quantization(m, n, gpu.sms, batch=batch)
+    free = gpu.sms if sms is None else sms
+    rate = gpu.peak_flops(dtype) * gpu.matmul_fraction(dtype) * quantization(m, n, free, batch=batch) \
+        * free / gpu.sms
     return max(flops / rate, moved / gpu.hbm_bytes_per_s)
 
 
@@ -287,6 +298,9 @@ def load_catalog(path: str | Path | None = None) -> Catalog:
             for name, fields in entries.items():
                 merged[section][name] = {**merged[section].get(name, {}), **fields}
         sources.append(str(path))
+    for fields in merged["links"].values():  # a user's link may leave its channels to its kind's default
+        if "channels" not in fields and fields.get("kind") in DEFAULT_CHANNELS:
+            fields["channels"] = DEFAULT_CHANNELS[fields["kind"]]
     _validate(merged, " + ".join(sources))
     return Catalog(gpus=merged["gpus"], links=merged["links"], clusters=merged["clusters"], sources=tuple(sources))
 
@@ -335,7 +349,7 @@ def _validate(merged: dict[str, dict[str, dict[str, Any]]], source: str) -> None
 _NAME_REFERENCES = {("gpus", "intra_node"): "links", ("clusters", "gpu"): "gpus",
                     ("clusters", "intra_node"): "links", ("clusters", "inter_node"): "links",
                     ("clusters", "host"): "links"}
-_INTEGERS = {"sms", "gpus_per_node", "nics_per_node"}
+_INTEGERS = {"sms", "gpus_per_node", "nics_per_node", "channels"}
 _FRACTIONS = {"matmul_fraction_bf16", "matmul_fraction_fp8", "hbm_fraction", "attention_fraction"}
 
 
@@ -366,7 +380,7 @@ def _expectation(section: str, key: str, merged) -> str:
     return "must be a number > 0" + (" or null" if key in _NULLABLE else "")
 
 
-__all__ = ["CTA_TILES", "Catalog", "Cluster", "Gpu", "GroupLink", "LINK_KINDS", "Link", "NCCL_BASE_LATENCY_S",
+__all__ = ["CTA_TILES", "Catalog", "DEFAULT_CHANNELS", "Cluster", "Gpu", "GroupLink", "LINK_KINDS", "Link", "NCCL_BASE_LATENCY_S",
            "PACKAGED_CATALOG", "PlanError", "TREE_EFFICIENCY", "all_gather_s", "all_reduce_s", "all_to_all_s",
            "cluster", "gemm_s", "group_link", "load_catalog", "p2p_s", "quantization", "reduce_scatter_s",
            "ring_all_reduce_s", "tree_all_reduce_s"]

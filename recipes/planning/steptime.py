@@ -23,7 +23,12 @@ forward and ``2(c-1)`` backward, hidden under attention; Ulysses 4 all-to-alls e
 1 reduce-scatter + parameter all-gather; 2 the reduce-scatter every micro-batch; 3 all-gather forward and
 backward, one per module (each block, the embedding, the head: a collective's latency each), + reduce-scatter
 every micro-batch (1.5x stage 2's volume), hidden under the compute it overlaps
-(``overlap_dp``; a once-per-step reduction also under the rank's cool-down wait). Offload over the host link:
+(``overlap_dp``; a once-per-step reduction also under the rank's cool-down wait). A collective is not free
+when hidden: its NCCL channels hold ``channels`` SMs (catalog.yaml, per link), so the compute beside it runs
+on ``sms - channels`` SMs for the overlap (a backward GEMM beside a TP collective priced on that many SMs,
+waves included; a stage's forward/backward beside ZeRO's traffic ``sms / (sms - channels)`` slower), the
+extra time counted as compute; CP's ring send/receive and offload copies (copy engines) are not charged.
+Offload over the host link:
 gradients down, parameters up, CPU Adam over the node's CPU-memory bandwidth share (NVMe: the states too).
 
 Pipeline: with per-micro-batch stage times ``t_s``, ``makespan = m max(t_s) + (sum(t_s) - max(t_s)) / v``, i.e.
@@ -148,6 +153,19 @@ class _Ledger:
         self.overlapped[label] += hidden
         self.exposed[label] += seconds - hidden
 
+    def overlap(self, label: str, seconds: float, *, alone: float, squeezed: float) -> None:
+        """A collective of ``seconds`` run beside compute that takes ``alone`` on the whole GPU and ``squeezed``
+        on the SMs the collective leaves it: the compute slows while they overlap (its extra time is compute),
+        and what outlasts the squeezed compute is exposed."""
+        alone, squeezed = max(alone, 0.0), max(squeezed, alone, 0.0)
+        if seconds >= squeezed:
+            self.compute += squeezed - alone
+            self.overlapped[label] += squeezed
+            self.exposed[label] += seconds - squeezed
+        else:
+            self.compute += seconds * (1 - alone / squeezed) if squeezed > 0 else 0.0
+            self.overlapped[label] += seconds
+
     def add(self, other: _Ledger, times: float = 1.0) -> None:
         self.compute += times * other.compute
         for label, value in other.exposed.items():
@@ -196,17 +214,26 @@ class _Setup:
         return {dim: hw.group_link(self.cluster, size=max(size, 2), stride=stride)
                 for dim, (size, stride) in groups.items()}
 
-    def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:
-        return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, batch=batch)
+    def free_sms(self, link: GroupLink) -> int:
+        """The SMs compute keeps while a collective on ``link`` runs (its NCCL channels hold the others)."""
+        return max(1, self.gpu.sms - link.channels)
 
-    def wgrad(self, m: int, n: int, k: int) -> float:
+    def squeeze(self, link: GroupLink) -> float:
+        """How much longer compute made of many kernels runs beside a collective on ``link``:
+        ``sms / (sms - channels)``."""
+        return self.gpu.sms / self.free_sms(link)
+
+    def gemm(self, m: int, n: int, k: int, batch: int = 1, sms: int | None = None) -> float:
+        return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, batch=batch, sms=sms)
+
+    def wgrad(self, m: int, n: int, k: int, sms: int | None = None) -> float:
         """A weight-gradient GEMM: accumulated into an fp32 buffer in its epilogue (``fused_wgrad``, Megatron's
         gradient-accumulation fusion), or written in bf16 and, with several micro-batches, added to ``.grad``
         by autograd (read, read, write)."""
         if self.fused_wgrad:
-            return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, out_bytes=8)
+            return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, out_bytes=8, sms=sms)
         extra = 6 * m * n if self.layout.micro_batches > 1 else 0
-        return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype) + self.hbm(extra)
+        return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, sms=sms) + self.hbm(extra)
 
     def hbm(self, nbytes: float) -> float:
         return nbytes / self.gpu.hbm_bytes_per_s
@@ -258,12 +285,20 @@ def _layer_elementwise(st: _Setup) -> float:
     return nbytes + (10 if eager else 3 * e) * hidden + (20 if eager else 2 * e) * rotary
 
 
-def _tp_comm(st: _Setup, led: _Ledger, gemm_bwd: dict[str, tuple[float, float]], recompute_full: bool) -> None:
-    """TP collectives of one block and micro-batch (forward, recomputed forward, backward)."""
+def _tp_comm(st: _Setup, led: _Ledger, gemms: dict[str, tuple[int, int, int]],
+             gemm_bwd: dict[str, tuple[float, float]], recompute_full: bool) -> None:
+    """TP collectives of one block and micro-batch (forward, recomputed forward, backward). An overlapped one
+    (``tp_overlap``) runs beside its backward GEMM, which then has the SMs the collective leaves it."""
     t = st.layout.tp
     if t == 1:
         return
     link, size = st.link("tp"), st.tokens * st.model.d_model * 2
+    free = st.free_sms(link)
+
+    def beside(label: str, seconds: float, name: str, which: int) -> None:
+        m, n, k = gemms[name]
+        squeezed = st.gemm(m, k, n, sms=free) if which == 0 else st.wgrad(k, n, m, sms=free)
+        led.overlap(label, seconds, alone=gemm_bwd[name][which], squeezed=squeezed)
     if st.layout.sp == "megatron":
         ag, rs = hw.all_gather_s(size, t, link), hw.reduce_scatter_s(size, t, link)
         for _ in range(2 if recompute_full else 1):
@@ -271,15 +306,19 @@ def _tp_comm(st: _Setup, led: _Ledger, gemm_bwd: dict[str, tuple[float, float]],
             led.comm("reduce_scatter", 2 * rs)
         led.comm("all_gather", 2 * ag)  # backward of the forward reduce-scatters
         for name in ("qkv", "fc1"):  # backward of the forward all-gathers, + the gathered input redone
-            dgrad, wgrad = gemm_bwd[name]
-            led.comm("reduce_scatter", rs, hidden_under=wgrad if st.tp_overlap else 0.0)
             if st.tp_overlap:
-                led.comm("all_gather", ag, hidden_under=dgrad)
+                beside("reduce_scatter", rs, name, 1)
+                beside("all_gather", ag, name, 0)
+            else:
+                led.comm("reduce_scatter", rs)
         return
     ar = hw.all_reduce_s(size, t, link)
     led.comm("all_reduce", (4 if recompute_full else 2) * ar)
     for name in ("qkv", "fc1"):
-        led.comm("all_reduce", ar, hidden_under=gemm_bwd[name][1] if st.tp_overlap else 0.0)
+        if st.tp_overlap:
+            beside("all_reduce", ar, name, 1)
+        else:
+            led.comm("all_reduce", ar)
 
 
 def _cp_comm(st: _Setup, led: _Ledger, attn_fwd: float, attn_bwd: float) -> None:
@@ -312,7 +351,7 @@ def _block(st: _Setup) -> tuple[_Ledger, float, float]:
     bwd = sum(a + b for a, b in bwd_gemm.values()) + attn_bwd + 2 * elementwise
     recompute = {"none": 0.0, "selective": attn_redo, "full": fwd}[st.layout.recompute]
     led = _Ledger(compute=fwd + bwd + recompute)
-    _tp_comm(st, led, bwd_gemm, st.layout.recompute == "full")
+    _tp_comm(st, led, gemms, bwd_gemm, st.layout.recompute == "full")
     _cp_comm(st, led, attn_fwd, attn_bwd)
     return led, fwd, bwd + recompute
 
@@ -387,15 +426,20 @@ def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, flo
             led.comm("all_gather", 2 * lay.chunks * hw.all_gather_s(size, lay.tp, st.link("tp")))
     n, link = lay.zero_group, st.link("zero")
     fwd_window, bwd_window = (fwd, bwd) if st.overlap_dp else (0.0, 0.0)
+    squeeze = st.squeeze(link)
+
+    def beside(label: str, seconds: float, window: float) -> None:
+        led.overlap(label, seconds, alone=window, squeezed=window * squeeze)
+
     if lay.zero_stage == 2:
-        led.comm("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link), hidden_under=bwd_window)
+        beside("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link), bwd_window)
     if lay.zero_stage == 3:  # gathered module by module (each block, the embedding, the head): a latency each
         modules = max(1, layers + (stage == 0) + (stage == lay.pp - 1))
         gather = modules * hw.all_gather_s(params * e / modules, n, link)
-        led.comm("all_gather", gather, hidden_under=fwd_window)
-        led.comm("all_gather", gather, hidden_under=bwd_window)
-        led.comm("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link),
-                 hidden_under=bwd_window - gather)
+        beside("all_gather", gather, fwd_window)
+        beside("all_gather", gather, bwd_window)
+        beside("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link),
+               max(0.0, bwd_window - gather / squeeze))
     if lay.offload_params != "none":
         local = params / n * e
         seconds = local / st.cluster.host.bytes_per_s
@@ -431,9 +475,11 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
         label = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
         size = params * st.grad_bytes
         seconds = hw.all_reduce_s(size, n, link) if lay.zero_stage == 0 else hw.reduce_scatter_s(size, n, link)
-        hidden = min(seconds, bwd_window) if st.overlap_dp else 0.0
+        window = bwd_window if st.overlap_dp else 0.0
+        squeezed = window * st.squeeze(link)
+        hidden = min(seconds, squeezed)
         in_bubble = min(seconds - hidden, cooldown) if st.overlap_dp else 0.0
-        led.comm(label, seconds, hidden_under=hidden)
+        led.overlap(label, seconds, alone=window, squeezed=squeezed)
     if lay.pp > 1 and st.model.tie_embeddings and stage in (0, lay.pp - 1):
         pair = hw.group_link(cl, size=2, stride=(lay.pp - 1) * lay.tp * lay.cp * lay.dp)
         led.comm("all_reduce", hw.all_reduce_s(st.model.vocab_size * st.model.d_model / lay.tp * st.grad_bytes, 2,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardline.recipes.planning.catalog import (
+    DEFAULT_CHANNELS,
     LINK_KINDS,
     PACKAGED_CATALOG,
     Cluster,
@@ -87,6 +88,8 @@ links:
     h100 = catalog.gpu("h100-sxm")
     assert h100.hbm_gbps == 3000 and h100.bf16_tflops == 989.5  # the other fields stay the packaged ones
     assert catalog.gpu("my-gpu").sms == 80 and catalog.link("my-nic").bytes_per_s == 12.5e9
+    assert catalog.link("my-nic").channels == DEFAULT_CHANNELS["inter"] == 16  # left to its kind's figure
+    assert catalog.link("nvlink3").channels == 24  # the packaged, cited one
     assert catalog.sources == (str(PACKAGED_CATALOG), str(path))
     assert load_catalog().gpu("h100-sxm").hbm_gbps == 3350  # the packaged catalog itself is untouched
 
@@ -98,13 +101,14 @@ gpus:
   half-gpu: {bf16_tflops: 100}
 links:
   nvlink3: {kind: sideways}
+  ib-hdr: {channels: 0}
 """)
     with pytest.raises(PlanError) as error:
         load_catalog(path)
     message = str(error.value)
     for part in ("gpus.h100-sxm.hbm_gbps=-1", "gpus.h100-sxm.matmul_fraction_bf16=1.5", "'nvlink9'",
                  "unknown fields ['colour']", "gpus.half-gpu: missing fields", "links.nvlink3.kind='sideways'",
-                 str(path)):
+                 "links.ib-hdr.channels=0 must be an integer >= 1", str(path)):
         assert part in message
 
 
