@@ -5,8 +5,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import importlib.util
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -62,3 +66,48 @@ def _imported_roots(path: Path) -> set[str]:
 def imported_roots():
     """``imported_roots(path)``: the static import check the dependency-contract tests share."""
     return _imported_roots
+
+
+# ------------------------------------------------------------------ DeepSpeed's C++ ops, built beside the tests
+# DeepSpeed JIT-compiles a C++ op on its first use into torch's extension cache (~/.cache/torch_extensions): on
+# a fresh machine async_io (NVMe offload) takes ~2.6 min of the 2 cores and cpu_adam (DeepSpeedCPUAdam) ~45 s,
+# inside the first test that loads them. When the collected tests need them (marker ``jit_ops``), a process at a
+# low CPU priority (nice 10) builds them from the start of the session, mostly on the CPU the single-process
+# tests leave idle, and those tests run last. A test that arrives first waits on torch's build lock and loads the
+# result: the same op, built once, as without this. The builder's SIGTERM handler raises, so an interrupted build
+# releases torch's lock (a killed one would leave it, and the next build would wait on it forever).
+JIT_OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
+_BUILD_OPS = """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+from deepspeed.ops import op_builder
+for name in sys.argv[1:]:
+    builder = getattr(op_builder, name)()
+    if builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+"""
+_builder: dict[str, subprocess.Popen] = {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    needing = [item for item in items if item.get_closest_marker("jit_ops")]
+    if not needing or importlib.util.find_spec("deepspeed") is None:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("jit_ops")] + needing
+    log = tempfile.NamedTemporaryFile(prefix="shardline-jit-ops-", suffix=".log", delete=False)
+    env = {**os.environ, "MAX_JOBS": "2"}
+    _builder["process"] = subprocess.Popen([sys.executable, "-c", _BUILD_OPS, *JIT_OPS], stdout=log,
+                                           stderr=subprocess.STDOUT, env=env, preexec_fn=lambda: os.nice(10))
+    log.close()
+
+
+def pytest_unconfigure(config):
+    process = _builder.pop("process", None)
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)  # the session ended before the build (an interrupted run, -x)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

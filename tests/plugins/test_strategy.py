@@ -212,6 +212,7 @@ def _fit_counting_swaps(rank, world, strategy_kwargs):
     return {**out, "swap_files": swaps.seen}
 
 
+@pytest.mark.jit_ops
 @pytest.mark.skipif(not _nvme_offload_available(), reason="DeepSpeed's async_io op cannot build here "
                     "(Debian: apt-get install libaio-dev)")
 def test_zero3_nvme_offload_parity(tmp_path):

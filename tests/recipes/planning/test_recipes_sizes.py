@@ -364,6 +364,7 @@ def _train_and_check(twin: dict, tmp_path, name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.jit_ops  # the ZeRO-Offload twins train with DeepSpeedCPUAdam
 @pytest.mark.parametrize("key", list(TWIN_GROUPS), ids=[names[0] for names in TWIN_GROUPS.values()])
 def test_twin_trains_two_steps(key, tmp_path):
     name = TWIN_GROUPS[key][0]
