@@ -106,14 +106,33 @@ _builder: dict[str, int] = {}
 
 def pytest_collection_modifyitems(session, config, items):
     needing = [item for item in items if item.get_closest_marker("jit_ops")]
-    if not needing or importlib.util.find_spec("deepspeed") is None:
+    if not needing or config.option.collectonly or importlib.util.find_spec("deepspeed") is None:
         return
     items[:] = [item for item in items if not item.get_closest_marker("jit_ops")] + needing
+    _remove_stale_build_locks()
     log = Path(tempfile.gettempdir()) / f"shardline-jit-ops-{os.getpid()}.log"
     launched = subprocess.run([sys.executable, "-c", _LAUNCH, str(log), _BUILD_OPS, *JIT_OPS], capture_output=True,
                               text=True, timeout=60)
     if launched.returncode == 0 and launched.stdout.strip().isdigit():
         _builder["pid"] = int(launched.stdout.strip())
+
+
+STALE_LOCK_S = 1800  # no op here builds for half an hour
+
+
+def _remove_stale_build_locks() -> None:
+    """torch's build lock (``<op>/lock`` in the extension cache) is released in a ``finally``: a rank killed mid-
+    build (a test's timeout, an interrupted run) leaves it, and every later build of that op waits on it forever.
+    A lock older than any build is such a leftover: removed, with a warning naming it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    for lock in root.glob("*/lock") if root.is_dir() else ():
+        with contextlib.suppress(OSError):
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                lock.unlink()
+                warnings.warn(f"removed the stale build lock {lock} (left by a build that was killed)",
+                              stacklevel=1)
 
 
 def _alive(pid: int) -> bool:
