@@ -11,10 +11,16 @@ A *piece* is a box of one canonical tensor (:mod:`.boxes`) stored as one safeten
 Pieces of one tensor never overlap and together cover it exactly (checked at every read).
 
 Saving is atomic (:class:`AtomicSave`): every rank writes into ``.NAME.partial-TOKEN`` beside the final folder;
-each file is written, flushed and fsynced; then rank 0 writes the manifest (itself via a temporary name and a
-rename), renames the folder to ``NAME`` (an existing ``NAME`` is first moved aside and removed after), and only
-then moves the ``latest`` pointer of the parent folder. A save killed at any point leaves the previous checkpoint
-and the pointer as they were; :func:`resolve` ignores the partial folder with a warning.
+each file is written, flushed and fsynced (a rank's files together, :func:`fsync_all`); then rank 0 writes the
+manifest into that folder (still a temporary name: no reader takes a ``.partial-`` folder for a checkpoint) and
+makes it, the folder's entries and the pointer's new text (``latest.tmp``) durable, renames the folder to ``NAME``
+(an existing ``NAME`` is first moved aside and removed after) and makes that durable, and only then moves the
+``latest`` pointer of the parent folder (a rename). A save killed at any point leaves the previous checkpoint and
+the pointer as they were; :func:`resolve` ignores the partial folder with a warning.
+
+CRC-32s are computed on one thread per process beside the I/O (zlib releases the GIL): a save's while each large
+tensor is written, a read's chunk by chunk while the next chunk is read; every check is made before a read
+returns.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import signal
 import struct
 import warnings
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -56,6 +63,11 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"F32"``), as the manifest records it."""
+    return _NAMES[name]
+
+
 def phase(name: str, rank: int) -> None:
     """The test hook (``KILL_ENV``); nothing happens unless it names this phase (and rank)."""
     want = os.environ.get(KILL_ENV)
@@ -75,7 +87,46 @@ def crc(tensor: torch.Tensor) -> int:
     return zlib.crc32(_bytes(tensor))
 
 
-def _fsync_dir(path: Path) -> None:
+#: Pieces at least this large get their CRC-32 computed in a thread beside the write or read of their bytes
+#: (zlib releases the GIL on large buffers); a read goes in chunks of this size, each CRC'd while the next is read.
+CHUNK = 8 << 20
+_WORKER: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _worker() -> ThreadPoolExecutor:
+    """This process's one CRC thread (made lazily: a pool made before a fork has no thread in the child). One
+    worker runs its tasks in submission order, so a running CRC can be chained chunk by chunk."""
+    global _WORKER
+    if _WORKER is None or _WORKER[0] != os.getpid():
+        _WORKER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-crc"))
+    return _WORKER[1]
+
+
+class _RunningCrc:
+    """A CRC-32 of consecutive chunks, each added on the CRC thread (in order) while the caller does I/O."""
+
+    def __init__(self):
+        self.value, self._last = 0, None
+
+    def _add(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def add(self, data) -> None:
+        if len(data) < CHUNK // 8:  # not worth a hand-off
+            if self._last is not None:
+                self._last.result()
+            self._add(data)
+            return
+        self._last = _worker().submit(self._add, data)
+
+    def result(self) -> int:
+        if self._last is not None:
+            self._last.result()
+        return self.value
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file or a folder (a folder: its entries, i.e. the names created or renamed in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -83,9 +134,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, rank: int) -> dict[str, int]:
+_FSYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def fsync_all(paths: list[Path]) -> None:
+    """fsync every file (or folder) of ``paths``, together: the filesystem commits them in one journal
+    transaction where it can (ext4, xfs) instead of one after another. Returns once all are durable."""
+    global _FSYNC_POOL
+    if len(paths) <= 1:
+        for path in paths:
+            _fsync(path)
+        return
+    if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # made once per process (threads cost to start)
+        _FSYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=4, thread_name_prefix="shardline-fsync"))
+    pending = [_FSYNC_POOL[1].submit(_fsync, path) for path in paths[1:]]
+    _fsync(paths[0])
+    for future in pending:
+        future.result()
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, rank: int, sync: bool = True
+                      ) -> dict[str, int]:
     """Write ``tensors`` as one safetensors file, streamed tensor by tensor (no second copy in memory), flushed
-    and fsynced; returns each key's CRC-32."""
+    and fsynced (``sync=False``: the caller fsyncs it, e.g. with :func:`fsync_all`); returns each key's CRC-32. A
+    large tensor's CRC is computed on the CRC thread while its bytes are written."""
     header, offset = {}, 0
     for key, tensor in tensors:
         if tensor.dtype not in _DTYPES:
@@ -97,20 +169,21 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
-    crcs = {}
+    crcs: dict[str, int | Future] = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for i, (key, tensor) in enumerate(tensors):
             data = _bytes(tensor)
-            crcs[key] = zlib.crc32(data)
+            crcs[key] = _worker().submit(zlib.crc32, data) if len(data) >= CHUNK else zlib.crc32(data)
             f.write(data)
             if i == 0:
                 f.flush()
                 phase("mid_shard", rank)
         f.flush()
-        os.fsync(f.fileno())
-    return crcs
+        if sync:
+            os.fsync(f.fileno())
+    return {key: value.result() if isinstance(value, Future) else value for key, value in crcs.items()}
 
 
 def file_crc(path: Path) -> int:
@@ -124,7 +197,8 @@ def file_crc(path: Path) -> int:
 class ShardWriter:
     """One rank's pieces, written to ``rank-RRRRR-III.safetensors`` files of at most ``max_file_bytes`` each
     (a piece larger than that gets a file alone). ``records`` lists ``(tensor name, shape, dtype, file, key,
-    box, crc)`` per piece for the manifest."""
+    box, crc)`` per piece for the manifest. Its files are written but not yet fsynced: :attr:`paths` for
+    :func:`fsync_all`, with the rank's other files."""
 
     def __init__(self, folder: Path, *, rank: int, max_file_bytes: int = 1 << 30):
         self.folder, self.rank, self.limit = folder, rank, max_file_bytes
@@ -148,11 +222,16 @@ class ShardWriter:
     def written(self) -> list[str]:
         return [f"rank-{self.rank:05d}-{i:03d}.safetensors" for i in range(self.files)]
 
+    @property
+    def paths(self) -> list[Path]:
+        return [self.folder / name for name in self.written]
+
     def flush(self) -> None:
         if not self.pending:
             return
         file = f"rank-{self.rank:05d}-{self.files:03d}.safetensors"
-        crcs = write_safetensors(self.folder / file, [(key, t) for key, t, *_ in self.pending], rank=self.rank)
+        crcs = write_safetensors(self.folder / file, [(key, t) for key, t, *_ in self.pending], rank=self.rank,
+                                 sync=False)
         for key, tensor, shape, name, box in self.pending:
             self.records.append((name, list(shape), _DTYPES[tensor.dtype], file, key,
                                  [list(b) for b in box], crcs[key]))
@@ -160,11 +239,35 @@ class ShardWriter:
         self.pending, self.size = [], 0
 
 
-def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
-    """Size (and, for the small ``.pt`` files, CRC-32) of each of ``names`` in ``folder``, as the rank that wrote
-    them sees them (on a network filesystem another rank's view may lag)."""
-    return {name: {"size": (folder / name).stat().st_size,
-                   "crc32": None if name.endswith(".safetensors") else file_crc(folder / name)} for name in names}
+def describe_files(folder: Path, names: list[str], crcs: dict[str, int] | None = None) -> dict[str, dict]:
+    """Size (and, for the small ``.pt`` files, CRC-32: from ``crcs`` where the writer computed it, else read
+    back) of each of ``names`` in ``folder``, as the rank that wrote them sees them (on a network filesystem
+    another rank's view may lag)."""
+    crcs = crcs or {}
+
+    def crc32(name):
+        return None if name.endswith(".safetensors") else crcs[name] if name in crcs else file_crc(folder / name)
+
+    return {name: {"size": (folder / name).stat().st_size, "crc32": crc32(name)} for name in names}
+
+
+def write_small(data: bytes, path: Path) -> int:
+    """Write ``data`` (a small file: a ``torch.save``'d state) to ``path``, not yet fsynced; returns its CRC-32."""
+    with open(path, "wb") as f:
+        f.write(data)
+    return zlib.crc32(data)
+
+
+def _manifest_text(manifest: dict) -> str:
+    """The manifest as JSON, one tensor and one file a line: readable, and written by the C encoder (``indent``
+    would make ``json`` use its pure-Python one, ~10x slower on a large manifest)."""
+    def block(mapping: dict) -> str:
+        rows = (f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in mapping.items())
+        return "{\n" + ",\n".join(rows) + "\n }"
+
+    top = [f" {json.dumps(k)}: {block(v) if k in ('files', 'tensors') and v else json.dumps(v)}"
+           for k, v in manifest.items()]
+    return "{\n" + ",\n".join(top) + "\n}\n"
 
 
 def build_manifest(records: list[list[tuple]], files: dict[str, dict], meta: dict) -> dict:
@@ -198,29 +301,27 @@ class AtomicSave:
         self.tmp.mkdir(parents=True, exist_ok=True)
 
     def commit(self, manifest: dict, *, rank: int) -> None:
+        """Rank 0, once every rank's files are durable: the manifest, then the rename, then ``latest``. Each
+        step is durable before the next one starts (the manifest and the folder's entries before the rename,
+        the rename before the pointer moves); the pointer's new text is staged and made durable together with
+        the manifest, under a name no reader looks at (``latest.tmp``), so moving it is one rename."""
         phase("before_manifest", rank)
-        staged = self.tmp / (MANIFEST + ".tmp")
-        with open(staged, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staged, self.tmp / MANIFEST)
-        _fsync_dir(self.tmp)
+        # Straight under its name: the folder is still ``.NAME.partial-*``, which no reader takes for a checkpoint.
+        (self.tmp / MANIFEST).write_text(_manifest_text(manifest))
+        pointer = self.final.parent / (POINTER + ".tmp")
+        pointer.write_text(self.final.name + "\n")
+        fsync_all([self.tmp / MANIFEST, pointer, self.tmp])  # the manifest, the staged pointer, the folder's names
         old = None
         if self.final.exists():
             old = self.final.parent / f".{self.final.name}.old-{self.tmp.name.rsplit('-', 1)[-1]}"
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        _fsync(self.final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         phase("before_pointer", rank)
-        pointer = self.final.parent / (POINTER + ".tmp")
-        pointer.write_text(self.final.name + "\n")
-        with open(pointer) as f:
-            os.fsync(f.fileno())
         os.replace(pointer, self.final.parent / POINTER)
-        _fsync_dir(self.final.parent)
+        _fsync(self.final.parent)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -232,6 +333,9 @@ def resolve(path: str | os.PathLike) -> Path:
     ``latest`` pointer, else its newest complete checkpoint). Partial saves beside it are ignored with a
     warning; a partial or missing one named directly raises CheckpointError."""
     path = Path(path)
+    if ".partial-" in path.name and path.name.startswith("."):
+        raise CheckpointError(f"{path}: incomplete checkpoint (a save's temporary folder, renamed into place only "
+                              "once its manifest is durable): the save that wrote it was interrupted")
     if is_checkpoint(path):
         return path
     if path.is_dir() and ((not path.name.startswith(".") and (path / POINTER).exists()) or _complete(path)
@@ -300,15 +404,17 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self._headers: dict[str, tuple[int, dict]] = {}
         self._verified: set[tuple[str, str]] = set()
+        self._files: dict[Path, object] = {}
 
     def _header(self, file: str) -> tuple[int, dict]:
         """``(where the data starts, the safetensors header)`` of one of the checkpoint's files."""
         if file not in self._headers:
             path = self.folder / file
             try:
-                with open(path, "rb") as f:
-                    size = struct.unpack("<Q", f.read(8))[0]
-                    header = json.loads(f.read(size))
+                f = self._handle(path)
+                f.seek(0)
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
             except (OSError, ValueError, struct.error) as error:
                 raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
             self._headers[file] = (8 + size, header)
@@ -327,40 +433,81 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
 
-    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
-        """The ``box`` (default: all) of canonical tensor ``name``, in the dtype it was saved in."""
+    def read(self, name: str, box: Box | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``box`` (default: all) of canonical tensor ``name``, in the dtype it was saved in; or, with
+        ``out`` (a tensor of the box's shape, any dtype), written into ``out`` and ``out`` returned. Pieces read
+        straight into ``out`` (or into the result) wherever their place there is contiguous: a load in the saving
+        layout, or whole rows of the tensor, costs no copy."""
         if name not in self.tensors:
             raise CheckpointError(f"{self.folder}: no tensor {name!r} in the checkpoint")
         entry = self.tensors[name]
         box = full(entry["shape"]) if box is None else tuple(tuple(b) for b in box)
+        shape, dtype = tuple(b - a for a, b in box), _NAMES[entry["dtype"]]
+        if out is not None and tuple(out.shape) != shape:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} box {box}: out= has shape {list(out.shape)}, "
+                                  f"not {list(shape)}")
+        if out is not None and (out.dtype != dtype or not out.is_contiguous()):
+            return out.copy_(self.read(name, box))  # a cast (or a strided target): read, then one copy
         exact = [p for p in entry["pieces"] if tuple(tuple(b) for b in p[2]) == box]
         if exact:  # the piece is the box (a load in the saving layout): no assembly, no second copy
             file, key, piece_box, value = exact[0]
-            return self._piece(file, key, value, name, box)
-        out = torch.empty(tuple(b - a for a, b in box), dtype=_NAMES[entry["dtype"]])
+            return self._piece(file, key, value, name, box, out=out)
+        result = torch.empty(shape, dtype=dtype) if out is None else out
         covered = 0
         for file, key, piece_box, value in entry["pieces"]:
             piece_box = tuple(tuple(b) for b in piece_box)
             common = intersect(box, piece_box)
             if common is None:
                 continue
-            data = self._piece(file, key, value, name, piece_box)
-            out[relative(common, box)] = data[relative(common, piece_box)]
+            target = result[relative(common, box)]
+            if common == piece_box and target.is_contiguous():  # the whole piece, to one run of ``result``
+                self._piece(file, key, value, name, piece_box, out=target)
+            else:
+                target.copy_(self._piece(file, key, value, name, piece_box)[relative(common, piece_box)])
             covered += volume(common)
         if covered != volume(box):
             raise CheckpointError(f"{self.folder}: tensor {name!r} box {box}: its pieces cover {covered} of "
                                   f"{volume(box)} elements (a piece is missing or two overlap)")
-        return out
+        return result
 
-    def read_part(self, name: str, placement: Placement) -> torch.Tensor:
+    def read_part(self, name: str, placement: Placement, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The part ``placement.box`` of canonical tensor ``name`` in shardline's own layout (its canonical
-        pieces read and reassembled, :func:`~.boxes.from_canonical`)."""
-        pieces = [self.read(name, box) for box in canonical_boxes(placement)]
-        return from_canonical(placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
+        pieces read and reassembled, :func:`~.boxes.from_canonical`); with ``out`` (shaped like the box), into
+        it. A ``plain`` part is read straight into ``out``."""
+        boxes = canonical_boxes(placement)
+        if out is not None and placement.kind == "plain":
+            return self.read(name, boxes[0], out=out)
+        pieces = [self.read(name, box) for box in boxes]
+        value = from_canonical(placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
+        return value if out is None else out.copy_(value)
 
-    def _piece(self, file: str, key: str, value: int, name: str, box: Box) -> torch.Tensor:
-        """One piece, read with one sequential ``readinto`` (the kernel reads ahead; a memory map would fault
-        page by page on a cold file) and its CRC checked the first time."""
+    def _handle(self, path: Path):
+        """An open file of the checkpoint, kept for the reader's life (:meth:`close`)."""
+        handle = self._files.get(path)
+        if handle is None:
+            handle = self._files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        return handle
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _piece(self, file: str, key: str, value: int, name: str, box: Box, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """One piece (into ``out``, contiguous and of the piece's dtype and shape, where given), read with
+        sequential ``readinto`` calls of :data:`CHUNK` bytes (the kernel reads ahead; a memory map would fault
+        page by page on a cold file) and its CRC checked the first time, each chunk's CRC computed on the CRC
+        thread while the next chunk is read."""
         start, header = self._header(file)
         info = header.get(key)
         path = self.folder / file
@@ -370,19 +517,37 @@ class CheckpointReader:
         if shape != tuple(hi - lo for lo, hi in box):
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, the manifest "
                                   f"says box {box}")
-        data = torch.empty(b - a, dtype=torch.uint8)
-        with open(path, "rb") as f:
-            f.seek(start + a)
-            got = f.readinto(memoryview(data.numpy())) if b > a else 0
+        dtype = _NAMES[info["dtype"]]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}): out= is {out.dtype} "
+                                  f"{list(out.shape)}, the piece {dtype} {list(shape)}")
+        data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
+        check = (file, key) not in self._verified
+        running, got = _RunningCrc() if check else None, 0
+        handle = self._handle(path)
+        handle.seek(start + a)
+        while got < b - a:
+            chunk = data[got:min(got + CHUNK, b - a)]
+            n = handle.readinto(chunk)
+            if not n:
+                break
+            if running is not None:
+                running.add(chunk[:n])
+            got += n
         if got != b - a:
+            if running is not None:
+                running.result()
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short ({got} of {b - a} bytes)")
-        if (file, key) not in self._verified:
-            if crc(data) != value:
+        if running is not None:
+            if running.result() != value:
                 raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC-32 does not match "
                                       "the manifest")
             self._verified.add((file, key))
-        return data.view(_NAMES[info["dtype"]]).reshape(shape)
+        return out
 
 
-__all__ = ["AtomicSave", "CheckpointReader", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER",
-           "ShardWriter", "build_manifest", "crc", "describe_files", "is_checkpoint", "phase", "resolve"]
+__all__ = ["AtomicSave", "CHUNK", "CheckpointReader", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER",
+           "ShardWriter", "build_manifest", "crc", "describe_files", "dtype_of", "fsync_all", "is_checkpoint", "phase",
+           "resolve", "write_small"]

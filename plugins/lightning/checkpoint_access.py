@@ -30,7 +30,7 @@ from shardline.plugins.checkpoint.boxes import (
     to_canonical,
     volume,
 )
-from shardline.plugins.checkpoint.files import CheckpointReader
+from shardline.plugins.checkpoint.files import CheckpointReader, dtype_of
 from shardline.plugins.checkpoint.names import STATE, Entry
 from shardline.plugins.errors import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
@@ -210,10 +210,16 @@ def read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
 
 
 def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the flattened rank's part of ``name`` (a ZeRO partition's range)."""
+    """Elements ``[start, stop)`` of the flattened rank's part of ``name`` (a ZeRO partition's range), read into
+    one buffer: each of the range's boxes straight into its run of it (no concatenation)."""
     _need(reader, entry, name)
-    parts = [reader.read_part(name, sub).reshape(-1) for sub in _range_placements(entry, start, stop)]
-    return torch.cat(parts) if parts else torch.empty(0)
+    out = torch.empty(stop - start, dtype=dtype_of(reader.tensors[name]["dtype"]))
+    offset = 0
+    for sub in _range_placements(entry, start, stop):
+        n = volume(sub.box)
+        reader.read_part(name, sub, out=out[offset:offset + n].view(tuple(b - a for a, b in sub.box)))
+        offset += n
+    return out
 
 
 __all__ = ["Access", "read", "read_range"]

@@ -22,7 +22,7 @@ naming the file and the tensor, and no weight has been overwritten.
 
 from __future__ import annotations
 
-import os
+import io
 import random
 import warnings
 from pathlib import Path
@@ -38,8 +38,10 @@ from shardline.plugins.checkpoint.files import (
     ShardWriter,
     build_manifest,
     describe_files,
+    fsync_all,
     phase,
     resolve,
+    write_small,
 )
 from shardline.plugins.checkpoint.names import Entry, entries, models
 from shardline.plugins.errors import CheckpointError
@@ -51,10 +53,11 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _save_small(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+def _save_small(obj: Any, path: Path) -> int:
+    """``torch.save`` of ``obj`` to ``path`` (not yet fsynced); its CRC-32, computed from the bytes written."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return write_small(buffer.getbuffer(), path)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -93,13 +96,12 @@ def _optimizer(strategy):
     return getattr(engine, "optimizer", None) if _fitting(strategy) else None
 
 
-def _first_stage_writes(grid, mine: list[Entry]) -> list[Entry]:
+def _first_stage_writes(grid, mine: list[Entry], everyone: list[tuple[int, list[str]]]) -> list[Entry]:
     """``mine`` with ``writes`` cleared where a lower pipeline stage holds the same tensor (a parameter outside
-    the pipeline's layers lives on every stage): each tensor is written by one stage only."""
+    the pipeline's layers lives on every stage): each tensor is written by one stage only. ``everyone``: every
+    rank's ``(pipeline stage, tensor names)``."""
     if grid.size("pp") == 1:
         return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (grid.coords["pp"], [e.name for e in mine]))
     first: dict[str, int] = {}
     for pp, names in everyone:
         for name in names:
@@ -111,62 +113,68 @@ def _first_stage_writes(grid, mine: list[Entry]) -> list[Entry]:
 
 def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
     """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
-    ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically."""
-    grid, me = strategy.grid, strategy.global_rank
+    ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically.
+
+    Three collective rounds: one exchange before writing (rank 0's folder, token and optimizer state kinds;
+    under pp, every rank's tensor names), one gather of what every rank wrote, one barrier after the commit."""
+    grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
     weights_only = "optimizer_states" not in checkpoint
     keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and not weights_only else []
-    # Rank 0's folder, token and optimizer state kinds (every rank's optimizer keeps the same kinds), at once.
-    path, token, keys = strategy.broadcast((str(filepath), AtomicSave.new_token(), keys))
+    module = strategy.lightning_module
+    mine = entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"), shape_of=compat.whole_shape)
+    names = [e.name for e in mine] if grid.size("pp") > 1 else []
+    hello: list = [None] * world
+    dist.all_gather_object(hello, (str(filepath), AtomicSave.new_token(), keys, grid.coords["pp"], names))
+    path, token, keys = hello[0][:3]  # rank 0's (every rank's optimizer keeps the same kinds)
     target = AtomicSave(Path(path), token)
     target.create()  # every rank: whoever comes first makes it
     phase("before_shards", me)
     replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
-    module = strategy.lightning_module
-    mine = entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"), shape_of=compat.whole_shape)
-    for entry in _first_stage_writes(grid, mine):
+    for entry in _first_stage_writes(grid, mine, [(pp, n) for *_, pp, n in hello]):
         shape = entry.placement.canonical_shape()
         for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
             writer.add(name, shape, box, piece)
     writer.flush()
-    _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
-                 "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))
+    crcs = {_rank_file(me): _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
+                                         "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))}
     if me == 0:
         trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if optimizer is not None and not weights_only:
             trainer_state["shardline_optimizer"] = {
                 "step": compat.optimizer_step_count(optimizer),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
-        _save_small(trainer_state, target.tmp / TRAINER_FILE)
-    mine_files = writer.written + [_rank_file(me)] + ([TRAINER_FILE] if me == 0 else [])
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (writer.records, describe_files(target.tmp, mine_files)))
+        crcs[TRAINER_FILE] = _save_small(trainer_state, target.tmp / TRAINER_FILE)
+    mine_files = writer.written + list(crcs)
+    fsync_all([target.tmp / name for name in mine_files])  # together: one journal commit where the fs can
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (writer.records, describe_files(target.tmp, mine_files, crcs)))
     if me == 0:
         records = [r for r, _ in gathered]
         files = {name: info for _, described in gathered for name, info in described.items()}
 
-        meta = {"world_size": dist.get_world_size(), "layout": strategy.layout_record(),
+        meta = {"world_size": world, "layout": strategy.layout_record(),
                 "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
                 "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
         target.commit(build_manifest(records, files, meta), rank=me)
     strategy.barrier("shardline_checkpoint_end")
 
 
-def _agree(strategy, error: str | None) -> None:
-    """Raise on every rank when any rank failed (so no rank goes on to overwrite its weights)."""
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+def _first_failure(errors: list[str | None]) -> str | None:
+    """One message for every rank's errors (the lowest failing rank's, and how many more failed)."""
     failed = [(rank, text) for rank, text in enumerate(errors) if text]
-    if failed:
-        rank, text = failed[0]
-        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-        raise CheckpointError(f"rank {rank}: {text}{more}; nothing was loaded")
+    if not failed:
+        return None
+    rank, text = failed[0]
+    more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+    return f"rank {rank}: {text}{more}; nothing was loaded"
 
 
-def _check_names(reader: CheckpointReader, module, mine: list[Entry], everyone: list[set[str]]) -> str | None:
+def _check_mine(reader: CheckpointReader, module, mine: list[Entry]) -> str | None:
+    """This rank's part of the architecture check: the same models, and each of its tensors, with its shape."""
     saved = [(m["prefix"], m["architecture"]) for m in reader.manifest.get("models", [])]
     now = [(m["prefix"], m["architecture"]) for m in models(module)]
     if saved != now:
@@ -181,7 +189,11 @@ def _check_names(reader: CheckpointReader, module, mine: list[Entry], everyone: 
         if want != have:
             return (f"{reader.folder}: tensor {entry.name!r} has shape {list(have)} in the checkpoint, this "
                     f"model's {entry.path} needs {list(want)}")
-    needed = set().union(*everyone)
+    return None
+
+
+def _check_extra(reader: CheckpointReader, needed: set[str]) -> str | None:
+    """The checkpoint's weights no rank has a place for (``needed``: every rank's tensor names)."""
     extra = sorted(n for n in reader.tensors if not n.startswith("optimizer.") and n not in needed)
     if extra:
         return f"{reader.folder}: checkpoint tensors this model has no place for: {extra[:8]}" + (
@@ -189,55 +201,70 @@ def _check_names(reader: CheckpointReader, module, mine: list[Entry], everyone: 
     return None
 
 
-def load(strategy, checkpoint_path) -> dict[str, Any]:
-    """Collective: load the checkpoint (or the newest in a folder of them) into this layout; returns the
-    trainer's state for Lightning to restore (loops, callbacks, schedulers)."""
+def _read_everything(strategy, checkpoint_path, optimizer) -> tuple:
+    """This rank's whole load, read and checked, nothing set: ``(folder, reader, entries, staged values,
+    trainer state, own rank file, error or None)``. Any bad input is the error, not a raise, so that every rank
+    reaches the one exchange of :func:`load`."""
     me, grid = strategy.global_rank, strategy.grid
-    found = None
-    if me == 0:
-        try:
-            found = ("ok", str(resolve(checkpoint_path)))
-        except CheckpointError as error:
-            found = ("error", str(error))
-    kind, value = strategy.broadcast(found)
-    if kind == "error":
-        raise CheckpointError(value)
-    error, reader, mine = None, None, []
+    found, reader, mine, staged, trainer_state, own = None, None, [], [], {}, None
     try:
-        reader = CheckpointReader(value)
+        with warnings.catch_warnings():
+            if me != 0:  # every rank resolves the path; rank 0 alone says which partial saves it skipped
+                warnings.simplefilter("ignore")
+            found = str(resolve(checkpoint_path))
+        reader = CheckpointReader(found)
         mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"),
                        shape_of=compat.whole_shape)
-    except CheckpointError as failure:
-        error = str(failure)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {e.name for e in mine})
-    if error is None:
-        error = _check_names(reader, strategy.lightning_module, mine, everyone)
-    _agree(strategy, error)
-    optimizer = _optimizer(strategy)
-    saved_keys = reader.manifest.get("optimizer_state_keys", [])
-    if optimizer is not None and saved_keys:
-        compat.ensure_optimizer_state(optimizer, saved_keys)
-    access = Access(optimizer)
-    staged, trainer_state, own, error = [], {}, None, None
-    try:
+        error = _check_mine(reader, strategy.lightning_module, mine)
+        if error is not None:
+            return found, reader, mine, [], {}, None, error
+        saved_keys = reader.manifest.get("optimizer_state_keys", [])
         now_keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and saved_keys else []
         if now_keys and set(now_keys) != set(saved_keys):
             raise CheckpointError(f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one "
                                   f"{now_keys}")
         trainer_state = reader.small_file(TRAINER_FILE)
-        own_name = _rank_file(strategy.global_rank)
+        own_name = _rank_file(me)
         own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
+        access = Access(optimizer)
         for entry in mine:
             staged.append((entry, access.stage(reader, entry, saved_keys if optimizer is not None else [])))
     except CheckpointError as failure:
-        error = str(failure)
-    _agree(strategy, error)
+        return found, reader, mine, [], {}, None, str(failure)
+    finally:
+        if reader is not None:
+            reader.close()
+    return found, reader, mine, staged, trainer_state, own, None
+
+
+def load(strategy, checkpoint_path) -> dict[str, Any]:
+    """Collective: load the checkpoint (or the newest in a folder of them) into this layout; returns the
+    trainer's state for Lightning to restore (loops, callbacks, schedulers).
+
+    One collective round: every rank resolves the path, reads and checks all it needs (:func:`_read_everything`),
+    then the ranks exchange ``(folder, error, tensor names)``; any error anywhere (or ranks that found different
+    folders, or checkpoint weights no rank has a place for) raises on every rank before anything is set."""
+    optimizer = _optimizer(strategy)
+    found, reader, mine, staged, trainer_state, own, error = _read_everything(strategy, checkpoint_path, optimizer)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (found, error, {e.name for e in mine}))
+    failure = _first_failure([e for _, e, _ in everyone])
+    if failure is None and len({f for f, _, _ in everyone}) > 1:
+        failure = "the ranks found different checkpoints: " + ", ".join(
+            f"rank {r}: {f}" for r, (f, _, _) in enumerate(everyone)) + "; nothing was loaded"
+    if failure is None:  # the same on every rank: the same manifest, the same names
+        extra = _check_extra(reader, set().union(*(n for _, _, n in everyone)))
+        failure = None if extra is None else f"{extra}; nothing was loaded"
+    if failure is not None:
+        raise CheckpointError(failure)
+    saved_keys = reader.manifest.get("optimizer_state_keys", [])
+    if optimizer is not None and saved_keys:
+        compat.ensure_optimizer_state(optimizer, saved_keys)
+    access = Access(optimizer)
     step = (trainer_state.get("shardline_optimizer") or {}).get("step")
     for entry, values in staged:  # nothing below can fail on bad input: everything was read and checked
         access.apply(entry, values, step)
     _restore_counters(strategy, reader, trainer_state, own, optimizer)
-    strategy.barrier("shardline_checkpoint_loaded")
     return trainer_state
 
 

@@ -392,6 +392,13 @@ def set_local_fragment(param, values: torch.Tensor, key: str | None = None) -> N
     if hasattr(param, "ds_id"):
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
+        live = _zero3_local_view(param, key)
+        if live is not None:  # one copy, into DeepSpeed's own partition; its padding past the end zeroed
+            flat = live.data.reshape(-1)
+            with torch.no_grad():
+                flat[:values.numel()].copy_(values.reshape(-1))
+                flat[values.numel():].zero_()
+            return
         full = torch.zeros(param.ds_tensor.numel(), dtype=torch.float32)
         full[:values.numel()] = values.to(torch.float32)
         full = full.to(param.ds_tensor.device)
@@ -404,6 +411,21 @@ def set_local_fragment(param, values: torch.Tensor, key: str | None = None) -> N
     if mapping is not None:
         fragment = mapping.get_hp_fragment(key)
         fragment.data.copy_(values.to(fragment.dtype).reshape(fragment.shape))
+
+
+def _zero3_local_view(param, key: str | None) -> torch.Tensor | None:
+    """The tensor ZeRO-3's local accessor returns for ``param`` (its float32 master partition, or optimizer state
+    ``key``) where it is a view of the optimizer's own flat partition, so writing it sets the value; None where
+    it is not: optimizer state swapped to NVMe (the accessor's buffer is released after the call) or a copy on
+    another device (the accessor moves the value to the accelerator)."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    if getattr(param._z3_optimizer, "swap_optimizer", False):
+        return None
+    value = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
+    if value is None or value._base is None or value.numel() != param.ds_tensor.numel():
+        return None
+    return value
 
 
 def zero3_partition_range(param) -> tuple[int, int]:
