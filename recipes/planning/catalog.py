@@ -380,7 +380,7 @@ def _expectation(section: str, key: str, merged) -> str:
     return "must be a number > 0" + (" or null" if key in _NULLABLE else "")
 
 
-__all__ = ["CTA_TILES", "Catalog", "DEFAULT_CHANNELS", "Cluster", "Gpu", "GroupLink", "LINK_KINDS", "Link", "NCCL_BASE_LATENCY_S",
-           "PACKAGED_CATALOG", "PlanError", "TREE_EFFICIENCY", "all_gather_s", "all_reduce_s", "all_to_all_s",
+__all__ = ["CTA_TILES", "Catalog", "Cluster", "DEFAULT_CHANNELS", "Gpu", "GroupLink", "LINK_KINDS", "Link",
+           "NCCL_BASE_LATENCY_S", "PACKAGED_CATALOG", "PlanError", "TREE_EFFICIENCY", "all_gather_s", "all_reduce_s", "all_to_all_s",
            "cluster", "gemm_s", "group_link", "load_catalog", "p2p_s", "quantization", "reduce_scatter_s",
            "ring_all_reduce_s", "tree_all_reduce_s"]

@@ -153,18 +153,19 @@ class _Ledger:
         self.overlapped[label] += hidden
         self.exposed[label] += seconds - hidden
 
-    def overlap(self, label: str, seconds: float, *, alone: float, squeezed: float) -> None:
+    def overlap(self, label: str, seconds: float, *, alone: float, squeezed: float) -> float:
         """A collective of ``seconds`` run beside compute that takes ``alone`` on the whole GPU and ``squeezed``
         on the SMs the collective leaves it: the compute slows while they overlap (its extra time is compute),
-        and what outlasts the squeezed compute is exposed."""
+        and what outlasts the squeezed compute is exposed. Returns the exposed seconds."""
         alone, squeezed = max(alone, 0.0), max(squeezed, alone, 0.0)
         if seconds >= squeezed:
             self.compute += squeezed - alone
             self.overlapped[label] += squeezed
             self.exposed[label] += seconds - squeezed
-        else:
-            self.compute += seconds * (1 - alone / squeezed) if squeezed > 0 else 0.0
-            self.overlapped[label] += seconds
+            return seconds - squeezed
+        self.compute += seconds * (1 - alone / squeezed)  # squeezed > seconds >= 0
+        self.overlapped[label] += seconds
+        return 0.0
 
     def add(self, other: _Ledger, times: float = 1.0) -> None:
         self.compute += times * other.compute
@@ -476,10 +477,8 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
         size = params * st.grad_bytes
         seconds = hw.all_reduce_s(size, n, link) if lay.zero_stage == 0 else hw.reduce_scatter_s(size, n, link)
         window = bwd_window if st.overlap_dp else 0.0
-        squeezed = window * st.squeeze(link)
-        hidden = min(seconds, squeezed)
-        in_bubble = min(seconds - hidden, cooldown) if st.overlap_dp else 0.0
-        led.overlap(label, seconds, alone=window, squeezed=squeezed)
+        exposed = led.overlap(label, seconds, alone=window, squeezed=window * st.squeeze(link))
+        in_bubble = min(exposed, cooldown) if st.overlap_dp else 0.0
     if lay.pp > 1 and st.model.tie_embeddings and stage in (0, lay.pp - 1):
         pair = hw.group_link(cl, size=2, stride=(lay.pp - 1) * lay.tp * lay.cp * lay.dp)
         led.comm("all_reduce", hw.all_reduce_s(st.model.vocab_size * st.model.d_model / lay.tp * st.grad_bytes, 2,
