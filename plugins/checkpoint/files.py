@@ -90,16 +90,23 @@ def crc(tensor: torch.Tensor) -> int:
 #: Pieces at least this large get their CRC-32 computed in a thread beside the write or read of their bytes
 #: (zlib releases the GIL on large buffers); a read goes in chunks of this size, each CRC'd while the next is read.
 CHUNK = 8 << 20
-_WORKER: tuple[int, ThreadPoolExecutor] | None = None
+_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def _pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """This process's thread pool ``shardline-<name>``, made on first use in each process (a pool made before a
+    fork has no thread in the child) and kept (threads cost to start)."""
+    made = _POOLS.get(name)
+    if made is None or made[0] != os.getpid():
+        made = _POOLS[name] = (os.getpid(), ThreadPoolExecutor(max_workers=workers,
+                                                               thread_name_prefix=f"shardline-{name}"))
+    return made[1]
 
 
 def _worker() -> ThreadPoolExecutor:
-    """This process's one CRC thread (made lazily: a pool made before a fork has no thread in the child). One
-    worker runs its tasks in submission order, so a running CRC can be chained chunk by chunk."""
-    global _WORKER
-    if _WORKER is None or _WORKER[0] != os.getpid():
-        _WORKER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-crc"))
-    return _WORKER[1]
+    """This process's one CRC thread. One worker runs its tasks in submission order, so a running CRC can be
+    chained chunk by chunk."""
+    return _pool("crc", 1)
 
 
 class _RunningCrc:
@@ -134,20 +141,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-_FSYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
-
-
 def fsync_all(paths: list[Path]) -> None:
     """fsync every file (or folder) of ``paths``, together: the filesystem commits them in one journal
     transaction where it can (ext4, xfs) instead of one after another. Returns once all are durable."""
-    global _FSYNC_POOL
     if len(paths) <= 1:
         for path in paths:
             _fsync(path)
         return
-    if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # made once per process (threads cost to start)
-        _FSYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=4, thread_name_prefix="shardline-fsync"))
-    pending = [_FSYNC_POOL[1].submit(_fsync, path) for path in paths[1:]]
+    pending = [_pool("fsync", 4).submit(_fsync, path) for path in paths[1:]]
     _fsync(paths[0])
     for future in pending:
         future.result()
@@ -383,6 +384,7 @@ class CheckpointReader:
     that the pieces cover each box exactly. Raises CheckpointError naming the file and the tensor."""
 
     def __init__(self, folder: str | os.PathLike):
+        self._files: dict[Path, object] = {}  # first: close() (and __del__) must work on a reader that refused
         self.folder = Path(folder)
         path = self.folder / MANIFEST
         try:
@@ -404,7 +406,6 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self._headers: dict[str, tuple[int, dict]] = {}
         self._verified: set[tuple[str, str]] = set()
-        self._files: dict[Path, object] = {}
 
     def _header(self, file: str) -> tuple[int, dict]:
         """``(where the data starts, the safetensors header)`` of one of the checkpoint's files."""

@@ -201,7 +201,7 @@ def _check_extra(reader: CheckpointReader, needed: set[str]) -> str | None:
     return None
 
 
-def _read_everything(strategy, checkpoint_path, optimizer) -> tuple:
+def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> tuple:
     """This rank's whole load, read and checked, nothing set: ``(folder, reader, entries, staged values,
     trainer state, own rank file, error or None)``. Any bad input is the error, not a raise, so that every rank
     reaches the one exchange of :func:`load`."""
@@ -226,7 +226,6 @@ def _read_everything(strategy, checkpoint_path, optimizer) -> tuple:
         trainer_state = reader.small_file(TRAINER_FILE)
         own_name = _rank_file(me)
         own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
-        access = Access(optimizer)
         for entry in mine:
             staged.append((entry, access.stage(reader, entry, saved_keys if optimizer is not None else [])))
     except CheckpointError as failure:
@@ -245,7 +244,9 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     then the ranks exchange ``(folder, error, tensor names)``; any error anywhere (or ranks that found different
     folders, or checkpoint weights no rank has a place for) raises on every rank before anything is set."""
     optimizer = _optimizer(strategy)
-    found, reader, mine, staged, trainer_state, own, error = _read_everything(strategy, checkpoint_path, optimizer)
+    access = Access(optimizer)
+    found, reader, mine, staged, trainer_state, own, error = _read_everything(strategy, checkpoint_path, optimizer,
+                                                                              access)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (found, error, {e.name for e in mine}))
     failure = _first_failure([e for _, e, _ in everyone])
@@ -260,7 +261,6 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     saved_keys = reader.manifest.get("optimizer_state_keys", [])
     if optimizer is not None and saved_keys:
         compat.ensure_optimizer_state(optimizer, saved_keys)
-    access = Access(optimizer)
     step = (trainer_state.get("shardline_optimizer") or {}).get("step")
     for entry, values in staged:  # nothing below can fail on bad input: everything was read and checked
         access.apply(entry, values, step)

@@ -184,6 +184,23 @@ def test_the_manifest_is_the_dict_and_a_partial_folder_is_refused(tmp_path):
         assert files.resolve(tmp_path) == folder
 
 
+def test_a_reader_that_refused_its_folder_closes_cleanly(tmp_path, monkeypatch):
+    """A reader whose constructor raised (no manifest) is still collected without an error in ``__del__``: its
+    open files are set up before anything can refuse."""
+    import gc
+    import sys
+
+    from shardline.plugins.checkpoint.files import CheckpointReader
+    from shardline.plugins.errors import CheckpointError
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        CheckpointReader(tmp_path / "nothing-here")
+    gc.collect()
+    assert unraisable == []
+
+
 @pytest.mark.parametrize("kind", ["plain", "vocab"])
 def test_read_range_fills_one_buffer_with_the_flat_range(tmp_path, kind):
     from shardline.plugins.checkpoint.files import CheckpointReader
