@@ -7,8 +7,9 @@ A checkpoint is a folder::
     rank-00003.pt                 rank 3's own state (RNG states, engine counters; torch.save of plain values)
     trainer.pt                    the trainer's state (loops, callbacks, schedulers, hparams), from rank 0
 
-A *piece* is a box of one canonical tensor (:mod:`.boxes`) stored as one safetensors entry, with its CRC-32.
-Pieces of one tensor never overlap and together cover it exactly (checked at every read).
+A *piece* is a box of one canonical tensor (:mod:`.boxes`) stored as one safetensors entry, with its CRC-32
+(and, over :data:`CHUNK` bytes, a CRC-32 per chunk: a reader that needs some rows of it reads and checks only
+their chunks). Pieces of one tensor never overlap and together cover it exactly (checked at every read).
 
 Saving is atomic (:class:`AtomicSave`): every rank writes into ``.NAME.partial-TOKEN`` beside the final folder;
 each file is written, flushed and fsynced (a rank's files together, :func:`fsync_all`); then rank 0 writes the
@@ -48,6 +49,7 @@ from shardline.plugins.checkpoint.boxes import (
     relative,
     volume,
 )
+from shardline.plugins.checkpoint.crc import chunked
 from shardline.plugins.errors import CheckpointError
 
 FORMAT, VERSION = "shardline-checkpoint", 1
@@ -155,10 +157,11 @@ def fsync_all(paths: list[Path]) -> None:
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, rank: int, sync: bool = True
-                      ) -> dict[str, int]:
+                      ) -> dict[str, tuple[int, list[int] | None]]:
     """Write ``tensors`` as one safetensors file, streamed tensor by tensor (no second copy in memory), flushed
-    and fsynced (``sync=False``: the caller fsyncs it, e.g. with :func:`fsync_all`); returns each key's CRC-32. A
-    large tensor's CRC is computed on the CRC thread while its bytes are written."""
+    and fsynced (``sync=False``: the caller fsyncs it, e.g. with :func:`fsync_all`); returns each key's
+    ``(CRC-32, CRC-32 of each CHUNK bytes or None)``: a tensor over :data:`CHUNK` bytes gets the chunks' CRCs
+    (for partial reads, :mod:`.crc`), computed on the CRC thread while its bytes are written."""
     header, offset = {}, 0
     for key, tensor in tensors:
         if tensor.dtype not in _DTYPES:
@@ -170,13 +173,13 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
-    crcs: dict[str, int | Future] = {}
+    crcs: dict[str, tuple | Future] = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for i, (key, tensor) in enumerate(tensors):
             data = _bytes(tensor)
-            crcs[key] = _worker().submit(zlib.crc32, data) if len(data) >= CHUNK else zlib.crc32(data)
+            crcs[key] = _worker().submit(chunked, data, CHUNK) if len(data) > CHUNK else (zlib.crc32(data), None)
             f.write(data)
             if i == 0:
                 f.flush()
@@ -198,7 +201,8 @@ def file_crc(path: Path) -> int:
 class ShardWriter:
     """One rank's pieces, written to ``rank-RRRRR-III.safetensors`` files of at most ``max_file_bytes`` each
     (a piece larger than that gets a file alone). ``records`` lists ``(tensor name, shape, dtype, file, key,
-    box, crc)`` per piece for the manifest. Its files are written but not yet fsynced: :attr:`paths` for
+    box, crc, chunks)`` per piece for the manifest (``chunks``: ``(chunk bytes, [CRC-32 per chunk])`` for a piece
+    over :data:`CHUNK` bytes, else None). Its files are written but not yet fsynced: :attr:`paths` for
     :func:`fsync_all`, with the rank's other files."""
 
     def __init__(self, folder: Path, *, rank: int, max_file_bytes: int = 1 << 30):
@@ -234,8 +238,9 @@ class ShardWriter:
         crcs = write_safetensors(self.folder / file, [(key, t) for key, t, *_ in self.pending], rank=self.rank,
                                  sync=False)
         for key, tensor, shape, name, box in self.pending:
+            value, parts = crcs[key]
             self.records.append((name, list(shape), _DTYPES[tensor.dtype], file, key,
-                                 [list(b) for b in box], crcs[key]))
+                                 [list(b) for b in box], value, None if parts is None else (CHUNK, parts)))
         self.files += 1
         self.pending, self.size = [], 0
 
@@ -272,17 +277,28 @@ def _manifest_text(manifest: dict) -> str:
 
 
 def build_manifest(records: list[list[tuple]], files: dict[str, dict], meta: dict) -> dict:
-    """The manifest from every rank's piece records and the files every rank wrote (:func:`describe_files`)."""
+    """The manifest from every rank's piece records and the files every rank wrote (:func:`describe_files`).
+
+    The large pieces' chunk CRCs go into the optional top-level ``chunk_crc32`` (``{"bytes": chunk size,
+    "pieces": {file: {key: [CRC-32, ...]}}}``): a reader without it reads whole pieces, as version 1 always did."""
     tensors: dict[str, dict] = {}
+    chunks: dict[str, dict[str, list[int]]] = {}
+    sizes = set()
     for rank_records in records:
-        for name, shape, dtype, file, key, box, value in rank_records:
+        for name, shape, dtype, file, key, box, value, parts in rank_records:
             entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
             if entry["shape"] != shape or entry["dtype"] != dtype:
                 raise CheckpointError(f"ranks disagree on tensor {name!r}: {entry['shape']} {entry['dtype']} vs "
                                       f"{shape} {dtype} (in {file})")
             entry["pieces"].append([file, key, box, value])
+            if parts is not None:
+                sizes.add(parts[0])
+                chunks.setdefault(file, {})[key] = parts[1]
+    if len(sizes) > 1:
+        raise CheckpointError(f"ranks wrote chunk CRCs of different chunk sizes: {sorted(sizes)}")
+    extra = {"chunk_crc32": {"bytes": sizes.pop(), "pieces": dict(sorted(chunks.items()))}} if chunks else {}
     return {"format": FORMAT, "version": VERSION, **meta, "files": dict(sorted(files.items())),
-            "tensors": dict(sorted(tensors.items()))}
+            "tensors": dict(sorted(tensors.items())), **extra}
 
 
 class AtomicSave:
@@ -406,6 +422,13 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self._headers: dict[str, tuple[int, dict]] = {}
         self._verified: set[tuple[str, str]] = set()
+        self._verified_chunks: set[tuple[str, str, int]] = set()
+        chunks = self.manifest.get("chunk_crc32")
+        if chunks is not None and not (isinstance(chunks, dict) and isinstance(chunks.get("bytes"), int)
+                                       and chunks["bytes"] > 0 and isinstance(chunks.get("pieces"), dict)):
+            raise CheckpointError(f"{path}: 'chunk_crc32' is not {{'bytes': N, 'pieces': {{...}}}}")
+        self._chunk_bytes = chunks["bytes"] if chunks else 0
+        self._chunks: dict[str, dict[str, list[int]]] = chunks["pieces"] if chunks else {}
 
     def _header(self, file: str) -> tuple[int, dict]:
         """``(where the data starts, the safetensors header)`` of one of the checkpoint's files."""
@@ -463,6 +486,10 @@ class CheckpointReader:
             target = result[relative(common, box)]
             if common == piece_box and target.is_contiguous():  # the whole piece, to one run of ``result``
                 self._piece(file, key, value, name, piece_box, out=target)
+            elif self._few_rows(file, key, common, piece_box):  # only the chunks holding the rows needed
+                r0, r1 = (c - piece_box[0][0] for c in common[0])
+                rows = self._rows(file, key, name, piece_box, r0, r1)
+                target.copy_(rows[(slice(None), *relative(common[1:], piece_box[1:]))])
             else:
                 target.copy_(self._piece(file, key, value, name, piece_box)[relative(common, piece_box)])
             covered += volume(common)
@@ -474,10 +501,17 @@ class CheckpointReader:
     def read_part(self, name: str, placement: Placement, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The part ``placement.box`` of canonical tensor ``name`` in shardline's own layout (its canonical
         pieces read and reassembled, :func:`~.boxes.from_canonical`); with ``out`` (shaped like the box), into
-        it. A ``plain`` part is read straight into ``out``."""
+        it. A ``plain`` part is read straight into ``out``, and so are a ``vocab`` part's canonical rows (its
+        padding rows past the vocabulary zeroed): no temporary, no second copy."""
         boxes = canonical_boxes(placement)
         if out is not None and placement.kind == "plain":
             return self.read(name, boxes[0], out=out)
+        if out is not None and placement.kind == "vocab":
+            rows = boxes[0][0][1] - boxes[0][0][0] if boxes else 0
+            if rows:
+                self.read(name, boxes[0], out=out[:rows])
+            out[rows:].zero_()
+            return out
         pieces = [self.read(name, box) for box in boxes]
         value = from_canonical(placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
         return value if out is None else out.copy_(value)
@@ -503,22 +537,66 @@ class CheckpointReader:
     def __del__(self) -> None:
         self.close()
 
+    def _entry(self, file: str, key: str, name: str, box: Box):
+        """``(path, where the data starts, shape, dtype, (begin, end) data offsets)`` of a piece's safetensors
+        entry, checked against its box in the manifest."""
+        start, header = self._header(file)
+        info = header.get(key)
+        path = self.folder / file
+        if not isinstance(info, dict) or info.get("dtype") not in _NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is not in the file's header")
+        shape, offsets = tuple(info["shape"]), info["data_offsets"]
+        if shape != tuple(hi - lo for lo, hi in box):
+            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, the manifest "
+                                  f"says box {box}")
+        return path, start, shape, _NAMES[info["dtype"]], offsets
+
+    def _few_rows(self, file: str, key: str, common: Box, piece_box: Box) -> bool:
+        """Whether to read only the rows of ``common`` from the piece: it has chunk CRCs, was not read whole
+        already, and those rows are at most 3/4 of it (else one whole read checks it once for later boxes)."""
+        if (file, key) in self._verified or key not in self._chunks.get(file, {}):
+            return False
+        return 4 * (common[0][1] - common[0][0]) <= 3 * (piece_box[0][1] - piece_box[0][0])
+
+    def _rows(self, file: str, key: str, name: str, box: Box, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (along dim 0, relative to the piece) of the piece ``box``: only the chunks that hold
+        them are read, each checked against its CRC-32 in the manifest (on the CRC thread, beside the reads)."""
+        path, start, shape, dtype, (a, b) = self._entry(file, key, name, box)
+        size, crcs = self._chunk_bytes, self._chunks[file][key]
+        if len(crcs) != -(-(b - a) // size):
+            raise CheckpointError(f"{self.folder / MANIFEST}: tensor {name!r} (entry {key!r} of {file}) lists "
+                                  f"{len(crcs)} chunk CRCs for {b - a} bytes in chunks of {size}")
+        row = (b - a) // shape[0]
+        c0, c1 = r0 * row // size, -(-(r1 * row) // size)
+        lo, hi = c0 * size, min(c1 * size, b - a)
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        data = memoryview(buf.numpy())
+        handle = self._handle(path)
+        handle.seek(start + a + lo)
+        checks, got = [], 0
+        for i in range(c0, c1):
+            chunk = data[got:got + min(size, hi - lo - got)]
+            n = handle.readinto(chunk)
+            if n != len(chunk):
+                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} of "
+                                      f"{len(crcs)})")
+            if (file, key, i) not in self._verified_chunks:
+                checks.append((i, _worker().submit(zlib.crc32, chunk)))
+            got += n
+        for i, check in checks:
+            if check.result() != crcs[i]:
+                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of "
+                                      f"{len(crcs)} does not match its CRC-32 in the manifest")
+            self._verified_chunks.add((file, key, i))
+        return buf[r0 * row - lo:r1 * row - lo].view(dtype).reshape(r1 - r0, *shape[1:])
+
     def _piece(self, file: str, key: str, value: int, name: str, box: Box, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """One piece (into ``out``, contiguous and of the piece's dtype and shape, where given), read with
         sequential ``readinto`` calls of :data:`CHUNK` bytes (the kernel reads ahead; a memory map would fault
         page by page on a cold file) and its CRC checked the first time, each chunk's CRC computed on the CRC
         thread while the next chunk is read."""
-        start, header = self._header(file)
-        info = header.get(key)
-        path = self.folder / file
-        if not isinstance(info, dict) or info.get("dtype") not in _NAMES:
-            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is not in the file's header")
-        shape, (a, b) = tuple(info["shape"]), info["data_offsets"]
-        if shape != tuple(hi - lo for lo, hi in box):
-            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, the manifest "
-                                  f"says box {box}")
-        dtype = _NAMES[info["dtype"]]
+        path, start, shape, dtype, (a, b) = self._entry(file, key, name, box)
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():

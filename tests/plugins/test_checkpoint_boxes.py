@@ -129,6 +129,32 @@ def test_read_into_out_is_the_plain_read_and_its_boxes_are_slices(tmp_path):
             reader.read("w", ((0, 2), (0, 11)), out=torch.empty(3, 11))
 
 
+def test_read_part_of_a_vocab_tensor_into_out_reads_its_rows_in_place_and_zeroes_the_padding(tmp_path, monkeypatch):
+    """A vocabulary tensor (37 canonical rows, padded to 40 over tp 4): each rank's part read into ``out`` equals
+    ``from_canonical`` of its rows (padding zeros), with no whole-part copy into ``out``."""
+    from shardline.plugins.checkpoint.boxes import Placement, from_canonical
+    from shardline.plugins.checkpoint.files import CheckpointReader
+
+    w = torch.randn(37, 6, generator=torch.Generator().manual_seed(1))
+    folder, _ = _save(tmp_path, {"embed": (w, _rows(37, 6, [10, 20, 30]))})
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: copies.append(self.shape)
+                        or real_copy(self, src, *a, **k))
+    with CheckpointReader(folder) as reader:
+        for rank in range(4):  # rows [10 r, 10 r + 10): the last rank holds 7 real rows and 3 padding rows
+            p = Placement("vocab", (40, 6), ((10 * rank, 10 * rank + 10), (0, 6)), vocab=37)
+            rows = min(37, 10 * rank + 10) - 10 * rank
+            want = from_canonical(p, [w[10 * rank:10 * rank + rows]], dtype=w.dtype)
+            out = torch.full((10, 6), float("nan"))
+            assert reader.read_part("embed", p, out=out) is out and torch.equal(out, want), rank
+            assert torch.equal(reader.read_part("embed", p), want)
+        past = Placement("vocab", (40, 6), ((37, 40), (0, 6)), vocab=37)  # padding only: nothing read
+        out = torch.full((3, 6), float("nan"))
+        assert torch.equal(reader.read_part("embed", past, out=out), torch.zeros(3, 6))
+    assert copies == []  # read straight into out: no temporary copied over
+
+
 def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path, monkeypatch):
     import zlib
 
@@ -219,3 +245,114 @@ def test_read_range_fills_one_buffer_with_the_flat_range(tmp_path, kind):
                             (7, 8)]:
             got = read_range(reader, entry, "w", start, stop)
             assert got.dtype == w.dtype and torch.equal(got, ref.reshape(-1)[start:stop]), (start, stop)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=3000), st.integers(1, 700))
+def test_crc_combine_and_chunked_are_zlibs_crc_of_the_whole(a, b, chunk):
+    import zlib
+
+    from shardline.plugins.checkpoint.crc import chunked, combine
+
+    assert combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    whole, parts = chunked(a + b, chunk)
+    assert whole == zlib.crc32(a + b)
+    assert parts == [zlib.crc32((a + b)[i:i + chunk]) for i in range(0, len(a + b), chunk)]
+
+
+def _count_reads(reader) -> list[int]:
+    """Bytes each ``readinto`` of ``reader`` returned, from now on."""
+    counts: list[int] = []
+    real = reader._handle
+
+    class Counting:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def seek(self, *args):
+            return self.handle.seek(*args)
+
+        def read(self, *args):
+            return self.handle.read(*args)
+
+        def readinto(self, buf):
+            n = self.handle.readinto(buf)
+            counts.append(n)
+            return n
+
+    reader._handle = lambda path: Counting(real(path))
+    return counts
+
+
+def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, monkeypatch):
+    """A 100 x 7 float32 piece (2800 bytes) in 256-byte chunks (11 CRCs in the manifest): rows 40-50 read 2 chunks
+    (bytes 1120-1400); damage outside them is not read, damage inside is named with its chunk; a manifest without
+    chunk CRCs (older writer) reads the whole piece, with the same values."""
+    import json
+
+    from shardline.plugins.checkpoint import files
+    from shardline.plugins.errors import CheckpointError
+
+    monkeypatch.setattr(files, "CHUNK", 256)
+    w = torch.randn(100, 7, generator=torch.Generator().manual_seed(2))
+    folder, manifest = _save(tmp_path, {"w": (w, [((0, 100), (0, 7))]), "small": (w[:2], [((0, 2), (0, 7))])})
+    (file, key, _, _), = manifest["tensors"]["w"]["pieces"]
+    crcs = manifest["chunk_crc32"]["pieces"][file][key]
+    assert manifest["chunk_crc32"]["bytes"] == 256 and len(crcs) == 11
+    assert all(k.startswith("w@") for k in manifest["chunk_crc32"]["pieces"][file])  # 56 bytes: no chunks
+    box = ((40, 50), (2, 5))
+    with files.CheckpointReader(folder) as reader:
+        counts = _count_reads(reader)
+        assert torch.equal(reader.read("w", box), w[40:50, 2:5])
+        assert sum(counts) == 512  # chunks 4 and 5
+        assert torch.equal(reader.read("w", ((0, 100), (0, 7))), w)  # then whole: all of it, checked
+    with open(folder / file, "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+    raw = bytearray((folder / file).read_bytes())
+    offset = dict(json.loads(raw[8:data_start]))[key]["data_offsets"][0]
+
+    def flipped(at: int) -> None:
+        damaged = bytearray(raw)
+        damaged[data_start + offset + at] ^= 0x10
+        (folder / file).write_bytes(bytes(damaged))
+
+    flipped(100)  # chunk 0: not among the rows read
+    with files.CheckpointReader(folder) as reader:
+        assert torch.equal(reader.read("w", box), w[40:50, 2:5])
+        with pytest.raises(CheckpointError, match=r"tensor 'w' .* is damaged"):
+            reader.read("w")
+    flipped(1300)  # chunk 5: named
+    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError) as caught:
+        reader.read("w", box)
+    assert f"{folder / file}: tensor 'w' (entry {key!r}) is damaged: chunk 5 of 11" in str(caught.value)
+    (folder / file).write_bytes(bytes(raw))
+    old = json.loads((folder / files.MANIFEST).read_text())
+    del old["chunk_crc32"]
+    (folder / files.MANIFEST).write_text(json.dumps(old))
+    with files.CheckpointReader(folder) as reader:
+        counts = _count_reads(reader)
+        assert torch.equal(reader.read("w", box), w[40:50, 2:5]) and sum(counts) == 2800
+    for bad, match in (({"bytes": 0, "pieces": {}}, "'chunk_crc32' is not"),
+                       ({"bytes": 256, "pieces": {file: {key: crcs[:-1]}}}, "lists 10 chunk CRCs for 2800 bytes")):
+        (folder / files.MANIFEST).write_text(json.dumps({**old, "chunk_crc32": bad}))
+        with pytest.raises(CheckpointError, match=match):
+            with files.CheckpointReader(folder) as reader:
+                reader.read("w", box)
+
+
+def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeypatch):
+    """The resharding case the chunks are for: a tensor saved as 2 tensor-parallel row halves, read as the 4
+    flat ZeRO-3 ranges of another layout; each range reads its own bytes plus at most a chunk at either end."""
+    from shardline.plugins.checkpoint import files
+
+    monkeypatch.setattr(files, "CHUNK", 1024)
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))  # 12 KiB
+    folder, _ = _save(tmp_path, {"w": (w, _rows(64, 48, [32]))})
+    flat = w.reshape(-1)
+    for part in range(4):
+        start, stop = part * 768 - (5 if part else 0), (part + 1) * 768 + (7 if part < 3 else 0)
+        with files.CheckpointReader(folder) as reader:
+            counts = _count_reads(reader)
+            got = torch.cat([reader.read("w", box).reshape(-1) for box in flat_boxes((64, 48), start, stop)])
+        assert torch.equal(got, flat[start:stop]), part
+        assert sum(counts) <= 4 * (stop - start) + 4 * 1024, (part, sum(counts))

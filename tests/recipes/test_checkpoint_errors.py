@@ -1,5 +1,5 @@
 """Bad checkpoints are refused before any weight is overwritten, with our error naming the file and the tensor:
-another architecture, another shape, a missing, truncated or damaged shard, a manifest that does not match."""
+another architecture, another shape, weights the model has no place for, a missing, truncated or damaged shard, a manifest that does not match."""
 
 from __future__ import annotations
 
@@ -89,6 +89,14 @@ def test_another_shape(saved, tmp_path):
     message, _ = _refused(_copy(saved, tmp_path), {**LLAMA, "d_model": 48})
     assert "tensor 'model.embed_tokens.weight' has shape [64, 32] in the checkpoint" in message
     assert "needs [64, 48]" in message
+
+
+def test_checkpoint_weights_this_model_has_no_place_for(saved, tmp_path):
+    """A 2-layer checkpoint into a 1-layer model: the second layer's weights are named, nothing is loaded."""
+    message, other = _refused(_copy(saved, tmp_path), {**LLAMA, "n_layer": 1})
+    assert message == other  # the same refusal on every rank
+    assert "ckpt: checkpoint tensors this model has no place for: ['model.layers.1." in message
+    assert "and " in message and "more; nothing was loaded" in message  # 9 tensors per layer: 8 listed
 
 
 def test_missing_shard(saved, tmp_path):

@@ -10,6 +10,10 @@ Every load is checked twice, independently:
 
 A Llama with GQA (4 query heads, 2 KV heads: tp4 shares KV heads), untied head and a vocabulary of 61 that tp
 pads (the padding is not saved), AdamW with warm-up (the step count and scheduled lr matter).
+
+Chunks of 512 bytes instead of 8 MiB (:data:`~shardline.plugins.checkpoint.files.CHUNK`, set in the parent before
+the ranks fork): every piece over 512 bytes carries chunk CRCs, so a layout that needs some rows of a saved piece
+reads only their chunks (the partial-read path a large model takes) in every load below.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+from shardline.plugins.checkpoint import files
 from shardline.plugins.checkpoint.files import CheckpointReader
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
@@ -98,6 +103,13 @@ TARGETS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def small_chunks():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(files, "CHUNK", 512)
+        yield
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A (tp2 x pp2 x ZeRO-1) saved after epoch 1 (step 3), and its uninterrupted 2-epoch losses."""
@@ -106,6 +118,8 @@ def source(tmp_path_factory):
     reference = run_ranks(_run, 4, A, 2, None, None, None, timeout=300)[0]
     first = run_ranks(_run, 4, A, 1, ckpt, None, None, timeout=300)[0]
     assert first == reference[:STEPS_PER_EPOCH]  # the same layout, the same arithmetic: exactly
+    chunked = CheckpointReader(ckpt).manifest["chunk_crc32"]
+    assert chunked["bytes"] == 512 and sum(map(len, chunked["pieces"].values())) > 30
     return root, ckpt, reference
 
 
