@@ -34,9 +34,10 @@ Models: a tiny Llama at three layouts, and bench_construction's Llama shape (voc
 16/8 heads, d_ff 5632) with fewer layers. The 16-layer 0.89B does not fit this machine (24 GB for the 4 ranks):
 its first AdamW step at tp2 x pp2 x ZeRO-1 was OOM-killed at 21.7 GB, before any checkpoint, and a load needs
 about 12 bytes per parameter of the rank's part on top of the training state on either side. ``big`` (4 layers,
-0.32B) is timed at tp2 x pp2 x ZeRO-1 and pp4 x ZeRO-0 (the resharding load: saved at the first, loaded at the
-second); ``mid`` (1 layer, 0.18B) at dp4 x ZeRO-3, because our load there holds the whole unpartitioned model
-(weights and both moments) on every rank. ``--big-layers 16`` runs the 0.89B where memory allows.
+0.32B) is timed at tp2 x pp2 x ZeRO-1, pp4 x ZeRO-0 (a resharding load: saved at the first, loaded at the
+second) and dp4 x ZeRO-3 (a resharding load from pp4: every rank needs a quarter of every whole tensor a stage
+saved, the case the chunk CRCs are for: only the chunks holding its rows are read); ``mid`` (1 layer, 0.18B) at
+dp4 x ZeRO-3. ``--big-layers 16`` runs the 0.89B where memory allows.
 
 Writes bench/results/bench_checkpoint.md (``--results`` elsewhere) and prints it; the raw per-rank numbers go to
 bench/out/bench_checkpoint/raw.json.
@@ -94,7 +95,7 @@ LAYOUTS = {
 QUICK = [("tiny", "tp2_pp2_zero1", 5, None), ("tiny", "dp4_zero1", 5, None),
          ("tiny", "dp4_zero3", 5, "tp2_pp2_zero1")]
 FULL = [*QUICK, ("big", "tp2_pp2_zero1", 4, None), ("big", "pp4_zero0", 4, "tp2_pp2_zero1"),
-        ("mid", "dp4_zero3", 5, None)]
+        ("big", "dp4_zero3", 3, "pp4_zero0"), ("mid", "dp4_zero3", 5, None)]
 
 
 def n_params(m: dict) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import random
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -201,23 +202,35 @@ def _check_extra(reader: CheckpointReader, needed: set[str]) -> str | None:
     return None
 
 
-def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> tuple:
-    """This rank's whole load, read and checked, nothing set: ``(folder, reader, entries, staged values,
-    trainer state, own rank file, error or None)``. Any bad input is the error, not a raise, so that every rank
-    reaches the one exchange of :func:`load`."""
+@dataclass
+class _Read:
+    """One rank's whole load, read and checked, nothing set (:func:`_read_everything`)."""
+
+    found: str | None = None  # the checkpoint folder the path resolved to
+    reader: CheckpointReader | None = None
+    mine: list[Entry] = field(default_factory=list)  # this rank's tensors
+    staged: list[tuple[Entry, dict]] = field(default_factory=list)  # each with its values, for Access.apply
+    trainer_state: dict = field(default_factory=dict)
+    own: dict | None = None  # this rank's own file (RNG states, engine counters), where the checkpoint has one
+    error: str | None = None
+
+
+def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _Read:
+    """This rank's whole load, read and checked, nothing set. Any bad input is the :attr:`_Read.error`, not a
+    raise, so that every rank reaches the one exchange of :func:`load`."""
     me, grid = strategy.global_rank, strategy.grid
-    found, reader, mine, staged, trainer_state, own = None, None, [], [], {}, None
+    out = _Read()
     try:
         with warnings.catch_warnings():
             if me != 0:  # every rank resolves the path; rank 0 alone says which partial saves it skipped
                 warnings.simplefilter("ignore")
-            found = str(resolve(checkpoint_path))
-        reader = CheckpointReader(found)
-        mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"),
-                       shape_of=compat.whole_shape)
-        error = _check_mine(reader, strategy.lightning_module, mine)
-        if error is not None:
-            return found, reader, mine, [], {}, None, error
+            out.found = str(resolve(checkpoint_path))
+        reader = out.reader = CheckpointReader(out.found)
+        out.mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"),
+                           shape_of=compat.whole_shape)
+        out.error = _check_mine(reader, strategy.lightning_module, out.mine)
+        if out.error is not None:
+            return out
         saved_keys = reader.manifest.get("optimizer_state_keys", [])
         now_keys = compat.optimizer_state_keys(optimizer) if optimizer is not None and saved_keys else []
         if now_keys and set(now_keys) != set(saved_keys):
@@ -226,14 +239,15 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> tu
         trainer_state = reader.small_file(TRAINER_FILE)
         own_name = _rank_file(me)
         own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
-        for entry in mine:
-            staged.append((entry, access.stage(reader, entry, saved_keys if optimizer is not None else [])))
+        out.staged = [(entry, access.stage(reader, entry, saved_keys if optimizer is not None else []))
+                      for entry in out.mine]
+        out.trainer_state, out.own = trainer_state, own
     except CheckpointError as failure:
-        return found, reader, mine, [], {}, None, str(failure)
+        out.staged, out.trainer_state, out.own, out.error = [], {}, None, str(failure)
     finally:
-        if reader is not None:
-            reader.close()
-    return found, reader, mine, staged, trainer_state, own, None
+        if out.reader is not None:
+            out.reader.close()
+    return out
 
 
 def load(strategy, checkpoint_path) -> dict[str, Any]:
@@ -245,10 +259,10 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     folders, or checkpoint weights no rank has a place for) raises on every rank before anything is set."""
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
-    found, reader, mine, staged, trainer_state, own, error = _read_everything(strategy, checkpoint_path, optimizer,
-                                                                              access)
+    got = _read_everything(strategy, checkpoint_path, optimizer, access)
+    reader, trainer_state = got.reader, got.trainer_state
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (found, error, {e.name for e in mine}))
+    dist.all_gather_object(everyone, (got.found, got.error, {e.name for e in got.mine}))
     failure = _first_failure([e for _, e, _ in everyone])
     if failure is None and len({f for f, _, _ in everyone}) > 1:
         failure = "the ranks found different checkpoints: " + ", ".join(
@@ -262,9 +276,9 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     if optimizer is not None and saved_keys:
         compat.ensure_optimizer_state(optimizer, saved_keys)
     step = (trainer_state.get("shardline_optimizer") or {}).get("step")
-    for entry, values in staged:  # nothing below can fail on bad input: everything was read and checked
+    for entry, values in got.staged:  # nothing below can fail on bad input: everything was read and checked
         access.apply(entry, values, step)
-    _restore_counters(strategy, reader, trainer_state, own, optimizer)
+    _restore_counters(strategy, reader, trainer_state, got.own, optimizer)
     return trainer_state
 
 
