@@ -552,9 +552,9 @@ class CheckpointReader:
         return path, start, shape, _NAMES[info["dtype"]], offsets
 
     def _few_rows(self, file: str, key: str, common: Box, piece_box: Box) -> bool:
-        """Whether to read only the rows of ``common`` from the piece: it has chunk CRCs, was not read whole
-        already, and those rows are at most 3/4 of it (else one whole read checks it once for later boxes)."""
-        if (file, key) in self._verified or key not in self._chunks.get(file, {}):
+        """Whether to read only the rows of ``common`` from the piece: it has chunk CRCs and those rows are at
+        most 3/4 of it (else one whole read checks it once for later boxes)."""
+        if key not in self._chunks.get(file, {}):
             return False
         return 4 * (common[0][1] - common[0][0]) <= 3 * (piece_box[0][1] - piece_box[0][0])
 
@@ -580,7 +580,7 @@ class CheckpointReader:
             if n != len(chunk):
                 raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} of "
                                       f"{len(crcs)})")
-            if (file, key, i) not in self._verified_chunks:
+            if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
                 checks.append((i, _worker().submit(zlib.crc32, chunk)))
             got += n
         for i, check in checks:

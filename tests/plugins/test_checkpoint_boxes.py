@@ -306,6 +306,9 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
         assert torch.equal(reader.read("w", box), w[40:50, 2:5])
         assert sum(counts) == 512  # chunks 4 and 5
         assert torch.equal(reader.read("w", ((0, 100), (0, 7))), w)  # then whole: all of it, checked
+        assert sum(counts) == 512 + 2800
+        assert torch.equal(reader.read("w", ((10, 12), (0, 7))), w[10:12])  # checked already: its chunk only
+        assert sum(counts) == 512 + 2800 + 256
     with open(folder / file, "rb") as f:
         data_start = 8 + int.from_bytes(f.read(8), "little")
     raw = bytearray((folder / file).read_bytes())
