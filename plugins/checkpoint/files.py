@@ -563,9 +563,10 @@ class CheckpointReader:
         them are read, each checked against its CRC-32 in the manifest (on the CRC thread, beside the reads)."""
         path, start, shape, dtype, (a, b) = self._entry(file, key, name, box)
         size, crcs = self._chunk_bytes, self._chunks[file][key]
-        if len(crcs) != -(-(b - a) // size):
+        if not isinstance(crcs, list) or len(crcs) != -(-(b - a) // size):
+            listed = f"{len(crcs)} chunk CRCs" if isinstance(crcs, list) else f"chunk CRCs {crcs!r}"
             raise CheckpointError(f"{self.folder / MANIFEST}: tensor {name!r} (entry {key!r} of {file}) lists "
-                                  f"{len(crcs)} chunk CRCs for {b - a} bytes in chunks of {size}")
+                                  f"{listed} for {b - a} bytes in chunks of {size}")
         row = (b - a) // shape[0]
         c0, c1 = r0 * row // size, -(-(r1 * row) // size)
         lo, hi = c0 * size, min(c1 * size, b - a)

@@ -336,7 +336,8 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
         counts = _count_reads(reader)
         assert torch.equal(reader.read("w", box), w[40:50, 2:5]) and sum(counts) == 2800
     for bad, match in (({"bytes": 0, "pieces": {}}, "'chunk_crc32' is not"),
-                       ({"bytes": 256, "pieces": {file: {key: crcs[:-1]}}}, "lists 10 chunk CRCs for 2800 bytes")):
+                       ({"bytes": 256, "pieces": {file: {key: crcs[:-1]}}}, "lists 10 chunk CRCs for 2800 bytes"),
+                       ({"bytes": 256, "pieces": {file: {key: 7}}}, "lists chunk CRCs 7 for 2800 bytes")):
         (folder / files.MANIFEST).write_text(json.dumps({**old, "chunk_crc32": bad}))
         with pytest.raises(CheckpointError, match=match):
             with files.CheckpointReader(folder) as reader:
