@@ -89,8 +89,9 @@ def crc(tensor: torch.Tensor) -> int:
     return zlib.crc32(_bytes(tensor))
 
 
-#: Pieces at least this large get their CRC-32 computed in a thread beside the write or read of their bytes
-#: (zlib releases the GIL on large buffers); a read goes in chunks of this size, each CRC'd while the next is read.
+#: Pieces larger than this get their CRC-32 computed in a thread beside the write of their bytes (zlib releases
+#: the GIL on large buffers) and a CRC-32 per chunk of this size in the manifest; a read goes in chunks of this
+#: size, each CRC'd while the next is read.
 CHUNK = 8 << 20
 _POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 
@@ -424,8 +425,9 @@ class CheckpointReader:
         self._verified: set[tuple[str, str]] = set()
         self._verified_chunks: set[tuple[str, str, int]] = set()
         chunks = self.manifest.get("chunk_crc32")
-        if chunks is not None and not (isinstance(chunks, dict) and isinstance(chunks.get("bytes"), int)
-                                       and chunks["bytes"] > 0 and isinstance(chunks.get("pieces"), dict)):
+        if chunks is not None and not (isinstance(chunks, dict) and type(chunks.get("bytes")) is int
+                                       and chunks["bytes"] > 0 and chunks["bytes"] % 8 == 0
+                                       and isinstance(chunks.get("pieces"), dict)):
             raise CheckpointError(f"{path}: 'chunk_crc32' is not {{'bytes': N, 'pieces': {{...}}}}")
         self._chunk_bytes = chunks["bytes"] if chunks else 0
         self._chunks: dict[str, dict[str, list[int]]] = chunks["pieces"] if chunks else {}
@@ -549,12 +551,18 @@ class CheckpointReader:
         if shape != tuple(hi - lo for lo, hi in box):
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, the manifest "
                                   f"says box {box}")
-        return path, start, shape, _NAMES[info["dtype"]], offsets
+        dtype = _NAMES[info["dtype"]]
+        nbytes = volume(box) * dtype.itemsize
+        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] == nbytes):
+            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}): data_offsets {offsets} do not hold "
+                                  f"{nbytes} bytes of {info['dtype']} {list(shape)} (a damaged header)")
+        return path, start, shape, dtype, offsets
 
     def _few_rows(self, file: str, key: str, common: Box, piece_box: Box) -> bool:
         """Whether to read only the rows of ``common`` from the piece: it has chunk CRCs and those rows are at
         most 3/4 of it (else one whole read checks it once for later boxes)."""
-        if key not in self._chunks.get(file, {}):
+        listed = self._chunks.get(file)
+        if not isinstance(listed, dict) or key not in listed:
             return False
         return 4 * (common[0][1] - common[0][0]) <= 3 * (piece_box[0][1] - piece_box[0][0])
 
@@ -575,20 +583,27 @@ class CheckpointReader:
         handle = self._handle(path)
         handle.seek(start + a + lo)
         checks, got = [], 0
-        for i in range(c0, c1):
-            chunk = data[got:got + min(size, hi - lo - got)]
-            n = handle.readinto(chunk)
-            if n != len(chunk):
-                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} of "
-                                      f"{len(crcs)})")
-            if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
-                checks.append((i, _worker().submit(zlib.crc32, chunk)))
-            got += n
-        for i, check in checks:
-            if check.result() != crcs[i]:
-                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of "
-                                      f"{len(crcs)} does not match its CRC-32 in the manifest")
-            self._verified_chunks.add((file, key, i))
+        try:
+            for i in range(c0, c1):
+                chunk = data[got:got + min(size, hi - lo - got)]
+                filled = 0
+                while filled < len(chunk):  # a filesystem may return short reads before the end
+                    n = handle.readinto(chunk[filled:])
+                    if not n:
+                        raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} "
+                                              f"of {len(crcs)})")
+                    filled += n
+                if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
+                    checks.append((i, _worker().submit(zlib.crc32, chunk)))
+                got += filled
+            for i, check in checks:
+                if check.result() != crcs[i]:
+                    raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of "
+                                          f"{len(crcs)} does not match its CRC-32 in the manifest")
+                self._verified_chunks.add((file, key, i))
+        finally:  # no CRC left running over this buffer once we return or raise
+            for _, check in checks:
+                check.exception()
         return buf[r0 * row - lo:r1 * row - lo].view(dtype).reshape(r1 - r0, *shape[1:])
 
     def _piece(self, file: str, key: str, value: int, name: str, box: Box, *,

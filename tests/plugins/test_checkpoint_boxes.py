@@ -328,6 +328,11 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
     with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError) as caught:
         reader.read("w", box)
     assert f"{folder / file}: tensor 'w' (entry {key!r}) is damaged: chunk 5 of 11" in str(caught.value)
+    spans = json.dumps(json.loads(raw[8:data_start])[key]["data_offsets"], separators=(",", ":")).encode()
+    assert raw.count(spans) == 1 and spans.endswith(b"0]")
+    (folder / file).write_bytes(bytes(raw).replace(spans, spans[:-2] + b"4]"))  # a damaged header, same length
+    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=r"data_offsets .* do not hold"):
+        reader.read("w", box)
     (folder / file).write_bytes(bytes(raw))
     old = json.loads((folder / files.MANIFEST).read_text())
     del old["chunk_crc32"]
@@ -336,6 +341,7 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
         counts = _count_reads(reader)
         assert torch.equal(reader.read("w", box), w[40:50, 2:5]) and sum(counts) == 2800
     for bad, match in (({"bytes": 0, "pieces": {}}, "'chunk_crc32' is not"),
+                       ({"bytes": True, "pieces": {}}, "'chunk_crc32' is not"),
                        ({"bytes": 256, "pieces": {file: {key: crcs[:-1]}}}, "lists 10 chunk CRCs for 2800 bytes"),
                        ({"bytes": 256, "pieces": {file: {key: 7}}}, "lists chunk CRCs 7 for 2800 bytes")):
         (folder / files.MANIFEST).write_text(json.dumps({**old, "chunk_crc32": bad}))
