@@ -396,6 +396,18 @@ def _newest(root: Path) -> Path:
     return max(complete, key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
 
 
+def _fill(handle, view) -> int:
+    """Read into all of ``view`` (a filesystem may return short reads before the end); the bytes read, fewer only
+    at the end of the file."""
+    got = 0
+    while got < len(view):
+        n = handle.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 class CheckpointReader:
     """Reads boxes of canonical tensors from a checkpoint folder, verifying every piece it touches (its CRC) and
     that the pieces cover each box exactly. Raises CheckpointError naming the file and the tensor."""
@@ -586,16 +598,12 @@ class CheckpointReader:
         try:
             for i in range(c0, c1):
                 chunk = data[got:got + min(size, hi - lo - got)]
-                filled = 0
-                while filled < len(chunk):  # a filesystem may return short reads before the end
-                    n = handle.readinto(chunk[filled:])
-                    if not n:
-                        raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} "
-                                              f"of {len(crcs)})")
-                    filled += n
+                if _fill(handle, chunk) != len(chunk):
+                    raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} of "
+                                          f"{len(crcs)})")
                 if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
                     checks.append((i, _worker().submit(zlib.crc32, chunk)))
-                got += filled
+                got += len(chunk)
             for i, check in checks:
                 if check.result() != crcs[i]:
                     raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of "
@@ -625,12 +633,12 @@ class CheckpointReader:
         handle.seek(start + a)
         while got < b - a:
             chunk = data[got:min(got + CHUNK, b - a)]
-            n = handle.readinto(chunk)
-            if not n:
-                break
-            if running is not None:
+            n = _fill(handle, chunk)
+            if running is not None and n:
                 running.add(chunk[:n])
             got += n
+            if n < len(chunk):
+                break
         if got != b - a:
             if running is not None:
                 running.result()

@@ -236,14 +236,13 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
         if now_keys and set(now_keys) != set(saved_keys):
             raise CheckpointError(f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one "
                                   f"{now_keys}")
-        trainer_state = reader.small_file(TRAINER_FILE)
+        out.trainer_state = reader.small_file(TRAINER_FILE)
         own_name = _rank_file(me)
-        own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
+        out.own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
         out.staged = [(entry, access.stage(reader, entry, saved_keys if optimizer is not None else []))
                       for entry in out.mine]
-        out.trainer_state, out.own = trainer_state, own
-    except CheckpointError as failure:
-        out.staged, out.trainer_state, out.own, out.error = [], {}, None, str(failure)
+    except CheckpointError as failure:  # load raises it on every rank; nothing read is used
+        out.error = str(failure)
     finally:
         if out.reader is not None:
             out.reader.close()
