@@ -7,9 +7,11 @@ A checkpoint is a folder::
     rank-00003.pt                 rank 3's own state (RNG states, engine counters; torch.save of plain values)
     trainer.pt                    the trainer's state (loops, callbacks, schedulers, hparams), from rank 0
 
-A *piece* is a box of one canonical tensor (:mod:`.boxes`) stored as one safetensors entry, with its CRC-32
-(and, over :data:`CHUNK` bytes, a CRC-32 per chunk: a reader that needs some rows of it reads and checks only
-their chunks). Pieces of one tensor never overlap and together cover it exactly (checked at every read).
+A *piece* is a box of one canonical tensor (:mod:`.boxes`) stored as one safetensors entry, with its CRC
+(and, over :data:`CHUNK` bytes, a CRC per chunk: a reader that needs some rows of it reads and checks only
+their chunks). The manifest's ``checksum`` names the CRC (:mod:`.crc`: CRC-32C since it has the field, zlib's
+CRC-32 before); its fields keep the name ``crc32`` for either. Pieces of one tensor never overlap and together
+cover it exactly (checked at every read).
 
 Saving is atomic (:class:`AtomicSave`): every rank writes into ``.NAME.partial-TOKEN`` beside the final folder;
 each file is written, flushed and fsynced (a rank's files together, :func:`fsync_all`); then rank 0 writes the
@@ -19,7 +21,7 @@ makes it, the folder's entries and the pointer's new text (``latest.tmp``) durab
 ``latest`` pointer of the parent folder (a rename). A save killed at any point leaves the previous checkpoint and
 the pointer as they were; :func:`resolve` ignores the partial folder with a warning.
 
-CRC-32s are computed on one thread per process beside the I/O (zlib releases the GIL): a save's while each large
+CRCs are computed on one thread per process beside the I/O (both CRCs release the GIL): a save's while each large
 tensor is written, a read's chunk by chunk while the next chunk is read; every check is made before a read
 returns.
 """
@@ -33,7 +35,6 @@ import shutil
 import signal
 import struct
 import warnings
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from shardline.plugins.checkpoint.boxes import (
     relative,
     volume,
 )
-from shardline.plugins.checkpoint.crc import chunked
+from shardline.plugins.checkpoint.crc import LEGACY, WRITTEN, Checksum, algorithm
 from shardline.plugins.errors import CheckpointError
 
 FORMAT, VERSION = "shardline-checkpoint", 1
@@ -85,12 +86,8 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def crc(tensor: torch.Tensor) -> int:
-    return zlib.crc32(_bytes(tensor))
-
-
-#: Pieces larger than this get their CRC-32 computed in a thread beside the write of their bytes (zlib releases
-#: the GIL on large buffers) and a CRC-32 per chunk of this size in the manifest; a read goes in chunks of this
+#: Pieces larger than this get their CRC computed in a thread beside the write of their bytes (the CRC releases
+#: the GIL on large buffers) and a CRC per chunk of this size in the manifest; a read goes in chunks of this
 #: size, each CRC'd while the next is read.
 CHUNK = 8 << 20
 _POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
@@ -113,13 +110,13 @@ def _worker() -> ThreadPoolExecutor:
 
 
 class _RunningCrc:
-    """A CRC-32 of consecutive chunks, each added on the CRC thread (in order) while the caller does I/O."""
+    """A CRC of consecutive chunks, each added on the CRC thread (in order) while the caller does I/O."""
 
-    def __init__(self):
-        self.value, self._last = 0, None
+    def __init__(self, checksum: Checksum):
+        self.of, self.value, self._last = checksum.of, 0, None
 
     def _add(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = self.of(data, self.value)
 
     def add(self, data) -> None:
         if len(data) < CHUNK // 8:  # not worth a hand-off
@@ -161,8 +158,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
                       ) -> dict[str, tuple[int, list[int] | None]]:
     """Write ``tensors`` as one safetensors file, streamed tensor by tensor (no second copy in memory), flushed
     and fsynced (``sync=False``: the caller fsyncs it, e.g. with :func:`fsync_all`); returns each key's
-    ``(CRC-32, CRC-32 of each CHUNK bytes or None)``: a tensor over :data:`CHUNK` bytes gets the chunks' CRCs
-    (for partial reads, :mod:`.crc`), computed on the CRC thread while its bytes are written."""
+    ``(CRC, CRC of each CHUNK bytes or None)`` (:data:`~.crc.WRITTEN`): a tensor over :data:`CHUNK` bytes gets
+    the chunks' CRCs (for partial reads, :mod:`.crc`), computed on the CRC thread while its bytes are written."""
     header, offset = {}, 0
     for key, tensor in tensors:
         if tensor.dtype not in _DTYPES:
@@ -180,7 +177,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
         f.write(blob)
         for i, (key, tensor) in enumerate(tensors):
             data = _bytes(tensor)
-            crcs[key] = _worker().submit(chunked, data, CHUNK) if len(data) > CHUNK else (zlib.crc32(data), None)
+            crcs[key] = (_worker().submit(WRITTEN.chunked, data, CHUNK) if len(data) > CHUNK
+                         else (WRITTEN.of(data), None))
             f.write(data)
             if i == 0:
                 f.flush()
@@ -191,18 +189,19 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
     return {key: value.result() if isinstance(value, Future) else value for key, value in crcs.items()}
 
 
-def file_crc(path: Path) -> int:
-    value = 0
+def file_crc(path: Path, checksum: Checksum | None = None) -> int:
+    """The CRC (``checksum``, default :data:`~.crc.WRITTEN`) of a whole file."""
+    checksum, value = checksum or WRITTEN, 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
-            value = zlib.crc32(chunk, value)
+            value = checksum.of(chunk, value)
     return value
 
 
 class ShardWriter:
     """One rank's pieces, written to ``rank-RRRRR-III.safetensors`` files of at most ``max_file_bytes`` each
     (a piece larger than that gets a file alone). ``records`` lists ``(tensor name, shape, dtype, file, key,
-    box, crc, chunks)`` per piece for the manifest (``chunks``: ``(chunk bytes, [CRC-32 per chunk])`` for a piece
+    box, crc, chunks)`` per piece for the manifest (``chunks``: ``(chunk bytes, [CRC per chunk])`` for a piece
     over :data:`CHUNK` bytes, else None). Its files are written but not yet fsynced: :attr:`paths` for
     :func:`fsync_all`, with the rank's other files."""
 
@@ -247,7 +246,7 @@ class ShardWriter:
 
 
 def describe_files(folder: Path, names: list[str], crcs: dict[str, int] | None = None) -> dict[str, dict]:
-    """Size (and, for the small ``.pt`` files, CRC-32: from ``crcs`` where the writer computed it, else read
+    """Size (and, for the small ``.pt`` files, CRC: from ``crcs`` where the writer computed it, else read
     back) of each of ``names`` in ``folder``, as the rank that wrote them sees them (on a network filesystem
     another rank's view may lag)."""
     crcs = crcs or {}
@@ -259,10 +258,10 @@ def describe_files(folder: Path, names: list[str], crcs: dict[str, int] | None =
 
 
 def write_small(data: bytes, path: Path) -> int:
-    """Write ``data`` (a small file: a ``torch.save``'d state) to ``path``, not yet fsynced; returns its CRC-32."""
+    """Write ``data`` (a small file: a ``torch.save``'d state) to ``path``, not yet fsynced; returns its CRC."""
     with open(path, "wb") as f:
         f.write(data)
-    return zlib.crc32(data)
+    return WRITTEN.of(data)
 
 
 def _manifest_text(manifest: dict) -> str:
@@ -280,8 +279,10 @@ def _manifest_text(manifest: dict) -> str:
 def build_manifest(records: list[list[tuple]], files: dict[str, dict], meta: dict) -> dict:
     """The manifest from every rank's piece records and the files every rank wrote (:func:`describe_files`).
 
-    The large pieces' chunk CRCs go into the optional top-level ``chunk_crc32`` (``{"bytes": chunk size,
-    "pieces": {file: {key: [CRC-32, ...]}}}``): a reader without it reads whole pieces, as version 1 always did."""
+    ``checksum`` names the CRC of every ``crc32`` field and chunk list (:data:`~.crc.WRITTEN`; a manifest without
+    it holds zlib's CRC-32). The large pieces' chunk CRCs go into the optional top-level ``chunk_crc32``
+    (``{"bytes": chunk size, "pieces": {file: {key: [CRC, ...]}}}``): a reader without it reads whole pieces, as
+    version 1 always did."""
     tensors: dict[str, dict] = {}
     chunks: dict[str, dict[str, list[int]]] = {}
     sizes = set()
@@ -298,7 +299,7 @@ def build_manifest(records: list[list[tuple]], files: dict[str, dict], meta: dic
     if len(sizes) > 1:
         raise CheckpointError(f"ranks wrote chunk CRCs of different chunk sizes: {sorted(sizes)}")
     extra = {"chunk_crc32": {"bytes": sizes.pop(), "pieces": dict(sorted(chunks.items()))}} if chunks else {}
-    return {"format": FORMAT, "version": VERSION, **meta, "files": dict(sorted(files.items())),
+    return {"format": FORMAT, "version": VERSION, "checksum": WRITTEN.name, **meta, "files": dict(sorted(files.items())),
             "tensors": dict(sorted(tensors.items())), **extra}
 
 
@@ -433,6 +434,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says {info['size']} "
                                       "(truncated or replaced)")
         self.tensors: dict[str, dict] = self.manifest["tensors"]
+        self.checksum = algorithm(self.manifest["checksum"], path) if "checksum" in self.manifest else LEGACY
         self._headers: dict[str, tuple[int, dict]] = {}
         self._verified: set[tuple[str, str]] = set()
         self._verified_chunks: set[tuple[str, str, int]] = set()
@@ -464,8 +466,8 @@ class CheckpointReader:
         info = self.manifest["files"].get(name)
         if info is None:
             raise CheckpointError(f"{path}: not listed in the manifest")
-        if file_crc(path) != info["crc32"]:
-            raise CheckpointError(f"{path}: CRC-32 does not match the manifest (damaged)")
+        if file_crc(path, self.checksum) != info["crc32"]:
+            raise CheckpointError(f"{path}: its CRC does not match the manifest (damaged)")
         return torch.load(path, map_location="cpu", weights_only=False)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -580,7 +582,7 @@ class CheckpointReader:
 
     def _rows(self, file: str, key: str, name: str, box: Box, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)`` (along dim 0, relative to the piece) of the piece ``box``: only the chunks that hold
-        them are read, each checked against its CRC-32 in the manifest (on the CRC thread, beside the reads)."""
+        them are read, each checked against its CRC in the manifest (on the CRC thread, beside the reads)."""
         path, start, shape, dtype, (a, b) = self._entry(file, key, name, box)
         size, crcs = self._chunk_bytes, self._chunks[file][key]
         if not isinstance(crcs, list) or len(crcs) != -(-(b - a) // size):
@@ -602,12 +604,12 @@ class CheckpointReader:
                     raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} of "
                                           f"{len(crcs)})")
                 if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
-                    checks.append((i, _worker().submit(zlib.crc32, chunk)))
+                    checks.append((i, _worker().submit(self.checksum.of, chunk)))
                 got += len(chunk)
             for i, check in checks:
                 if check.result() != crcs[i]:
                     raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of "
-                                          f"{len(crcs)} does not match its CRC-32 in the manifest")
+                                          f"{len(crcs)} does not match its CRC in the manifest")
                 self._verified_chunks.add((file, key, i))
         finally:  # no CRC left running over this buffer once we return or raise
             for _, check in checks:
@@ -628,7 +630,7 @@ class CheckpointReader:
                                   f"{list(out.shape)}, the piece {dtype} {list(shape)}")
         data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
         check = (file, key) not in self._verified
-        running, got = _RunningCrc() if check else None, 0
+        running, got = _RunningCrc(self.checksum) if check else None, 0
         handle = self._handle(path)
         handle.seek(start + a)
         while got < b - a:
@@ -645,12 +647,12 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short ({got} of {b - a} bytes)")
         if running is not None:
             if running.result() != value:
-                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC-32 does not match "
+                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does not match "
                                       "the manifest")
             self._verified.add((file, key))
         return out
 
 
 __all__ = ["AtomicSave", "CHUNK", "CheckpointReader", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER",
-           "ShardWriter", "build_manifest", "crc", "describe_files", "dtype_of", "fsync_all", "is_checkpoint", "phase",
+           "ShardWriter", "build_manifest", "describe_files", "dtype_of", "fsync_all", "is_checkpoint", "phase",
            "resolve", "write_small"]

@@ -156,7 +156,7 @@ def test_read_part_of_a_vocab_tensor_into_out_reads_its_rows_in_place_and_zeroes
 
 
 def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path, monkeypatch):
-    import zlib
+    import crc32c
 
     from shardline.plugins.checkpoint import files
     from shardline.plugins.errors import CheckpointError
@@ -169,7 +169,8 @@ def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path,
         __import__("threading").current_thread().name), real(self, data)))
     folder, manifest = _save(tmp_path, {"big": (big, _rows(256, 1024, [100]))})
     piece = manifest["tensors"]["big"]["pieces"][0]
-    assert piece[3] == zlib.crc32(big[:100].numpy().tobytes())  # the writer's CRC (its thread) is the bytes'
+    assert manifest["checksum"] == "crc32c"
+    assert piece[3] == crc32c.crc32c(big[:100].numpy().tobytes())  # the writer's CRC (its thread) is the bytes'
     with files.CheckpointReader(folder) as reader:
         assert torch.equal(reader.read("big"), big)
     assert threads and all(t.startswith("shardline-crc") for t in threads)  # each chunk CRC'd off the reader
@@ -247,17 +248,65 @@ def test_read_range_fills_one_buffer_with_the_flat_range(tmp_path, kind):
             assert got.dtype == w.dtype and torch.equal(got, ref.reshape(-1)[start:stop]), (start, stop)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.binary(max_size=3000), st.binary(max_size=3000), st.integers(1, 700))
-def test_crc_combine_and_chunked_are_zlibs_crc_of_the_whole(a, b, chunk):
+def _reference_crcs():
+    """Each checksum's independent implementation: zlib's CRC-32, the crc32c package's CRC-32C."""
     import zlib
 
-    from shardline.plugins.checkpoint.crc import chunked, combine
+    import crc32c
 
-    assert combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-    whole, parts = chunked(a + b, chunk)
-    assert whole == zlib.crc32(a + b)
-    assert parts == [zlib.crc32((a + b)[i:i + chunk]) for i in range(0, len(a + b), chunk)]
+    return {"crc32": zlib.crc32, "crc32c": crc32c.crc32c}
+
+
+def test_the_checksums_are_the_standard_crcs():
+    from shardline.plugins.checkpoint.crc import ALGORITHMS, WRITTEN
+
+    # The CRC catalogue's check values (the CRC of b"123456789") for CRC-32/ISO-HDLC and CRC-32/ISCSI.
+    assert ALGORITHMS["crc32"].of(b"123456789") == 0xCBF43926
+    assert ALGORITHMS["crc32c"].of(b"123456789") == 0xE3069283
+    assert WRITTEN.name == "crc32c"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["crc32", "crc32c"]), st.binary(max_size=3000), st.binary(max_size=3000),
+       st.integers(1, 700))
+def test_crc_combine_and_chunked_are_the_crc_of_the_whole(name, a, b, chunk):
+    from shardline.plugins.checkpoint.crc import ALGORITHMS
+
+    crc, ref = ALGORITHMS[name], _reference_crcs()[name]
+    assert crc.combine(ref(a), ref(b), len(b)) == ref(a + b)
+    whole, parts = crc.chunked(a + b, chunk)
+    assert whole == ref(a + b)
+    assert parts == [ref((a + b)[i:i + chunk]) for i in range(0, len(a + b), chunk)]
+
+
+def test_a_checkpoint_of_zlibs_crc32_reads_and_an_unknown_checksum_is_refused(tmp_path, monkeypatch):
+    """A manifest without ``checksum`` (checkpoints written before the field) holds zlib's CRC-32 everywhere:
+    it reads, a damaged piece of it is still found, and a checksum this shardline does not know is refused."""
+    import json
+
+    from shardline.plugins.checkpoint import crc, files
+    from shardline.plugins.errors import CheckpointError
+
+    monkeypatch.setattr(files, "CHUNK", 256)
+    monkeypatch.setattr(files, "WRITTEN", crc.LEGACY)  # write as before the field
+    w = torch.randn(100, 7, generator=torch.Generator().manual_seed(5))
+    folder, manifest = _save(tmp_path, {"w": (w, _rows(100, 7, [60]))})
+    monkeypatch.undo()
+    assert manifest["checksum"] == "crc32"
+    old = {k: v for k, v in manifest.items() if k != "checksum"}
+    (folder / files.MANIFEST).write_text(json.dumps(old))
+    with files.CheckpointReader(folder) as reader:
+        assert reader.checksum is crc.LEGACY
+        assert torch.equal(reader.read("w"), w) and torch.equal(reader.read("w", ((70, 80), (0, 7))), w[70:80])
+    file, key = manifest["tensors"]["w"]["pieces"][0][:2]
+    raw = bytearray((folder / file).read_bytes())
+    raw[-3] ^= 0x40  # the file's last piece
+    (folder / file).write_bytes(bytes(raw))
+    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match="'w'.*is damaged"):
+        reader.read("w")
+    (folder / files.MANIFEST).write_text(json.dumps({**old, "checksum": "md5"}))
+    with pytest.raises(CheckpointError, match=r"manifest.json: checksum 'md5' is not one this shardline reads"):
+        files.CheckpointReader(folder)
 
 
 def _count_reads(reader) -> list[int]:
