@@ -28,6 +28,7 @@ returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -411,10 +412,18 @@ def _fill(handle, view) -> int:
 
 class CheckpointReader:
     """Reads boxes of canonical tensors from a checkpoint folder, verifying every piece it touches (its CRC) and
-    that the pieces cover each box exactly. Raises CheckpointError naming the file and the tensor."""
+    that the pieces cover each box exactly. Raises CheckpointError naming the file and the tensor.
 
-    def __init__(self, folder: str | os.PathLike):
+    ``defer_checks=True``: a read returns once its bytes are in memory, its CRCs still running on the CRC thread;
+    :meth:`verify` waits for all of them and raises on the first mismatch. For a caller that reads everything
+    before it uses anything (a load: nothing is set before every rank has verified): the reads no longer wait,
+    piece by piece, for the CRC of each piece's last chunk. Without it (the default) every read is checked
+    before it returns."""
+
+    def __init__(self, folder: str | os.PathLike, *, defer_checks: bool = False):
         self._files: dict[Path, object] = {}  # first: close() (and __del__) must work on a reader that refused
+        self._pending: list[tuple] = []  # deferred checks: (callable giving the CRC, want, message, verified key)
+        self.defer_checks = defer_checks
         self.folder = Path(folder)
         path = self.folder / MANIFEST
         try:
@@ -539,7 +548,39 @@ class CheckpointReader:
             handle = self._files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         return handle
 
+    def _check(self, crc_of, want: int, message: str, verified: set, key: tuple) -> None:
+        """Check ``crc_of() == want`` now, or at :meth:`verify` (``defer_checks``); ``key`` joins ``verified``
+        (:attr:`_verified` or :attr:`_verified_chunks`) once it passed; ``message`` is the error otherwise."""
+        if self.defer_checks:
+            self._pending.append((crc_of, want, message, verified, key))
+            return
+        if crc_of() != want:
+            raise CheckpointError(message)
+        verified.add(key)
+
+    def verify(self) -> None:
+        """Wait for every deferred check (``defer_checks``); CheckpointError on the first that failed, after all
+        the others were waited for (no CRC runs over a caller's buffer once this returns or raises)."""
+        pending, self._pending = self._pending, []
+        failed = None
+        for n, (crc_of, want, message, verified, key) in enumerate(pending):
+            try:
+                ok = crc_of() == want
+            except BaseException:
+                self._pending = pending[n + 1:]  # close() waits for these
+                raise
+            if ok:
+                verified.add(key)
+            elif failed is None:
+                failed = message
+        if failed is not None:
+            raise CheckpointError(failed)
+
     def close(self) -> None:
+        for crc_of, *_ in self._pending:  # no CRC left running over a caller's buffer
+            with contextlib.suppress(Exception):
+                crc_of()
+        self._pending = []
         for handle in self._files.values():
             handle.close()
         self._files.clear()
@@ -606,14 +647,15 @@ class CheckpointReader:
                 if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
                     checks.append((i, _worker().submit(self.checksum.of, chunk)))
                 got += len(chunk)
-            for i, check in checks:
-                if check.result() != crcs[i]:
-                    raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of "
-                                          f"{len(crcs)} does not match its CRC in the manifest")
-                self._verified_chunks.add((file, key, i))
-        finally:  # no CRC left running over this buffer once we return or raise
+            for n, (i, check) in enumerate(checks):
+                message = (f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of {len(crcs)} does not "
+                           "match its CRC in the manifest")
+                self._check(check.result, crcs[i], message, self._verified_chunks, (file, key, i))
+                checks[n] = (i, None)  # in _pending now, or checked
+        finally:  # no CRC left running over this buffer once we raise (unless _pending holds it)
             for _, check in checks:
-                check.exception()
+                if check is not None:
+                    check.exception()
         return buf[r0 * row - lo:r1 * row - lo].view(dtype).reshape(r1 - r0, *shape[1:])
 
     def _piece(self, file: str, key: str, value: int, name: str, box: Box, *,
@@ -646,10 +688,8 @@ class CheckpointReader:
                 running.result()
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short ({got} of {b - a} bytes)")
         if running is not None:
-            if running.result() != value:
-                raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does not match "
-                                      "the manifest")
-            self._verified.add((file, key))
+            self._check(running.result, value, f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does "
+                        "not match the manifest", self._verified, (file, key))
         return out
 
 

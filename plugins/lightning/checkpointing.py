@@ -225,7 +225,7 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
             if me != 0:  # every rank resolves the path; rank 0 alone says which partial saves it skipped
                 warnings.simplefilter("ignore")
             out.found = str(resolve(checkpoint_path))
-        reader = out.reader = CheckpointReader(out.found)
+        reader = out.reader = CheckpointReader(out.found, defer_checks=True)  # all verified below, before use
         out.mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"),
                            shape_of=compat.whole_shape)
         out.error = _check_mine(reader, strategy.lightning_module, out.mine)
@@ -241,6 +241,7 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
         out.own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
         out.staged = [(entry, access.stage(reader, entry, saved_keys if optimizer is not None else []))
                       for entry in out.mine]
+        reader.verify()  # every CRC of what was read (they ran beside the reads)
     except CheckpointError as failure:  # load raises it on every rank; nothing read is used
         out.error = str(failure)
     finally:

@@ -4,6 +4,7 @@ against ``torch.arange``, and every kind's canonical pieces of a TP shard agains
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -193,7 +194,6 @@ def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path,
 
 
 def test_the_manifest_is_the_dict_and_a_partial_folder_is_refused(tmp_path):
-    import json
 
     from shardline.plugins.checkpoint import files
     from shardline.plugins.errors import CheckpointError
@@ -282,7 +282,6 @@ def test_crc_combine_and_chunked_are_the_crc_of_the_whole(name, a, b, chunk):
 def test_a_checkpoint_of_zlibs_crc32_reads_and_an_unknown_checksum_is_refused(tmp_path, monkeypatch):
     """A manifest without ``checksum`` (checkpoints written before the field) holds zlib's CRC-32 everywhere:
     it reads, a damaged piece of it is still found, and a checksum this shardline does not know is refused."""
-    import json
 
     from shardline.plugins.checkpoint import crc, files
     from shardline.plugins.errors import CheckpointError
@@ -337,7 +336,6 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
     """A 100 x 7 float32 piece (2800 bytes) in 256-byte chunks (11 CRCs in the manifest): rows 40-50 read 2 chunks
     (bytes 1120-1400); damage outside them is not read, damage inside is named with its chunk; a manifest without
     chunk CRCs (older writer) reads the whole piece, with the same values."""
-    import json
 
     from shardline.plugins.checkpoint import files
     from shardline.plugins.errors import CheckpointError
@@ -397,6 +395,40 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
         with pytest.raises(CheckpointError, match=match):
             with files.CheckpointReader(folder) as reader:
                 reader.read("w", box)
+
+
+def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tmp_path, monkeypatch):
+    """``defer_checks``: reads return before their CRCs finish; :meth:`verify` waits for every one and raises on
+    the first damaged piece or chunk, naming it; what was checked and passed counts as verified."""
+    from shardline.plugins.checkpoint import files
+    from shardline.plugins.errors import CheckpointError
+
+    monkeypatch.setattr(files, "CHUNK", 256)
+    w = torch.randn(100, 7, generator=torch.Generator().manual_seed(6))  # 2800 bytes: 11 chunks
+    folder, manifest = _save(tmp_path, {"w": (w, [((0, 100), (0, 7))]), "v": (w[:3].clone(), [((0, 3), (0, 7))])})
+    with files.CheckpointReader(folder, defer_checks=True) as reader:
+        assert torch.equal(reader.read("w"), w) and torch.equal(reader.read("w", ((40, 50), (0, 7))), w[40:50])
+        # still to come: the whole piece's check, and chunks 4 and 5 (rows 40-50), read before it passed
+        assert len(reader._pending) == 3 and not reader._verified and not reader._verified_chunks
+        reader.verify()
+        assert reader._pending == [] and len(reader._verified) == 1 and len(reader._verified_chunks) == 2
+    file, key = manifest["tensors"]["w"]["pieces"][0][:2]
+    raw = bytearray((folder / file).read_bytes())
+    with open(folder / file, "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+    offset = json.loads(raw[8:data_start])[key]["data_offsets"][0]
+    raw[data_start + offset + 5 * 256 + 9] ^= 0x04  # chunk 5 of w
+    (folder / file).write_bytes(bytes(raw))
+    for box, match in ((((40, 50), (0, 7)), "chunk 5 of 11 does not match"), (None, "its CRC does not match")):
+        with files.CheckpointReader(folder, defer_checks=True) as reader:
+            got = reader.read("w", box)  # no raise: the check is deferred
+            assert got.shape == ((10, 7) if box else (100, 7))
+            assert torch.equal(reader.read("v"), w[:3])
+            with pytest.raises(CheckpointError, match=rf"tensor 'w' \(entry {key!r}\) is damaged: {match}"):
+                reader.verify()
+            assert reader._pending == [] and len(reader._verified) == 1  # v's check passed and counts
+        with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=match):
+            reader.read("w", box)  # the default: checked before the read returns
 
 
 def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeypatch):
