@@ -29,6 +29,7 @@ returns.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import secrets
@@ -445,6 +446,7 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.checksum = algorithm(self.manifest["checksum"], path) if "checksum" in self.manifest else LEGACY
         self._headers: dict[str, tuple[int, dict]] = {}
+        self._boxes: dict[str, list[tuple[str, str, Box, int]]] = {}
         self._verified: set[tuple[str, str]] = set()
         self._verified_chunks: set[tuple[str, str, int]] = set()
         chunks = self.manifest.get("chunk_crc32")
@@ -475,9 +477,10 @@ class CheckpointReader:
         info = self.manifest["files"].get(name)
         if info is None:
             raise CheckpointError(f"{path}: not listed in the manifest")
-        if file_crc(path, self.checksum) != info["crc32"]:
+        data = path.read_bytes()  # once: the CRC and the unpickling read the same bytes
+        if self.checksum.of(data) != info["crc32"]:
             raise CheckpointError(f"{path}: its CRC does not match the manifest (damaged)")
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
@@ -497,14 +500,14 @@ class CheckpointReader:
                                   f"not {list(shape)}")
         if out is not None and (out.dtype != dtype or not out.is_contiguous()):
             return out.copy_(self.read(name, box))  # a cast (or a strided target): read, then one copy
-        exact = [p for p in entry["pieces"] if tuple(tuple(b) for b in p[2]) == box]
+        pieces = self._pieces(name)
+        exact = [p for p in pieces if p[2] == box]
         if exact:  # the piece is the box (a load in the saving layout): no assembly, no second copy
             file, key, piece_box, value = exact[0]
             return self._piece(file, key, value, name, box, out=out)
         result = torch.empty(shape, dtype=dtype) if out is None else out
         covered = 0
-        for file, key, piece_box, value in entry["pieces"]:
-            piece_box = tuple(tuple(b) for b in piece_box)
+        for file, key, piece_box, value in pieces:
             common = intersect(box, piece_box)
             if common is None:
                 continue
@@ -522,6 +525,14 @@ class CheckpointReader:
             raise CheckpointError(f"{self.folder}: tensor {name!r} box {box}: its pieces cover {covered} of "
                                   f"{volume(box)} elements (a piece is missing or two overlap)")
         return result
+
+    def _pieces(self, name: str) -> list[tuple[str, str, Box, int]]:
+        """``name``'s pieces from the manifest, their boxes as tuples (made once per tensor)."""
+        made = self._boxes.get(name)
+        if made is None:
+            made = self._boxes[name] = [(file, key, tuple(tuple(b) for b in box), value)
+                                        for file, key, box, value in self.tensors[name]["pieces"]]
+        return made
 
     def read_part(self, name: str, placement: Placement, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The part ``placement.box`` of canonical tensor ``name`` in shardline's own layout (its canonical

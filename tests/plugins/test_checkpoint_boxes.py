@@ -397,6 +397,31 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
                 reader.read("w", box)
 
 
+def test_a_small_file_is_read_once_and_refused_when_damaged_or_unlisted(tmp_path):
+    import io
+
+    from shardline.plugins.checkpoint import files
+    from shardline.plugins.errors import CheckpointError
+
+    folder, manifest = _save(tmp_path, {"w": (torch.ones(2, 3), [((0, 2), (0, 3))])})
+    buffer = io.BytesIO()
+    torch.save({"loops": {"step": 7}, "rng": torch.arange(5)}, buffer)
+    crc = files.write_small(buffer.getbuffer(), folder / files.TRAINER_FILE)
+    manifest["files"][files.TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": crc}
+    (folder / files.MANIFEST).write_text(json.dumps(manifest))
+    with files.CheckpointReader(folder) as reader:
+        state = reader.small_file(files.TRAINER_FILE)
+        assert state["loops"] == {"step": 7} and torch.equal(state["rng"], torch.arange(5))
+        with pytest.raises(CheckpointError, match=r"rank-00009.pt: not listed in the manifest"):
+            reader.small_file("rank-00009.pt")
+    raw = bytearray((folder / files.TRAINER_FILE).read_bytes())
+    raw[len(raw) // 2] ^= 0x20
+    (folder / files.TRAINER_FILE).write_bytes(bytes(raw))
+    with files.CheckpointReader(folder) as reader, pytest.raises(
+            CheckpointError, match=rf"{files.TRAINER_FILE}: its CRC does not match the manifest \(damaged\)"):
+        reader.small_file(files.TRAINER_FILE)
+
+
 def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tmp_path, monkeypatch):
     """``defer_checks``: reads return before their CRCs finish; :meth:`verify` waits for every one and raises on
     the first damaged piece or chunk, naming it; what was checked and passed counts as verified."""
