@@ -365,9 +365,10 @@ PROFILE_GROUPS = {
         ("CheckpointReader init", ("files.py:__init__",)),
         ("CheckpointReader.read", ("files.py:read",)),
         ("  device reads (readinto)", ("method 'readinto'",)),
-        ("  CRC (what its thread left to wait for)", ("zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c",
-                                                       "files.py:result")),
         ("  copy into a box of other pieces", ("self:files.py:read",)),
+        # the load defers its checks (CheckpointReader(defer_checks=True)): what is left to wait for is in verify
+        ("CRC: what its thread left to wait for (in read or verify)", (
+            "files.py:verify", "zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c", "files.py:result", "_base.py:result")),
         ("assembly: from_canonical, cat", ("boxes.py:from_canonical", "torch.cat")),
         ("setting: apply, set_weight, set_state", ("checkpoint_access.py:apply", "checkpointing.py:set_weight",
                                                     "checkpointing.py:set_state")),

@@ -74,6 +74,12 @@ class Checksum:
             nbytes >>= 1
         return result
 
+    def require(self, where) -> None:
+        """CheckpointError naming ``where`` when this CRC cannot be computed here (CRC-32C without its package)."""
+        if self.of is _crc32c and _hardware_crc32c is None:
+            raise CheckpointError(f"{where}: CRC-32C checksums need the 'crc32c' package, which is not installed "
+                                  "(pip install 'crc32c>=2.6')")
+
     def combine(self, first: int, second: int, second_bytes: int) -> int:
         """The CRC of ``A + B`` from ``first = crc(A)``, ``second = crc(B)`` and ``len(B)``."""
         return self._times(self._shift(second_bytes), first) ^ second

@@ -23,11 +23,16 @@ the pointer as they were; :func:`resolve` ignores the partial folder with a warn
 
 CRCs are computed on one thread per process beside the I/O (both CRCs release the GIL): a save's while each large
 tensor is written, a read's chunk by chunk while the next chunk is read; every check is made before a read
-returns.
+returns, or, for a reader made with ``defer_checks`` (a load), before its :meth:`CheckpointReader.verify` returns.
+
+Format versions: 2 (what a save writes) names its CRC in the manifest's ``checksum`` (``"crc32c"``); 1 (before
+it) holds zlib's CRC-32 everywhere. A reader of version 1 only refuses a version-2 checkpoint by its version
+instead of reporting its CRC-32C values as damage.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -55,7 +60,14 @@ from shardline.plugins.checkpoint.boxes import (
 from shardline.plugins.checkpoint.crc import LEGACY, WRITTEN, Checksum, algorithm
 from shardline.plugins.errors import CheckpointError
 
-FORMAT, VERSION = "shardline-checkpoint", 1
+FORMAT, VERSION = "shardline-checkpoint", 2
+READS = (1, 2)  # the versions this shardline reads (module docstring)
+#: A small file (``trainer.pt``, a rank's own) up to this size is read once for its CRC and its unpickling;
+#: a larger one (a callback with a model-sized state) is streamed for its CRC, then loaded from the file.
+SMALL_FILE_ONCE = 64 << 20
+#: A deferred-check reader waits for its oldest CRCs while more than this many bytes are waiting for one, so
+#: that temporaries read for a box are not all kept alive when the reads outrun the CRC thread.
+PENDING_BYTES = 256 << 20
 MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer.pt"
 #: Test hook: ``PHASE`` or ``PHASE:RANK`` makes that rank SIGKILL itself when the save reaches ``PHASE``
 #: (one of ``PHASES``), to prove a save killed anywhere leaves the previous checkpoint loadable.
@@ -208,6 +220,7 @@ class ShardWriter:
     :func:`fsync_all`, with the rank's other files."""
 
     def __init__(self, folder: Path, *, rank: int, max_file_bytes: int = 1 << 30):
+        WRITTEN.require(f"saving a checkpoint into {folder}")
         self.folder, self.rank, self.limit = folder, rank, max_file_bytes
         self.pending: list[tuple[str, torch.Tensor, tuple, str, Box]] = []
         self.size, self.files = 0, 0
@@ -418,12 +431,16 @@ class CheckpointReader:
     ``defer_checks=True``: a read returns once its bytes are in memory, its CRCs still running on the CRC thread;
     :meth:`verify` waits for all of them and raises on the first mismatch. For a caller that reads everything
     before it uses anything (a load: nothing is set before every rank has verified): the reads no longer wait,
-    piece by piece, for the CRC of each piece's last chunk. Without it (the default) every read is checked
-    before it returns."""
+    piece by piece, for the CRC of each piece's last chunk. Until :meth:`verify` returns, what a read returned
+    (or wrote into ``out=``) is unchecked and must not be written to: the CRC may still be reading it. Without
+    it (the default) every read is checked before it returns."""
 
     def __init__(self, folder: str | os.PathLike, *, defer_checks: bool = False):
         self._files: dict[Path, object] = {}  # first: close() (and __del__) must work on a reader that refused
-        self._pending: list[tuple] = []  # deferred checks: (callable giving the CRC, want, message, verified key)
+        # deferred checks, oldest first: (callable giving the CRC, want, message, verified set, key, bytes)
+        self._pending: collections.deque[tuple] = collections.deque()
+        self._queued: set[tuple] = set()  # their keys: checks to come count as made (a piece is CRC'd once)
+        self._pending_bytes, self._failed = 0, None
         self.defer_checks = defer_checks
         self.folder = Path(folder)
         path = self.folder / MANIFEST
@@ -433,9 +450,13 @@ class CheckpointReader:
             raise CheckpointError(f"{self.folder}: no {MANIFEST} (not a checkpoint, or an interrupted save)") from None
         except (OSError, ValueError) as error:
             raise CheckpointError(f"{path}: not a readable manifest ({error})") from None
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
-            raise CheckpointError(f"{path}: format {self.manifest.get('format')!r} version "
-                                  f"{self.manifest.get('version')!r}; this shardline reads {FORMAT!r} {VERSION}")
+        version = self.manifest.get("version") if isinstance(self.manifest, dict) else None
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT or version not in READS:
+            found = self.manifest.get("format") if isinstance(self.manifest, dict) else None
+            raise CheckpointError(f"{path}: format {found!r} version {version!r}; this shardline reads {FORMAT!r} "
+                                  f"versions {', '.join(map(str, READS))}")
+        if version >= 2 and "checksum" not in self.manifest:
+            raise CheckpointError(f"{path}: version {version} names its checksum, this manifest has no 'checksum'")
         for name, info in self.manifest["files"].items():
             file = self.folder / name
             if not file.is_file():
@@ -445,6 +466,7 @@ class CheckpointReader:
                                       "(truncated or replaced)")
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.checksum = algorithm(self.manifest["checksum"], path) if "checksum" in self.manifest else LEGACY
+        self.checksum.require(path)
         self._headers: dict[str, tuple[int, dict]] = {}
         self._boxes: dict[str, list[tuple[str, str, Box, int]]] = {}
         self._verified: set[tuple[str, str]] = set()
@@ -477,10 +499,11 @@ class CheckpointReader:
         info = self.manifest["files"].get(name)
         if info is None:
             raise CheckpointError(f"{path}: not listed in the manifest")
-        data = path.read_bytes()  # once: the CRC and the unpickling read the same bytes
-        if self.checksum.of(data) != info["crc32"]:
+        once = info.get("size", 0) <= SMALL_FILE_ONCE
+        data = path.read_bytes() if once else None  # the CRC and the unpickling read the same bytes
+        if (self.checksum.of(data) if once else file_crc(path, self.checksum)) != info["crc32"]:
             raise CheckpointError(f"{path}: its CRC does not match the manifest (damaged)")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(data) if once else path, map_location="cpu", weights_only=False)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
@@ -559,31 +582,43 @@ class CheckpointReader:
             handle = self._files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         return handle
 
-    def _check(self, crc_of, want: int, message: str, verified: set, key: tuple) -> None:
-        """Check ``crc_of() == want`` now, or at :meth:`verify` (``defer_checks``); ``key`` joins ``verified``
+    def _checked(self, key: tuple) -> bool:
+        """Whether the piece ``(file, key)`` or chunk ``(file, key, i)`` was verified, or is to be (deferred)."""
+        return key in self._verified or key in self._verified_chunks or key in self._queued
+
+    def _check(self, crc_of, want: int, message: str, verified: set, key: tuple, nbytes: int) -> None:
+        """Check ``crc_of() == want`` now, or by :meth:`verify` (``defer_checks``); ``key`` joins ``verified``
         (:attr:`_verified` or :attr:`_verified_chunks`) once it passed; ``message`` is the error otherwise."""
-        if self.defer_checks:
-            self._pending.append((crc_of, want, message, verified, key))
+        if not self.defer_checks:
+            if crc_of() != want:
+                raise CheckpointError(message)
+            verified.add(key)
             return
-        if crc_of() != want:
-            raise CheckpointError(message)
-        verified.add(key)
+        self._pending.append((crc_of, want, message, verified, key, nbytes))
+        self._queued.add(key)
+        self._pending_bytes += nbytes
+        while self._pending_bytes > PENDING_BYTES and len(self._pending) > 1:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the oldest deferred check; a failure is kept for :meth:`verify`. The check leaves the queue
+        only once its CRC is done (an interrupt leaves it for :meth:`close` to wait for)."""
+        crc_of, want, message, verified, key, nbytes = self._pending[0]
+        ok = crc_of() == want
+        self._pending.popleft()
+        self._queued.discard(key)
+        self._pending_bytes -= nbytes
+        if ok:
+            verified.add(key)
+        elif self._failed is None:
+            self._failed = message
 
     def verify(self) -> None:
         """Wait for every deferred check (``defer_checks``); CheckpointError on the first that failed, after all
         the others were waited for (no CRC runs over a caller's buffer once this returns or raises)."""
-        pending, self._pending = self._pending, []
-        failed = None
-        for n, (crc_of, want, message, verified, key) in enumerate(pending):
-            try:
-                ok = crc_of() == want
-            except BaseException:
-                self._pending = pending[n + 1:]  # close() waits for these
-                raise
-            if ok:
-                verified.add(key)
-            elif failed is None:
-                failed = message
+        while self._pending:
+            self._settle()
+        failed, self._failed = self._failed, None
         if failed is not None:
             raise CheckpointError(failed)
 
@@ -591,7 +626,9 @@ class CheckpointReader:
         for crc_of, *_ in self._pending:  # no CRC left running over a caller's buffer
             with contextlib.suppress(Exception):
                 crc_of()
-        self._pending = []
+        self._pending.clear()
+        self._queued.clear()
+        self._pending_bytes = 0
         for handle in self._files.values():
             handle.close()
         self._files.clear()
@@ -599,8 +636,12 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        unverified = len(self._pending) + (self._failed is not None)
         self.close()
+        if kind is None and unverified:
+            warnings.warn(f"{self.folder}: {unverified} deferred CRC checks were never verified (call verify())",
+                          stacklevel=2)
 
     def __del__(self) -> None:
         self.close()
@@ -655,16 +696,16 @@ class CheckpointReader:
                 if _fill(handle, chunk) != len(chunk):
                     raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short (chunk {i} of "
                                           f"{len(crcs)})")
-                if (file, key) not in self._verified and (file, key, i) not in self._verified_chunks:
-                    checks.append((i, _worker().submit(self.checksum.of, chunk)))
+                if not self._checked((file, key)) and not self._checked((file, key, i)):
+                    checks.append((i, len(chunk), _worker().submit(self.checksum.of, chunk)))
                 got += len(chunk)
-            for n, (i, check) in enumerate(checks):
+            for n, (i, nbytes, check) in enumerate(checks):
                 message = (f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of {len(crcs)} does not "
                            "match its CRC in the manifest")
-                self._check(check.result, crcs[i], message, self._verified_chunks, (file, key, i))
-                checks[n] = (i, None)  # in _pending now, or checked
+                self._check(check.result, crcs[i], message, self._verified_chunks, (file, key, i), nbytes)
+                checks[n] = (i, nbytes, None)  # in _pending now, or checked
         finally:  # no CRC left running over this buffer once we raise (unless _pending holds it)
-            for _, check in checks:
+            for *_, check in checks:
                 if check is not None:
                     check.exception()
         return buf[r0 * row - lo:r1 * row - lo].view(dtype).reshape(r1 - r0, *shape[1:])
@@ -682,7 +723,7 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}): out= is {out.dtype} "
                                   f"{list(out.shape)}, the piece {dtype} {list(shape)}")
         data = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
-        check = (file, key) not in self._verified
+        check = not self._checked((file, key))
         running, got = _RunningCrc(self.checksum) if check else None, 0
         handle = self._handle(path)
         handle.seek(start + a)
@@ -700,10 +741,10 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short ({got} of {b - a} bytes)")
         if running is not None:
             self._check(running.result, value, f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does "
-                        "not match the manifest", self._verified, (file, key))
+                        "not match the manifest", self._verified, (file, key), b - a)
         return out
 
 
-__all__ = ["AtomicSave", "CHUNK", "CheckpointReader", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER",
+__all__ = ["AtomicSave", "CHUNK", "CheckpointReader", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER", "READS",
            "ShardWriter", "build_manifest", "describe_files", "dtype_of", "fsync_all", "is_checkpoint", "phase",
            "resolve", "write_small"]

@@ -55,7 +55,7 @@ def _rank_file(rank: int) -> str:
 
 
 def _save_small(obj: Any, path: Path) -> int:
-    """``torch.save`` of ``obj`` to ``path`` (not yet fsynced); its CRC-32, computed from the bytes written."""
+    """``torch.save`` of ``obj`` to ``path`` (not yet fsynced); its CRC, computed from the bytes written."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return write_small(buffer.getbuffer(), path)

@@ -266,6 +266,18 @@ def test_the_checksums_are_the_standard_crcs():
     assert WRITTEN.name == "crc32c"
 
 
+def test_without_the_crc32c_package_a_save_and_a_read_are_refused_by_name(tmp_path, monkeypatch):
+    from shardline.plugins.checkpoint import crc, files
+    from shardline.plugins.errors import CheckpointError
+
+    folder, _ = _save(tmp_path, {"w": (torch.ones(2, 3), [((0, 2), (0, 3))])})
+    monkeypatch.setattr(crc, "_hardware_crc32c", None)
+    with pytest.raises(CheckpointError, match=r"ck/manifest.json: CRC-32C checksums need the 'crc32c' package"):
+        files.CheckpointReader(folder)
+    with pytest.raises(CheckpointError, match=r"saving a checkpoint into .*/new: CRC-32C checksums need the 'crc32c'"):
+        files.ShardWriter(tmp_path / "new", rank=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(["crc32", "crc32c"]), st.binary(max_size=3000), st.binary(max_size=3000),
        st.integers(1, 700))
@@ -279,9 +291,13 @@ def test_crc_combine_and_chunked_are_the_crc_of_the_whole(name, a, b, chunk):
     assert parts == [ref((a + b)[i:i + chunk]) for i in range(0, len(a + b), chunk)]
 
 
-def test_a_checkpoint_of_zlibs_crc32_reads_and_an_unknown_checksum_is_refused(tmp_path, monkeypatch):
-    """A manifest without ``checksum`` (checkpoints written before the field) holds zlib's CRC-32 everywhere:
-    it reads, a damaged piece of it is still found, and a checksum this shardline does not know is refused."""
+def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksums_are_refused(tmp_path,
+                                                                                                 monkeypatch):
+    """Version 1 (before the ``checksum`` field) holds zlib's CRC-32 everywhere: its pieces, chunks and small
+    files read, and damage to it is still found. A version-2 manifest without ``checksum``, an unknown checksum
+    and an unknown version are refused, naming the manifest."""
+    import io
+    import zlib
 
     from shardline.plugins.checkpoint import crc, files
     from shardline.plugins.errors import CheckpointError
@@ -290,22 +306,36 @@ def test_a_checkpoint_of_zlibs_crc32_reads_and_an_unknown_checksum_is_refused(tm
     monkeypatch.setattr(files, "WRITTEN", crc.LEGACY)  # write as before the field
     w = torch.randn(100, 7, generator=torch.Generator().manual_seed(5))
     folder, manifest = _save(tmp_path, {"w": (w, _rows(100, 7, [60]))})
+    buffer = io.BytesIO()
+    torch.save({"step": 3}, buffer)
+    small = files.write_small(buffer.getbuffer(), folder / files.TRAINER_FILE)
     monkeypatch.undo()
-    assert manifest["checksum"] == "crc32"
+    assert manifest["checksum"] == "crc32" and small == zlib.crc32(buffer.getbuffer())
+    first = manifest["tensors"]["w"]["pieces"][0]
+    assert first[3] == zlib.crc32(w[:60].numpy().tobytes())  # an independent CRC-32 of the piece's bytes
+    assert manifest["chunk_crc32"]["pieces"][first[0]][first[1]][0] == zlib.crc32(w[:60].numpy().tobytes()[:256])
     old = {k: v for k, v in manifest.items() if k != "checksum"}
+    old["version"] = 1
+    old["files"][files.TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": small}
     (folder / files.MANIFEST).write_text(json.dumps(old))
     with files.CheckpointReader(folder) as reader:
         assert reader.checksum is crc.LEGACY
-        assert torch.equal(reader.read("w"), w) and torch.equal(reader.read("w", ((70, 80), (0, 7))), w[70:80])
-    file, key = manifest["tensors"]["w"]["pieces"][0][:2]
+        assert torch.equal(reader.read("w", ((70, 80), (0, 7))), w[70:80])  # chunks: a partial read
+        assert len(reader._verified_chunks) == 2 and not reader._verified
+        assert torch.equal(reader.read("w"), w) and reader.small_file(files.TRAINER_FILE) == {"step": 3}
+    file, key = first[:2]
     raw = bytearray((folder / file).read_bytes())
     raw[-3] ^= 0x40  # the file's last piece
     (folder / file).write_bytes(bytes(raw))
     with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match="'w'.*is damaged"):
         reader.read("w")
-    (folder / files.MANIFEST).write_text(json.dumps({**old, "checksum": "md5"}))
-    with pytest.raises(CheckpointError, match=r"manifest.json: checksum 'md5' is not one this shardline reads"):
-        files.CheckpointReader(folder)
+    for bad, match in (({**old, "checksum": "md5"}, r"manifest.json: checksum 'md5' is not one this shardline reads"),
+                       ({**old, "version": 2}, r"manifest.json: version 2 names its checksum, this manifest has no"),
+                       ({**old, "version": 3}, r"manifest.json: format 'shardline-checkpoint' version 3; this "
+                                               r"shardline reads 'shardline-checkpoint' versions 1, 2")):
+        (folder / files.MANIFEST).write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=match):
+            files.CheckpointReader(folder)
 
 
 def _count_reads(reader) -> list[int]:
@@ -397,7 +427,7 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
                 reader.read("w", box)
 
 
-def test_a_small_file_is_read_once_and_refused_when_damaged_or_unlisted(tmp_path):
+def test_a_small_file_reads_back_and_is_refused_when_damaged_or_unlisted(tmp_path):
     import io
 
     from shardline.plugins.checkpoint import files
@@ -433,10 +463,10 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
     folder, manifest = _save(tmp_path, {"w": (w, [((0, 100), (0, 7))]), "v": (w[:3].clone(), [((0, 3), (0, 7))])})
     with files.CheckpointReader(folder, defer_checks=True) as reader:
         assert torch.equal(reader.read("w"), w) and torch.equal(reader.read("w", ((40, 50), (0, 7))), w[40:50])
-        # still to come: the whole piece's check, and chunks 4 and 5 (rows 40-50), read before it passed
-        assert len(reader._pending) == 3 and not reader._verified and not reader._verified_chunks
+        # still to come: the whole piece's check; rows 40-50 read after it are not CRC'd again
+        assert len(reader._pending) == 1 and not reader._verified and not reader._verified_chunks
         reader.verify()
-        assert reader._pending == [] and len(reader._verified) == 1 and len(reader._verified_chunks) == 2
+        assert not reader._pending and len(reader._verified) == 1 and not reader._queued
     file, key = manifest["tensors"]["w"]["pieces"][0][:2]
     raw = bytearray((folder / file).read_bytes())
     with open(folder / file, "rb") as f:
@@ -451,9 +481,25 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
             assert torch.equal(reader.read("v"), w[:3])
             with pytest.raises(CheckpointError, match=rf"tensor 'w' \(entry {key!r}\) is damaged: {match}"):
                 reader.verify()
-            assert reader._pending == [] and len(reader._verified) == 1  # v's check passed and counts
+            assert not reader._pending and len(reader._verified) == 1  # v's check passed and counts
         with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=match):
             reader.read("w", box)  # the default: checked before the read returns
+    # Over PENDING_BYTES waiting, the oldest check is waited for at once; its failure still comes from verify.
+    monkeypatch.setattr(files, "PENDING_BYTES", 1000)
+    with files.CheckpointReader(folder, defer_checks=True) as reader:
+        reader.read("w")  # 2800 bytes: alone in the queue, it stays
+        assert len(reader._pending) == 1
+        reader.read("v")
+        assert [p[4] for p in reader._pending] == [(file, manifest["tensors"]["v"]["pieces"][0][1])]
+        assert reader._failed is not None and not reader._verified  # w's, settled early, kept for verify
+        with pytest.raises(CheckpointError, match="'w'.*is damaged: its CRC does not match"):
+            reader.verify()
+        assert len(reader._verified) == 1 and reader._failed is None
+    # Leaving without verify(): close() waits for the CRCs, and the reader says nothing was verified.
+    with pytest.warns(UserWarning, match="1 deferred CRC checks were never verified"):
+        with files.CheckpointReader(folder, defer_checks=True) as reader:
+            reader.read("v")
+    assert not reader._pending
 
 
 def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeypatch):
