@@ -186,9 +186,18 @@ class Access:
             safe_set_full_optimizer_state(param, value.to(torch.float32), key)
             return
         state = self.base.state.setdefault(param, {})
-        state[key] = value.to(dtype=param.dtype, device=param.device).reshape(param.shape).clone()
+        value = value.to(dtype=param.dtype, device=param.device).reshape(param.shape)
+        # A value the read made for this alone is adopted (as torch's Optimizer.load_state_dict adopts the loaded
+        # tensors); one that shares its storage (a view of a larger read) is copied, so nothing else stays alive.
+        state[key] = value if _owns_storage(value) else value.clone()
         if step is not None and "step" not in state:
             state["step"] = torch.tensor(float(step))
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the whole of its storage, contiguous (nothing else can be a view of more of it)."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
 def _range_placements(entry: Entry, start: int, stop: int) -> list:

@@ -518,3 +518,28 @@ def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeyp
             got = torch.cat([reader.read("w", box).reshape(-1) for box in flat_boxes((64, 48), start, stop)])
         assert torch.equal(got, flat[start:stop]), part
         assert sum(counts) <= 4 * (stop - start) + 4 * 1024, (part, sum(counts))
+
+
+def test_set_state_adopts_a_value_read_for_it_alone_and_copies_a_view():
+    """ZeRO-0's optimizer state is set from the loaded tensor itself when it owns its storage (no second copy, as
+    torch's Optimizer.load_state_dict adopts the loaded tensors); a view of a larger buffer is copied, so the
+    state does not keep the rest of the buffer alive."""
+    from shardline.plugins.checkpoint.names import Entry
+    from shardline.plugins.lightning.checkpoint_access import Access
+
+    param = torch.nn.Parameter(torch.zeros(4, 3))
+    optimizer = torch.optim.AdamW([param])
+    access = Access(optimizer)
+    entry = Entry(path="w", name="w", tensor=param, writes=True, is_param=True,
+                  placement=Placement(kind="plain", dense=(4, 3), box=((0, 4), (0, 3))))
+    own = torch.randn(4, 3)
+    access.set_state(entry, "exp_avg", own, step=5)
+    assert optimizer.state[param]["exp_avg"].data_ptr() == own.data_ptr() and float(optimizer.state[param]["step"]) == 5.0
+    bigger = torch.randn(10, 3)
+    access.set_state(entry, "exp_avg_sq", bigger[2:6], step=5)
+    state = optimizer.state[param]["exp_avg_sq"]
+    assert torch.equal(state, bigger[2:6]) and state.untyped_storage().data_ptr() != bigger.untyped_storage().data_ptr()
+    flat = torch.randn(12)  # a whole buffer of another shape: reshaped, still adopted
+    access.set_state(entry, "exp_avg", flat, step=5)
+    assert optimizer.state[param]["exp_avg"].data_ptr() == flat.data_ptr()
+    assert torch.equal(optimizer.state[param]["exp_avg"], flat.reshape(4, 3))
