@@ -58,6 +58,9 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: st
                           LOCAL_WORLD_SIZE=str(world_size))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # Every rank has its connections before any runs fn: a rank that returns at once and exits must not
+        # close its sockets while a slower peer is still connecting its gloo mesh ("Connection closed by peer").
+        dist.barrier()
         result = fn(rank, world_size, *args)
         # Plain pickle copies tensors by value; multiprocessing's pickler would share their storage through a
         # file-descriptor server that dies with this worker before the caller reads it.

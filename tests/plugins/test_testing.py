@@ -72,11 +72,23 @@ def test_failing_rank_is_named_with_its_traceback():
 def test_hanging_rank_is_reported_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        run_ranks(_hang_on, 3, 1, timeout=3)
+        run_ranks(_hang_on, 3, 1, timeout=5)
     assert info.value.rank == 1
-    assert "timed out after 3 s" in str(info.value) and "[1]" in str(info.value)
-    assert time.monotonic() - start < 15
+    assert "timed out after 5 s" in str(info.value) and "ranks still running: [1]" in str(info.value)
+    assert time.monotonic() - start < 17
     assert _no_children_left()
+
+
+def _return_at_once(rank, world):
+    return rank
+
+
+def test_ranks_that_return_at_once_do_not_break_a_slower_ranks_rendezvous():
+    """The healthy ranks of a run return without a collective; before run_ranks' barrier after the rendezvous,
+    a rank still connecting its gloo mesh then failed with 'Connection closed by peer' (seen in CI under load,
+    in the test above)."""
+    for _ in range(3):
+        assert run_ranks(_return_at_once, 4) == [0, 1, 2, 3]
 
 
 def test_dying_rank_is_reported():
