@@ -33,6 +33,7 @@ from shardline.plugins.checkpoint.boxes import (
 from shardline.plugins.checkpoint.files import CheckpointReader, dtype_of
 from shardline.plugins.checkpoint.names import STATE, Entry
 from shardline.plugins.errors import CheckpointError
+from shardline.plugins.layers.tp_comm import owned
 from shardline.plugins.lightning import deepspeed_compat as compat
 
 _FRAGMENT_KINDS = ("plain", "vocab", "conv1d")  # a flat range of the rank's part is boxes of the canonical tensor
@@ -186,18 +187,11 @@ class Access:
             safe_set_full_optimizer_state(param, value.to(torch.float32), key)
             return
         state = self.base.state.setdefault(param, {})
-        value = value.to(dtype=param.dtype, device=param.device).reshape(param.shape)
         # A value the read made for this alone is adopted (as torch's Optimizer.load_state_dict adopts the loaded
         # tensors); one that shares its storage (a view of a larger read) is copied, so nothing else stays alive.
-        state[key] = value if _owns_storage(value) else value.clone()
+        state[key] = owned(value.reshape(param.shape), dtype=param.dtype, device=param.device)
         if step is not None and "step" not in state:
             state["step"] = torch.tensor(float(step))
-
-
-def _owns_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is the whole of its storage, contiguous (nothing else can be a view of more of it)."""
-    return (tensor.is_contiguous() and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
 def _range_placements(entry: Entry, start: int, stop: int) -> list:
