@@ -37,10 +37,12 @@ except ImportError:  # a dependency of shardline; only a broken install lacks it
     _hardware_crc32c = None
 
 
+_MISSING = "CRC-32C checksums need the 'crc32c' package, which is not installed (pip install 'crc32c>=2.6')"
+
+
 def _crc32c(data, value: int = 0) -> int:
-    if _hardware_crc32c is None:
-        raise CheckpointError("this checkpoint's checksums are CRC-32C, which needs the 'crc32c' package "
-                              "(pip install 'crc32c>=2.6')")
+    if _hardware_crc32c is None:  # readers and writers say where first (Checksum.require)
+        raise CheckpointError(_MISSING)
     return _hardware_crc32c(data, value)
 
 
@@ -77,8 +79,7 @@ class Checksum:
     def require(self, where) -> None:
         """CheckpointError naming ``where`` when this CRC cannot be computed here (CRC-32C without its package)."""
         if self.of is _crc32c and _hardware_crc32c is None:
-            raise CheckpointError(f"{where}: CRC-32C checksums need the 'crc32c' package, which is not installed "
-                                  "(pip install 'crc32c>=2.6')")
+            raise CheckpointError(f"{where}: {_MISSING}")
 
     def combine(self, first: int, second: int, second_bytes: int) -> int:
         """The CRC of ``A + B`` from ``first = crc(A)``, ``second = crc(B)`` and ``len(B)``."""
