@@ -214,11 +214,18 @@ def read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
 
 def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened rank's part of ``name`` (a ZeRO partition's range), read into
-    one buffer: each of the range's boxes straight into its run of it (no concatenation)."""
+    one buffer: a view of the file's map where the range was saved as it is read (the saving layout:
+    :meth:`~shardline.plugins.checkpoint.files.CheckpointReader.read_flat`), else each of the range's boxes
+    straight into its run of a fresh buffer (no concatenation)."""
     _need(reader, entry, name)
+    subs = _range_placements(entry, start, stop)
+    if entry.placement.kind == "plain":
+        flat = reader.read_flat(name, [sub.box for sub in subs])
+        if flat is not None:
+            return flat
     out = torch.empty(stop - start, dtype=dtype_of(reader.tensors[name]["dtype"]))
     offset = 0
-    for sub in _range_placements(entry, start, stop):
+    for sub in subs:
         n = volume(sub.box)
         reader.read_part(name, sub, out=out[offset:offset + n].view(tuple(b - a for a, b in sub.box)))
         offset += n

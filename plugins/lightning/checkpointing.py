@@ -225,7 +225,8 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
             if me != 0:  # every rank resolves the path; rank 0 alone says which partial saves it skipped
                 warnings.simplefilter("ignore")
             out.found = str(resolve(checkpoint_path))
-        reader = out.reader = CheckpointReader(out.found, defer_checks=True)  # all verified below, before use
+        # all verified below, before use; mapped: every value read is copied into the model and the optimizer
+        reader = out.reader = CheckpointReader(out.found, defer_checks=True, mapped=True)
         out.mine = entries(strategy.lightning_module, tp=grid.size("tp"), tp_rank=grid.rank("tp"),
                            shape_of=compat.whole_shape)
         out.error = _check_mine(reader, strategy.lightning_module, out.mine)

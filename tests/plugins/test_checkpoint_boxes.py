@@ -248,6 +248,41 @@ def test_read_range_fills_one_buffer_with_the_flat_range(tmp_path, kind):
             assert got.dtype == w.dtype and torch.equal(got, ref.reshape(-1)[start:stop]), (start, stop)
 
 
+def test_a_saved_zero_range_read_in_its_own_layout_is_one_view_of_the_map(tmp_path):
+    """A ZeRO partition's flat range read back in the layout that saved it: its 2-3 boxes lie back to back in the
+    rank's file, so the range is one view of the file's map (no fresh memory, no copy), each box still CRC-checked;
+    another range, or a reader that does not map, reads into fresh memory with the same values; a damaged box of
+    the range is named."""
+    from shardline.plugins.checkpoint.files import CheckpointReader
+    from shardline.plugins.checkpoint.names import Entry
+    from shardline.plugins.errors import CheckpointError
+    from shardline.plugins.lightning.checkpoint_access import read_range
+
+    w = torch.randn(7, 5, generator=torch.Generator().manual_seed(4))
+    parts = ((0, 12), (12, 23), (23, 35))
+    folder, manifest = _save(tmp_path, {"w": (w, [b for r in parts for b in flat_boxes((7, 5), *r)])})
+    size = (folder / manifest["tensors"]["w"]["pieces"][0][0]).stat().st_size
+    entry = Entry(path="w", name="w", tensor=torch.empty(0), writes=True, is_param=True,
+                  placement=Placement(kind="plain", dense=(7, 5), box=((0, 7), (0, 5))))
+    for mapped in (True, False):
+        with CheckpointReader(folder, mapped=mapped) as reader:
+            for start, stop in (*parts, (3, 31)):
+                got = read_range(reader, entry, "w", start, stop)
+                assert torch.equal(got, w.reshape(-1)[start:stop]), (mapped, start, stop)
+                one_view = got.untyped_storage().nbytes() == size  # the whole file's map is its storage
+                assert one_view == (mapped and (start, stop) in parts), (mapped, start, stop)
+        assert torch.equal(got, w.reshape(-1)[3:31])  # still valid after the reader closed
+    file, key = manifest["tensors"]["w"]["pieces"][3][:2]  # the 2nd partition's 2nd box
+    raw = bytearray((folder / file).read_bytes())
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    raw[data_start + json.loads(raw[8:data_start])[key]["data_offsets"][0]] ^= 0x20
+    (folder / file).write_bytes(bytes(raw))
+    with CheckpointReader(folder, mapped=True) as reader:
+        assert torch.equal(read_range(reader, entry, "w", 0, 12), w.reshape(-1)[:12])
+        with pytest.raises(CheckpointError, match=rf"tensor 'w' \(entry {key!r}\) is damaged"):
+            read_range(reader, entry, "w", 12, 23)
+
+
 def _reference_crcs():
     """Each checksum's independent implementation: zlib's CRC-32, the crc32c package's CRC-32C."""
     import zlib
@@ -339,9 +374,16 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
 
 
 def _count_reads(reader) -> list[int]:
-    """Bytes each ``readinto`` of ``reader`` returned, from now on."""
+    """Bytes each ``readinto`` of ``reader`` returned, and each view of a file's map it took, from now on."""
     counts: list[int] = []
-    real = reader._handle
+    real, span = reader._handle, reader._span
+
+    def counted_span(path, offset, nbytes):
+        view = span(path, offset, nbytes)
+        counts.append(0 if view is None else view.numel())
+        return view
+
+    reader._span = counted_span
 
     class Counting:
         def __init__(self, handle):
@@ -362,7 +404,8 @@ def _count_reads(reader) -> list[int]:
     return counts
 
 
-def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, monkeypatch, mapped):
     """A 100 x 7 float32 piece (2800 bytes) in 256-byte chunks (11 CRCs in the manifest): rows 40-50 read 2 chunks
     (bytes 1120-1400); damage outside them is not read, damage inside is named with its chunk; a manifest without
     chunk CRCs (older writer) reads the whole piece, with the same values."""
@@ -378,7 +421,7 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
     assert manifest["chunk_crc32"]["bytes"] == 256 and len(crcs) == 11
     assert all(k.startswith("w@") for k in manifest["chunk_crc32"]["pieces"][file])  # 56 bytes: no chunks
     box = ((40, 50), (2, 5))
-    with files.CheckpointReader(folder) as reader:
+    with files.CheckpointReader(folder, mapped=mapped) as reader:
         counts = _count_reads(reader)
         assert torch.equal(reader.read("w", box), w[40:50, 2:5])
         assert sum(counts) == 512  # chunks 4 and 5
@@ -397,24 +440,24 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
         (folder / file).write_bytes(bytes(damaged))
 
     flipped(100)  # chunk 0: not among the rows read
-    with files.CheckpointReader(folder) as reader:
+    with files.CheckpointReader(folder, mapped=mapped) as reader:
         assert torch.equal(reader.read("w", box), w[40:50, 2:5])
         with pytest.raises(CheckpointError, match=r"tensor 'w' .* is damaged"):
             reader.read("w")
     flipped(1300)  # chunk 5: named
-    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError) as caught:
+    with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
         reader.read("w", box)
     assert f"{folder / file}: tensor 'w' (entry {key!r}) is damaged: chunk 5 of 11" in str(caught.value)
     spans = json.dumps(json.loads(raw[8:data_start])[key]["data_offsets"], separators=(",", ":")).encode()
     assert raw.count(spans) == 1 and spans.endswith(b"0]")
     (folder / file).write_bytes(bytes(raw).replace(spans, spans[:-2] + b"4]"))  # a damaged header, same length
-    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=r"data_offsets .* do not hold"):
+    with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError, match=r"data_offsets .* do not hold"):
         reader.read("w", box)
     (folder / file).write_bytes(bytes(raw))
     old = json.loads((folder / files.MANIFEST).read_text())
     del old["chunk_crc32"]
     (folder / files.MANIFEST).write_text(json.dumps(old))
-    with files.CheckpointReader(folder) as reader:
+    with files.CheckpointReader(folder, mapped=mapped) as reader:
         counts = _count_reads(reader)
         assert torch.equal(reader.read("w", box), w[40:50, 2:5]) and sum(counts) == 2800
     for bad, match in (({"bytes": 0, "pieces": {}}, "'chunk_crc32' is not"),
@@ -423,7 +466,7 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
                        ({"bytes": 256, "pieces": {file: {key: 7}}}, "lists chunk CRCs 7 for 2800 bytes")):
         (folder / files.MANIFEST).write_text(json.dumps({**old, "chunk_crc32": bad}))
         with pytest.raises(CheckpointError, match=match):
-            with files.CheckpointReader(folder) as reader:
+            with files.CheckpointReader(folder, mapped=mapped) as reader:
                 reader.read("w", box)
 
 
@@ -484,9 +527,16 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
             assert not reader._pending and len(reader._verified) == 1  # v's check passed and counts
         with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=match):
             reader.read("w", box)  # the default: checked before the read returns
-    # Over PENDING_BYTES waiting, the oldest check is waited for at once; its failure still comes from verify.
+    # Over PENDING_BYTES read into memory waiting, the oldest check is waited for at once; its failure still
+    # comes from verify. Mapped reads hold no memory of their own (page cache): they do not count.
     monkeypatch.setattr(files, "PENDING_BYTES", 1000)
-    with files.CheckpointReader(folder, defer_checks=True) as reader:
+    with files.CheckpointReader(folder, defer_checks=True, mapped=True) as reader:
+        reader.read("w")
+        reader.read("v")
+        assert len(reader._pending) == 2 and reader._pending_bytes == 0
+        with pytest.raises(CheckpointError, match="'w'.*is damaged: its CRC does not match"):
+            reader.verify()
+    with files.CheckpointReader(folder, defer_checks=True, mapped=False) as reader:
         reader.read("w")  # 2800 bytes: alone in the queue, it stays
         assert len(reader._pending) == 1
         reader.read("v")
@@ -502,7 +552,8 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
     assert not reader._pending
 
 
-def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeypatch, mapped):
     """The resharding case the chunks are for: a tensor saved as 2 tensor-parallel row halves, read as the 4
     flat ZeRO-3 ranges of another layout; each range reads its own bytes plus at most a chunk at either end."""
     from shardline.plugins.checkpoint import files
@@ -513,7 +564,7 @@ def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeyp
     flat = w.reshape(-1)
     for part in range(4):
         start, stop = part * 768 - (5 if part else 0), (part + 1) * 768 + (7 if part < 3 else 0)
-        with files.CheckpointReader(folder) as reader:
+        with files.CheckpointReader(folder, mapped=mapped) as reader:
             counts = _count_reads(reader)
             got = torch.cat([reader.read("w", box).reshape(-1) for box in flat_boxes((64, 48), start, stop)])
         assert torch.equal(got, flat[start:stop]), part

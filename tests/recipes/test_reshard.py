@@ -18,6 +18,9 @@ reads only their chunks (the partial-read path a large model takes) in every loa
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -57,10 +60,14 @@ class _Record(pl.Callback):
     """The global-batch loss of every step (every rank of a replica reports its replica's mean: the mean over
     the world is the mean over replicas), and a save right after the load, before the first step."""
 
-    def __init__(self, resave: str | None):
-        self.losses, self.resave = [], resave
+    def __init__(self, resave: str | None, resumed_from: str | None = None):
+        self.losses, self.resave, self.resumed_from = [], resave, resumed_from
 
     def on_train_start(self, trainer, module):
+        if self.resumed_from:  # the load read through maps of the files: every value was copied out of them
+            gc.collect()
+            mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if self.resumed_from in line]
+            assert not mapped, mapped
         if self.resave:
             trainer.save_checkpoint(self.resave)
 
@@ -72,7 +79,7 @@ class _Record(pl.Callback):
 
 def _run(rank, world, layout, epochs, save_to, resume_from, resave):
     adopt_process_group_in_lightning()
-    record = _Record(resave)
+    record = _Record(resave, resume_from)
     strategy = HybridParallelStrategy(**layout)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
