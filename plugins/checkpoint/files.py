@@ -487,6 +487,7 @@ class CheckpointReader:
         self.checksum = algorithm(self.manifest["checksum"], path) if "checksum" in self.manifest else LEGACY
         self.checksum.require(path)
         self._headers: dict[str, tuple[int, dict]] = {}
+        self._paths: dict[str, Path] = {}
         self._boxes: dict[str, list[tuple[str, str, Box, int]]] = {}
         self._verified: set[tuple[str, str]] = set()
         self._verified_chunks: set[tuple[str, str, int]] = set()
@@ -498,10 +499,17 @@ class CheckpointReader:
         self._chunk_bytes = chunks["bytes"] if chunks else 0
         self._chunks: dict[str, dict[str, list[int]]] = chunks["pieces"] if chunks else {}
 
+    def _path(self, file: str) -> Path:
+        """The path of one of the checkpoint's files (made once: a load asks for it per piece)."""
+        path = self._paths.get(file)
+        if path is None:
+            path = self._paths[file] = self.folder / file
+        return path
+
     def _header(self, file: str) -> tuple[int, dict]:
         """``(where the data starts, the safetensors header)`` of one of the checkpoint's files."""
         if file not in self._headers:
-            path = self.folder / file
+            path = self._path(file)
             try:
                 f = self._handle(path)
                 f.seek(0)
@@ -711,7 +719,7 @@ class CheckpointReader:
         entry, checked against its box in the manifest."""
         start, header = self._header(file)
         info = header.get(key)
-        path = self.folder / file
+        path = self._path(file)
         if not isinstance(info, dict) or info.get("dtype") not in _NAMES:
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is not in the file's header")
         shape, offsets = tuple(info["shape"]), info["data_offsets"]

@@ -24,6 +24,7 @@ import torch
 
 from shardline.plugins.checkpoint.boxes import (
     Box,
+    canonical_boxes,
     flat_boxes,
     shift,
     split_rows,
@@ -219,7 +220,8 @@ def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, st
     straight into its run of a fresh buffer (no concatenation)."""
     _need(reader, entry, name)
     subs = _range_placements(entry, start, stop)
-    if entry.placement.kind == "plain":
+    # plain, or a vocabulary range short of its padding rows: the range's boxes are the canonical pieces' boxes
+    if entry.placement.kind in ("plain", "vocab") and all(canonical_boxes(sub) == [sub.box] for sub in subs):
         flat = reader.read_flat(name, [sub.box for sub in subs])
         if flat is not None:
             return flat

@@ -156,7 +156,8 @@ def test_read_part_of_a_vocab_tensor_into_out_reads_its_rows_in_place_and_zeroes
     assert copies == []  # read straight into out: no temporary copied over
 
 
-def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path, monkeypatch, mapped):
     import crc32c
 
     from shardline.plugins.checkpoint import files
@@ -172,7 +173,7 @@ def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path,
     piece = manifest["tensors"]["big"]["pieces"][0]
     assert manifest["checksum"] == "crc32c"
     assert piece[3] == crc32c.crc32c(big[:100].numpy().tobytes())  # the writer's CRC (its thread) is the bytes'
-    with files.CheckpointReader(folder) as reader:
+    with files.CheckpointReader(folder, mapped=mapped) as reader:
         assert torch.equal(reader.read("big"), big)
     assert threads and all(t.startswith("shardline-crc") for t in threads)  # each chunk CRC'd off the reader
     # One flipped byte deep in the first piece (its 7th chunk): the read names the file and the tensor.
@@ -182,11 +183,11 @@ def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path,
     data = bytearray(file.read_bytes())
     data[8 + header_len + 6 * (1 << 16) + 123] ^= 0x01
     file.write_bytes(bytes(data))
-    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError) as caught:
+    with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
         reader.read("big")
     assert f"{file}: tensor 'big' (entry {piece[1]!r}) is damaged" in str(caught.value)
     # Cut short after the reader checked the sizes: named too, and the CRC thread is left idle.
-    with files.CheckpointReader(folder) as reader:
+    with files.CheckpointReader(folder, mapped=mapped) as reader:
         file.write_bytes(bytes(data[:8 + header_len + 5 * (1 << 16)]))
         with pytest.raises(CheckpointError, match="'big'.*is cut short"):
             reader.read("big")
@@ -241,11 +242,15 @@ def test_read_range_fills_one_buffer_with_the_flat_range(tmp_path, kind):
     ref = torch.cat([w, torch.zeros(1, 5)]) if kind == "vocab" else w
     entry = Entry(path="w", name="w", tensor=torch.empty(0), writes=True, is_param=True,
                   placement=Placement(kind=kind, dense=dense, box=((0, dense[0]), (0, 5)), vocab=7))
-    with CheckpointReader(folder) as reader:
-        for start, stop in [(0, 12), (12, 23), (3, 31), (0, dense[0] * 5), (30, 40 if kind == "vocab" else 35),
-                            (7, 8)]:
-            got = read_range(reader, entry, "w", start, stop)
-            assert got.dtype == w.dtype and torch.equal(got, ref.reshape(-1)[start:stop]), (start, stop)
+    size = (folder / files_of(folder)[0]).stat().st_size
+    for mapped in (False, True):
+        with CheckpointReader(folder, mapped=mapped) as reader:
+            for start, stop in [(0, 12), (12, 23), (3, 31), (0, dense[0] * 5), (30, 40 if kind == "vocab" else 35),
+                                (7, 8)]:
+                got = read_range(reader, entry, "w", start, stop)
+                assert got.dtype == w.dtype and torch.equal(got, ref.reshape(-1)[start:stop]), (start, stop)
+                # a saved partition, short of the padding rows, is one view of the file's map
+                assert (got.untyped_storage().nbytes() == size) == (mapped and (start, stop) in ((0, 12), (12, 23)))
 
 
 def test_a_saved_zero_range_read_in_its_own_layout_is_one_view_of_the_map(tmp_path):
@@ -281,6 +286,11 @@ def test_a_saved_zero_range_read_in_its_own_layout_is_one_view_of_the_map(tmp_pa
         assert torch.equal(read_range(reader, entry, "w", 0, 12), w.reshape(-1)[:12])
         with pytest.raises(CheckpointError, match=rf"tensor 'w' \(entry {key!r}\) is damaged"):
             read_range(reader, entry, "w", 12, 23)
+
+
+def files_of(folder) -> list[str]:
+    """The checkpoint's safetensors files, by name."""
+    return sorted(f for f in json.loads((folder / "manifest.json").read_text())["files"] if f.endswith(".safetensors"))
 
 
 def _reference_crcs():
