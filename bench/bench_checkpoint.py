@@ -340,8 +340,9 @@ def _rank(rank, world, model, layout, root, repeats, reshard_from, keep_to, prof
 
 #: Per operation: (label, cProfile function names whose cumulative time counts under it: "file.py:function" for
 #: Python functions, a substring of the name for built-ins, "self:" + a name for that function's own time only);
-#: an indented label is a part of the line above it. (Before a1f7b84 a load memory-mapped the pieces: its device
-#: reads then happened at the first touch of the bytes, inside the CRC check.)
+#: an indented label is a part of the line above it. (Before a1f7b84, and again since 34d4aea, a load reads
+#: through memory maps: its device reads happen at the first touch of the bytes, which is the CRC's, so they
+#: count under the CRC line, not under "device reads (readinto)".)
 PROFILE_GROUPS = {
     "ours_save": [
         # the rank's ZeRO fragments (a view), else its whole TP-part value (DeepSpeed's full accessors)
@@ -363,12 +364,14 @@ PROFILE_GROUPS = {
     ],
     "ours_load": [
         ("CheckpointReader init", ("files.py:__init__",)),
-        ("CheckpointReader.read", ("files.py:read",)),
+        ("CheckpointReader.read, read_flat", ("files.py:read", "files.py:read_flat")),
         ("  device reads (readinto)", ("method 'readinto'",)),
         ("  copy into a box of other pieces", ("self:files.py:read",)),
         # the load defers its checks (CheckpointReader(defer_checks=True)): what is left to wait for is in verify
-        ("CRC: what its thread left to wait for (in read or verify)", (
-            "files.py:verify", "zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c", "files.py:result", "_base.py:result")),
+        # _settle is named so that verify -> _settle -> result counts once (the summary subtracts named callers)
+        ("CRC: what its thread left to wait for (in read or verify; mapped: with the device reads)", (
+            "files.py:verify", "files.py:_settle", "zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c", "files.py:result",
+            "_base.py:result")),
         ("assembly: from_canonical, cat", ("boxes.py:from_canonical", "torch.cat")),
         ("setting: apply, set_weight, set_state", ("checkpoint_access.py:apply", "checkpointing.py:set_weight",
                                                     "checkpointing.py:set_state")),
