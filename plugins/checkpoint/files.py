@@ -70,6 +70,9 @@ SMALL_FILE_ONCE = 64 << 20
 #: waiting for one, so that temporaries read for a box are not all kept alive when the reads outrun the CRC
 #: thread (a mapped read's bytes are the page cache's, which the kernel can drop: they do not count).
 PENDING_BYTES = 256 << 20
+# madvise(MADV_WILLNEED) before a mapped span is read (Linux, macOS; None elsewhere): the kernel reads the span
+# ahead in one go instead of faulting it in page by page (tiny's cold load: 5-14 ms of CRC per rank, now 2-5)
+_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
 MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer.pt"
 #: Test hook: ``PHASE`` or ``PHASE:RANK`` makes that rank SIGKILL itself when the save reaches ``PHASE``
 #: (one of ``PHASES``), to prove a save killed anywhere leaves the previous checkpoint loadable.
@@ -426,6 +429,11 @@ def _fill(handle, view) -> int:
     return got
 
 
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file from the same file rewritten: device, inode, size and modification time."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class CheckpointReader:
     """Reads boxes of canonical tensors from a checkpoint folder, verifying every piece it touches (its CRC) and
     that the pieces cover each box exactly. Raises CheckpointError naming the file and the tensor.
@@ -441,9 +449,14 @@ class CheckpointReader:
     such a view writes the whole file (it saves storages); and every page read through a map stays in the process's
     RSS (reclaimable) while the map lives. Hence the default: a reader whose values a caller keeps, saves or streams
     (``shardline convert``) reads into memory of their own. A read into ``out=``, a piece not aligned to its dtype,
-    and ``mapped=False`` read with ``readinto``. A file truncated by another process while one of its views is in
-    use raises SIGBUS, as any memory-mapped reader (safetensors, ``torch.load(mmap=True)``) does: a committed
-    checkpoint is never rewritten in place.
+    and ``mapped=False`` read with ``readinto``; so does a file the system cannot map. Each span is read ahead
+    with ``madvise(MADV_WILLNEED)``. A mapped value is read twice: by its CRC and again when it is used, from the
+    same page-cache pages. A file cut short after it was mapped reads with ``readinto`` (and is named "cut short");
+    :meth:`verify` refuses a file whose size or modification time changed since it was mapped. What it cannot see:
+    a write between :meth:`verify` and the use of a value, and a page the kernel dropped and read again from a
+    device that now returns other bytes (a value read into memory of its own is checked as used). A file truncated
+    while one of its views is in use raises SIGBUS, as any memory-mapped reader (safetensors,
+    ``torch.load(mmap=True)``) does. shardline never rewrites a committed checkpoint in place.
 
     ``defer_checks=True``: a read returns once its bytes are in memory, its CRCs still running on the CRC thread;
     :meth:`verify` waits for all of them and raises on the first mismatch. For a caller that reads everything
@@ -454,7 +467,8 @@ class CheckpointReader:
 
     def __init__(self, folder: str | os.PathLike, *, defer_checks: bool = False, mapped: bool = False):
         self._files: dict[Path, object] = {}  # first: close() (and __del__) must work on a reader that refused
-        self._maps: dict[Path, torch.Tensor | None] = {}  # each file's bytes over its memory map (``mapped``)
+        # each file's memory map, its bytes as a uint8 tensor over it and its identity (``mapped``, :meth:`_map`)
+        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor, tuple] | None] = {}
         self.mapped = mapped
         # deferred checks, oldest first: (callable giving the CRC, want, message, verified set, key, bytes)
         self._pending: collections.deque[tuple] = collections.deque()
@@ -632,6 +646,21 @@ class CheckpointReader:
             handle = self._files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         return handle
 
+    def _map(self, path: Path) -> tuple[mmap.mmap, torch.Tensor, tuple] | None:
+        """A private map of ``path`` over the reader's own handle (the file its header was read from), its bytes
+        as a uint8 tensor and the file's ``(inode, size, mtime)`` then; None for an empty file or one the
+        system cannot map (a file system without mmap, no address space): ``readinto`` reads it instead."""
+        fd = self._handle(path).fileno()
+        try:
+            stat = os.fstat(fd)
+            if not stat.st_size:
+                return None
+            # ACCESS_COPY: a write to a view copies its pages; the file is never changed
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            return None
+        return mapping, torch.frombuffer(mapping, dtype=torch.uint8), _identity(stat)
+
     def _span(self, path: Path, offset: int, nbytes: int) -> torch.Tensor | None:
         """Bytes ``[offset, offset + nbytes)`` of ``path`` as a uint8 view of the file's private memory map (made
         on first use), or None: not ``mapped``, nothing to map, or the file ends before them (the caller's
@@ -639,14 +668,18 @@ class CheckpointReader:
         if not self.mapped or nbytes <= 0:
             return None
         if path not in self._maps:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                # ACCESS_COPY: a write to a view copies its pages; the file is never changed
-                self._maps[path] = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
-                                                    dtype=torch.uint8) if size else None
-        whole = self._maps[path]
-        if whole is None or offset < 0 or offset + nbytes > whole.numel():
+            self._maps[path] = self._map(path)
+        if self._maps[path] is None or offset < 0:
             return None
+        mapping, whole, _ = self._maps[path]
+        # the file as it is now: one cut short since it was mapped reads past its end with readinto (named
+        # "cut short") instead of faulting (SIGBUS) on pages the file no longer has
+        if offset + nbytes > min(whole.numel(), os.fstat(self._handle(path).fileno()).st_size):
+            return None
+        if _WILLNEED is not None:  # one read-ahead of the whole span, not a page fault (and a small read) per page
+            start = offset - offset % mmap.PAGESIZE
+            with contextlib.suppress(OSError):
+                mapping.madvise(_WILLNEED, start, offset + nbytes - start)
         return whole[offset:offset + nbytes]
 
     def _checked(self, key: tuple) -> bool:
@@ -688,6 +721,10 @@ class CheckpointReader:
         failed, self._failed = self._failed, None
         if failed is not None:
             raise CheckpointError(failed)
+        for path, mapped in self._maps.items():  # a mapped value is read again when used: its file must not change
+            if mapped is not None and _identity(os.fstat(self._handle(path).fileno())) != mapped[2]:
+                raise CheckpointError(f"{path}: the file changed while it was read (size or modification time); "
+                                      "its values are not used")
 
     def close(self) -> None:
         for crc_of, *_ in self._pending:  # no CRC left running over a caller's buffer
@@ -728,7 +765,8 @@ class CheckpointReader:
                                   f"says box {box}")
         dtype = _NAMES[info["dtype"]]
         nbytes = volume(box) * dtype.itemsize
-        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] == nbytes):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes):
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}): data_offsets {offsets} do not hold "
                                   f"{nbytes} bytes of {info['dtype']} {list(shape)} (a damaged header)")
         return path, start, shape, dtype, offsets

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -288,6 +289,63 @@ def test_a_saved_zero_range_read_in_its_own_layout_is_one_view_of_the_map(tmp_pa
             read_range(reader, entry, "w", 12, 23)
 
 
+def test_a_mapped_file_that_changes_or_cannot_be_mapped_is_named_or_read_without_the_map(tmp_path, monkeypatch):
+    """The ways a mapped read can go wrong: a file cut short after its map was made is named "cut short" (a read
+    past its end would be SIGBUS), one written in place after its values were read is refused by verify(), one
+    the system cannot map is read with readinto, and negative data offsets in a header are refused by name."""
+    import errno
+    import mmap as mmap_module
+
+    from shardline.plugins.checkpoint import files
+    from shardline.plugins.errors import CheckpointError
+
+    a = torch.arange(4096, dtype=torch.float32)
+    b = torch.arange(4096, 8192, dtype=torch.float32)
+    folder, manifest = _save(tmp_path, {"a": (a, [((0, 4096),)]), "b": (b, [((0, 4096),)])})
+    file = folder / manifest["tensors"]["a"]["pieces"][0][0]
+    assert file.name == manifest["tensors"]["b"]["pieces"][0][0]  # one file, a then b
+    raw = file.read_bytes()
+    with files.CheckpointReader(folder, mapped=True) as reader:
+        assert torch.equal(reader.read("a"), a)  # the file is mapped now
+        with open(file, "r+b") as f:  # the same inode, cut before b's bytes
+            f.truncate(len(raw) - 4096)
+        with pytest.raises(CheckpointError, match="'b'.*is cut short"):
+            reader.read("b")
+    file.write_bytes(raw)
+    os.utime(file, ns=(0, 0))  # an old modification time: the write below surely changes it
+    with files.CheckpointReader(folder, mapped=True, defer_checks=True) as reader:
+        got = reader.read("b")
+        assert got.untyped_storage().nbytes() == len(raw)  # a view of the map
+        with open(file, "r+b") as f:  # 4 bytes of b's last element, in place
+            f.seek(len(raw) - 4)
+            f.write(b"\xff\xff\xff\x7f")
+        with pytest.raises(CheckpointError, match=f"{file}: the file changed while it was read"):
+            reader.verify()
+    file.write_bytes(raw)
+
+    def no_map(*args, **kwargs):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(mmap_module, "mmap", no_map)
+    with files.CheckpointReader(folder, mapped=True, defer_checks=True) as reader:
+        got = reader.read("b")
+        reader.verify()
+        assert torch.equal(got, b) and got.untyped_storage().nbytes() == b.numel() * 4  # memory of its own
+    monkeypatch.undo()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    key = manifest["tensors"]["a"]["pieces"][0][1]
+    header[key]["data_offsets"] = [-16384, 0]
+    header.pop("__metadata__", None)  # room for the minus sign: the file keeps its size
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(header_len)
+    assert len(text) == header_len
+    file.write_bytes(raw[:8] + text + raw[8 + header_len:])
+    for mapped in (True, False):
+        with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
+            reader.read("a")
+        assert f"{file}: tensor 'a' (entry {key!r}): data_offsets [-16384, 0]" in str(caught.value)
+
+
 def files_of(folder) -> list[str]:
     """The checkpoint's safetensors files, by name."""
     return sorted(f for f in json.loads((folder / "manifest.json").read_text())["files"] if f.endswith(".safetensors"))
@@ -404,6 +462,9 @@ def _count_reads(reader) -> list[int]:
 
         def read(self, *args):
             return self.handle.read(*args)
+
+        def fileno(self):
+            return self.handle.fileno()
 
         def readinto(self, buf):
             n = self.handle.readinto(buf)
