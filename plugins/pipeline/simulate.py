@@ -9,9 +9,12 @@ together (``batch_isend_irecv``, a NCCL group), then the rank waits.
   that completes under this rendezvous semantics cannot deadlock on gloo (whose sends are asynchronous) nor on
   NCCL (whose sends may block until the matching receive is posted, and which serialises the operations between
   one pair of ranks): completion order is the same on both ends of every pair.
-- **Timing** (:func:`simulate`) follows what the engine does: sends are posted and not waited on, a receive
-  completes ``t_comm`` after the later of its own posting and its partner's. Compute actions take
-  ``t_forward``, ``t_backward`` or ``t_weight``.
+- **Timing** (:func:`simulate`) follows what the engine does: sends are posted and not waited on, and a send's
+  bytes travel as soon as it is posted (eager, as gloo's asynchronous sends do), so a receive completes at
+  ``max(its own posting, its partner's posting + t_comm)``: a receive posted after the data arrived waits for
+  nothing. (Under a rendezvous transport the transfer would start only once both are posted,
+  ``max(both) + t_comm``; the model does not price that.) Compute actions take ``t_forward``, ``t_backward``
+  or ``t_weight``.
 
 Definitions: ``busy_r`` is rank ``r``'s compute time, ``idle_r = makespan - busy_r``, and the bubble fraction is
 ``sum_r idle_r / (p * makespan)``. Under unit costs (F = B = 1, no comm) GPipe and 1F1B give
