@@ -17,9 +17,11 @@ Everything else: memcpy by direction (h2d / d2h / d2d), memset, sync (host-side 
 ``cuda_sync`` markers), and compute otherwise. ``idle`` is never assigned here; attribution creates it.
 
 ``dim`` (communication rows only): from the process-group description (ours ``sl:tp``; torch DeviceMesh
-``mesh_tp``; Megatron ``TENSOR_MODEL_PARALLEL_GROUP``; ``default_pg`` is the world), else from the group's
-ranks or size against a ``layout`` ``dict(tp=, cp=, dp=, pp=)`` (rank order tp fastest, then cp, dp, pp),
-else ``unknown``. All matching runs on unique names/descriptions and is broadcast back.
+``mesh_tp``; Megatron ``TENSOR_MODEL_PARALLEL_GROUP``, and ``MODEL_PARALLEL_GROUP`` = tp x pp = ``mp``;
+``default_pg`` is the world), else from the group's ranks or size against a ``layout`` ``dict(tp=, cp=, dp=,
+pp=)`` (rank order tp fastest, then cp, dp, pp; ranks spanning exactly the tp x pp ranks of one (cp, dp)
+coordinate are ``mp``, cp x dp is ``dp_cp``), else ``unknown`` (e.g. Megatron's
+``TENSOR_AND_DATA_PARALLEL_GROUP``, which no single dimension names). All matching runs on unique names/descriptions and is broadcast back.
 """
 
 from __future__ import annotations
@@ -307,6 +309,7 @@ _DESC_DIMS = (
     (re.compile(r"^(mesh_)?(dp_cp|dp_shard_cp)$|^data_parallel_group_with_cp$"), "dp_cp"),
     (re.compile(r"^(mesh_)?(dp|dp_shard|dp_replicate|fsdp|hsdp|ddp)$|^data_parallel_group$|"
                 r"^expert_data_parallel_group$"), "dp"),
+    (re.compile(r"^(mesh_)?mp$|^model_parallel_group$"), "mp"),  # Megatron's tp x pp group (grid.py's "mp")
     (re.compile(r"^(embedding_group|position_embedding_group)$"), "embed"),
     (re.compile(r"^default_pg$"), "world"),
 )
@@ -338,6 +341,8 @@ def layout_dim(ranks_text: str, *, size: int, layout: Mapping[str, int]) -> str:
         varying = placement.varying_axes(ranks, degrees)  # the training side's own rank order
         if varying == ["cp", "dp"]:
             return "dp_cp"
+        if varying == ["tp", "pp"] and size == degrees["tp"] * degrees["pp"]:
+            return "mp"  # every tp and pp rank of one (cp, dp) coordinate: Megatron's MODEL_PARALLEL_GROUP
         return varying[0] if len(varying) == 1 else UNKNOWN_DIM
     if size == world and size > 1:
         return "world"

@@ -216,6 +216,7 @@ def test_comm_word_table_equals_the_pattern_searched_per_name(names):
     ("mesh_cp", "cp"), ("mesh_dp_shard_cp", "dp_cp"), ("mesh_ep", "ep"), ("TENSOR_MODEL_PARALLEL_GROUP", "tp"),
     ("PIPELINE_MODEL_PARALLEL_GROUP", "pp"), ("DATA_PARALLEL_GROUP", "dp"), ("CONTEXT_PARALLEL_GROUP", "cp"),
     ("EXPERT_MODEL_PARALLEL_GROUP", "ep"), ("DATA_PARALLEL_GROUP_WITH_CP", "dp_cp"), ("default_pg", "world"),
+    ("MODEL_PARALLEL_GROUP", "mp"), ("sl:mp", "mp"), ("TENSOR_AND_DATA_PARALLEL_GROUP", ""),
     ("undefined", ""), ("mesh_dim_0", ""),
 ])
 def test_group_descriptions_name_dims(desc, dim):
@@ -228,6 +229,8 @@ def test_layout_fallback_from_ranks_and_size():
     assert layout_dim("[1, 3]", size=2, layout=layout) == "dp"
     assert layout_dim("[2, 6]", size=2, layout=layout) == "pp"
     assert layout_dim("[0, 1, 2, 3]", size=4, layout=layout) == "unknown"  # tp x dp: no single dimension
+    assert layout_dim("[2, 3, 6, 7]", size=4, layout=layout) == "mp"  # tp x pp at dp 1: Megatron's model parallel
+    assert layout_dim("[0, 5]", size=2, layout=layout) == "unknown"  # varies along tp and pp, but not all of them
     assert layout_dim(str(list(range(8))), size=8, layout=layout) == "world"
     assert layout_dim("", size=2, layout=layout) == "unknown"  # three dims of size 2: size alone is ambiguous
     assert layout_dim("", size=4, layout=dict(tp=4, dp=2)) == "tp"

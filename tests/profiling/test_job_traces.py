@@ -120,8 +120,8 @@ def test_dims_from_the_megatron_group_descriptions(job):
     assert set(tp_kernels["category"].astype(str)) == {"all_reduce", "broadcast"}
     dp_kernels = kernels[kernels["dim"].astype(str) == "dp"]
     assert set(dp_kernels["category"].astype(str)) == {"reduce_scatter", "all_gather"}
-    # Megatron's MODEL_PARALLEL_GROUP (tp x pp) names no single dimension.
-    assert set(kernels.loc[kernels["pg_desc"].astype(str) == "MODEL_PARALLEL_GROUP", "dim"].astype(str)) == {"unknown"}
+    # Megatron's MODEL_PARALLEL_GROUP is tp x pp: our grid's combined "mp" axis.
+    assert set(kernels.loc[kernels["pg_desc"].astype(str) == "MODEL_PARALLEL_GROUP", "dim"].astype(str)) == {"mp"}
 
 
 def test_bubble_is_the_receive_wait_on_one_clock(tmp_path):
