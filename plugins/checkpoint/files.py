@@ -429,9 +429,10 @@ def _fill(handle, view) -> int:
     return got
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
-    """What tells a file from the same file rewritten: device, inode, size and modification time."""
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    """What tells an open file from the same file written to since: its size and modification time (the reader
+    stats its own handle, whose device and inode cannot change)."""
+    return stat.st_size, stat.st_mtime_ns
 
 
 class CheckpointReader:
@@ -648,7 +649,7 @@ class CheckpointReader:
 
     def _map(self, path: Path) -> tuple[mmap.mmap, torch.Tensor, tuple] | None:
         """A private map of ``path`` over the reader's own handle (the file its header was read from), its bytes
-        as a uint8 tensor and the file's ``(inode, size, mtime)`` then; None for an empty file or one the
+        as a uint8 tensor and the file's ``(size, mtime)`` then; None for an empty file or one the
         system cannot map (a file system without mmap, no address space): ``readinto`` reads it instead."""
         fd = self._handle(path).fileno()
         try:

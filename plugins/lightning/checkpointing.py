@@ -246,8 +246,6 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
     except CheckpointError as failure:  # load raises it on every rank; nothing read is used
         out.error = str(failure)
     finally:
-        if out.error is not None:
-            out.staged.clear()  # no view of a map lives on in the traceback of the error load raises
         if out.reader is not None:
             out.reader.close()
     return out
@@ -263,6 +261,14 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     got = _read_everything(strategy, checkpoint_path, optimizer, access)
+    try:
+        return _agree_and_apply(strategy, got, optimizer, access)
+    finally:  # set, or refused here or on another rank: no view of a map outlives the load (nor its error)
+        got.staged.clear()
+
+
+def _agree_and_apply(strategy, got: _Read, optimizer, access: Access) -> dict[str, Any]:
+    """:func:`load` after this rank's reads: the exchange, then everything set, or the one error on every rank."""
     reader, trainer_state = got.reader, got.trainer_state
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (got.found, got.error, {e.name for e in got.mine}))
@@ -274,17 +280,13 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
         extra = _check_extra(reader, set().union(*(n for _, _, n in everyone)))
         failure = None if extra is None else f"{extra}; nothing was loaded"
     if failure is not None:
-        got.staged.clear()  # this rank's values were fine, another's were not: drop them (and their maps) now
         raise CheckpointError(failure)
     saved_keys = reader.manifest.get("optimizer_state_keys", [])
     if optimizer is not None and saved_keys:
         compat.ensure_optimizer_state(optimizer, saved_keys)
     step = (trainer_state.get("shardline_optimizer") or {}).get("step")
-    try:
-        for entry, values in got.staged:  # nothing below can fail on bad input: everything was read and checked
-            access.apply(entry, values, step)
-    finally:
-        got.staged.clear()  # every value was copied into the model and the optimizer; the maps go with the views
+    for entry, values in got.staged:  # nothing below can fail on bad input: everything was read and checked
+        access.apply(entry, values, step)
     _restore_counters(strategy, reader, trainer_state, got.own, optimizer)
     return trainer_state
 
