@@ -21,7 +21,8 @@ Everything else: memcpy by direction (h2d / d2h / d2d), memset, sync (host-side 
 ``default_pg`` is the world), else from the group's ranks or size against a ``layout`` ``dict(tp=, cp=, dp=,
 pp=)`` (rank order tp fastest, then cp, dp, pp; ranks spanning exactly the tp x pp ranks of one (cp, dp)
 coordinate are ``mp``, cp x dp is ``dp_cp``), else ``unknown`` (e.g. Megatron's
-``TENSOR_AND_DATA_PARALLEL_GROUP``, which no single dimension names). All matching runs on unique names/descriptions and is broadcast back.
+``TENSOR_AND_DATA_PARALLEL_GROUP``, which no single dimension names). All matching runs on unique
+names/descriptions and is broadcast back.
 """
 
 from __future__ import annotations
