@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
+import fcntl
 import io
 import json
 import mmap
@@ -42,6 +44,7 @@ import secrets
 import shutil
 import signal
 import struct
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -173,12 +176,123 @@ def fsync_all(paths: list[Path]) -> None:
         future.result()
 
 
+#: O_DIRECT's alignment of a buffer's address, a file offset and a length: 4096 covers every logical block size in
+#: use. A file of at least :data:`DIRECT_MIN` bytes is written with O_DIRECT where the file system takes it.
+ALIGN, DIRECT_MIN = 4096, 4 * CHUNK
+_BOUNCE: dict[int, tuple[threading.Lock, list[mmap.mmap]]] = {}
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` at ``fd``'s offset. An O_DIRECT write the file system refuses (EINVAL: some accept
+    the flag and refuse the write) clears the flag and goes through the page cache."""
+    while len(view):
+        try:
+            n = os.write(fd, view)
+        except OSError as e:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            continue
+        view = view[n:]
+
+
+class _Sink:
+    """A new file's bytes, streamed. A large file (``direct``) goes past the page cache (O_DIRECT) through two
+    page-aligned :data:`CHUNK` buffers, one written by a thread while the caller fills the other: a checkpoint
+    fills no page cache, so it causes no reclaim and no dirty-page throttling while it is written and leaves
+    nothing of itself in memory after, the reason DeepSpeed's FastPersist writes this way. The file's tail is
+    written padded to :data:`ALIGN` and cut back to its length. Where the file system refuses O_DIRECT (tmpfs
+    before Linux 6.6, some FUSE) and for a small file, plain writes. Durability is still the caller's fsync
+    (the file's size and the device's cache)."""
+
+    def __init__(self, path: Path, *, direct: bool):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self.size, self.fill, self.cur, self.pending = 0, 0, 0, None
+        self.lock = self.bufs = None
+        if direct:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+                self.lock, self.bufs = self._buffers()
+                self.cap = len(self.bufs[0])
+
+    @staticmethod
+    def _buffers() -> tuple[threading.Lock | None, list[mmap.mmap]]:
+        """This process's two bounce buffers (kept: fresh memory costs its page faults each time), or two new ones
+        while another sink holds them."""
+        made = _BOUNCE.get(os.getpid())
+        if made is None or len(made[1][0]) != CHUNK:
+            made = _BOUNCE[os.getpid()] = (threading.Lock(), [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)])
+        if made[0].acquire(blocking=False):
+            return made
+        return None, [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)]
+
+    def write(self, data) -> None:
+        self.size += len(data)
+        if self.bufs is None:
+            _write_all(self.fd, memoryview(data))
+            return
+        data, pos = memoryview(data), 0
+        while pos < len(data):
+            n = min(self.cap - self.fill, len(data) - pos)
+            self.bufs[self.cur][self.fill:self.fill + n] = data[pos:pos + n]
+            self.fill, pos = self.fill + n, pos + n
+            if self.fill == self.cap:
+                self._submit(self.cap)
+
+    def _submit(self, n: int) -> None:
+        self._wait()  # the other buffer's write: it is the one filled next
+        self.pending = _pool("direct", 1).submit(_write_all, self.fd, memoryview(self.bufs[self.cur])[:n])
+        self.cur, self.fill = self.cur ^ 1, 0
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def drain(self) -> None:
+        """Everything written so far is in the file (the mid-shard kill hook): the whole blocks now, the rest
+        (under :data:`ALIGN` bytes) moved to the front of the buffer."""
+        if self.bufs is None:
+            return
+        self._wait()
+        whole = self.fill - self.fill % ALIGN
+        if whole:
+            buf = self.bufs[self.cur]
+            _write_all(self.fd, memoryview(buf)[:whole])
+            buf[:self.fill - whole] = buf[whole:self.fill]
+            self.fill -= whole
+
+    def close(self, *, ok: bool) -> None:
+        try:
+            if self.bufs is not None:
+                if ok:
+                    self._wait()
+                else:  # the thread's write must end before its descriptor closes; the caller's error stands
+                    with contextlib.suppress(OSError):
+                        self._wait()
+                if ok and self.fill:
+                    padded = self.fill + (-self.fill % ALIGN)
+                    buf = self.bufs[self.cur]
+                    buf[self.fill:padded] = bytes(padded - self.fill)
+                    _write_all(self.fd, memoryview(buf)[:padded])
+                    os.ftruncate(self.fd, self.size)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            os.close(self.fd)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, rank: int, sync: bool = True
                       ) -> dict[str, tuple[int, list[int] | None]]:
-    """Write ``tensors`` as one safetensors file, streamed tensor by tensor (no second copy in memory), flushed
-    and fsynced (``sync=False``: the caller fsyncs it, e.g. with :func:`fsync_all`); returns each key's
-    ``(CRC, CRC of each CHUNK bytes or None)`` (:data:`~.crc.WRITTEN`): a tensor over :data:`CHUNK` bytes gets
-    the chunks' CRCs (for partial reads, :mod:`.crc`), computed on the CRC thread while its bytes are written."""
+    """Write ``tensors`` as one safetensors file, streamed tensor by tensor (no second copy in memory; a file of
+    :data:`DIRECT_MIN` bytes or more past the page cache, :class:`_Sink`), flushed and fsynced (``sync=False``:
+    the caller fsyncs it, e.g. with :func:`fsync_all`); returns each key's ``(CRC, CRC of each CHUNK bytes or
+    None)`` (:data:`~.crc.WRITTEN`): a tensor over :data:`CHUNK` bytes gets the chunks' CRCs (for partial reads,
+    :mod:`.crc`), computed on the CRC thread while its bytes are written."""
     header, offset = {}, 0
     for key, tensor in tensors:
         if tensor.dtype not in _DTYPES:
@@ -189,22 +303,27 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
+    direct = offset >= DIRECT_MIN
+    # safetensors aligns the data to 8 bytes (and takes trailing spaces in the header); a direct file's to ALIGN,
+    # so that each tensor's bytes start on a page of the file as they do on a page of a map of it
+    blob += b" " * (-(8 + len(blob)) % (ALIGN if direct else 8))
     crcs: dict[str, tuple | Future] = {}
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    sink, ok = _Sink(path, direct=direct), False
+    try:
+        sink.write(struct.pack("<Q", len(blob)) + blob)
         for i, (key, tensor) in enumerate(tensors):
             data = _bytes(tensor)
             crcs[key] = (_worker().submit(WRITTEN.chunked, data, CHUNK) if len(data) > CHUNK
                          else (WRITTEN.of(data), None))
-            f.write(data)
-            if i == 0:
-                f.flush()
+            sink.write(data)
+            if i == 0 and os.environ.get(KILL_ENV):
+                sink.drain()
                 phase("mid_shard", rank)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+        ok = True
+    finally:
+        sink.close(ok=ok)
+    if sync:
+        _fsync(path)
     return {key: value.result() if isinstance(value, Future) else value for key, value in crcs.items()}
 
 

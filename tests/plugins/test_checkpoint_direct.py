@@ -1,0 +1,147 @@
+"""Shard files of :data:`files.DIRECT_MIN` bytes or more are written past the page cache (O_DIRECT, through two
+aligned bounce buffers): the bytes on disk are safetensors' own reading of the tensors, whatever the sizes, and a
+file system or a write that refuses O_DIRECT still gets the file, through the page cache."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardline.plugins.checkpoint import files
+from shardline.plugins.checkpoint.files import ALIGN, DIRECT_MIN, _Sink, write_safetensors
+
+
+def _tensors(total: int) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of odd sizes and mixed dtypes, about ``total`` bytes, none a multiple of a page or a chunk."""
+    g = torch.Generator().manual_seed(7)
+    big = (total - 2 * files.CHUNK) // 4 + 3
+    return [("a.weight", torch.randn(3, 1001, generator=g)),
+            ("b.weight", torch.randn(big, generator=g)),
+            ("c.half", torch.randn(files.CHUNK // 2 + 5, generator=g).half()),
+            ("d.ints", torch.arange(files.CHUNK // 8 + 11, dtype=torch.int64)),
+            ("e.empty", torch.zeros(0)),
+            ("f.last", torch.randn(17, generator=g).bfloat16())]
+
+
+def _record_direct(monkeypatch) -> list[bool]:
+    """Whether each ``_write_all`` call found its file descriptor in O_DIRECT."""
+    seen, real = [], files._write_all
+
+    def spy(fd, view):
+        seen.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return real(fd, view)
+
+    monkeypatch.setattr(files, "_write_all", spy)
+    return seen
+
+
+def _same(path, tensors) -> None:
+    back = load_file(str(path))
+    assert list(back) == [k for k, _ in tensors] or set(back) == {k for k, _ in tensors}
+    for key, t in tensors:
+        assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
+
+
+def test_a_large_file_goes_past_the_page_cache_and_reads_back_exactly(tmp_path, monkeypatch):
+    tensors = _tensors(DIRECT_MIN + 12345)
+    seen = _record_direct(monkeypatch)
+    path = tmp_path / "big.safetensors"
+    crcs = write_safetensors(path, tensors, rank=0)
+    try:
+        probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+        os.close(probe)
+        supported = True
+    except OSError:
+        supported = False
+    assert seen and all(seen) == supported, seen  # every write O_DIRECT where the file system takes it
+    _same(path, tensors)
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert (8 + n) % ALIGN == 0  # each tensor's bytes start on a page of the file
+    data = sum(t.numel() * t.element_size() for _, t in tensors)
+    assert path.stat().st_size == 8 + n + data  # the padded tail block cut back
+    assert crcs["b.weight"][0] == files.WRITTEN.of(files._bytes(tensors[1][1]))
+
+
+def test_a_small_file_is_written_through_the_page_cache_with_8_byte_alignment(tmp_path, monkeypatch):
+    tensors = [("x", torch.randn(5)), ("y", torch.arange(3))]
+    seen = _record_direct(monkeypatch)
+    path = tmp_path / "small.safetensors"
+    write_safetensors(path, tensors, rank=0)
+    assert seen and not any(seen)
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert (8 + n) % 8 == 0 and (8 + n) < ALIGN
+    _same(path, tensors)
+
+
+def test_a_file_system_or_a_write_that_refuses_o_direct_still_gets_the_file(tmp_path, monkeypatch):
+    tensors = _tensors(DIRECT_MIN + 1)
+    real_fcntl = fcntl.fcntl
+
+    def refuse_setfl(fd, cmd, arg=0):  # a file system without O_DIRECT (tmpfs before Linux 6.6)
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(files.fcntl, "fcntl", refuse_setfl)
+    write_safetensors(tmp_path / "a.safetensors", tensors, rank=0)
+    _same(tmp_path / "a.safetensors", tensors)
+    monkeypatch.setattr(files.fcntl, "fcntl", real_fcntl)
+
+    real_write, refused = os.write, []
+
+    def refuse_direct_write(fd, view):  # a file system that takes the flag and refuses the write
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, view)
+
+    monkeypatch.setattr(files.os, "write", refuse_direct_write)
+    write_safetensors(tmp_path / "b.safetensors", tensors, rank=0)
+    monkeypatch.setattr(files.os, "write", real_write)
+    _same(tmp_path / "b.safetensors", tensors)
+    assert len(refused) == 1 or not refused  # refused once, then through the page cache (or no O_DIRECT here)
+
+
+def test_drain_puts_every_whole_block_in_the_file_and_close_the_rest(tmp_path):
+    path = tmp_path / "drained"
+    payload = os.urandom(3 * ALIGN + 100)
+    sink = _Sink(path, direct=True)
+    if sink.bufs is None:
+        sink.close(ok=False)
+        pytest.skip("this file system takes no O_DIRECT")
+    sink.write(payload[:ALIGN + 7])
+    sink.drain()
+    assert path.read_bytes() == payload[:ALIGN]  # what a kill now would leave
+    sink.write(payload[ALIGN + 7:])
+    sink.close(ok=True)
+    assert path.read_bytes() == payload
+
+
+def test_a_failing_write_closes_the_file_and_frees_the_buffers_for_the_next(tmp_path, monkeypatch):
+    tensors = _tensors(DIRECT_MIN + 1)
+    real_write, calls = os.write, []
+
+    def no_space(fd, view):
+        calls.append(len(view))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, view)
+
+    monkeypatch.setattr(files.os, "write", no_space)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="No space"):
+        write_safetensors(tmp_path / "full.safetensors", tensors, rank=0)
+    monkeypatch.setattr(files.os, "write", real_write)
+    assert len(os.listdir("/proc/self/fd")) == before  # the file was closed
+    made = files._BOUNCE.get(os.getpid())
+    assert made is None or made[0].acquire(blocking=False)  # the buffers are free again
+    if made is not None:
+        made[0].release()
+    write_safetensors(tmp_path / "next.safetensors", tensors, rank=0)
+    _same(tmp_path / "next.safetensors", tensors)
