@@ -355,8 +355,10 @@ PROFILE_GROUPS = {
                                                       "method 'clone'")),
         ("write_safetensors", ("files.py:write_safetensors",)),
         ("  CRC (what its thread left to wait for)", ("zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c",
-                                                       "_base.py:result")),
-        ("  writes", ("method 'write' of '_io.BufferedWriter'",)),
+                                                       "files.py:_crc_results")),
+        # a file of DIRECT_MIN bytes or more: the writer thread's O_DIRECT writes, as far as they were waited for
+        ("  writes (O_DIRECT: what the writer thread left to wait for)", ("files.py:_wait", "files.py:_write_all")),
+        ("  copies into the aligned buffers", ("self:files.py:write",)),
         ("  fsync", ("posix.fsync",)),
         ("rank/trainer .pt files", ("checkpointing.py:_save_small",)),
         ("manifest + commit", ("files.py:build_manifest", "files.py:commit")),

@@ -324,6 +324,11 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
         sink.close(ok=ok)
     if sync:
         _fsync(path)
+    return _crc_results(crcs)
+
+
+def _crc_results(crcs: dict[str, tuple | Future]) -> dict[str, tuple[int, list[int] | None]]:
+    """Each key's CRCs, waiting for those the CRC thread still computes."""
     return {key: value.result() if isinstance(value, Future) else value for key, value in crcs.items()}
 
 
