@@ -23,12 +23,19 @@ Wait vs transfer, per instance k and rank r (aligned times, arrival a_r = start 
 
 so the transfer is what the slowest-arriving rank sees, and the rest of each rank's time is waiting for it.
 The straggler of a step is the rank whose late arrivals caused the most waiting (sum over the instances it
-arrived last of the waits of the others).
+arrived last of the waits of the others), counted only in groups whose members are in one pipeline stage
+(``cross_stage`` False). A group across stages -- Megatron's MODEL_PARALLEL_GROUP (the grad norm), the embedding
+tie of the first and last stage, a world barrier or loss all-reduce of a pipelined job -- has its members arrive
+apart by the schedule (the last stage waits out the first stage's cool-down, every step), which no slow rank
+causes: counted, it names the first stage whatever rank is slow. A rank's stage is its place in its pipeline
+group's rank list (stage order in Megatron and DeviceMesh); where no pipeline group's ranks were traced, the
+groups of dims pp, mp and embed count as across stages.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 import warnings
 
 import numpy as np
@@ -60,7 +67,7 @@ def step_of(start: np.ndarray, windows) -> np.ndarray:
     return step
 
 def comm_calls(source) -> pd.DataFrame:
-    """One row per communication call per rank: rank, step, category, group, seq, start_ns, end_ns, dur_ns.
+    """One row per communication call per rank: rank, step, category, group, dim, seq, start_ns, end_ns, dur_ns.
 
     ``source``: a ``TraceSet``, an events table or an ``Attribution``; the calls are its ranks' work rows of
     the collective categories, in the windows the attribution gives them."""
@@ -79,15 +86,43 @@ def comm_calls(source) -> pd.DataFrame:
         frames.append(pd.DataFrame({
             "rank": calls["rank"].to_numpy().astype(np.int64), "step": step,
             "category": calls["category"].astype(str).to_numpy(),
-            "group": np.where(pg_name != "", pg_name, pg_ranks), "seq": calls["seq"].to_numpy(),
+            "group": np.where(pg_name != "", pg_name, pg_ranks), "dim": calls["dim"].astype(str).to_numpy(),
+            "seq": calls["seq"].to_numpy(),
             "start_ns": start, "end_ns": start + calls["dur_ns"].to_numpy(), "dur_ns": calls["dur_ns"].to_numpy()}))
     if not frames:
-        return pd.DataFrame(columns=["rank", "step", "category", "group", "seq", "start_ns", "end_ns", "dur_ns"])
+        return pd.DataFrame(columns=["rank", "step", "category", "group", "dim", "seq", "start_ns", "end_ns",
+                                     "dur_ns"])
     return pd.concat(frames, ignore_index=True)
 
 
 #: What ``comm_calls`` reads of the work rows.
-_CALL_COLUMNS = ("rank", "category", "pg_name", "pg_ranks", "seq", "stream", "start_ns", "dur_ns")
+_CALL_COLUMNS = ("rank", "category", "pg_name", "pg_ranks", "dim", "seq", "stream", "start_ns", "dur_ns")
+
+#: Dims of groups across pipeline stages by what they are (used where no pipeline group's ranks were traced).
+CROSS_STAGE_DIMS = frozenset({"pp", "mp", "embed"})
+
+
+def pipeline_stages(events: pd.DataFrame) -> dict[int, int]:
+    """Per rank, its pipeline stage: its place in its pipeline group's rank list (``dim`` pp, any category:
+    the sends and receives carry it); empty where no pipeline group with ranks was traced."""
+    if "dim" not in events or "pg_ranks" not in events:
+        return {}
+    texts = events.loc[events["dim"].astype(str) == "pp", "pg_ranks"].astype(str).unique()
+    stages: dict[int, int] = {}
+    for text in texts:
+        for stage, rank in enumerate(int(r) for r in re.findall(r"-?\d+", text)):
+            stages.setdefault(rank, stage)
+    return stages
+
+
+def _cross_stage(calls: pd.DataFrame, stages: dict[int, int]) -> np.ndarray:
+    """Per call: whether its group's members are in more than one pipeline stage."""
+    cross = {}
+    for group, part in calls.groupby("group", sort=False):
+        members = {stages[r] for r in part["rank"].unique().tolist() if r in stages}
+        by_dim = bool(part["dim"].isin(CROSS_STAGE_DIMS).any())
+        cross[group] = len(members) > 1 if stages else by_dim
+    return calls["group"].map(cross).fillna(False).to_numpy(dtype=bool)
 
 
 def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
@@ -104,10 +139,12 @@ def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
 
 
 def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) -> pd.DataFrame:
-    """Matched calls, one row per (instance, rank), with aligned times, wait_ns, transfer_ns, is_last.
+    """Matched calls, one row per (instance, rank), with aligned times, wait_ns, transfer_ns, is_last and
+    cross_stage (the group's members are in more than one pipeline stage; see the module docstring).
 
     ``source``: a ``TraceSet``, an events table or an ``Attribution``."""
-    calls = comm_calls(attribute(source, caller="match_collectives"))
+    attribution = attribute(source, caller="match_collectives")
+    calls = comm_calls(attribution)
     if calls.empty:
         raise AttributionError("no communication calls to match in this trace")
     calls["instance"] = _instance_ids(calls)
@@ -126,6 +163,7 @@ def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) ->
     by_arrival = calls.sort_values(key + ["start_ns", "rank"], ascending=[True, True, True, False, True])
     calls["is_last"] = False
     calls.loc[by_arrival.index[~by_arrival.duplicated(key)], "is_last"] = True
+    calls["cross_stage"] = _cross_stage(calls, pipeline_stages(attribution.events))
     return calls.sort_values(key + ["rank"]).reset_index(drop=True)
 
 
@@ -203,7 +241,11 @@ def wait_transfer(matched: pd.DataFrame) -> pd.DataFrame:
 
 
 def stragglers(matched: pd.DataFrame) -> pd.DataFrame:
-    """Per step: the rank whose late arrivals caused the most waiting in others, with that wait."""
+    """Per step: the rank whose late arrivals caused the most waiting in others, with that wait, in the groups
+    within one pipeline stage (``cross_stage`` False, where the column is there): a step whose collectives all
+    cross stages has no row."""
+    if "cross_stage" in matched:
+        matched = matched[~matched["cross_stage"].to_numpy(dtype=bool)]
     key = ["group", "category", "instance"]
     caused = matched.groupby(key)["wait_ns"].transform("sum")
     late = matched.assign(caused_wait_ns=caused)[matched["is_last"]]

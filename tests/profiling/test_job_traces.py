@@ -160,3 +160,39 @@ def test_thirty_two_ranks_generate_and_load(tmp_path):
     traceset, notes = _load(tmp_path)
     assert traceset.ranks == tuple(range(32)) and notes == []
     assert truth["pipelines"][0] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("layout, seed", [(dict(tp=1, pp=4, dp=2), 4), (dict(tp=2, pp=4, dp=1), 2),
+                                          (dict(tp=2, pp=2, dp=2), 6)])
+def test_the_straggler_of_a_pipelined_job_is_its_slow_rank_not_the_first_stage(tmp_path, layout, seed):
+    """The job's slow rank (15% slower compute) is named on every step; the grad-norm all-reduce over
+    MODEL_PARALLEL_GROUP (tp x pp: every stage), where the last stage waits out the first stage's cool-down, is
+    left out of the count as a group across stages, by its ranks or (no pipeline ranks traced) by its dim."""
+    from shardline.profiling.attribution import attribute
+    from shardline.profiling.collectives import match_collectives, pipeline_stages, stragglers
+
+    truth = job_traces.write_job(tmp_path, seed=seed, **layout)
+    tp, pp, dp = layout["tp"], layout["pp"], layout["dp"]
+    first_stage = {job_traces.rank_of(d, 0, t, tp=tp, pp=pp) for d in range(dp) for t in range(tp)}
+    assert truth["straggler"] not in first_stage  # else the test could not tell the two apart
+    traceset, _ = _load(tmp_path)
+    events = attribute(traceset).events
+    stages = pipeline_stages(events)
+    assert stages == {job_traces.rank_of(d, s, t, tp=tp, pp=pp): s
+                      for d in range(dp) for s in range(pp) for t in range(tp)}
+
+    matched = match_collectives(traceset)
+    crossing = set(matched.loc[matched["cross_stage"], "group"])
+    descs = set(events.loc[events["pg_name"].astype(str).isin(crossing), "pg_desc"].astype(str))
+    assert descs == {"MODEL_PARALLEL_GROUP"}
+    steps = len(truth["steps"])
+    assert stragglers(matched)["straggler_rank"].tolist() == [truth["straggler"]] * steps
+    if pp == 4:  # counted, the cool-down names a first-stage rank on every step: what this guards against
+        assert set(stragglers(matched.drop(columns="cross_stage"))["straggler_rank"]) <= first_stage
+
+    blind = events.copy()  # no pipeline group's ranks: the groups of dims pp / mp / embed cross stages
+    blind["pg_ranks"] = blind["pg_ranks"].where(blind["dim"].astype(str) != "pp", "")
+    assert pipeline_stages(blind) == {}
+    again = match_collectives(blind)
+    assert set(again.loc[again["cross_stage"], "group"]) == crossing
+    assert stragglers(again)["straggler_rank"].tolist() == [truth["straggler"]] * steps
