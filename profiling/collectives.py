@@ -115,6 +115,16 @@ def pipeline_stages(events: pd.DataFrame) -> dict[int, int]:
     return stages
 
 
+def stage_peers(matched: pd.DataFrame, rank: int) -> set[int]:
+    """The ranks that share a group within one pipeline stage with ``rank`` (``cross_stage`` False): the ranks
+    doing its work (its tp, cp and dp peers), which a straggler's time is compared with. Empty when it has none."""
+    if "cross_stage" not in matched or matched.empty:
+        return set()
+    within = matched[~matched["cross_stage"].to_numpy(dtype=bool)]
+    groups = set(within.loc[within["rank"] == rank, "group"])
+    return {int(r) for r in within.loc[within["group"].isin(groups), "rank"].unique()} - {rank}
+
+
 def _cross_stage(calls: pd.DataFrame, stages: dict[int, int]) -> np.ndarray:
     """Per call: whether its group's members are in more than one pipeline stage."""
     cross = {}

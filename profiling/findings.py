@@ -26,7 +26,8 @@ synthetic trace that triggers it and one that must not (tests/profiling/test_fin
   fabric), else the exposed tp communication (exact bound).
 - ``straggler``: a rank last to arrive in most instances of a step's collectives (``stragglers``), whose
   caused wait is at least ``threshold`` of the step; why: its compute or its host-bound GPU idle, whichever is
-  further above the median rank's. Saves: ``what_if`` ``no_straggler:rank=R`` (critical-path replay), else
+  further above its peers' median (``collectives.stage_peers``; in a pipelined job its stage's ranks, since
+  another stage does other work). Saves: ``what_if`` ``no_straggler:rank=R`` (critical-path replay), else
   the wait it caused others (the matched waits whose last arriver it is).
 - ``host_bound``: GPU idle because the host launched late (``idle_host_bound``) at least ``threshold`` of the
   step: CUDA graphs / torch.compile / fewer, larger kernels, with the launch delays and short-kernel count.
@@ -221,22 +222,31 @@ def _straggler(ctx: _Context, threshold: float) -> list[Finding]:
     caused = float(mine["caused_wait_ns"].sum()) / max(len(sg), 1)  # per step, over all the steps
     if not caused >= threshold * ctx.step_ns:
         return []
+    from shardline.profiling.collectives import stage_peers
+
+    peers = stage_peers(matched, rank)  # the ranks doing its work: its stage's, where it has a pipeline stage
+    piped = bool(len(matched)) and "cross_stage" in matched and bool(matched["cross_stage"].any())
+    if len(matched) and "cross_stage" in matched:  # the instances stragglers() counted
+        matched = matched[~matched["cross_stage"].to_numpy(dtype=bool)]
     instances = (matched.drop_duplicates(["step", "group", "category", "instance"]).groupby("step").size()
                  if len(matched) else pd.Series(dtype=int))
     last = int(mine["times_last"].sum())
     total = int(instances.loc[instances.index.isin(mine["step"])].sum()) if len(instances) else last
-    # Why it is late: of its compute and its host-bound idle, the one furthest above the median rank's.
+    # Why it is late: of its compute and its host-bound idle, the one furthest above its peers' median (every
+    # rank's where it has none): another pipeline stage does other work.
     bd = ctx.breakdown
     excess = {}
     for column, words in (("compute", "compute"), ("idle_host_bound", "host-bound GPU idle")):
         if column in bd:
             per_rank = bd.groupby("rank")[column].mean()
-            median = float(per_rank.median())
+            pool = per_rank[per_rank.index.isin(peers)] if peers else per_rank
+            median = float(pool.median())
             if median > 0 and rank in per_rank.index:
                 excess[words] = float(per_rank[rank]) / median - 1
     words, above = max(excess.items(), key=lambda kv: kv[1]) if excess else ("compute", math.nan)
+    whose = "the median of its pipeline stage's other ranks" if piped and peers else "the median"
     measured = (f"rank {rank} is last in {last} of {total} collectives and costs the others {_ms(caused)} ms of "
-                f"waiting per step: its {words} is {_pct(above)} above the median")
+                f"waiting per step: its {words} is {_pct(above)} above {whose}")
     saved, method = _what_if_saving(ctx, f"no_straggler:rank={rank}")
     if math.isnan(saved):
         saved, method = caused, "exact bound"

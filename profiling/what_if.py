@@ -32,7 +32,8 @@ Scenarios (:class:`Scenario`, or its text ``kind[:key=value,...]``):
   step - r's exposed waits *for R* (waits of matched collectives whose last arriver is R, of receives whose sender
   is R, less r's compute). Per step: every maximal stretch ``[a, b)`` of the path on R is cut back to what the
   median other rank needed for the same span, ``(b - a)`` minus its exposed waits for R inside it (never
-  lengthened). R's own row gets the step's saving.
+  lengthened); the other ranks are R's peers within its pipeline stage (``collectives.stage_peers``: another
+  stage does other work in that span) where it has any. R's own row gets the step's saving.
 - ``no_host_bound``: no host-bound idle (``idle.idle_sets``' ``idle_host_bound``). Per rank: step -
   ``idle_host_bound``. Per step: the path's ``idle`` segments lose exactly their host-bound part.
 - ``pipeline[:m=M,v=V,schedule=gpipe|1f1b|interleaved,keep=microbatch|batch]``: another micro-batch count,
@@ -420,6 +421,8 @@ def _host_bound_on_path(context: _Context) -> pd.Series:
 def _straggler_rows(context: _Context, scenario: Scenario) -> list[dict]:
     """``no_straggler``: per step the straggler R (given, or ``stragglers``'), each other rank's bound
     (step - its exposed waits for R) and the path replay (module docstring)."""
+    from shardline.profiling.collectives import stage_peers
+
     chosen = _straggler_of_steps(context, scenario)
     working = {r.rank: r for r in context.attribution.working}
     has_step = {r: set(rank.attributed_windows["step"].tolist()) for r, rank in working.items()}
@@ -440,7 +443,8 @@ def _straggler_rows(context: _Context, scenario: Scenario) -> list[dict]:
         on = rows["rank"].to_numpy() == straggler
         stretch = np.cumsum(np.concatenate([[True], on[1:] != on[:-1]]))[on]
         start, end = rows["start_ns"].to_numpy()[on], rows["end_ns"].to_numpy()[on]
-        others = [r for r in working if r != straggler and int(step) in has_step[r]]
+        peers = stage_peers(context.calls, straggler)  # its pipeline stage's ranks, where it has any
+        others = [r for r in working if r != straggler and int(step) in has_step[r] and (not peers or r in peers)]
         cut = 0
         for k in np.unique(stretch):  # a handful of stretches per step
             a, b = int(start[stretch == k][0]), int(end[stretch == k][-1])
