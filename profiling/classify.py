@@ -471,6 +471,11 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     out["category"] = sorted_categorical(category, _CAT_NAMES)
     _fill_from_ops(out, link_idx)
     del link_idx
+    for _ in range(3):  # c10d op > record_param_comms > nccl:* / gloo:*, filled from the inside out
+        inner = _link_outer_ops(out, category)
+        if not (inner >= 0).any():
+            break
+        _fill_from_ops(out, inner)
     out["dim"] = _dims(out, category, layout)
 
 
@@ -651,8 +656,33 @@ def _innermost(ops: np.ndarray, points: np.ndarray, *, rank, stream, start, dur)
     return out
 
 
+def _link_outer_ops(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
+    """Per row: for a CPU communication op without a process group (``c10d::allreduce_`` and friends: torch
+    records the group, its seq and sizes on the ``record_param_comms`` op inside it), the communication op right
+    inside it on its thread (the next one by start) where that one has a group; -1 elsewhere. Without it the
+    outermost op, the one a CPU-lane rank's calls are matched by, had no group: every group's calls fell into
+    one anonymous group matched by order."""
+    link = np.full(len(out), -1, dtype=np.int64)
+    rows = np.flatnonzero(_COMM_CODES[category] & (out["lane"] != Lane.GPU.value).to_numpy())
+    if len(rows) < 2:
+        return link
+    start = out["start_ns"].to_numpy()[rows].astype(np.int64)
+    end = start + out["dur_ns"].to_numpy()[rows].astype(np.int64)
+    rank, stream = out["rank"].to_numpy()[rows], out["stream"].to_numpy()[rows]
+    order = np.lexsort((start - end, start, stream, rank))  # by thread, then start; an enclosing op first
+    rows, start, end, rank, stream = rows[order], start[order], end[order], rank[order], stream[order]
+    group = ((out["pg_name"].iloc[rows].astype(str).to_numpy() != "")
+             | (out["pg_ranks"].iloc[rows].astype(str).to_numpy() != ""))
+    outer, inner = slice(0, -1), slice(1, None)
+    hit = ((rank[outer] == rank[inner]) & (stream[outer] == stream[inner]) & (start[inner] >= start[outer])
+           & (end[inner] <= end[outer]) & ~group[outer] & group[inner])
+    link[rows[:-1][hit]] = rows[1:][hit]
+    return link
+
+
 def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:
-    """Copy the op's collective/process-group columns onto linked kernels where the kernel lacks them."""
+    """Copy the linked row's collective/process-group columns onto each linked row (a kernel: from its op; an
+    outer op: from the op inside it) where that row lacks them."""
     rows = np.flatnonzero(link >= 0)
     if not len(rows):
         return

@@ -229,3 +229,29 @@ def test_no_straggler_predicts_the_same_job_without_its_slow_rank(tmp_path, monk
         share = float(text.split("its compute is ")[1].split("%")[0]) / 100
         assert "the median of its pipeline stage's other ranks" in text
         assert abs(share - (slowdown - 1)) < 0.02, text
+
+
+def test_a_cpu_only_view_matches_each_call_in_its_own_group(job):
+    """The job as a CPU-only profile would show it (no kernels: ``activities=[CPU]``): a rank's calls are matched
+    by the outermost op, ``c10d::allreduce_`` and friends, which carry no group; each takes the group, seq and
+    dim of the ``record_param_comms`` inside it, so every instance is one call per member of one real group
+    (before, every group's calls fell into one anonymous group matched by order)."""
+    from shardline.profiling.attribution import attribute
+    from shardline.profiling.collectives import match_collectives
+
+    folder, truth, traceset, _ = job
+    events = traceset.events
+    cpu = events[events["lane"].astype(str) != "gpu"].reset_index(drop=True)
+    classified = attribute(cpu).events
+    c10d = classified[classified["name"].astype(str).str.startswith("c10d::")]
+    assert len(c10d) and set(c10d["dim"].astype(str)) == {"tp", "dp", "pp", "mp"}
+    assert (c10d["pg_name"].astype(str) != "").all()
+    collective = ~c10d["category"].astype(str).str.startswith("p2p")
+    assert collective.any() and (c10d.loc[collective, "seq"] >= 0).all()  # the seq they are matched by
+
+    matched = match_collectives(cpu)
+    members = classified.drop_duplicates("pg_name").set_index(classified.drop_duplicates("pg_name")["pg_name"]
+                                                             .astype(str))["pg_ranks"].astype(str)
+    assert set(matched["group"]) <= set(members.index) and "" not in set(matched["group"])
+    for (group, _, _), part in matched.groupby(["group", "category", "instance"]):
+        assert sorted(part["rank"]) == [int(r) for r in members[group].strip("[]").split(",")], group
