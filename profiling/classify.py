@@ -656,10 +656,15 @@ def _innermost(ops: np.ndarray, points: np.ndarray, *, rank, stream, start, dur)
     return out
 
 
+#: How many comm ops after a c10d op (by start, on its thread) ``_link_outer_ops`` looks through for its record.
+_NESTED_LOOKAHEAD = 4
+
+
 def _link_outer_ops(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
     """Per row: for a CPU communication op without a process group (``c10d::allreduce_`` and friends: torch
     records the group, its seq and sizes on the ``record_param_comms`` op inside it), the communication op right
-    inside it on its thread (the next one by start) where that one has a group; -1 elsewhere. Without it the
+    inside it on its thread (the first of the next :data:`_NESTED_LOOKAHEAD` by start) that has a group and names
+    the outer op's collective; -1 elsewhere. Without it the
     outermost op, the one a CPU-lane rank's calls are matched by, had no group: every group's calls fell into
     one anonymous group matched by order."""
     link = np.full(len(out), -1, dtype=np.int64)
@@ -673,10 +678,16 @@ def _link_outer_ops(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
     rows, start, end, rank, stream = rows[order], start[order], end[order], rank[order], stream[order]
     group = ((out["pg_name"].iloc[rows].astype(str).to_numpy() != "")
              | (out["pg_ranks"].iloc[rows].astype(str).to_numpy() != ""))
-    outer, inner = slice(0, -1), slice(1, None)
-    hit = ((rank[outer] == rank[inner]) & (stream[outer] == stream[inner]) & (start[inner] >= start[outer])
-           & (end[inner] <= end[outer]) & ~group[outer] & group[inner])
-    link[rows[:-1][hit]] = rows[1:][hit]
+    # The inner op's own collective must be the outer op's category: a c10d op may hold another call's record
+    # (a helper group's, one op of a batch of sends and receives), whose group and seq are not its own.
+    said = np.array([_CAT_CODE.get(c, _NO_CAT) for c in _per_category(out["collective"], op_category)],
+                    dtype=np.int8)[codes_or_end(out["collective"])[rows]]
+    want = category[rows]
+    for ahead in range(_NESTED_LOOKAHEAD, 0, -1):  # the nearest qualifying op inside wins: it is written last
+        outer, inner = slice(0, -ahead), slice(ahead, None)
+        hit = ((rank[outer] == rank[inner]) & (stream[outer] == stream[inner]) & (start[inner] >= start[outer])
+               & (end[inner] <= end[outer]) & ~group[outer] & group[inner] & (said[inner] == want[outer]))
+        link[rows[:-ahead][hit]] = rows[ahead:][hit]
     return link
 
 

@@ -28,8 +28,8 @@ arrived last of the waits of the others), counted only in groups whose members a
 tie of the first and last stage, a world barrier or loss all-reduce of a pipelined job -- has its members arrive
 apart by the schedule (the last stage waits out the first stage's cool-down, every step), which no slow rank
 causes: counted, it names the first stage whatever rank is slow. A rank's stage is its place in its pipeline
-group's rank list (stage order in Megatron and DeviceMesh); where no pipeline group's ranks were traced, the
-groups of dims pp, mp and embed count as across stages.
+(``pipeline_stages``); in a pipelined job a group none of whose ranks has a known stage counts as across stages
+by its dim (pp, mp, embed, world). A job with one stage has no group across stages.
 """
 
 from __future__ import annotations
@@ -98,21 +98,46 @@ def comm_calls(source) -> pd.DataFrame:
 #: What ``comm_calls`` reads of the work rows.
 _CALL_COLUMNS = ("rank", "category", "pg_name", "pg_ranks", "dim", "seq", "stream", "start_ns", "dur_ns")
 
-#: Dims of groups across pipeline stages by what they are (used where no pipeline group's ranks were traced).
-CROSS_STAGE_DIMS = frozenset({"pp", "mp", "embed"})
+#: Dims of groups across pipeline stages by what they are, in a pipelined job (used where a group's ranks have
+#: no known stage): the pipeline group, Megatron's tp x pp group, the embedding tie, the world.
+CROSS_STAGE_DIMS = frozenset({"pp", "mp", "embed", "world"})
 
 
-def pipeline_stages(events: pd.DataFrame) -> dict[int, int]:
-    """Per rank, its pipeline stage: its place in its pipeline group's rank list (``dim`` pp, any category:
-    the sends and receives carry it); empty where no pipeline group with ranks was traced."""
-    if "dim" not in events or "pg_ranks" not in events:
-        return {}
-    texts = events.loc[events["dim"].astype(str) == "pp", "pg_ranks"].astype(str).unique()
-    stages: dict[int, int] = {}
-    for text in texts:
-        for stage, rank in enumerate(int(r) for r in re.findall(r"-?\d+", text)):
+def pipeline_stages(source) -> dict[int, int]:
+    """Per rank, its pipeline stage: its place in its pipeline (``p2p.pipeline_stages``: the sends' and receives'
+    process group, else their peers), else in the largest pipeline group (``dim`` pp) holding it that lists its
+    ranks (a smaller pp group -- DeepSpeed's pair of neighbouring stages, a first/last embedding pair a layout
+    names pp -- numbers no stage). Empty where the trace shows neither.
+
+    ``source``: a ``TraceSet``, an events table or an ``Attribution``."""
+    from shardline.profiling import p2p
+
+    attribution = attribute(source, caller="pipeline_stages")
+    pipes, _, _ = p2p.pipeline_stages(p2p.p2p_messages(attribution))
+    stages = {rank: stage for pipe in pipes for stage, rank in enumerate(pipe.ranks)}
+    events = attribution.events
+    texts = events.loc[(events["dim"] == "pp").to_numpy(), "pg_ranks"].astype(str).unique()
+    lists = sorted((lst for lst in ([int(r) for r in re.findall(r"-?\d+", t)] for t in texts) if len(lst) > 1),
+                   key=len, reverse=True)
+    for ranks in lists:
+        for stage, rank in enumerate(ranks):
             stages.setdefault(rank, stage)
     return stages
+
+
+def _pipelined(attribution, stages: dict[int, int]) -> bool:
+    """Does the job have more than one pipeline stage: a rank past stage 0, a pp group of two or more, the
+    layout's pp, or a tp x pp group (mp) larger than every tp group."""
+    if any(stages.values()) or int((attribution.layout or {}).get("pp", 1)) > 1:
+        return True
+    events = attribution.events
+    size = events["pg_size"].to_numpy()
+
+    def largest(dim: str) -> int:
+        mask = (events["dim"] == dim).to_numpy()
+        return int(size[mask].max()) if mask.any() else 0
+
+    return largest("pp") > 1 or largest("mp") > max(largest("tp"), 1)
 
 
 def stage_peers(matched: pd.DataFrame, rank: int) -> set[int]:
@@ -125,13 +150,15 @@ def stage_peers(matched: pd.DataFrame, rank: int) -> set[int]:
     return {int(r) for r in within.loc[within["group"].isin(groups), "rank"].unique()} - {rank}
 
 
-def _cross_stage(calls: pd.DataFrame, stages: dict[int, int]) -> np.ndarray:
-    """Per call: whether its group's members are in more than one pipeline stage."""
+def _cross_stage(calls: pd.DataFrame, stages: dict[int, int], pipelined: bool) -> np.ndarray:
+    """Per call: whether its group's members are in more than one pipeline stage (by their stages; a group none
+    of whose ranks has a known stage, by its dim, in a pipelined job)."""
+    if not pipelined:
+        return np.zeros(len(calls), dtype=bool)
     cross = {}
     for group, part in calls.groupby("group", sort=False):
-        members = {stages[r] for r in part["rank"].unique().tolist() if r in stages}
-        by_dim = bool(part["dim"].isin(CROSS_STAGE_DIMS).any())
-        cross[group] = len(members) > 1 if stages else by_dim
+        known = {stages[r] for r in part["rank"].unique().tolist() if r in stages}
+        cross[group] = len(known) > 1 if known else bool(part["dim"].isin(CROSS_STAGE_DIMS).any())
     return calls["group"].map(cross).fillna(False).to_numpy(dtype=bool)
 
 
@@ -173,7 +200,8 @@ def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) ->
     by_arrival = calls.sort_values(key + ["start_ns", "rank"], ascending=[True, True, True, False, True])
     calls["is_last"] = False
     calls.loc[by_arrival.index[~by_arrival.duplicated(key)], "is_last"] = True
-    calls["cross_stage"] = _cross_stage(calls, pipeline_stages(attribution.events))
+    stages = pipeline_stages(attribution)
+    calls["cross_stage"] = _cross_stage(calls, stages, _pipelined(attribution, stages))
     return calls.sort_values(key + ["rank"]).reset_index(drop=True)
 
 

@@ -190,8 +190,12 @@ def test_the_straggler_of_a_pipelined_job_is_its_slow_rank_not_the_first_stage(t
     if pp == 4:  # counted, the cool-down names a first-stage rank on every step: what this guards against
         assert set(stragglers(matched.drop(columns="cross_stage"))["straggler_rank"]) <= first_stage
 
-    blind = events.copy()  # no pipeline group's ranks: the groups of dims pp / mp / embed cross stages
-    blind["pg_ranks"] = blind["pg_ranks"].where(blind["dim"].astype(str) != "pp", "")
+    # No pipeline group's ranks and no peers (the pipeline is seen only by its groups' sizes): in this pipelined
+    # job the groups of dims pp / mp / embed / world cross stages
+    blind = events.copy()
+    pp_rows = blind["dim"].astype(str) == "pp"
+    blind["pg_ranks"] = blind["pg_ranks"].where(~pp_rows, "")
+    blind["peer"] = blind["peer"].where(~pp_rows, -1)
     assert pipeline_stages(blind) == {}
     again = match_collectives(blind)
     assert set(again.loc[again["cross_stage"], "group"]) == crossing
@@ -255,3 +259,74 @@ def test_a_cpu_only_view_matches_each_call_in_its_own_group(job):
     assert set(matched["group"]) <= set(members.index) and "" not in set(matched["group"])
     for (group, _, _), part in matched.groupby(["group", "category", "instance"]):
         assert sorted(part["rank"]) == [int(r) for r in members[group].strip("[]").split(",")], group
+
+
+def test_an_outer_op_takes_only_the_record_of_its_own_collective():
+    """``c10d::allreduce_`` holding first another call's record (an all-gather on a helper group), then its own:
+    it takes its own group and seq, not the first nested record's; a c10d op with only another call inside keeps
+    no group."""
+    import pandas as pd
+
+    from shardline.profiling.classify import classify_events
+    from shardline.profiling.schema import conform
+
+    def op(name, start, dur, **args):
+        return {"rank": 0, "lane": "cpu", "device": -1, "stream": 11, "name": name, "cat": "cpu_op",
+                "start_ns": start, "dur_ns": dur, **args}
+
+    helper = dict(collective="allgather", pg_name="9", pg_desc="HELPER", pg_ranks="[0, 1]", pg_size=2, seq=7)
+    own = dict(collective="allreduce", pg_name="0", pg_desc="TENSOR_MODEL_PARALLEL_GROUP", pg_ranks="[0, 1]",
+               pg_size=2, seq=3)
+    rows = [op("c10d::allreduce_", 0, 100), op("record_param_comms", 5, 10, **helper),
+            op("record_param_comms", 20, 70, **own),
+            op("c10d::allreduce_", 200, 100), op("record_param_comms", 205, 10, **helper)]
+    out = classify_events(conform(pd.DataFrame(rows)))
+    first, second = out.iloc[0], out.iloc[3]
+    assert (str(first["pg_name"]), int(first["seq"]), str(first["dim"])) == ("0", 3, "tp")
+    assert str(second["pg_name"]) == "" and int(second["seq"]) == -1
+
+
+def test_a_job_of_one_stage_has_no_group_across_stages_and_its_finding_says_so(tmp_path):
+    """pp=1: Megatron's MODEL_PARALLEL_GROUP is the tp group (dim mp) and crosses nothing; every group counts."""
+    from shardline.profiling.collectives import match_collectives, stragglers
+    from shardline.profiling.findings import findings
+
+    truth = job_traces.write_job(tmp_path, seed=3, tp=2, pp=1, dp=4)
+    traceset, _ = _load(tmp_path)
+    matched = match_collectives(traceset)
+    assert not matched["cross_stage"].any() and "mp" in set(matched["dim"])
+    assert stragglers(matched)["straggler_rank"].tolist() == [truth["straggler"]] * len(truth["steps"])
+    text = findings(traceset).set_index("rule").loc["straggler", "text"]
+    assert "pipeline stage" not in text and "above the median" in text
+
+
+@pytest.mark.parametrize("hide", ["descriptions", "world"])
+def test_the_pipelined_straggler_without_group_descriptions_or_with_a_world_group(tmp_path, hide):
+    """Older traces name no group (no ``pg_desc``: every dim unknown): the stages come from the sends' and
+    receives' peers. A pipelined job whose cross-stage group is the world (a loss all-reduce on default_pg) and
+    whose pipeline ranks are not known: the world group crosses stages by its dim."""
+    import pandas as pd
+
+    from shardline.profiling.attribution import attribute
+    from shardline.profiling.collectives import match_collectives, pipeline_stages, stragglers
+
+    truth = job_traces.write_job(tmp_path, seed=4, tp=1, pp=4, dp=2)
+    traceset, _ = _load(tmp_path)
+    if hide == "descriptions":
+        table = traceset.events.copy()
+        for column in ("pg_desc", "category", "dim"):  # unclassified again, without descriptions
+            table[column] = pd.Categorical([""] * len(table))
+        assert set(attribute(table).events["dim"].astype(str)) <= {"", "unknown"}
+        assert pipeline_stages(table) == {job_traces.rank_of(d, s, 0, tp=1, pp=4): s
+                                          for d in range(2) for s in range(4)}
+    else:
+        table = attribute(traceset).events.copy()
+        dims = table["dim"].astype(str)
+        pp_rows = (dims == "pp").to_numpy()
+        table["pg_ranks"] = table["pg_ranks"].where(~pp_rows, "")
+        table["peer"] = table["peer"].where(~pp_rows, -1)
+        table["dim"] = pd.Categorical(dims.replace({"mp": "world"}))
+        assert pipeline_stages(table) == {}
+    matched = match_collectives(table)
+    assert matched["cross_stage"].any()
+    assert stragglers(matched)["straggler_rank"].tolist() == [truth["straggler"]] * len(truth["steps"])
