@@ -33,6 +33,7 @@ instead of reporting its CRC-32C values as damage.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -177,68 +178,88 @@ def fsync_all(paths: list[Path]) -> None:
 
 
 #: O_DIRECT's alignment of a buffer's address, a file offset and a length: 4096 covers every logical block size in
-#: use. A file of at least :data:`DIRECT_MIN` bytes is written with O_DIRECT where the file system takes it.
-ALIGN, DIRECT_MIN = 4096, 4 * CHUNK
+#: use. A file of at least :data:`DIRECT_MIN` bytes is written with O_DIRECT where the platform and the file
+#: system take it, through two bounce buffers of :data:`BOUNCE` bytes (a multiple of ALIGN).
+ALIGN, DIRECT_MIN, BOUNCE = 4096, 32 << 20, 8 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): plain writes
+#: A write refused with one of these on an O_DIRECT descriptor is retried through the page cache.
+_REFUSED = frozenset(getattr(errno, name) for name in ("EINVAL", "EOPNOTSUPP", "ENOTSUP") if hasattr(errno, name))
 _BOUNCE: dict[int, tuple[threading.Lock, list[mmap.mmap]]] = {}
 
 
 def _write_all(fd: int, view: memoryview) -> None:
-    """Write all of ``view`` at ``fd``'s offset. An O_DIRECT write the file system refuses (EINVAL: some accept
-    the flag and refuse the write) clears the flag and goes through the page cache."""
+    """Write all of ``view`` at ``fd``'s offset. An O_DIRECT write the file system refuses (``_REFUSED``: some
+    accept the flag and refuse the write) clears the flag and goes through the page cache."""
     while len(view):
         try:
             n = os.write(fd, view)
         except OSError as e:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+            if e.errno not in _REFUSED or not flags & _O_DIRECT:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
             continue
         view = view[n:]
 
 
+def _settled(future: Future) -> None:
+    """Wait until ``future`` is done, whatever interrupts the wait (a Ctrl-C): its write must not outlive the
+    descriptor or the buffer it writes from. Its own error is left in it."""
+    while not future.done():
+        try:
+            concurrent.futures.wait([future])
+        except BaseException:  # noqa: BLE001 - the interrupt is already on its way up through the caller
+            continue
+
+
 class _Sink:
     """A new file's bytes, streamed. A large file (``direct``) goes past the page cache (O_DIRECT) through two
-    page-aligned :data:`CHUNK` buffers, one written by a thread while the caller fills the other: a checkpoint
+    page-aligned :data:`BOUNCE` buffers, one written by a thread while the caller fills the other: a checkpoint
     fills no page cache, so it causes no reclaim and no dirty-page throttling while it is written and leaves
     nothing of itself in memory after, the reason DeepSpeed's FastPersist writes this way. The file's tail is
-    written padded to :data:`ALIGN` and cut back to its length. Where the file system refuses O_DIRECT (tmpfs
-    before Linux 6.6, some FUSE) and for a small file, plain writes. Durability is still the caller's fsync
-    (the file's size and the device's cache)."""
+    written padded to :data:`ALIGN` and cut back to its length. Where the platform or the file system refuses
+    O_DIRECT (macOS, tmpfs before Linux 6.6, some FUSE) and for a small file, plain writes. Durability is still
+    the caller's fsync (the file's size and the device's cache)."""
 
     def __init__(self, path: Path, *, direct: bool):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         self.size, self.fill, self.cur, self.pending = 0, 0, 0, None
         self.lock = self.bufs = None
-        if direct:
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+        if direct and _O_DIRECT:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | _O_DIRECT)
+            except OSError:
+                return
+            try:
                 self.lock, self.bufs = self._buffers()
-                self.cap = len(self.bufs[0])
+            except BaseException:
+                os.close(self.fd)
+                raise
 
     @staticmethod
     def _buffers() -> tuple[threading.Lock | None, list[mmap.mmap]]:
         """This process's two bounce buffers (kept: fresh memory costs its page faults each time), or two new ones
         while another sink holds them."""
         made = _BOUNCE.get(os.getpid())
-        if made is None or len(made[1][0]) != CHUNK:
-            made = _BOUNCE[os.getpid()] = (threading.Lock(), [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)])
+        if made is None:
+            made = _BOUNCE[os.getpid()] = (threading.Lock(), [mmap.mmap(-1, BOUNCE), mmap.mmap(-1, BOUNCE)])
         if made[0].acquire(blocking=False):
             return made
-        return None, [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)]
+        return None, [mmap.mmap(-1, BOUNCE), mmap.mmap(-1, BOUNCE)]
 
     def write(self, data) -> None:
+        data = memoryview(data).cast("B")
         self.size += len(data)
         if self.bufs is None:
-            _write_all(self.fd, memoryview(data))
+            _write_all(self.fd, data)
             return
-        data, pos = memoryview(data), 0
+        pos = 0
         while pos < len(data):
-            n = min(self.cap - self.fill, len(data) - pos)
+            n = min(BOUNCE - self.fill, len(data) - pos)
             self.bufs[self.cur][self.fill:self.fill + n] = data[pos:pos + n]
             self.fill, pos = self.fill + n, pos + n
-            if self.fill == self.cap:
-                self._submit(self.cap)
+            if self.fill == BOUNCE:
+                self._submit(BOUNCE)
 
     def _submit(self, n: int) -> None:
         self._wait()  # the other buffer's write: it is the one filled next
@@ -246,13 +267,15 @@ class _Sink:
         self.cur, self.fill = self.cur ^ 1, 0
 
     def _wait(self) -> None:
+        """The thread's write, done (its error raised here). Kept pending until it is: an interrupted wait leaves
+        it for :meth:`close` to settle."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+            self.pending.result()
+            self.pending = None
 
     def drain(self) -> None:
-        """Everything written so far is in the file (the mid-shard kill hook): the whole blocks now, the rest
-        (under :data:`ALIGN` bytes) moved to the front of the buffer."""
+        """The whole blocks written so far are in the file (the mid-shard kill hook), the rest (under
+        :data:`ALIGN` bytes) moved to the front of the buffer."""
         if self.bufs is None:
             return
         self._wait()
@@ -268,9 +291,9 @@ class _Sink:
             if self.bufs is not None:
                 if ok:
                     self._wait()
-                else:  # the thread's write must end before its descriptor closes; the caller's error stands
-                    with contextlib.suppress(OSError):
-                        self._wait()
+                elif self.pending is not None:  # its write ends before its descriptor closes; the caller's error stands
+                    _settled(self.pending)
+                    self.pending = None
                 if ok and self.fill:
                     padded = self.fill + (-self.fill % ALIGN)
                     buf = self.bufs[self.cur]
@@ -278,12 +301,11 @@ class _Sink:
                     _write_all(self.fd, memoryview(buf)[:padded])
                     os.ftruncate(self.fd, self.size)
         finally:
+            if self.pending is not None:  # an error above: still no close under a running write
+                _settled(self.pending)
             if self.lock is not None:
                 self.lock.release()
             os.close(self.fd)
-
-    def fsync(self) -> None:
-        os.fsync(self.fd)
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, rank: int, sync: bool = True

@@ -145,3 +145,65 @@ def test_a_failing_write_closes_the_file_and_frees_the_buffers_for_the_next(tmp_
         made[0].release()
     write_safetensors(tmp_path / "next.safetensors", tensors, rank=0)
     _same(tmp_path / "next.safetensors", tensors)
+
+
+def test_any_chunk_size_still_writes_aligned_blocks(tmp_path, monkeypatch):
+    """The CRC chunk size (tests set it to a few hundred bytes) does not size the bounce buffers."""
+    monkeypatch.setattr(files, "CHUNK", 1000)
+    seen = _record_direct(monkeypatch)
+    tensors = [("w", torch.randn(DIRECT_MIN // 4 + 333)), ("b", torch.randn(7))]
+    write_safetensors(tmp_path / "odd.safetensors", tensors, rank=0)
+    _same(tmp_path / "odd.safetensors", tensors)
+    assert seen and all(seen) == bool(files._O_DIRECT)
+
+
+def test_an_interrupted_wait_still_lets_the_write_end_before_the_file_closes(tmp_path, monkeypatch):
+    """A Ctrl-C while the caller waits for the writer thread: ``close(ok=False)`` waits for that write before it
+    closes the descriptor (else the thread would write into whatever file reuses the number)."""
+    import signal
+    import time
+
+    events, real_write, real_close = [], os.write, os.close
+
+    def slow_write(fd, view):
+        time.sleep(0.3)
+        events.append(("write", fd))
+        return real_write(fd, view[:files.BOUNCE // 2])  # a buffer in two partial writes, 0.6 s
+
+    def close(fd):
+        events.append(("close", fd))
+        return real_close(fd)
+
+    sink = _Sink(tmp_path / "interrupted", direct=True)
+    if sink.bufs is None:
+        sink.close(ok=False)
+        pytest.skip("this file system takes no O_DIRECT")
+    monkeypatch.setattr(files.os, "write", slow_write)
+    monkeypatch.setattr(files.os, "close", close)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            sink.write(bytes(3 * files.BOUNCE))  # the second submit waits for the first buffer's many writes
+        sink.close(ok=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, previous)
+    assert events[-1][0] == "close" and ("close", sink.fd) not in events[:-1]
+    assert sum(kind == "write" for kind, _ in events) >= 2
+    made = files._BOUNCE[os.getpid()]
+    assert made[0].acquire(blocking=False)  # released, after the write ended
+    made[0].release()
+
+
+def test_a_platform_without_o_direct_writes_plainly(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "_O_DIRECT", 0)
+    seen = _record_direct(monkeypatch)
+    tensors = _tensors(DIRECT_MIN + 1)
+    before = len(os.listdir("/proc/self/fd"))
+    write_safetensors(tmp_path / "plain.safetensors", tensors, rank=0)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert seen and not any(seen)
+    _same(tmp_path / "plain.safetensors", tensors)
