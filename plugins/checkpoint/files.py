@@ -185,6 +185,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS):
 #: A write refused with one of these on an O_DIRECT descriptor is retried through the page cache.
 _REFUSED = frozenset(getattr(errno, name) for name in ("EINVAL", "EOPNOTSUPP", "ENOTSUP") if hasattr(errno, name))
 _BOUNCE: dict[int, tuple[threading.Lock, list[mmap.mmap]]] = {}
+#: A plain file's writes under this many bytes are gathered into one write of about this size.
+_COALESCE = 1 << 20
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -225,6 +227,7 @@ class _Sink:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         self.size, self.fill, self.cur, self.pending = 0, 0, 0, None
         self.lock = self.bufs = None
+        self.small = bytearray()  # a plain file's small writes, coalesced (many small tensors: few syscalls)
         if direct and _O_DIRECT:
             try:
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | _O_DIRECT)
@@ -251,7 +254,13 @@ class _Sink:
         data = memoryview(data).cast("B")
         self.size += len(data)
         if self.bufs is None:
-            _write_all(self.fd, data)
+            if len(data) < _COALESCE:
+                self.small += data
+                if len(self.small) >= _COALESCE:
+                    self._flush_small()
+            else:
+                self._flush_small()
+                _write_all(self.fd, data)
             return
         pos = 0
         while pos < len(data):
@@ -260,6 +269,12 @@ class _Sink:
             self.fill, pos = self.fill + n, pos + n
             if self.fill == BOUNCE:
                 self._submit(BOUNCE)
+
+    def _flush_small(self) -> None:
+        if self.small:
+            with memoryview(self.small) as view:
+                _write_all(self.fd, view)
+            self.small = bytearray()
 
     def _submit(self, n: int) -> None:
         self._wait()  # the other buffer's write: it is the one filled next
@@ -275,8 +290,9 @@ class _Sink:
 
     def drain(self) -> None:
         """The whole blocks written so far are in the file (the mid-shard kill hook), the rest (under
-        :data:`ALIGN` bytes) moved to the front of the buffer."""
+        :data:`ALIGN` bytes) moved to the front of the buffer; a plain file's writes all."""
         if self.bufs is None:
+            self._flush_small()
             return
         self._wait()
         whole = self.fill - self.fill % ALIGN
@@ -288,6 +304,8 @@ class _Sink:
 
     def close(self, *, ok: bool) -> None:
         try:
+            if ok:
+                self._flush_small()
             if self.bufs is not None:
                 if ok:
                     self._wait()

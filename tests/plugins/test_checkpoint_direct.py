@@ -207,3 +207,25 @@ def test_a_platform_without_o_direct_writes_plainly(tmp_path, monkeypatch):
     assert len(os.listdir("/proc/self/fd")) == before
     assert seen and not any(seen)
     _same(tmp_path / "plain.safetensors", tensors)
+
+
+def test_a_small_file_of_many_tensors_is_written_in_few_writes(tmp_path, monkeypatch):
+    """The plain path gathers small tensors (as ``BufferedWriter`` did before the sink): 3000 tensors, a few
+    writes; a failed save writes nothing it had gathered."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [(f"t{i}", torch.randn(1 + i % 17, generator=g)) for i in range(3000)]
+    calls, real = [], os.write
+
+    def counted(fd, view):
+        calls.append(len(view))
+        return real(fd, view)
+
+    monkeypatch.setattr(files.os, "write", counted)
+    write_safetensors(tmp_path / "many.safetensors", tensors, rank=0)
+    assert len(calls) <= 3, calls
+    _same(tmp_path / "many.safetensors", tensors)
+
+    sink = _Sink(tmp_path / "failed", direct=False)
+    sink.write(b"x" * 100)
+    sink.close(ok=False)
+    assert (tmp_path / "failed").read_bytes() == b""
