@@ -664,9 +664,8 @@ def _link_outer_ops(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
     """Per row: for a CPU communication op without a process group (``c10d::allreduce_`` and friends: torch
     records the group, its seq and sizes on the ``record_param_comms`` op inside it), the communication op right
     inside it on its thread (the first of the next :data:`_NESTED_LOOKAHEAD` by start) that has a group and names
-    the outer op's collective; -1 elsewhere. Without it the
-    outermost op, the one a CPU-lane rank's calls are matched by, had no group: every group's calls fell into
-    one anonymous group matched by order."""
+    the outer op's collective; -1 elsewhere. Without it the outermost op, the one a CPU-lane rank's calls are
+    matched by, had no group: every group's calls fell into one anonymous group matched by order."""
     link = np.full(len(out), -1, dtype=np.int64)
     rows = np.flatnonzero(_COMM_CODES[category] & (out["lane"] != Lane.GPU.value).to_numpy())
     if len(rows) < 2:

@@ -35,7 +35,6 @@ by its dim (pp, mp, embed, world). A job with one stage has no group across stag
 from __future__ import annotations
 
 import enum
-import re
 import warnings
 
 import numpy as np
@@ -44,6 +43,7 @@ import pandas as pd
 from shardline.profiling.attribution import attribute
 from shardline.profiling.classify import Lane
 from shardline.profiling.errors import AttributionError, TraceWarning
+from shardline.profiling.links import parse_ranks
 from shardline.profiling.schema import COMM_CATEGORIES, P2P_CATEGORIES
 
 COLLECTIVE_CATEGORIES = tuple(c for c in COMM_CATEGORIES if c not in P2P_CATEGORIES)
@@ -117,7 +117,7 @@ def pipeline_stages(source) -> dict[int, int]:
     stages = {rank: stage for pipe in pipes for stage, rank in enumerate(pipe.ranks)}
     events = attribution.events
     texts = events.loc[(events["dim"] == "pp").to_numpy(), "pg_ranks"].astype(str).unique()
-    lists = sorted((lst for lst in ([int(r) for r in re.findall(r"-?\d+", t)] for t in texts) if len(lst) > 1),
+    lists = sorted((lst for lst in map(parse_ranks, texts) if lst is not None and len(lst) > 1),
                    key=len, reverse=True)
     for ranks in lists:
         for stage, rank in enumerate(ranks):
@@ -140,12 +140,18 @@ def _pipelined(attribution, stages: dict[int, int]) -> bool:
     return largest("pp") > 1 or largest("mp") > max(largest("tp"), 1)
 
 
+def within_stage(matched: pd.DataFrame) -> pd.DataFrame:
+    """The matched calls of groups within one pipeline stage (``cross_stage`` False; all where the column is not
+    there): the ones a straggler is named by."""
+    return matched[~matched["cross_stage"].to_numpy(dtype=bool)] if "cross_stage" in matched else matched
+
+
 def stage_peers(matched: pd.DataFrame, rank: int) -> set[int]:
     """The ranks that share a group within one pipeline stage with ``rank`` (``cross_stage`` False): the ranks
     doing its work (its tp, cp and dp peers), which a straggler's time is compared with. Empty when it has none."""
     if "cross_stage" not in matched or matched.empty:
         return set()
-    within = matched[~matched["cross_stage"].to_numpy(dtype=bool)]
+    within = within_stage(matched)
     groups = set(within.loc[within["rank"] == rank, "group"])
     return {int(r) for r in within.loc[within["group"].isin(groups), "rank"].unique()} - {rank}
 
@@ -282,8 +288,7 @@ def stragglers(matched: pd.DataFrame) -> pd.DataFrame:
     """Per step: the rank whose late arrivals caused the most waiting in others, with that wait, in the groups
     within one pipeline stage (``cross_stage`` False, where the column is there): a step whose collectives all
     cross stages has no row."""
-    if "cross_stage" in matched:
-        matched = matched[~matched["cross_stage"].to_numpy(dtype=bool)]
+    matched = within_stage(matched)
     key = ["group", "category", "instance"]
     caused = matched.groupby(key)["wait_ns"].transform("sum")
     late = matched.assign(caused_wait_ns=caused)[matched["is_last"]]

@@ -222,12 +222,12 @@ def _straggler(ctx: _Context, threshold: float) -> list[Finding]:
     caused = float(mine["caused_wait_ns"].sum()) / max(len(sg), 1)  # per step, over all the steps
     if not caused >= threshold * ctx.step_ns:
         return []
-    from shardline.profiling.collectives import stage_peers
+    from shardline.profiling.collectives import stage_peers, within_stage
 
     peers = stage_peers(matched, rank)  # the ranks doing its work: its stage's, where it has a pipeline stage
     piped = bool(len(matched)) and "cross_stage" in matched and bool(matched["cross_stage"].any())
-    if len(matched) and "cross_stage" in matched:  # the instances stragglers() counted
-        matched = matched[~matched["cross_stage"].to_numpy(dtype=bool)]
+    if len(matched):
+        matched = within_stage(matched)  # the instances stragglers() counted
     instances = (matched.drop_duplicates(["step", "group", "category", "instance"]).groupby("step").size()
                  if len(matched) else pd.Series(dtype=int))
     last = int(mine["times_last"].sum())

@@ -427,7 +427,7 @@ def _straggler_rows(context: _Context, scenario: Scenario) -> list[dict]:
     working = {r.rank: r for r in context.attribution.working}
     has_step = {r: set(rank.attributed_windows["step"].tolist()) for r, rank in working.items()}
     waits = {(r, s): _waits_for(context, working[r], s) for s in set(chosen.values()) for r in working if r != s}
-    saved, path_saved = {}, {}
+    saved, path_saved, peers_of = {}, {}, {}
     for number, rank in working.items():
         windows = rank.attributed_windows
         culprit = windows["step"].map(chosen).fillna(number).to_numpy(np.int64)
@@ -443,7 +443,9 @@ def _straggler_rows(context: _Context, scenario: Scenario) -> list[dict]:
         on = rows["rank"].to_numpy() == straggler
         stretch = np.cumsum(np.concatenate([[True], on[1:] != on[:-1]]))[on]
         start, end = rows["start_ns"].to_numpy()[on], rows["end_ns"].to_numpy()[on]
-        peers = stage_peers(context.calls, straggler)  # its pipeline stage's ranks, where it has any
+        if straggler not in peers_of:  # its pipeline stage's ranks, where it has any; one straggler a step
+            peers_of[straggler] = stage_peers(context.calls, straggler)
+        peers = peers_of[straggler]
         others = [r for r in working if r != straggler and int(step) in has_step[r] and (not peers or r in peers)]
         cut = 0
         for k in np.unique(stretch):  # a handful of stretches per step
