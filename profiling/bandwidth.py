@@ -53,7 +53,7 @@ from shardline.profiling.classify import Lane, launching_op
 from shardline.profiling.collectives import (
     COLLECTIVE_CATEGORIES,
     ClockAlignment,
-    _outermost,
+    _cpu_calls,
     match_collectives,
     step_of,
 )
@@ -155,7 +155,7 @@ def _call_rows(attribution) -> pd.DataFrame:
     for rank in attribution.working:
         calls = rank.work(list(_ROW_COLUMNS), categories=CATEGORIES)
         if rank.lanes == Lane.CPU.value:
-            calls = _outermost(calls)
+            calls = _cpu_calls(calls)
         if calls.empty:
             continue
         frame = pd.DataFrame({c: (calls[c].astype(str).to_numpy() if isinstance(calls[c].dtype, pd.CategoricalDtype)

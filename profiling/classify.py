@@ -40,6 +40,7 @@ from shardline.profiling import layout as placement
 from shardline.profiling.errors import ClassificationError
 from shardline.profiling.schema import (
     COMM_CATEGORIES,
+    P2P_CATEGORIES,
     category_texts,
     check_events,
     codes_or_end,
@@ -427,6 +428,7 @@ _CAT_NAMES = tuple(c.value for c in Category)
 _CAT_CODE = {name: i for i, name in enumerate(_CAT_NAMES)}
 _NO_CAT = len(_CAT_NAMES)  # "": no category from this evidence
 _COMM_CODES = np.array([name in COMM_CATEGORIES for name in _CAT_NAMES] + [False], dtype=bool)
+_P2P_CODES = np.array([name in P2P_CATEGORIES for name in _CAT_NAMES] + [False], dtype=bool)
 
 
 def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
@@ -476,6 +478,7 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
         if not (inner >= 0).any():
             break
         _fill_from_ops(out, inner)
+    _fill_from_ops(out, _link_worker_spans(out, category))  # a gloo:* span on a worker thread: its post's group
     out["dim"] = _dims(out, category, layout)
 
 
@@ -687,6 +690,91 @@ def _link_outer_ops(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
         hit = ((rank[outer] == rank[inner]) & (stream[outer] == stream[inner]) & (start[inner] >= start[outer])
                & (end[inner] <= end[outer]) & ~group[outer] & group[inner] & (said[inner] == want[outer]))
         link[rows[:-ahead][hit]] = rows[ahead:][hit]
+    return link
+
+
+#: The backend's own record of running a call (ProcessGroupGloo / MPI / UCC): on a worker thread of the backend
+#: when the call was posted from another thread (a collective), inside the posting op when run inline (a send).
+WORKER_SPAN_RE = r"^(gloo|mpi|ucc):"
+
+
+def nested_on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per row: does it lie inside an earlier-starting row of the same thread (``stream``) among these rows
+    (``c10d op > record_param_comms > gloo:*``)? Rows that start together: the longer one holds the other."""
+    nested = np.zeros(len(start), dtype=bool)
+    if len(start) < 2:
+        return nested
+    order = np.lexsort((start - end, start, stream))  # by thread, then start; an enclosing row first
+    thread, finish = stream[order], end[order]
+    reach = pd.Series(finish).groupby(thread).cummax().to_numpy()  # the furthest end so far on the thread
+    same = np.concatenate([[False], thread[1:] == thread[:-1]])
+    before = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    nested[order] = same & (finish <= before)
+    return nested
+
+
+def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, end: np.ndarray,
+                      category: np.ndarray, span: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A collective posted on one thread and run on a backend worker thread is two CPU rows: the posting op
+    (``c10d::allreduce_``, microseconds) and the backend's span (``gloo:all_reduce`` on the process group's worker
+    thread, the whole run). The arrays describe CPU communication rows (all of them: rows nested in another on
+    their thread are left out here); ``span`` marks the backend's spans (:data:`WORKER_SPAN_RE`), ``group`` is a
+    group key per row ("" for none). Returns ``(spans, posts)``: positions of each paired span and its post.
+
+    A span is an execution posted from elsewhere when it is outermost on its thread (not inside an op there, as
+    an inline send's is). Its post: the earliest unpaired outermost non-span row of its rank and category on
+    another thread that started no later than the span, taken in the span's start order -- a process group's
+    queue runs its posts in order. Where posts carry groups, a worker thread serves one process group, so once
+    a thread's span is paired with a group's post its later spans take that group's posts first."""
+    n = len(start)
+    none = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    if n < 2 or not span.any():
+        return none
+    outer = ~nested_on_thread(np.asarray(stream), start, end)
+    spans = np.flatnonzero(outer & span)
+    posts = np.flatnonzero(outer & ~span)
+    if not len(spans) or not len(posts):
+        return none
+    waiting: dict[tuple, list[int]] = {}
+    for p in posts[np.lexsort((start[posts], category[posts], rank[posts]))].tolist():
+        waiting.setdefault((rank[p], category[p]), []).append(p)
+    served: dict[tuple, str] = {}  # (rank, worker thread) -> the group its first paired post named
+    out_spans, out_posts = [], []
+    for x in spans[np.argsort(start[spans], kind="stable")].tolist():
+        queue = waiting.get((rank[x], category[x]))
+        if not queue:
+            continue
+        ready = [i for i, p in enumerate(queue[:64]) if start[p] <= start[x] and stream[p] != stream[x]]
+        if not ready:
+            continue
+        want = served.get((rank[x], stream[x]))
+        pick = next((i for i in ready if want is not None and group[queue[i]] == want), ready[0])
+        p = queue.pop(pick)
+        if group[p] != "":
+            served.setdefault((rank[x], stream[x]), group[p])
+        out_spans.append(x)
+        out_posts.append(p)
+    return np.array(out_spans, dtype=np.int64), np.array(out_posts, dtype=np.int64)
+
+
+def _link_worker_spans(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
+    """Per row: for a backend span run on a worker thread (:func:`worker_span_pairs`), the op that posted it, so
+    that the span -- the run, which the calls are matched by -- takes the post's group, seq and sizes; -1
+    elsewhere (and where the span has its own)."""
+    link = np.full(len(out), -1, dtype=np.int64)
+    rows = np.flatnonzero(_COMM_CODES[category] & ~_P2P_CODES[category] & (out["lane"] != Lane.GPU.value).to_numpy())
+    if len(rows) < 2:
+        return link
+    span = match_names(out["name"], WORKER_SPAN_RE)[rows]
+    if not span.any():
+        return link
+    start = out["start_ns"].to_numpy()[rows].astype(np.int64)
+    end = start + out["dur_ns"].to_numpy()[rows].astype(np.int64)
+    name = out["pg_name"].iloc[rows].astype(str).to_numpy()
+    group = np.where(name != "", name, out["pg_ranks"].iloc[rows].astype(str).to_numpy())
+    spans, posts = worker_span_pairs(out["rank"].to_numpy()[rows], out["stream"].to_numpy()[rows], start, end,
+                                     category[rows], span, group)
+    link[rows[spans]] = rows[posts]
     return link
 
 

@@ -3,8 +3,11 @@
 Matching. A collective instance is one call on every member of a process group. Instances are matched by
 (process group, sequence number) when the trace records ``seq``, else by order: the k-th call of a category on
 a group on one rank meets the k-th on every other rank. The group key is the ``pg_name``, else the
-``pg_ranks`` text, else "" (one anonymous group: traces without process-group args). One row per rank and
-instance is used: the GPU kernel on ranks attributed on GPUs, else the outermost CPU comm op on its thread.
+``pg_ranks`` text, else "" (one anonymous group: traces without process-group args, such as torch 2.13's gloo
+ones; where a rank's trace lists it in several groups this mixes their calls, and a ``TraceWarning`` says so). One
+row per rank and instance is used: the GPU kernel on ranks attributed on GPUs, else the outermost CPU comm op on
+its thread -- and of a collective posted on one thread and run on a backend worker thread (``gloo:all_reduce`` on
+a ``pt_gloo_runloop`` thread), the run, with its post's group (``classify.worker_span_pairs``).
 Point-to-point sends and receives are not collectives (a send meets one receive, not the other sends) and are
 left out; the time a pipeline stage waits in receives is ``bubbles``' business.
 
@@ -41,7 +44,13 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling.attribution import attribute
-from shardline.profiling.classify import Lane
+from shardline.profiling.classify import (
+    WORKER_SPAN_RE,
+    Lane,
+    match_names,
+    nested_on_thread,
+    worker_span_pairs,
+)
 from shardline.profiling.errors import AttributionError, TraceWarning
 from shardline.profiling.links import parse_ranks
 from shardline.profiling.schema import COMM_CATEGORIES, P2P_CATEGORIES
@@ -73,9 +82,11 @@ def comm_calls(source) -> pd.DataFrame:
     the collective categories, in the windows the attribution gives them."""
     frames = []
     for rank in attribute(source, caller="comm_calls").working:
-        calls = rank.work(_CALL_COLUMNS, categories=COLLECTIVE_CATEGORIES)
         if rank.lanes == Lane.CPU.value:
-            calls = _outermost(calls)
+            calls = _cpu_calls(rank.work(_CALL_COLUMNS + ("name",), categories=COLLECTIVE_CATEGORIES))
+            calls = calls.drop(columns="name")
+        else:
+            calls = rank.work(_CALL_COLUMNS, categories=COLLECTIVE_CATEGORIES)
         if calls.empty:
             continue
         windows = rank.windows
@@ -168,17 +179,29 @@ def _cross_stage(calls: pd.DataFrame, stages: dict[int, int], pipelined: bool) -
     return calls["group"].map(cross).fillna(False).to_numpy(dtype=bool)
 
 
-def _outermost(calls: pd.DataFrame) -> pd.DataFrame:
-    """Drop comm ops nested in an earlier comm op of the same thread (c10d op > record_param_comms > gloo:*)."""
+def _cpu_calls(calls: pd.DataFrame) -> pd.DataFrame:
+    """A CPU-lane rank's calls: the outermost comm op of each call on its thread (c10d op > record_param_comms >
+    gloo:*), and of a collective posted on one thread and run on a backend worker thread (gloo, MPI, UCC), the
+    run only (``classify.worker_span_pairs``; the run took its post's group in classify): counting the post too
+    counted every such collective twice."""
     if calls.empty:
         return calls
-    calls = calls.sort_values(["stream", "start_ns", "dur_ns"], ascending=[True, True, False])
-    end = (calls["start_ns"] + calls["dur_ns"]).to_numpy()
-    reach = pd.Series(end).groupby(calls["stream"].to_numpy()).cummax().to_numpy()
-    prev_reach = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
-    same_thread = np.concatenate([[False], calls["stream"].to_numpy()[1:] == calls["stream"].to_numpy()[:-1]])
-    nested = same_thread & (end <= prev_reach)
-    return calls[~nested]
+    start = calls["start_ns"].to_numpy().astype(np.int64)
+    end = start + calls["dur_ns"].to_numpy().astype(np.int64)
+    stream = calls["stream"].to_numpy()
+    calls = calls[~nested_on_thread(stream, start, end)]
+    span = match_names(calls["name"], WORKER_SPAN_RE) & ~calls["category"].isin(P2P_CATEGORIES).to_numpy()
+    if not span.any():
+        return calls
+    start = calls["start_ns"].to_numpy().astype(np.int64)
+    name = calls["pg_name"].astype(str).to_numpy()
+    _, posts = worker_span_pairs(calls["rank"].to_numpy(), calls["stream"].to_numpy(), start,
+                                 start + calls["dur_ns"].to_numpy().astype(np.int64),
+                                 calls["category"].astype(str).to_numpy(), span,
+                                 np.where(name != "", name, calls["pg_ranks"].astype(str).to_numpy()))
+    keep = np.ones(len(calls), dtype=bool)
+    keep[posts] = False
+    return calls[keep]
 
 
 def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) -> pd.DataFrame:
@@ -190,6 +213,7 @@ def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) ->
     calls = comm_calls(attribution)
     if calls.empty:
         raise AttributionError("no communication calls to match in this trace")
+    _warn_mixed_anonymous(calls, attribution)
     calls["instance"] = _instance_ids(calls)
     calls = calls[calls["instance"] >= 0]
     offsets = _offsets(calls) if ClockAlignment(clock) is ClockAlignment.ENDS else {}
@@ -209,6 +233,32 @@ def match_collectives(source, *, clock: ClockAlignment = ClockAlignment.ENDS) ->
     stages = pipeline_stages(attribution)
     calls["cross_stage"] = _cross_stage(calls, stages, _pipelined(attribution, stages))
     return calls.sort_values(key + ["rank"]).reset_index(drop=True)
+
+
+def _warn_mixed_anonymous(calls: pd.DataFrame, attribution) -> None:
+    """Calls without a process group (torch 2.13's gloo records none: no ``record_param_comms``, no group args)
+    all fall into one anonymous group matched by order. That is right where each rank calls collectives on one
+    group; where a rank's trace lists it in several groups of two or more ranks (``distributedInfo.pg_config``),
+    the k-th calls of different groups are taken for one instance, so their wait, transfer and straggler figures
+    mix groups: say so, naming the ranks and their groups."""
+    anonymous = sorted(int(r) for r in calls.loc[calls["group"] == "", "rank"].unique())
+    mixed = []
+    for rank in anonymous:
+        info = (attribution.metadata.get(rank) or {}).get("distributedInfo")
+        config = info.get("pg_config") if isinstance(info, dict) else None
+        groups = [g for g in config or [] if isinstance(g, dict) and len(g.get("ranks") or []) > 1]
+        if len(groups) > 1:
+            mixed.append((rank, groups))
+    if not mixed:
+        return
+    rank, groups = mixed[0]
+    where = attribution.files.get(rank, f"rank {rank}")
+    named = ", ".join(f"{g.get('pg_desc') or g.get('pg_name')} {g['ranks']}" for g in groups[:4])
+    others = f" (and ranks {[r for r, _ in mixed[1:]][:8]})" if len(mixed) > 1 else ""
+    warnings.warn(f"{where}: rank {rank}'s collective calls carry no process group (no record_param_comms or group "
+                  f"args; torch's gloo records none), but its trace lists it in {len(groups)} groups ({named}){others}:"
+                  " they are matched by order in one anonymous group, so their wait, transfer and straggler "
+                  "figures mix different groups' calls", TraceWarning, stacklevel=3)
 
 
 def _instance_ids(calls: pd.DataFrame) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 ``write_job(folder, tp=, pp=, dp=, ...)`` simulates one training job on ``tp * pp * dp`` H100s and writes what
 ``torch.profiler`` (Kineto) would have written on every rank: ``rank{r}.pt.trace.json(.gz)``, one file per rank,
-rank = ``dp_idx * pp * tp + pp_idx * tp + tp_idx`` (TP innermost: Megatron's order). It returns the ground truth
-of the timeline it laid out (``write_job``'s docstring lists it), derived from the simulation, never from the
-profiler.
+rank = ``dp_idx * pp * tp + pp_idx * tp + tp_idx`` (TP innermost as in Megatron, but DP outermost: Megatron's
+default order ``tp-cp-ep-dp-pp`` puts PP outermost, so a layout-derived dim of these groups is not Megatron's). It
+returns the ground truth of the timeline it laid out (``write_job``'s docstring lists it), derived from the simulation, never from the profiler.
 
 The job (per rank, per step):
 
@@ -174,7 +174,7 @@ def _ts(ns: int) -> str:
 
 
 def rank_of(dp_idx: int, pp_idx: int, tp_idx: int, *, tp: int, pp: int) -> int:
-    """Megatron's rank order: TP innermost, then PP, then DP."""
+    """TP innermost, then PP, then DP (not Megatron's order, which has DP inside PP)."""
     return dp_idx * pp * tp + pp_idx * tp + tp_idx
 
 

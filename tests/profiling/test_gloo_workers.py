@@ -1,0 +1,187 @@
+"""Collectives of real gloo CPU traces: posted on one thread, run on the process group's worker thread.
+
+torch 2.13's ProcessGroupGloo records a collective twice: the dispatcher op (``c10d::allreduce_``, microseconds,
+on the calling thread) and ``gloo:all_reduce`` (the whole run, on one of the group's worker threads), and neither
+carries a process group (no ``record_param_comms``). Each call is one call: the run, with its post's group where
+the post has one. Real traces from forked gloo ranks under ``torch.profiler`` (CPU activities), checked against the
+raw JSON's own spans; a hand-built table checks the pairing rule where executions run out of post order.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORLD = 4
+STEPS, TP_CALLS = 2, 3  # the multi-group job: per step 3 all-reduces on the tp pair, then 1 on the dp pair
+
+
+def _ddp(rank, folder):
+    """Data parallel over the world group (DDP's bucketed all-reduces, posted from backward)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)),
+                                    bucket_cap_mb=0.05)  # several buckets: several all-reduces per step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 64)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()  # warm-up outside the profile
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+    prof.export_chrome_trace(str(folder / f"rank{rank}.pt.trace.json"))
+
+
+def _groups(rank, folder):
+    """Two tp pairs ({0,1}, {2,3}) and two dp pairs ({0,2}, {1,3}), with Megatron's group descriptions; rank 3
+    computes before each tp call, so its tp peer waits."""
+    import torch.distributed as dist
+
+    pairs = {"tp": ([0, 1], [2, 3]), "dp": ([0, 2], [1, 3])}
+    made = {dim: [dist.new_group(r, group_desc="TENSOR_MODEL_PARALLEL_GROUP" if dim == "tp" else
+                                 "DATA_PARALLEL_GROUP") for r in ranks] for dim, ranks in pairs.items()}
+    tp = made["tp"][0 if rank < 2 else 1]
+    dp = made["dp"][rank % 2]
+    x = torch.ones(1000)
+    dist.all_reduce(x, group=tp)
+    dist.all_reduce(x, group=dp)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(STEPS):
+            for _ in range(TP_CALLS):
+                if rank == 3:
+                    torch.randn(200, 200) @ torch.randn(200, 200)
+                dist.all_reduce(x, group=tp)
+            dist.all_reduce(x, group=dp)
+    prof.export_chrome_trace(str(folder / f"rank{rank}.pt.trace.json"))
+
+
+def _both(rank, world, ddp_folder, groups_folder):
+    torch.set_num_threads(1)
+    _ddp(rank, ddp_folder)
+    _groups(rank, groups_folder)
+    return rank
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from shardline.plugins.testing import run_ranks
+
+    ddp, groups = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("groups")
+    assert run_ranks(_both, WORLD, ddp, groups, timeout=240) == list(range(WORLD))
+    return ddp, groups
+
+
+def _raw(folder, rank, prefix):
+    """The raw trace's spans of one rank whose name starts with ``prefix``: (thread, start µs, duration µs), by
+    start."""
+    doc = json.loads((folder / f"rank{rank}.pt.trace.json").read_text())
+    return sorted(((e["tid"], e["ts"], e["dur"]) for e in doc["traceEvents"]
+                   if e.get("ph") == "X" and e.get("name", "").startswith(prefix)), key=lambda t: t[1])
+
+
+def test_each_ddp_all_reduce_is_one_call_the_workers_run(folders):
+    """One call per collective (DDP's bucket all-reduces and its buffer broadcasts), not two, lasting what the
+    worker's gloo:* run lasted, and matched over the four ranks of the world group."""
+    from shardline.profiling.collectives import comm_calls, match_collectives
+    from shardline.profiling.load import load
+
+    ddp, _ = folders
+    traces = load(ddp)
+    calls = comm_calls(traces)
+    for rank in range(WORLD):
+        runs, posts = _raw(ddp, rank, "gloo:"), _raw(ddp, rank, "c10d::")
+        assert len(runs) == len(posts) >= 4, (rank, len(runs), len(posts))  # 2 steps x >= 2 buckets
+        assert len(_raw(ddp, rank, "gloo:all_reduce")) >= 4
+        assert {tid for tid, _, _ in runs}.isdisjoint({tid for tid, _, _ in posts})  # run on other threads
+        mine = calls[calls["rank"] == rank].sort_values("start_ns")
+        assert len(mine) == len(runs), (rank, len(mine), len(runs))
+        np.testing.assert_allclose(mine["dur_ns"].to_numpy() / 1e3, [d for _, _, d in runs], atol=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one group per rank: nothing to warn about
+        matched = match_collectives(traces)
+    assert len(matched) == len(calls)
+    assert (matched["members"] == WORLD).all()
+    assert set(matched["category"]) == {"all_reduce", "broadcast"}
+    # an instance's runs end together (the all-reduce completes on every rank): one host, one clock
+    spread = matched.groupby("instance")["end_ns"].agg(lambda e: e.max() - e.min())
+    assert (spread < 50_000_000).all(), spread.max()
+
+
+def test_calls_on_several_anonymous_groups_are_counted_once_and_named_in_a_warning(folders):
+    """Per rank 2 x (3 + 1) calls, not twice that; and since gloo records no group, matching them by order in one
+    group mixes the tp and dp pairs' calls: a TraceWarning names the rank's groups from its pg_config."""
+    from shardline.profiling.collectives import comm_calls, match_collectives
+    from shardline.profiling.errors import TraceWarning
+    from shardline.profiling.load import load
+
+    _, groups = folders
+    traces = load(groups)
+    calls = comm_calls(traces)
+    assert calls.groupby("rank").size().to_dict() == {r: STEPS * (TP_CALLS + 1) for r in range(WORLD)}
+    assert (calls["group"] == "").all()  # the trace holds no group: none is invented
+    with pytest.warns(TraceWarning, match=r"rank0\.pt\.trace\.json: rank 0's collective calls carry no process "
+                                          r"group.*3 groups \(default_pg \[0, 1, 2, 3\], TENSOR_MODEL_PARALLEL_GROUP"
+                                          r" \[0, 1\], DATA_PARALLEL_GROUP \[0, 2\]\)"):
+        match_collectives(traces)
+
+
+def _cpu(rows):
+    from shardline.profiling.schema import conform
+
+    return conform(pd.DataFrame([dict(rank=0, lane="cpu", source="kineto", **r) for r in rows]))
+
+
+def test_worker_spans_take_their_posts_group_in_queue_order_by_thread():
+    """Two process groups, each with its own worker thread (11: group A, 12: group B), posts on thread 1 in the
+    order A0, B0, A1, B1; group A's worker is still busy with A0 when B0 is posted, so B0 runs first (at 25,
+    before A1's post), and A1 runs after B0 started. Each run takes its own post's group and seq, and the posts
+    drop out of the calls."""
+    from shardline.profiling.classify import classify_events
+    from shardline.profiling.collectives import _cpu_calls
+
+    def post(start, group, seq):
+        return [dict(stream=1, name="c10d::allreduce_", cat="cpu_op", start_ns=start, dur_ns=5),
+                dict(stream=1, name="record_param_comms", cat="cpu_op", start_ns=start + 1, dur_ns=3,
+                     collective="allreduce", pg_name=group, pg_ranks="[0, 1]", pg_size=2, seq=seq)]
+
+    def run(thread, start, dur):
+        return [dict(stream=thread, name="gloo:all_reduce", cat="user_annotation", start_ns=start, dur_ns=dur)]
+
+    rows = (post(10, "A", 0) + run(11, 12, 40) + post(20, "B", 0) + run(12, 25, 10) + post(30, "A", 1)
+            + post(40, "B", 1) + run(12, 42, 10) + run(11, 55, 10))
+    events = classify_events(_cpu(rows))
+    runs = events[events["name"] == "gloo:all_reduce"].sort_values("start_ns")
+    assert runs[["start_ns", "pg_name", "seq"]].values.tolist() == [[12, "A", 0], [25, "B", 0], [42, "B", 1],
+                                                                    [55, "A", 1]]
+    calls = _cpu_calls(events[events["category"] == "all_reduce"][
+        ["rank", "category", "pg_name", "pg_ranks", "dim", "seq", "stream", "start_ns", "dur_ns", "name"]])
+    assert calls["name"].astype(str).tolist() == ["gloo:all_reduce"] * 4
+
+
+def test_an_inline_span_inside_its_op_stays_one_call():
+    """gloo's span nested in its op on the same thread (as a send runs, or an older torch recorded all) is not
+    a worker run: the op is the call, as before."""
+    from shardline.profiling.classify import classify_events
+    from shardline.profiling.collectives import _cpu_calls
+
+    rows = [dict(stream=1, name="c10d::allreduce_", cat="cpu_op", start_ns=10, dur_ns=100),
+            dict(stream=1, name="gloo:all_reduce", cat="user_annotation", start_ns=12, dur_ns=90)]
+    events = classify_events(_cpu(rows))
+    calls = _cpu_calls(events[["rank", "category", "pg_name", "pg_ranks", "dim", "seq", "stream", "start_ns",
+                               "dur_ns", "name"]])
+    assert calls["name"].astype(str).tolist() == ["c10d::allreduce_"]
