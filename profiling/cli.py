@@ -388,6 +388,7 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
         )
 
         sections = report_sections(attribution, traceset=traceset)
+        _warn_on_stderr(sections)
         return (findings_terminal(sections) + _per_rank_or_distribution(table, sections) + why_terminal(sections)
                 + render_coverage(coverage) + bandwidth_terminal(attribution, traceset=traceset))
     if len(coverage):  # the machine formats carry the breakdown only: the finding goes to stderr
@@ -395,6 +396,13 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
 
         print(f"shardline profile report: note: {coverage_note(coverage)}", file=sys.stderr)
     return table if fmt is ReportFormat.PARQUET else render(table, fmt=fmt)
+
+
+def _warn_on_stderr(sections) -> None:
+    """The trace warnings the report's analyses raised (md/html show them as the breakdown's note; the terminal
+    table would drop them): one line on stderr each."""
+    for line in sections.warnings:
+        print(f"shardline profile report: warning: {line}", file=sys.stderr)
 
 
 def _per_rank_or_distribution(table: pd.DataFrame, sections) -> str:

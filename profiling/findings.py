@@ -235,18 +235,23 @@ def _straggler(ctx: _Context, threshold: float) -> list[Finding]:
     # Why it is late: of its compute and its host-bound idle, the one furthest above its peers' median (every
     # rank's where it has none): another pipeline stage does other work.
     bd = ctx.breakdown
-    excess = {}
+    whose = "the median of its pipeline stage's other ranks" if piped and peers else "the median"
+    excess = {}  # words -> (how far above the peers' median, as a ratio; the phrase)
     for column, words in (("compute", "compute"), ("idle_host_bound", "host-bound GPU idle")):
         if column in bd:
             per_rank = bd.groupby("rank")[column].mean()
             pool = per_rank[per_rank.index.isin(peers)] if peers else per_rank
             median = float(pool.median())
-            if median > 0 and rank in per_rank.index:
-                excess[words] = float(per_rank[rank]) / median - 1
-    words, above = max(excess.items(), key=lambda kv: kv[1]) if excess else ("compute", math.nan)
-    whose = "the median of its pipeline stage's other ranks" if piped and peers else "the median"
+            value = float(per_rank[rank]) if rank in per_rank.index else math.nan
+            if median > 0 and value == value:
+                ratio = value / median - 1
+                excess[words] = (ratio, f"{_pct(abs(ratio))} {'above' if ratio >= 0 else 'below'} {whose}")
+            elif value > 0:  # the others have none (their work ran on other threads, or they only wait)
+                excess[words] = (math.inf, f"{_ms(value)} ms per step where {whose} is 0")
+    words, (_, how) = (max(excess.items(), key=lambda kv: kv[1][0]) if excess
+                       else ("compute", (0.0, f"not measured against {whose} (no rank has any)")))
     measured = (f"rank {rank} is last in {last} of {total} collectives and costs the others {_ms(caused)} ms of "
-                f"waiting per step: its {words} is {_pct(above)} above {whose}")
+                f"waiting per step: its {words} is {how}")
     saved, method = _what_if_saving(ctx, f"no_straggler:rank={rank}")
     if math.isnan(saved):
         saved, method = caused, "exact bound"

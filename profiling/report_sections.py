@@ -103,6 +103,7 @@ class ReportSections:
     launch: pd.DataFrame = field(default_factory=pd.DataFrame)  # idle.launch_stats
     findings: pd.DataFrame = field(default_factory=pd.DataFrame)  # findings.findings, ranked
     timings: dict = field(default_factory=dict)  # seconds per analysis (breakdown includes idle_causes)
+    warnings: tuple[str, ...] = ()  # the analyses' warnings, each once (md/html: the breakdown's note)
 
 
 def section_title(sec: ReportSections, section: Section) -> str:
@@ -253,7 +254,8 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
     sections = ReportSections(breakdown=bd, comm_by_dim=cbd, wait_transfer=wt, stragglers=sg, bubbles=bubbles,
                               top_kernels=kernels, offload=offload, notes=notes, matched=matched,
                               attribution=attribution, comm_coverage=coverage, bandwidth=bw,
-                              titles={Section.OFFLOAD: title}, critical_path=path, launch=launch)
+                              titles={Section.OFFLOAD: title}, critical_path=path, launch=launch,
+                              warnings=tuple(sorted({str(w.message) for w in caught})))
     from shardline.profiling.findings import findings  # the rules read the sections above
 
     started = time.perf_counter()

@@ -77,6 +77,19 @@ def test_straggler_is_found_with_its_cost_and_compute_above_the_median(synth, tm
     assert _found(load(tmp_path / "even"), "straggler").empty
 
 
+def test_straggler_whose_peers_have_no_compute_is_stated_in_ms_not_nan(synth, tmp_path):
+    """The other ranks only wait (compute 0: on a CPU gloo trace their collectives ran on worker threads): the
+    straggler's compute is stated as its ms per step against a median of 0, where a ratio said "nan% above"."""
+    from shardline.profiling.load import load
+
+    rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=0, extra=600, transfer=200)
+    synth.write_kineto(rows, tmp_path / "idle_peers")
+    table = _found(load(tmp_path / "idle_peers"), "straggler")
+    assert table["text"].tolist() == [
+        "rank 2 is last in 1 of 1 collectives and costs the others 0.001800 ms of waiting per step: its compute is "
+        "0.000600 ms per step where the median is 0; without it the step is 0.000600 ms shorter"]
+
+
 # --- host-bound idle --------------------------------------------------------------------------------------------
 
 def test_host_bound_idle_is_found_and_absent_without_late_launches(synth):

@@ -185,3 +185,19 @@ def test_an_inline_span_inside_its_op_stays_one_call():
     calls = _cpu_calls(events[["rank", "category", "pg_name", "pg_ranks", "dim", "seq", "stream", "start_ns",
                                "dur_ns", "name"]])
     assert calls["name"].astype(str).tolist() == ["c10d::allreduce_"]
+
+
+def test_terminal_report_shows_the_warning_and_a_straggler_without_nan(folders, capsys):
+    """``shardline profile report`` in the terminal: the analyses' warnings go to stderr (the table format used to
+    drop them), and no finding says "nan" (the straggler's peers have no compute: their collectives ran on gloo's
+    worker threads)."""
+    from shardline.profiling.cli import main
+
+    _, groups = folders
+    assert main(["profile", "report", str(groups)]) == 0
+    out, err = capsys.readouterr()
+    assert "shardline profile report: warning: " in err and "carry no process group" in err
+    findings = [line for line in out.splitlines() if line.startswith("  ") and ". " in line[:6]]
+    assert findings and not any("nan" in line for line in findings), findings
+    # which rank is named is not asserted: with the groups mixed (the warning), the order matching decides it
+    assert sum("is last in" in line for line in findings) <= 1
