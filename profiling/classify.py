@@ -27,7 +27,9 @@ names/descriptions and is broadcast back.
 
 from __future__ import annotations
 
+import collections
 import enum
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -713,6 +715,11 @@ def nested_on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> 
     return nested
 
 
+#: How many of the oldest unpaired posts a worker run may be paired with (the posts of other groups' queues that
+#: ran later lie among them)
+_POST_WINDOW = 64
+
+
 def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, end: np.ndarray,
                       category: np.ndarray, span: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A collective posted on one thread and run on a backend worker thread is two CPU rows: the posting op
@@ -735,21 +742,23 @@ def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, e
     posts = np.flatnonzero(outer & ~span)
     if not len(spans) or not len(posts):
         return none
-    waiting: dict[tuple, list[int]] = {}
+    waiting: dict[tuple, collections.deque[int]] = {}
     for p in posts[np.lexsort((start[posts], category[posts], rank[posts]))].tolist():
-        waiting.setdefault((rank[p], category[p]), []).append(p)
+        waiting.setdefault((rank[p], category[p]), collections.deque()).append(p)
     served: dict[tuple, str] = {}  # (rank, worker thread) -> the group its first paired post named
     out_spans, out_posts = [], []
     for x in spans[np.argsort(start[spans], kind="stable")].tolist():
         queue = waiting.get((rank[x], category[x]))
         if not queue:
             continue
-        ready = [i for i, p in enumerate(queue[:64]) if start[p] <= start[x] and stream[p] != stream[x]]
+        ready = [i for i, p in enumerate(itertools.islice(queue, _POST_WINDOW))
+                 if start[p] <= start[x] and stream[p] != stream[x]]
         if not ready:
             continue
         want = served.get((rank[x], stream[x]))
         pick = next((i for i in ready if want is not None and group[queue[i]] == want), ready[0])
-        p = queue.pop(pick)
+        p = queue[pick]
+        del queue[pick]
         if group[p] != "":
             served.setdefault((rank[x], stream[x]), group[p])
         out_spans.append(x)
