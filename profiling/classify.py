@@ -32,7 +32,7 @@ import enum
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -474,13 +474,19 @@ def _label(out: pd.DataFrame, *, rules: tuple, layout) -> None:
     del linked, take, is_comm_kernel, has_own, inherits
     out["category"] = sorted_categorical(category, _CAT_NAMES)
     _fill_from_ops(out, link_idx)
+    launched = np.zeros(len(out), dtype=bool)  # the ops that launched a GPU communication kernel: NCCL's calls
+    launched[link_idx[link_idx >= 0]] = True
     del link_idx
     for _ in range(3):  # c10d op > record_param_comms > nccl:* / gloo:*, filled from the inside out
         inner = _link_outer_ops(out, category)
         if not (inner >= 0).any():
             break
         _fill_from_ops(out, inner)
-    _fill_from_ops(out, _link_worker_spans(out, category))  # a gloo:* span on a worker thread: its post's group
+    posted, relabelled = _link_worker_spans(out, category, launched)  # a gloo:* run on a worker thread: its post
+    if relabelled is not category:
+        category = relabelled
+        out["category"] = sorted_categorical(category, _CAT_NAMES)
+    _fill_from_ops(out, posted)
     out["dim"] = _dims(out, category, layout)
 
 
@@ -698,93 +704,174 @@ def _link_outer_ops(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
 #: The backend's own record of running a call (ProcessGroupGloo / MPI / UCC): on a worker thread of the backend
 #: when the call was posted from another thread (a collective), inside the posting op when run inline (a send).
 WORKER_SPAN_RE = r"^(gloo|mpi|ucc):"
-
-
-def nested_on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Per row: does it lie inside an earlier-starting row of the same thread (``stream``) among these rows
-    (``c10d op > record_param_comms > gloo:*``)? Rows that start together: the longer one holds the other."""
-    nested = np.zeros(len(start), dtype=bool)
-    if len(start) < 2:
-        return nested
-    order = np.lexsort((start - end, start, stream))  # by thread, then start; an enclosing row first
-    thread, finish = stream[order], end[order]
-    reach = pd.Series(finish).groupby(thread).cummax().to_numpy()  # the furthest end so far on the thread
-    same = np.concatenate([[False], thread[1:] == thread[:-1]])
-    before = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
-    nested[order] = same & (finish <= before)
-    return nested
-
-
+#: Any backend's own span: a worker-capable one, or NCCL's/RCCL's ``nccl:*`` (always inside its op).
+BACKEND_SPAN_RE = r"^(gloo|mpi|ucc|nccl|rccl):"
+#: A run may carry out a post of another collective: gloo runs ``reduce_scatter_tensor`` as one all-reduce.
+RUN_SERVES = {"all_reduce": ("all_reduce", "reduce_scatter")}
 #: How many of the oldest unpaired posts a worker run may be paired with (the posts of other groups' queues that
 #: ran later lie among them)
 _POST_WINDOW = 64
 
 
+def nested_on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per row: does it lie inside an earlier-starting row of the same thread (``stream``) among these rows
+    (``c10d op > record_param_comms > gloo:*``)? Rows that start together: the longer one holds the other."""
+    return _on_thread(stream, start, end)[0]
+
+
+def _on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: (nested: inside an earlier row of its thread; begun: it starts inside an earlier row of its thread,
+    the outermost row holding that start, or -1 -- a nested row's, and a transport span's that outlasts its op)."""
+    n = len(start)
+    nested, begun, holder = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), np.full(n, -1, dtype=np.int64)
+    if n < 2:
+        return nested, begun, holder
+    order = np.lexsort((start - end, start, stream))  # by thread, then start; an enclosing row first
+    thread, first, finish = stream[order], start[order], end[order]
+    reach = pd.Series(finish).groupby(thread).cummax().to_numpy()  # the furthest end so far on the thread
+    same = np.concatenate([[False], thread[1:] == thread[:-1]])
+    before = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    nested[order] = same & (finish <= before)
+    inside = same & (first < before)  # starts while an earlier row of the thread is still running
+    # the outermost rows (not inside any earlier one) in sorted order; each row's is the last one at or before it
+    outer = np.flatnonzero(~inside)
+    last_outer = outer[np.searchsorted(outer, np.arange(n), side="right") - 1]
+    begun[order] = inside
+    holder[order[inside]] = order[last_outer[inside]]
+    return nested, begun, holder
+
+
 def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, end: np.ndarray,
-                      category: np.ndarray, span: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                      category: np.ndarray, names: np.ndarray, group: np.ndarray, *,
+                      launched: np.ndarray | None = None) -> WorkerSpans:
     """A collective posted on one thread and run on a backend worker thread is two CPU rows: the posting op
     (``c10d::allreduce_``, microseconds) and the backend's span (``gloo:all_reduce`` on the process group's worker
-    thread, the whole run). The arrays describe CPU communication rows (all of them: rows nested in another on
-    their thread are left out here); ``span`` marks the backend's spans (:data:`WORKER_SPAN_RE`), ``group`` is a
-    group key per row ("" for none). Returns ``(spans, posts)``: positions of each paired span and its post.
+    thread, the whole run). The arrays describe CPU communication rows (all of them, nested ones included);
+    ``category`` holds category names, ``names`` per row 0 (an op), 1 (a worker-capable backend span,
+    :data:`WORKER_SPAN_RE`) or 2 (another backend's span, ``nccl:*``); ``group`` is a group key ("" for none).
 
-    A span is an execution posted from elsewhere when it is outermost on its thread (not inside an op there, as
-    an inline send's is). Its post: the earliest unpaired outermost non-span row of its rank and category on
-    another thread that started no later than the span, taken in the span's start order -- a process group's
-    queue runs its posts in order. Where posts carry groups, a worker thread serves one process group, so once
-    a thread's span is paired with a group's post its later spans take that group's posts first."""
+    - A backend span that starts inside an op on its own thread is that op's transport (a gloo send or receive,
+      NCCL's ``nccl:*``), even where it outlasts the op (an ``irecv``'s lifetime): the op is the call.
+    - A worker-capable span that starts inside no op of its thread is a run posted from another thread. Its post:
+      the earliest unpaired outermost op of its rank, on another thread, started no later than the run, whose
+      collective the run can carry out (the same, or one of :data:`RUN_SERVES`), and that holds no backend span of
+      its own nor launched a GPU kernel (``launched``: the op, or one inside it on its thread, that a communication
+      kernel was launched from; such an op, an NCCL call, is complete) -- taken in the runs' start order, as a
+      process group's queue runs its posts in order. Where posts carry groups, a worker thread serves one
+      process group, so once a thread's run is paired with a group's post its later runs take that group's
+      posts first. Limits: the first run of a thread takes the oldest ready post, which may be another group's
+      whose own worker is busy; gloo's list ``reduce_scatter`` posts one all-reduce per rank, of which one pairs."""
     n = len(start)
-    none = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    if n < 2 or not span.any():
-        return none
-    outer = ~nested_on_thread(np.asarray(stream), start, end)
-    spans = np.flatnonzero(outer & span)
-    posts = np.flatnonzero(outer & ~span)
-    if not len(spans) or not len(posts):
-        return none
+    empty = np.zeros(0, dtype=np.int64)
+    if n == 0 or not (names > 0).any():
+        return WorkerSpans(empty, empty, empty)
+    nested, begun, holder = _on_thread(np.asarray(stream), start, end)
+    backend = names > 0
+    transports = np.flatnonzero(backend & begun)
+    # ops holding a backend span on their thread ran it inline: complete calls, no worker's posts
+    complete = np.zeros(n, dtype=bool)
+    complete[holder[transports]] = True
+    if launched is not None:
+        complete |= launched
+        inner = np.flatnonzero(launched & begun)
+        complete[holder[inner]] = True
+    runs = np.flatnonzero((names == 1) & ~begun)
+    posts = np.flatnonzero(~backend & ~begun & ~complete)
+    if not len(runs) or not len(posts):
+        return WorkerSpans(empty, empty, transports)
     waiting: dict[tuple, collections.deque[int]] = {}
-    for p in posts[np.lexsort((start[posts], category[posts], rank[posts]))].tolist():
+    for p in posts[np.lexsort((start[posts], rank[posts]))].tolist():
         waiting.setdefault((rank[p], category[p]), collections.deque()).append(p)
     served: dict[tuple, str] = {}  # (rank, worker thread) -> the group its first paired post named
-    out_spans, out_posts = [], []
-    for x in spans[np.argsort(start[spans], kind="stable")].tolist():
-        queue = waiting.get((rank[x], category[x]))
-        if not queue:
-            continue
-        ready = [i for i, p in enumerate(itertools.islice(queue, _POST_WINDOW))
-                 if start[p] <= start[x] and stream[p] != stream[x]]
+    out_runs, out_posts = [], []
+    for x in runs[np.argsort(start[runs], kind="stable")].tolist():
+        ready = []  # (post start, queue, index in it) of the posts this run may carry out
+        for kind in RUN_SERVES.get(category[x], (category[x],)):
+            queue = waiting.get((rank[x], kind))
+            if queue:
+                ready += [(start[p], queue, i) for i, p in enumerate(itertools.islice(queue, _POST_WINDOW))
+                          if start[p] <= start[x] and stream[p] != stream[x]]
         if not ready:
             continue
+        ready.sort(key=lambda item: item[0])
         want = served.get((rank[x], stream[x]))
-        pick = next((i for i in ready if want is not None and group[queue[i]] == want), ready[0])
-        p = queue[pick]
-        del queue[pick]
+        _, queue, i = next((r for r in ready if want is not None and group[r[1][r[2]]] == want), ready[0])
+        p = queue[i]
+        del queue[i]
         if group[p] != "":
             served.setdefault((rank[x], stream[x]), group[p])
-        out_spans.append(x)
+        out_runs.append(x)
         out_posts.append(p)
-    return np.array(out_spans, dtype=np.int64), np.array(out_posts, dtype=np.int64)
+    extra_runs, extra_posts = _extra_runs(rank, stream, start, category, runs, posts, out_runs, out_posts)
+    return WorkerSpans(np.array(out_runs, dtype=np.int64), np.array(out_posts, dtype=np.int64), transports,
+                       extra_runs, extra_posts)
 
 
-def _link_worker_spans(out: pd.DataFrame, category: np.ndarray) -> np.ndarray:
+def _extra_runs(rank, stream, start, category, runs, posts, out_runs, out_posts) -> tuple[np.ndarray, np.ndarray]:
+    """The unpaired runs that are a paired post's further runs: gloo's list ``reduce_scatter`` posts one all-reduce
+    per rank, so an all-reduce run that found no post, and whose rank's latest post before it (on another thread)
+    is a paired reduce-scatter, is that post's. Positions of the runs and of their posts."""
+    paired = set(out_runs)
+    lone = [x for x in runs.tolist() if x not in paired and category[x] in RUN_SERVES["all_reduce"]]
+    multi = {p for p in out_posts if category[p] == "reduce_scatter"}
+    if not lone or not multi:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    by_rank: dict = {}
+    for p in posts[np.argsort(start[posts], kind="stable")].tolist():
+        by_rank.setdefault(rank[p], []).append(p)
+    extra_runs, extra_posts = [], []
+    for x in lone:
+        mine = [p for p in by_rank.get(rank[x], []) if start[p] <= start[x] and stream[p] != stream[x]]
+        if mine and mine[-1] in multi:
+            extra_runs.append(x)
+            extra_posts.append(mine[-1])
+    return np.array(extra_runs, dtype=np.int64), np.array(extra_posts, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class WorkerSpans:
+    """:func:`worker_span_pairs`' answer, positions in its arrays: each paired run and its post, and the backend
+    spans that are their op's transport, and a post's further runs with their posts (neither is a call)."""
+
+    runs: np.ndarray
+    posts: np.ndarray
+    transports: np.ndarray
+    extra_runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # a post's further runs
+    extra_posts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (_extra_runs)
+
+
+def span_kinds(names: pd.Series) -> np.ndarray:
+    """Per row of a categorical name column: 0 (not a backend span), 1 (``gloo:*``/``mpi:*``/``ucc:*``), 2 (``nccl:*``,
+    ``rccl:*``), for :func:`worker_span_pairs`."""
+    return np.where(match_names(names, WORKER_SPAN_RE), 1, np.where(match_names(names, BACKEND_SPAN_RE), 2, 0))
+
+
+def _link_worker_spans(out: pd.DataFrame, category: np.ndarray, launched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row: for a backend span run on a worker thread (:func:`worker_span_pairs`), the op that posted it, so
-    that the span -- the run, which the calls are matched by -- takes the post's group, seq and sizes; -1
-    elsewhere (and where the span has its own)."""
+    that the run -- which the calls are matched by -- takes the post's group, seq and sizes; -1 elsewhere (and
+    where the run has its own). Also ``category`` with each paired run given its post's collective (gloo's
+    all-reduce that carries out a ``reduce_scatter_tensor`` is that reduce-scatter)."""
     link = np.full(len(out), -1, dtype=np.int64)
     rows = np.flatnonzero(_COMM_CODES[category] & ~_P2P_CODES[category] & (out["lane"] != Lane.GPU.value).to_numpy())
     if len(rows) < 2:
-        return link
-    span = match_names(out["name"], WORKER_SPAN_RE)[rows]
-    if not span.any():
-        return link
+        return link, category
+    kinds = span_kinds(out["name"])[rows]
+    if not (kinds == 1).any():
+        return link, category
     start = out["start_ns"].to_numpy()[rows].astype(np.int64)
     end = start + out["dur_ns"].to_numpy()[rows].astype(np.int64)
     name = out["pg_name"].iloc[rows].astype(str).to_numpy()
     group = np.where(name != "", name, out["pg_ranks"].iloc[rows].astype(str).to_numpy())
-    spans, posts = worker_span_pairs(out["rank"].to_numpy()[rows], out["stream"].to_numpy()[rows], start, end,
-                                     category[rows], span, group)
-    link[rows[spans]] = rows[posts]
-    return link
+    names = np.array(_CAT_NAMES + ("",), dtype=object)[category[rows]]
+    found = worker_span_pairs(out["rank"].to_numpy()[rows], out["stream"].to_numpy()[rows], start, end, names, kinds,
+                              group, launched=launched[rows])
+    runs = rows[np.concatenate([found.runs, found.extra_runs])]
+    posts = rows[np.concatenate([found.posts, found.extra_posts])]
+    link[runs] = posts
+    if (category[runs] != category[posts]).any():
+        category = category.copy()
+        category[runs] = category[posts]
+    return link, category
 
 
 def _fill_from_ops(out: pd.DataFrame, link: np.ndarray) -> None:

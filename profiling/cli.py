@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from shardline.profiling.errors import ProfilingError
+from shardline.profiling.errors import ProfilingError, TraceWarning
 
 
 class ReportFormat(str, enum.Enum):
@@ -375,10 +375,13 @@ def _render_report(traceset, *, fmt: ReportFormat, source: str, progress: bool):
         from shardline.profiling.report_md import render_markdown
 
         return render_markdown(sections)
-    table = attribution.breakdown
     from shardline.profiling.report_sections import comm_coverage
 
-    coverage = comm_coverage(attribution)
+    with warnings.catch_warnings():
+        if fmt is ReportFormat.TABLE:  # report_sections below reads both again and prints their warnings, once
+            warnings.simplefilter("ignore", TraceWarning)
+        table = attribution.breakdown
+        coverage = comm_coverage(attribution)
     if fmt is ReportFormat.TABLE:
         from shardline.profiling.report_sections import (
             bandwidth_terminal,

@@ -45,10 +45,9 @@ import pandas as pd
 
 from shardline.profiling.attribution import attribute
 from shardline.profiling.classify import (
-    WORKER_SPAN_RE,
     Lane,
-    match_names,
     nested_on_thread,
+    span_kinds,
     worker_span_pairs,
 )
 from shardline.profiling.errors import AttributionError, TraceWarning
@@ -180,27 +179,25 @@ def _cross_stage(calls: pd.DataFrame, stages: dict[int, int], pipelined: bool) -
 
 
 def _cpu_calls(calls: pd.DataFrame) -> pd.DataFrame:
-    """A CPU-lane rank's calls: the outermost comm op of each call on its thread (c10d op > record_param_comms >
-    gloo:*), and of a collective posted on one thread and run on a backend worker thread (gloo, MPI, UCC), the
-    run only (``classify.worker_span_pairs``; the run took its post's group in classify): counting the post too
-    counted every such collective twice."""
+    """A CPU-lane rank's calls (``calls`` with a ``name`` column): the outermost comm op of each call on its thread
+    (c10d op > record_param_comms > gloo:*), not a backend span that starts inside an op of its thread and outlasts
+    it (an ``irecv``'s ``gloo:recv`` lifetime: the op's transport), and of a collective posted on one thread and run
+    on a backend worker thread (gloo, MPI, UCC), the run only (``classify.worker_span_pairs``; the run took its
+    post's group and collective in classify): counting the post too counted every such collective twice."""
     if calls.empty:
         return calls
     start = calls["start_ns"].to_numpy().astype(np.int64)
     end = start + calls["dur_ns"].to_numpy().astype(np.int64)
-    stream = calls["stream"].to_numpy()
-    calls = calls[~nested_on_thread(stream, start, end)]
-    span = match_names(calls["name"], WORKER_SPAN_RE) & ~calls["category"].isin(P2P_CATEGORIES).to_numpy()
-    if not span.any():
-        return calls
-    start = calls["start_ns"].to_numpy().astype(np.int64)
+    kinds = span_kinds(calls["name"])
+    kinds[calls["category"].isin(P2P_CATEGORIES).to_numpy() & (kinds == 1)] = 2  # a send/recv span runs inline
     name = calls["pg_name"].astype(str).to_numpy()
-    _, posts = worker_span_pairs(calls["rank"].to_numpy(), calls["stream"].to_numpy(), start,
-                                 start + calls["dur_ns"].to_numpy().astype(np.int64),
-                                 calls["category"].astype(str).to_numpy(), span,
-                                 np.where(name != "", name, calls["pg_ranks"].astype(str).to_numpy()))
-    keep = np.ones(len(calls), dtype=bool)
-    keep[posts] = False
+    found = worker_span_pairs(calls["rank"].to_numpy(), calls["stream"].to_numpy(), start, end,
+                              calls["category"].astype(str).to_numpy(), kinds,
+                              np.where(name != "", name, calls["pg_ranks"].astype(str).to_numpy()))
+    keep = ~nested_on_thread(calls["stream"].to_numpy(), start, end)
+    keep[found.posts] = False
+    keep[found.transports] = False
+    keep[found.extra_runs] = False
     return calls[keep]
 
 
@@ -253,12 +250,18 @@ def _warn_mixed_anonymous(calls: pd.DataFrame, attribution) -> None:
         return
     rank, groups = mixed[0]
     where = attribution.files.get(rank, f"rank {rank}")
-    named = ", ".join(f"{g.get('pg_desc') or g.get('pg_name')} {g['ranks']}" for g in groups[:4])
+    named = ", ".join(f"{_group_label(g)} {g['ranks']}" for g in groups[:4])
     others = f" (and ranks {[r for r, _ in mixed[1:]][:8]})" if len(mixed) > 1 else ""
     warnings.warn(f"{where}: rank {rank}'s collective calls carry no process group (no record_param_comms or group "
                   f"args; torch's gloo records none), but its trace lists it in {len(groups)} groups ({named}){others}:"
                   " they are matched by order in one anonymous group, so their wait, transfer and straggler "
                   "figures mix different groups' calls", TraceWarning, stacklevel=3)
+
+
+def _group_label(group: dict) -> str:
+    """A ``pg_config`` entry's description, or "group NAME" where torch wrote none ("undefined")."""
+    desc = group.get("pg_desc")
+    return str(desc) if desc and desc != "undefined" else f"group {group.get('pg_name')}"
 
 
 def _instance_ids(calls: pd.DataFrame) -> np.ndarray:

@@ -195,7 +195,7 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
     from shardline.profiling.attribution import comm_by_dim
     from shardline.profiling.bubbles import MEASURED_METHODS, pipeline_bubbles
     from shardline.profiling.collectives import match_collectives, stragglers, wait_transfer
-    from shardline.profiling.errors import AttributionError
+    from shardline.profiling.errors import AttributionError, TraceWarning
     from shardline.profiling.idle import launch_stats
 
     notes: dict[Section, str] = {}
@@ -255,7 +255,8 @@ def _analyse(attribution, *, progress: bool, top: int, traceset=None) -> ReportS
                               top_kernels=kernels, offload=offload, notes=notes, matched=matched,
                               attribution=attribution, comm_coverage=coverage, bandwidth=bw,
                               titles={Section.OFFLOAD: title}, critical_path=path, launch=launch,
-                              warnings=tuple(sorted({str(w.message) for w in caught})))
+                              warnings=tuple(sorted({str(w.message) for w in caught
+                                                     if issubclass(w.category, TraceWarning)})))
     from shardline.profiling.findings import findings  # the rules read the sections above
 
     started = time.perf_counter()

@@ -70,10 +70,33 @@ def _groups(rank, folder):
     prof.export_chrome_trace(str(folder / f"rank{rank}.pt.trace.json"))
 
 
-def _both(rank, world, ddp_folder, groups_folder):
+def _mixed(rank, folder):
+    """The world group only: reduce_scatter_tensor (gloo runs it as one all-reduce), the list reduce_scatter (one
+    all-reduce per rank), all_gather_into_tensor, three async all-reduces in flight, and a send/recv pair per
+    two ranks (gloo runs those inline; an irecv's gloo:recv outlasts its op)."""
+    import torch.distributed as dist
+
+    x = torch.ones(WORLD * 256)
+    out = torch.empty(256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.reduce_scatter_tensor(out, x)
+        dist.reduce_scatter(out, list(x.chunk(WORLD)))
+        dist.all_gather_into_tensor(x, out)
+        works = [dist.all_reduce(torch.ones(512), async_op=True) for _ in range(3)]
+        for work in works:
+            work.wait()
+        if rank % 2 == 0:
+            dist.send(out, rank + 1)
+        else:
+            dist.irecv(out, rank - 1).wait()
+    prof.export_chrome_trace(str(folder / f"rank{rank}.pt.trace.json"))
+
+
+def _all(rank, world, ddp_folder, groups_folder, mixed_folder):
     torch.set_num_threads(1)
     _ddp(rank, ddp_folder)
     _groups(rank, groups_folder)
+    _mixed(rank, mixed_folder)
     return rank
 
 
@@ -81,9 +104,9 @@ def _both(rank, world, ddp_folder, groups_folder):
 def folders(tmp_path_factory):
     from shardline.plugins.testing import run_ranks
 
-    ddp, groups = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("groups")
-    assert run_ranks(_both, WORLD, ddp, groups, timeout=240) == list(range(WORLD))
-    return ddp, groups
+    made = [tmp_path_factory.mktemp(name) for name in ("ddp", "groups", "mixed")]
+    assert run_ranks(_all, WORLD, *made, timeout=240) == list(range(WORLD))
+    return made
 
 
 def _raw(folder, rank, prefix):
@@ -100,7 +123,7 @@ def test_each_ddp_all_reduce_is_one_call_the_workers_run(folders):
     from shardline.profiling.collectives import comm_calls, match_collectives
     from shardline.profiling.load import load
 
-    ddp, _ = folders
+    ddp, _, _ = folders
     traces = load(ddp)
     calls = comm_calls(traces)
     for rank in range(WORLD):
@@ -129,7 +152,7 @@ def test_calls_on_several_anonymous_groups_are_counted_once_and_named_in_a_warni
     from shardline.profiling.errors import TraceWarning
     from shardline.profiling.load import load
 
-    _, groups = folders
+    _, groups, _ = folders
     traces = load(groups)
     calls = comm_calls(traces)
     assert calls.groupby("rank").size().to_dict() == {r: STEPS * (TP_CALLS + 1) for r in range(WORLD)}
@@ -138,6 +161,69 @@ def test_calls_on_several_anonymous_groups_are_counted_once_and_named_in_a_warni
                                           r"group.*3 groups \(default_pg \[0, 1, 2, 3\], TENSOR_MODEL_PARALLEL_GROUP"
                                           r" \[0, 1\], DATA_PARALLEL_GROUP \[0, 2\]\)"):
         match_collectives(traces)
+
+
+def test_reduce_scatters_sends_and_async_calls_count_once_each(folders):
+    """Every collective posted (every c10d op but the sends and receives) is one call: gloo's all-reduce runs that
+    carry out a reduce-scatter are reduce-scatter calls -- the list form's further runs are not calls of their own
+    -- and a receive whose gloo:recv outlasts its op is one receive in the bandwidth table, not two."""
+    from shardline.profiling.bandwidth import collective_bandwidth
+    from shardline.profiling.collectives import comm_calls, match_collectives
+    from shardline.profiling.load import load
+
+    *_, mixed = folders
+    traces = load(mixed)
+    calls = comm_calls(traces)
+    for rank in range(WORLD):
+        posts = _raw(mixed, rank, "c10d::")
+        doc = json.loads((mixed / f"rank{rank}.pt.trace.json").read_text())
+        names = [e["name"] for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("c10d::")]
+        collectives = [n for n in names if n not in ("c10d::send", "c10d::recv_")]
+        mine = calls[calls["rank"] == rank]
+        assert len(posts) == len(names)
+        assert len(mine) == len(collectives) == 6, (rank, mine["category"].tolist(), collectives)
+        assert mine["category"].value_counts().to_dict() == {"all_reduce": 3, "reduce_scatter": 2, "all_gather": 1}
+        # the list reduce_scatter's WORLD all-reduce runs are all in the raw trace, one of them is its call
+        assert len(_raw(mixed, rank, "gloo:all_reduce")) == 3 + 1 + WORLD
+    from shardline.profiling.errors import TraceWarning
+
+    with pytest.warns(TraceWarning, match="carry no process group"):  # the tp/dp groups made before are listed
+        matched = match_collectives(traces)
+    assert (matched["members"] == WORLD).all()
+    p2p = collective_bandwidth(traces)
+    p2p = p2p[p2p["category"].isin(["p2p_send", "p2p_recv"])]
+    assert p2p.groupby("rank").size().to_dict() == {r: 1 for r in range(WORLD)}
+
+
+def test_an_nccl_call_is_no_gloo_runs_post():
+    """A GPU rank with an NCCL group and a gloo side group: the NCCL op (it launched the all-gather kernel) is a
+    complete call, so the gloo run on its worker thread pairs with the gloo group's own post, not with the older
+    NCCL op, and takes none of the NCCL group's fields."""
+    from shardline.profiling.classify import classify_events
+
+    rows = [dict(lane="cpu", stream=1, name="c10d::_allgather_base_", cat="cpu_op", start_ns=10, dur_ns=20),
+            dict(lane="cpu", stream=1, name="record_param_comms", cat="cpu_op", start_ns=11, dur_ns=5,
+                 collective="_allgather_base", pg_name="nccl_world", pg_ranks="[0, 1]", pg_size=2, seq=7),
+            dict(lane="cpu", stream=1, name="cudaLaunchKernel", cat="cuda_runtime", start_ns=13, dur_ns=2,
+                 correlation=5),
+            dict(lane="gpu", stream=7, name="ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)",
+                 cat="kernel", start_ns=40, dur_ns=100, correlation=5),
+            dict(lane="cpu", stream=1, name="c10d::allgather_", cat="cpu_op", start_ns=50, dur_ns=3),
+            dict(lane="cpu", stream=21, name="gloo:all_gather", cat="user_annotation", start_ns=55, dur_ns=30)]
+    from shardline.profiling.schema import conform
+
+    events = classify_events(conform(pd.DataFrame([dict(rank=0, source="kineto", **r) for r in rows])))
+    run = events[events["name"] == "gloo:all_gather"].iloc[0]
+    kernel = events[events["lane"] == "gpu"].iloc[0]
+    assert (str(run["pg_name"]), int(run["seq"])) == ("", -1)
+    assert (str(kernel["pg_name"]), int(kernel["seq"])) == ("nccl_world", 7)
+
+
+def test_a_group_without_description_is_named_by_its_number():
+    from shardline.profiling.collectives import _group_label
+
+    assert _group_label({"pg_name": "3", "pg_desc": "undefined", "ranks": [0, 1]}) == "group 3"
+    assert _group_label({"pg_name": "1", "pg_desc": "TENSOR_MODEL_PARALLEL_GROUP"}) == "TENSOR_MODEL_PARALLEL_GROUP"
 
 
 def _cpu(rows):
@@ -193,10 +279,11 @@ def test_terminal_report_shows_the_warning_and_a_straggler_without_nan(folders, 
     worker threads)."""
     from shardline.profiling.cli import main
 
-    _, groups = folders
+    _, groups, _ = folders
     assert main(["profile", "report", str(groups)]) == 0
     out, err = capsys.readouterr()
     assert "shardline profile report: warning: " in err and "carry no process group" in err
+    assert err.count("carry no process group") == 1, err  # once: not again as a Python warning
     findings = [line for line in out.splitlines() if line.startswith("  ") and ". " in line[:6]]
     assert findings and not any("nan" in line for line in findings), findings
     # which rank is named is not asserted: with the groups mixed (the warning), the order matching decides it
