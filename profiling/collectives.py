@@ -343,9 +343,32 @@ def stragglers(matched: pd.DataFrame) -> pd.DataFrame:
     cross stages has no row."""
     matched = within_stage(matched)
     key = ["group", "category", "instance"]
-    caused = matched.groupby(key)["wait_ns"].transform("sum")
-    late = matched.assign(caused_wait_ns=caused)[matched["is_last"]]
-    per = late.groupby(["step", "rank"], as_index=False).agg(caused_wait_ns=("caused_wait_ns", "sum"),
-                                                             times_last=("instance", "size"))
+    late = matched.loc[matched["is_last"].to_numpy(dtype=bool), key + ["step", "rank"]]
+    per = late.groupby(["step", "rank"], as_index=False).agg(times_last=("instance", "size"))
+    # What a straggler costs a waiting rank is the time it spent waiting for it: the union of its waits in the
+    # instances the straggler arrived last in, not their sum (calls in flight together -- async collectives, a
+    # second stream, gloo's two worker threads -- wait through the same time).
+    waits = matched.loc[~matched["is_last"].to_numpy(dtype=bool) & (matched["wait_ns"].to_numpy() > 0),
+                        key + ["rank", "start_ns", "wait_ns"]]
+    waits = waits.merge(late.rename(columns={"rank": "straggler"}), on=key)
+    caused = _union_ns(waits.assign(end_ns=waits["start_ns"] + waits["wait_ns"]), ["step", "straggler", "rank"])
+    caused = caused.groupby(["step", "straggler"]).sum()
+    at = pd.MultiIndex.from_frame(per[["step", "rank"]].rename(columns={"rank": "straggler"}))
+    per["caused_wait_ns"] = caused.reindex(at).fillna(0).to_numpy().astype(np.int64)
+    per = per[["step", "rank", "caused_wait_ns", "times_last"]]
     best = per.sort_values(["step", "caused_wait_ns", "rank"], ascending=[True, False, True])
     return best.groupby("step", as_index=False).first().rename(columns={"rank": "straggler_rank"})
+
+
+def _union_ns(frame: pd.DataFrame, by: list[str]) -> pd.Series:
+    """Per ``by`` group: the length of the union of the intervals ``[start_ns, end_ns)`` of its rows."""
+    if frame.empty:
+        return pd.Series(dtype=np.int64, index=pd.MultiIndex.from_arrays([[]] * len(by), names=by))
+    f = frame.sort_values(by + ["start_ns"]).reset_index(drop=True)
+    groups = f.groupby(by, sort=False)
+    reach = groups["end_ns"].cummax()  # the furthest end so far in the group
+    before = reach.groupby([f[c] for c in by], sort=False).shift(1)
+    segment = (before.isna() | (f["start_ns"] > before)).cumsum()  # a new run of overlapping intervals
+    runs = f.assign(segment=segment.to_numpy(), reach=reach.to_numpy()).groupby(by + ["segment"], sort=False).agg(
+        lo=("start_ns", "min"), hi=("reach", "max"))
+    return (runs["hi"] - runs["lo"]).groupby(level=by).sum()

@@ -61,6 +61,22 @@ def test_straggler_is_the_rank_that_caused_most_waiting(synth):
     assert table[["straggler_rank", "caused_wait_ns", "times_last"]].values.tolist() == [[2, 3200, 2]]
 
 
+def test_a_straggler_costs_the_time_others_waited_not_the_sum_over_calls_in_flight(synth):
+    """Two all-reduces in flight together on rank 0 (two groups, two streams), both waiting [0, 500) for rank 1:
+    rank 1 cost rank 0 500 ns, not 1000 (the wait of each, summed), and a third, later wait adds its own 100."""
+    rows = []
+    for group, stream in (("A", 20), ("B", 21)):
+        for rank, arrive in ((0, 0), (1, 500)):
+            rows.append(dict(synth.gpu_event(rank, "all_reduce", arrive, 700 - arrive, stream=stream), pg_name=group,
+                             pg_ranks="[0, 1]", pg_size=2, seq=0, category="all_reduce"))
+    for rank, arrive in ((0, 800), (1, 900)):
+        rows.append(dict(synth.gpu_event(rank, "all_reduce", arrive, 1000 - arrive, stream=20), pg_name="A",
+                         pg_ranks="[0, 1]", pg_size=2, seq=1, category="all_reduce"))
+    rows += [synth.annotation(rank, "ProfilerStep#0", 0, 1000) for rank in (0, 1)]
+    table = stragglers(match_collectives(synth.to_frame(rows), clock=ClockAlignment.NONE))
+    assert table[["straggler_rank", "caused_wait_ns", "times_last"]].values.tolist() == [[1, 600, 3]]
+
+
 def test_uneven_call_counts_warn_and_match_the_common_prefix(synth):
     rows, _ = synth.skewed_collectives(_arrivals(2, 3, 2), transfer=np.array([5, 5, 5]),
                                       offsets=np.zeros(2, dtype=np.int64))
