@@ -566,6 +566,19 @@ def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, se
     return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(layout.pp)]
 
 
+def block_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
+                  attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
+                  fused_wgrad: bool = False, fused_kernels: bool = False) -> tuple[float, float]:
+    """One transformer block, one micro-batch of ``layout`` on one rank: ``(compute seconds, exposed
+    communication seconds)`` of its forward, backward and recompute (what a per-layer measurement such as
+    Korthikanti et al.'s Table 4 times). Arguments as :func:`predict`'s."""
+    _check(model, layout, cluster, seq_len, dtype, attention, "blocks")
+    st = _Setup(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, True, False, 2, fused_wgrad,
+                fused_kernels)
+    led, _, _ = _block(st)
+    return led.compute, sum(led.exposed.values())
+
+
 def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp, pp_scatter_gather,
            grad_bytes, fused_wgrad, fused_kernels, cut):
     _check(model, layout, cluster, seq_len, dtype, attention, cut)
@@ -615,5 +628,5 @@ def _prediction(st: _Setup, stage: _Ledger, tail: _Tail, makespan: float, step: 
                           peak_flops=st.gpu.peak_flops(st.dtype), stage=rank)
 
 
-__all__ = ["ATTENTION", "DTYPES", "StepPrediction", "bubble_fraction", "model_flops",
+__all__ = ["ATTENTION", "DTYPES", "StepPrediction", "block_seconds", "bubble_fraction", "model_flops",
            "pipeline_makespan", "predict", "predict_stages", "stage_layers"]
