@@ -759,8 +759,10 @@ def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, e
       kernel was launched from; such an op, an NCCL call, is complete) -- taken in the runs' start order, as a
       process group's queue runs its posts in order. Where posts carry groups, a worker thread serves one
       process group, so once a thread's run is paired with a group's post its later runs take that group's
-      posts first. Limits: the first run of a thread takes the oldest ready post, which may be another group's
-      whose own worker is busy; gloo's list ``reduce_scatter`` posts one all-reduce per rank, of which one pairs."""
+      posts first. A run that found no post, after a paired reduce-scatter, is one of its further runs (gloo's list
+      ``reduce_scatter`` posts one all-reduce per rank: :func:`_extra_runs`). Limits: the first run of a thread
+      takes the oldest ready post, which may be another group's whose own worker is busy; a run looks at the
+      :data:`_POST_WINDOW` oldest unpaired posts only."""
     n = len(start)
     empty = np.zeros(0, dtype=np.int64)
     if n == 0 or not (names > 0).any():
