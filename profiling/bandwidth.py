@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 
 from shardline.profiling.attribution import attribute
-from shardline.profiling.classify import Lane, launching_op
+from shardline.profiling.classify import Lane, group_keys, launching_op
 from shardline.profiling.collectives import (
     COLLECTIVE_CATEGORIES,
     ClockAlignment,
@@ -378,7 +378,7 @@ def _finish(rows: pd.DataFrame, table: LinkTable, gpn: int, gpn_source: str) -> 
     rows["wait_ns"] = np.where(use_transfer, rows["wait_ns"].to_numpy(dtype=np.float64), np.nan)
     rows["efficiency"] = rows["busbw_gbps"].to_numpy() / rows["link_gbps"].to_numpy()
     rows["latency_bound"] = rows["bytes"].to_numpy() < LATENCY_BOUND_BYTES
-    rows["pg"] = np.where(rows["pg_name"] != "", rows["pg_name"], rows["pg_ranks"])
+    rows["pg"] = group_keys(rows["pg_name"], rows["pg_ranks"])
     out = rows[list(COLUMNS)].reset_index(drop=True)
     out = out.astype({"step": np.int64, "group_size": np.int64, "nodes": np.int64, "peer": np.int64})
     out.attrs.update(gpus_per_node=gpn, gpus_per_node_source=gpn_source)

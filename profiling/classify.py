@@ -32,7 +32,7 @@ import enum
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -713,15 +713,18 @@ RUN_SERVES = {"all_reduce": ("all_reduce", "reduce_scatter")}
 _POST_WINDOW = 64
 
 
-def nested_on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Per row: does it lie inside an earlier-starting row of the same thread (``stream``) among these rows
-    (``c10d op > record_param_comms > gloo:*``)? Rows that start together: the longer one holds the other."""
-    return _on_thread(stream, start, end)[0]
+def group_keys(pg_name, pg_ranks) -> np.ndarray:
+    """The key a call's process group is matched by: its ``pg_name``, else its ``pg_ranks`` text, else "" (no
+    group). Columns or arrays of the two, categorical or text."""
+    name = np.asarray(pg_name.astype(str) if isinstance(pg_name, pd.Series) else pg_name, dtype=object)
+    ranks = np.asarray(pg_ranks.astype(str) if isinstance(pg_ranks, pd.Series) else pg_ranks, dtype=object)
+    return np.where(name != "", name, ranks)
 
 
 def _on_thread(stream: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: (nested: inside an earlier row of its thread; begun: it starts inside an earlier row of its thread,
-    the outermost row holding that start, or -1 -- a nested row's, and a transport span's that outlasts its op)."""
+    """Per row: (nested: inside an earlier row of its thread -- ``c10d op > record_param_comms > gloo:*``; of rows
+    that start together the longer holds the other; begun: it starts inside an earlier row of its thread, as a
+    nested row and a transport span that outlasts its op do; the outermost row holding that start, or -1)."""
     n = len(start)
     nested, begun, holder = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), np.full(n, -1, dtype=np.int64)
     if n < 2:
@@ -765,9 +768,9 @@ def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, e
       :data:`_POST_WINDOW` oldest unpaired posts only."""
     n = len(start)
     empty = np.zeros(0, dtype=np.int64)
-    if n == 0 or not (names > 0).any():
-        return WorkerSpans(empty, empty, empty)
     nested, begun, holder = _on_thread(np.asarray(stream), start, end)
+    if not (names > 0).any():
+        return WorkerSpans(nested, empty, empty, empty, empty, empty)
     backend = names > 0
     transports = np.flatnonzero(backend & begun)
     # ops holding a backend span on their thread ran it inline: complete calls, no worker's posts
@@ -780,7 +783,7 @@ def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, e
     runs = np.flatnonzero((names == 1) & ~begun)
     posts = np.flatnonzero(~backend & ~begun & ~complete)
     if not len(runs) or not len(posts):
-        return WorkerSpans(empty, empty, transports)
+        return WorkerSpans(nested, empty, empty, transports, empty, empty)
     waiting: dict[tuple, collections.deque[int]] = {}
     for p in posts[np.lexsort((start[posts], rank[posts]))].tolist():
         waiting.setdefault((rank[p], category[p]), collections.deque()).append(p)
@@ -805,7 +808,7 @@ def worker_span_pairs(rank: np.ndarray, stream: np.ndarray, start: np.ndarray, e
         out_runs.append(x)
         out_posts.append(p)
     extra_runs, extra_posts = _extra_runs(rank, stream, start, category, runs, posts, out_runs, out_posts)
-    return WorkerSpans(np.array(out_runs, dtype=np.int64), np.array(out_posts, dtype=np.int64), transports,
+    return WorkerSpans(nested, np.array(out_runs, dtype=np.int64), np.array(out_posts, dtype=np.int64), transports,
                        extra_runs, extra_posts)
 
 
@@ -832,14 +835,16 @@ def _extra_runs(rank, stream, start, category, runs, posts, out_runs, out_posts)
 
 @dataclass(frozen=True)
 class WorkerSpans:
-    """:func:`worker_span_pairs`' answer, positions in its arrays: each paired run and its post, and the backend
-    spans that are their op's transport, and a post's further runs with their posts (neither is a call)."""
+    """:func:`worker_span_pairs`' answer: per row whether it is nested in an earlier row of its thread; and
+    positions in its arrays of each paired run and its post, of the backend spans that are their op's transport,
+    and of a post's further runs with their posts (:func:`_extra_runs`; neither is a call)."""
 
+    nested: np.ndarray
     runs: np.ndarray
     posts: np.ndarray
     transports: np.ndarray
-    extra_runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # a post's further runs
-    extra_posts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (_extra_runs)
+    extra_runs: np.ndarray
+    extra_posts: np.ndarray
 
 
 def span_kinds(names: pd.Series) -> np.ndarray:
@@ -862,8 +867,7 @@ def _link_worker_spans(out: pd.DataFrame, category: np.ndarray, launched: np.nda
         return link, category
     start = out["start_ns"].to_numpy()[rows].astype(np.int64)
     end = start + out["dur_ns"].to_numpy()[rows].astype(np.int64)
-    name = out["pg_name"].iloc[rows].astype(str).to_numpy()
-    group = np.where(name != "", name, out["pg_ranks"].iloc[rows].astype(str).to_numpy())
+    group = group_keys(out["pg_name"].iloc[rows], out["pg_ranks"].iloc[rows])
     names = np.array(_CAT_NAMES + ("",), dtype=object)[category[rows]]
     found = worker_span_pairs(out["rank"].to_numpy()[rows], out["stream"].to_numpy()[rows], start, end, names, kinds,
                               group, launched=launched[rows])

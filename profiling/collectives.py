@@ -46,7 +46,7 @@ import pandas as pd
 from shardline.profiling.attribution import attribute
 from shardline.profiling.classify import (
     Lane,
-    nested_on_thread,
+    group_keys,
     span_kinds,
     worker_span_pairs,
 )
@@ -91,12 +91,10 @@ def comm_calls(source) -> pd.DataFrame:
         windows = rank.windows
         start = calls["start_ns"].to_numpy()
         step = step_of(start, windows)
-        pg_name = calls["pg_name"].astype(str).to_numpy()
-        pg_ranks = calls["pg_ranks"].astype(str).to_numpy()
         frames.append(pd.DataFrame({
             "rank": calls["rank"].to_numpy().astype(np.int64), "step": step,
             "category": calls["category"].astype(str).to_numpy(),
-            "group": np.where(pg_name != "", pg_name, pg_ranks), "dim": calls["dim"].astype(str).to_numpy(),
+            "group": group_keys(calls["pg_name"], calls["pg_ranks"]), "dim": calls["dim"].astype(str).to_numpy(),
             "seq": calls["seq"].to_numpy(),
             "start_ns": start, "end_ns": start + calls["dur_ns"].to_numpy(), "dur_ns": calls["dur_ns"].to_numpy()}))
     if not frames:
@@ -190,11 +188,10 @@ def _cpu_calls(calls: pd.DataFrame) -> pd.DataFrame:
     end = start + calls["dur_ns"].to_numpy().astype(np.int64)
     kinds = span_kinds(calls["name"])
     kinds[calls["category"].isin(P2P_CATEGORIES).to_numpy() & (kinds == 1)] = 2  # a send/recv span runs inline
-    name = calls["pg_name"].astype(str).to_numpy()
     found = worker_span_pairs(calls["rank"].to_numpy(), calls["stream"].to_numpy(), start, end,
                               calls["category"].astype(str).to_numpy(), kinds,
-                              np.where(name != "", name, calls["pg_ranks"].astype(str).to_numpy()))
-    keep = ~nested_on_thread(calls["stream"].to_numpy(), start, end)
+                              group_keys(calls["pg_name"], calls["pg_ranks"]))
+    keep = ~found.nested
     keep[found.posts] = False
     keep[found.transports] = False
     keep[found.extra_runs] = False

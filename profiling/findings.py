@@ -243,7 +243,7 @@ def _straggler(ctx: _Context, threshold: float) -> list[Finding]:
             pool = per_rank[per_rank.index.isin(peers)] if peers else per_rank
             median = float(pool.median())
             value = float(per_rank[rank]) if rank in per_rank.index else math.nan
-            if median > 0 and value == value:
+            if median > 0 and not math.isnan(value):
                 ratio = value / median - 1
                 excess[words] = (ratio, f"{_pct(abs(ratio))} {'above' if ratio >= 0 else 'below'} {whose}")
             elif value > 0:  # the others have none (their work ran on other threads, or they only wait)

@@ -60,31 +60,30 @@ def test_pageable_copies_are_found_and_pinned_ones_are_not(synth):
 
 # --- stragglers -------------------------------------------------------------------------------------------------
 
-def test_straggler_is_found_with_its_cost_and_compute_above_the_median(synth, tmp_path):
+def _straggler_found(synth, folder, *, compute: int, extra: int):
+    """The straggler rule on ``straggler_all_reduce`` (4 ranks, rank 2 late by ``extra``), written as Kineto."""
     from shardline.profiling.load import load
 
-    rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=1000, extra=600, transfer=200)
-    synth.write_kineto(rows, tmp_path / "slow")
-    table = _found(load(tmp_path / "slow"), "straggler")
+    rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=compute, extra=extra, transfer=200)
+    synth.write_kineto(rows, folder)
+    return _found(load(folder), "straggler")
+
+
+def test_straggler_is_found_with_its_cost_and_compute_above_the_median(synth, tmp_path):
+    table = _straggler_found(synth, tmp_path / "slow", compute=1000, extra=600)
     # Ranks 0, 1, 3 wait 600 ns each for rank 2's arrival: 1800 ns per step; its compute 1600 vs median 1000;
     # on time, the step would end 600 ns sooner (everyone's compute 1000, then the transfer).
     assert table["text"].tolist() == [
         "rank 2 is last in 1 of 1 collectives and costs the others 0.001800 ms of waiting per step: its compute is "
         "60.00% above the median; without it the step is 0.000600 ms shorter"]
     assert table["saves_ns"].tolist() == [600.0] and table["method"].tolist() == ["critical-path replay"]
-    even, _ = synth.straggler_all_reduce(4, straggler=2, compute=1000, extra=0, transfer=200)
-    synth.write_kineto(even, tmp_path / "even")
-    assert _found(load(tmp_path / "even"), "straggler").empty
+    assert _straggler_found(synth, tmp_path / "even", compute=1000, extra=0).empty
 
 
 def test_straggler_whose_peers_have_no_compute_is_stated_in_ms_not_nan(synth, tmp_path):
     """The other ranks only wait (compute 0: on a CPU gloo trace their collectives ran on worker threads): the
     straggler's compute is stated as its ms per step against a median of 0, where a ratio said "nan% above"."""
-    from shardline.profiling.load import load
-
-    rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=0, extra=600, transfer=200)
-    synth.write_kineto(rows, tmp_path / "idle_peers")
-    table = _found(load(tmp_path / "idle_peers"), "straggler")
+    table = _straggler_found(synth, tmp_path / "idle_peers", compute=0, extra=600)
     assert table["text"].tolist() == [
         "rank 2 is last in 1 of 1 collectives and costs the others 0.001800 ms of waiting per step: its compute is "
         "0.000600 ms per step where the median is 0; without it the step is 0.000600 ms shorter"]
