@@ -51,7 +51,7 @@ def _free_overlap(cluster):
 def _megatron_2022(dev, row, mode: str, cluster):
     return predict(dev.dev_model(row), dev.dev_layout(row, mode), cluster, seq_len=2048, dtype="fp16",
                    attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
-                   fused_wgrad=True, fused_kernels=True, cut="blocks")
+                   fused_wgrad=True, fused_kernels=True, cut="blocks", grad_scale_pass=True)
 
 
 def _row(dev, row, mode: str, measured: float) -> tuple[list[str], float, float, float]:
@@ -90,7 +90,10 @@ def main() -> None:
         "fp16, DGX A100 80GB nodes with 8x HDR); interleaving as in Calculon's validation inputs. Predicted by "
         "`shardline.recipes.planning.steptime.predict` on the packaged `dgx-a100-80gb` cluster with Megatron-LM "
         "2022's implementation choices (unfused attention, dropout, async backward TP collectives, fp32 "
-        "gradient accumulation in the weight-gradient GEMM). Constants from data sheets, NCCL's own cost model and "
+        "gradient accumulation in the weight-gradient GEMM, the local DDP's in-place division of the whole "
+        "gradient buffer by the DP size, at dp 1 too). Not priced: the gradient-clipping rescale (one more read "
+        "and write of the gradients, run only when the norm exceeds the clip; the paper gives no norms). "
+        "Constants from data sheets, NCCL's own cost model and "
         "logs and published GEMM/HBM benchmarks (catalog.yaml), none fitted to these rows.",
         "",
         "| model | variant | layout | measured s | predicted s | error | predicted MFU | compute / exposed comm / "

@@ -12,7 +12,8 @@ input-gradient ``M,K,N`` and weight-gradient ``K,N,M``, the latter accumulated i
 the GPU's ``attention_fraction``, FlashAttention-2/3's published shares; backward 2.5x the forward FLOPs at
 63/73 of that rate) or ``materialized`` (Megatron 2022: batched ``QK^T`` and ``PV`` GEMMs per head, softmax
 and dropout over the ``s x s`` scores). Recompute ``full`` adds a block forward (with its TP collectives),
-``selective`` the core attention (nothing under flash). The optimizer moves ``ADAM_BYTES_*`` per local parameter.
+``selective`` the core attention (nothing under flash). The optimizer moves ``ADAM_BYTES_*`` per local parameter;
+``grad_scale_pass`` adds a read and write of the stage's whole gradient buffer (the DP averaging as its own pass).
 
 Communication: TP 2 all-reduces forward + 2 backward per block, or under Megatron-SP 2 all-gathers + 2
 reduce-scatters each way, of ``T h e`` bytes; with ``tp_overlap`` (Megatron's async backward) the
@@ -194,6 +195,7 @@ class _Setup:
     grad_bytes: int
     fused_wgrad: bool
     fused_kernels: bool
+    grad_scale_pass: bool = False
 
     @property
     def gpu(self) -> Gpu:
@@ -483,6 +485,8 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
         pair = hw.group_link(cl, size=2, stride=(lay.pp - 1) * lay.tp * lay.cp * lay.dp)
         led.comm("all_reduce", hw.all_reduce_s(st.model.vocab_size * st.model.d_model / lay.tp * st.grad_bytes, 2,
                                             pair))
+    if st.grad_scale_pass:  # the whole gradient buffer divided by the DP size, in place: read, write
+        led.compute += st.hbm(2 * st.grad_bytes * params)
     local = params / n if lay.zero_stage >= 1 else params
     cpu_s = 0.0
     if lay.offload_optimizer == "none":
@@ -534,19 +538,22 @@ def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtyp
 def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
             attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
             overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
-            fused_wgrad: bool = False, fused_kernels: bool = False, cut: str = "layers") -> StepPrediction:
+            fused_wgrad: bool = False, fused_kernels: bool = False, cut: str = "layers",
+            grad_scale_pass: bool = False) -> StepPrediction:
     """One optimizer step of ``layout`` training ``model`` on ``cluster`` (see the module docstring).
 
     The defaults describe shardline (eager PyTorch, SDPA flash attention, no dropout, synchronous TP autograd
     pairs, DeepSpeed's bf16 gradients); Megatron-LM sets ``tp_overlap`` (async backward TP collectives),
     ``pp_scatter_gather`` (``/t`` pipeline transfers + all-gather without SP), ``grad_bytes=4`` (fp32 main
-    grads), ``fused_wgrad`` (accumulated in the GEMM) and ``fused_kernels`` (fused norm, rotary, SwiGLU).
-    ``cut``: how the pipeline splits the model (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2``
+    grads), ``fused_wgrad`` (accumulated in the GEMM), ``fused_kernels`` (fused norm, rotary, SwiGLU) and
+    ``grad_scale_pass`` (its local DDP divides the stage's whole gradient buffer by the DP size before the
+    all-reduce, whatever that size, ``buffer_.data /= dp``: one more read and write of every gradient; off, the
+    averaging is taken to happen inside the reduction). ``cut``: how the pipeline splits the model (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2``
     layers, embedding and head included, cut uniformly) or ``blocks`` (Megatron-LM: the blocks cut evenly, the
     embedding and head added to the first and last stage)."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels, cut)
+                                               fused_kernels, cut, grad_scale_pass)
     m = layout.micro_batches
     busiest = max(range(layout.pp), key=lambda s: (m * stages[s].busy + tails[s].ledger.busy, s))
     return _prediction(st, stages[busiest], tails[busiest], makespan, step, busiest)
@@ -556,13 +563,13 @@ def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, se
                    attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
                    overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
                    fused_wgrad: bool = False, fused_kernels: bool = False,
-                   cut: str = "layers") -> list[StepPrediction]:
+                   cut: str = "layers", grad_scale_pass: bool = False) -> list[StepPrediction]:
     """:func:`predict` for every pipeline rank: element ``r`` is pipeline rank ``r``'s step (global ranks
     ``r*tp*cp*dp ...``; TP, CP and DP peers of a pipeline rank are priced alike). :func:`predict` returns the
     busiest of them (the most compute and exposed communication, the last of equals). Same arguments."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels, cut)
+                                               fused_kernels, cut, grad_scale_pass)
     return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(layout.pp)]
 
 
@@ -580,10 +587,10 @@ def block_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq
 
 
 def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp, pp_scatter_gather,
-           grad_bytes, fused_wgrad, fused_kernels, cut):
+           grad_bytes, fused_wgrad, fused_kernels, cut, grad_scale_pass):
     _check(model, layout, cluster, seq_len, dtype, attention, cut)
-    st = _Setup(model, layout, cluster, seq_len, dtype, attention,
-                dropout, tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad, fused_kernels)
+    st = _Setup(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp,
+                pp_scatter_gather, grad_bytes, fused_wgrad, fused_kernels, grad_scale_pass)
     lay = layout
     block = _block(st)
     layers = stage_layers(model.n_layer, lay.pp, lay.chunks, cut=cut)

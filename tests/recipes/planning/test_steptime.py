@@ -61,12 +61,11 @@ TABLE5 = [("22B", 6144, 64, 48, 8, 1, 1, 8, 4, 4, 1.42, 1.10),
 # Table 5's model-FLOPs utilization of the present-work rows (Megatron's formula, 312 TFLOP/s per A100).
 TABLE5_MFU = {"175B": 0.514, "530B": 0.560, "1T": 0.563}
 CALCULON_MEAN_ERROR = 0.0365
-# The bound on the mean |relative error| over the 8 rows: this model measures 3.71% (4.21% before hidden
-# collectives held their NCCL channels' SMs; its constants are data-sheet, NCCL-log and published-benchmark
-# values, none fitted to these rows); 5% leaves room for refactoring noise without letting a real regression
-# through. Every row must stay within 12% (the worst, 22B present work, is -7.9%: the model is optimistic for
-# small hidden sizes).
-DEV_MEAN_BOUND, DEV_ROW_BOUND = 0.05, 0.12
+# The bound on the mean |relative error| over the 8 rows is Calculon's: this model measures 3.44% (3.71% before
+# the local DDP's gradient division was priced, 4.21% before hidden collectives held their NCCL channels' SMs;
+# its constants are data-sheet, NCCL-log and published-benchmark values, none fitted to these rows). Every row
+# must stay within 12% (the worst, 22B present work, is -6.8%: the model is optimistic for small hidden sizes).
+DEV_MEAN_BOUND, DEV_ROW_BOUND = CALCULON_MEAN_ERROR, 0.12
 
 
 def dev_model(row) -> ModelSpec:
@@ -86,10 +85,12 @@ def dev_layout(row, mode: str) -> PlanLayout:
 def dev_predict(row, mode: str):
     """The prediction for a Table 5 row, with Megatron-LM's 2022 implementation choices: fp16, unfused
     attention, dropout, asynchronous backward TP collectives, scatter-gather pipeline transfers, fp32 main
-    gradients accumulated in the weight-gradient GEMM."""
+    gradients accumulated in the weight-gradient GEMM, the local DDP's division of the gradient buffer by the DP
+    size (megatron/model/distributed.py, ``allreduce_gradients``: ``buffer_.data /= dp world size``, at dp 1
+    too)."""
     return predict(dev_model(row), dev_layout(row, mode), DGX_A100, seq_len=2048, dtype="fp16",
                    attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
-                   fused_wgrad=True, fused_kernels=True, cut="blocks")
+                   fused_wgrad=True, fused_kernels=True, cut="blocks", grad_scale_pass=True)
 
 
 def dev_errors() -> list[tuple[str, str, float, float]]:
@@ -329,6 +330,23 @@ def test_cpu_optimizer_offload_is_host_traffic_and_gpu_idle():
     assert pred.time_s["memcpy_h2d"] == pytest.approx(params * 2 / 24e9, rel=1e-12)  # bf16 parameters back
     assert pred.time_s["idle"] == pytest.approx(28 * params / (409.6e9 / 8), rel=1e-9)  # CPU Adam, node share
     assert pred.categories()["offload"] == pytest.approx(params * 4 / 24e9, rel=1e-12)
+
+
+def test_the_gradient_scale_pass_reads_and_writes_every_local_gradient_once():
+    """Megatron-LM 2022's local DDP divides the whole gradient buffer by the DP size in place, whatever that
+    size: its cost is 2 x grad_bytes per parameter the rank holds (before ZeRO), at HBM speed, and nothing else
+    changes (dp 1 and dp 4, fp32 and bf16 gradients)."""
+    model = packaged("gpt2-760m")
+    for dp, grad_bytes in ((1, 4), (4, 2)):
+        lay = PlanLayout(tp=2, dp=dp, zero_stage=1, micro_batches=2, micro_batch_size=2)
+        base, scaled = (predict(model, lay, DGX_A100, seq_len=1024, grad_bytes=grad_bytes, grad_scale_pass=on)
+                        for on in (False, True))
+        local = model.params() / 2  # pp 1, tp 2: the whole model over two ranks (the step model splits norms too)
+        hbm = DGX_A100.gpu.hbm_bytes_per_s
+        assert scaled.time_s["compute"] - base.time_s["compute"] == pytest.approx(2 * grad_bytes * local / hbm,
+                                                                                   rel=1e-9)
+        assert {k: v for k, v in scaled.time_s.items() if k != "compute"} == pytest.approx(
+            {k: v for k, v in base.time_s.items() if k != "compute"}, rel=1e-12)
 
 
 def test_ulysses_all_to_alls_are_the_closed_form_and_ring_hops_hide_under_attention():
