@@ -103,7 +103,7 @@ def main() -> None:
         "",
         f"**Mean |error| {100 * mean:.2f}%** over the {len(errors)} rows, max {100 * max(errors):.1f}%; "
         f"Calculon's published mean: {100 * dev.CALCULON_MEAN_ERROR:.2f}% (hand-calibrated hardware files). "
-        f"The test bounds the mean at {100 * dev.DEV_MEAN_BOUND:.0f}% and every row at "
+        f"The test bounds the mean at {100 * dev.DEV_MEAN_BOUND:.2f}% and every row at "
         f"{100 * dev.DEV_ROW_BOUND:.0f}%.",
         "",
         f"Last column: the A100's short-burst GEMM share (MAMF 0.869) instead of the sustained one (0.734 = MAMF x "
