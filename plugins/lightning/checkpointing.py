@@ -22,6 +22,7 @@ naming the file and the tensor, and no weight has been overwritten.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 import warnings
@@ -256,8 +257,8 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     trainer's state for Lightning to restore (loops, callbacks, schedulers).
 
     One collective round: every rank resolves the path, reads and checks all it needs (:func:`_read_everything`),
-    then the ranks exchange ``(folder, error, tensor names)``; any error anywhere (or ranks that found different
-    folders, or checkpoint weights no rank has a place for) raises on every rank before anything is set."""
+    then the ranks agree (:func:`_agree`); any error anywhere (or ranks that found different checkpoints, or
+    checkpoint weights no rank has a place for) raises on every rank before anything is set."""
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     got = _read_everything(strategy, checkpoint_path, optimizer, access)
@@ -270,15 +271,7 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
 def _agree_and_apply(strategy, got: _Read, optimizer, access: Access) -> dict[str, Any]:
     """:func:`load` after this rank's reads: the exchange, then everything set, or the one error on every rank."""
     reader, trainer_state = got.reader, got.trainer_state
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (got.found, got.error, {e.name for e in got.mine}))
-    failure = _first_failure([e for _, e, _ in everyone])
-    if failure is None and len({f for f, _, _ in everyone}) > 1:
-        failure = "the ranks found different checkpoints: " + ", ".join(
-            f"rank {r}: {f}" for r, (f, _, _) in enumerate(everyone)) + "; nothing was loaded"
-    if failure is None:  # the same on every rank: the same manifest, the same names
-        extra = _check_extra(reader, set().union(*(n for _, _, n in everyone)))
-        failure = None if extra is None else f"{extra}; nothing was loaded"
+    failure = _agree(got)
     if failure is not None:
         raise CheckpointError(failure)
     saved_keys = reader.manifest.get("optimizer_state_keys", [])
@@ -289,6 +282,51 @@ def _agree_and_apply(strategy, got: _Read, optimizer, access: Access) -> dict[st
         access.apply(entry, values, step)
     _restore_counters(strategy, reader, trainer_state, got.own, optimizer)
     return trainer_state
+
+
+_FAILED, _MISSING = 2, 1  # a rank's flags in the agreement (the larger wins)
+_BITS = 63  # names per int64 word of the coverage mask (the sign bit left alone)
+
+
+def _agree(got: _Read) -> str | None:
+    """The one exchange of a load: None when every rank read the same checkpoint without an error and every
+    checkpoint weight has a place on some rank; otherwise the message, the same on every rank.
+
+    One ``all_reduce(MAX)`` of two int64: ``key << 2 | flags`` and ``-(key << 2)``, ``key`` a digest of the folder
+    and of its weight names. The two maxima are the largest and (negated) the smallest key, equal when every rank
+    read the same checkpoint; the flags' maximum says whether a rank failed (``_FAILED``) or lacks some of the
+    checkpoint's weights (``_MISSING``: a pipeline stage holds only its own layers). Only then a second round:
+    the failures' messages (``all_gather_object``), or a bit mask of the weights each rank has a place for
+    (``all_reduce(BOR)``). gloo runs a 2-element all-reduce in a fraction of a millisecond where the objects'
+    gather takes two collectives and pickling (several ms on a loaded host)."""
+    reader, names = got.reader, {e.name for e in got.mine}
+    weights = sorted(n for n in reader.tensors if not n.startswith("optimizer.")) if got.error is None else []
+    digest = hashlib.blake2b(repr((got.found, weights)).encode(), digest_size=7).digest()
+    key = int.from_bytes(digest, "little") << 2
+    flags = _FAILED if got.error is not None else _MISSING if any(n not in names for n in weights) else 0
+    both = torch.tensor([key | flags, -key], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = int(both[0]), -int(both[1])
+    if high >> 2 != low >> 2 or high & 3 == _FAILED:  # the details, from every rank
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (got.found, got.error))
+        failure = _first_failure([e for _, e in everyone])
+        if failure is None:
+            failure = "the ranks found different checkpoints (or the same folder changed between their reads): " + \
+                ", ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone)) + "; nothing was loaded"
+        return failure
+    if high & 3 == _MISSING:  # the same weights on every rank (the same key): which has a place somewhere
+        mask = [0] * -(-len(weights) // _BITS)
+        for i, name in enumerate(weights):
+            if name in names:
+                mask[i // _BITS] |= 1 << (i % _BITS)
+        reduced = torch.tensor(mask, dtype=torch.int64)
+        dist.all_reduce(reduced, op=dist.ReduceOp.BOR)
+        words = reduced.tolist()
+        needed = {name for i, name in enumerate(weights) if words[i // _BITS] >> (i % _BITS) & 1}
+        extra = _check_extra(reader, needed)
+        return None if extra is None else f"{extra}; nothing was loaded"
+    return None
 
 
 def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, own: dict | None, optimizer) -> None:

@@ -28,9 +28,11 @@ def _data() -> DataLoader:
 
 
 def _fit(rank, world, model, save_to, resume_from):
-    """Train (one epoch) from ``resume_from``; on failure return the error text and whether the weights are
-    still the freshly built ones (nothing was overwritten)."""
+    """Train (one epoch) from ``resume_from`` (a list: each rank its own path); on failure return the error text
+    and whether the weights are still the freshly built ones (nothing was overwritten)."""
     adopt_process_group_in_lightning()
+    if isinstance(resume_from, list):
+        resume_from = resume_from[rank]
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(zero_stage=1),
                          max_epochs=1 if resume_from is None else 2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -99,6 +101,17 @@ def test_checkpoint_weights_this_model_has_no_place_for(saved, tmp_path):
     assert message == other  # the same refusal on every rank
     assert "ckpt: checkpoint tensors this model has no place for: ['model.layers.1." in message
     assert "and " in message and "more; nothing was loaded" in message  # 9 tensors per layer: 8 listed
+
+
+def test_ranks_that_found_different_checkpoints(saved, tmp_path):
+    """Each rank given another (good) checkpoint: refused on both, naming each rank's folder."""
+    paths = [str(shutil.copytree(saved, tmp_path / name)) for name in ("a", "b")]
+    results = run_ranks(_fit, 2, LLAMA, None, paths, timeout=300)
+    for kind, message, unchanged in results:
+        assert kind == "CheckpointError", message
+        assert unchanged
+        assert "the ranks found different checkpoints" in message
+        assert f"rank 0: {paths[0]}, rank 1: {paths[1]}; nothing was loaded" in message
 
 
 def test_missing_shard(saved, tmp_path):
