@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -113,12 +114,41 @@ def _first_stage_writes(grid, mine: list[Entry], everyone: list[tuple[int, list[
     return mine
 
 
+def _records_file(rank: int) -> str:
+    return f".records-{rank:05d}.json"
+
+
+def _read_records(path: Path, rank: int) -> tuple[list, dict]:
+    """Rank ``rank``'s record of what it wrote (its pieces, its files), from the save's folder."""
+    try:
+        records, files = json.loads(path.read_bytes())
+    except (OSError, ValueError) as failure:
+        raise CheckpointError(f"{path}: rank {rank}'s record of the files it wrote cannot be read ({failure}); "
+                              "the save is not committed") from failure
+    return records, files
+
+
+def _hello(grid, me: int, world: int, path: str, keys: list, names: list[str]):
+    """Before writing: rank 0's ``(path, token, optimizer state kinds)`` on every rank (a broadcast), and under
+    pp every rank's ``(pipeline stage, tensor names)`` for :func:`_first_stage_writes` (a gather)."""
+    if grid.size("pp") > 1:
+        hello: list = [None] * world
+        dist.all_gather_object(hello, (path, AtomicSave.new_token(), keys, grid.coords["pp"], names))
+        return (*hello[0][:3], [(pp, n) for *_, pp, n in hello])
+    box = [(path, AtomicSave.new_token(), keys) if me == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return (*box[0], [])
+
+
 def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
     """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically.
 
-    Three collective rounds: one exchange before writing (rank 0's folder, token and optimizer state kinds;
-    under pp, every rank's tensor names), one gather of what every rank wrote, one barrier after the commit."""
+    Three collective rounds: one before writing (:func:`_hello`: rank 0's folder, token and optimizer state kinds;
+    under pp, every rank's tensor names), a barrier once every rank's files (and its record of what it wrote,
+    ``.records-RRRRR.json``, which rank 0 reads and removes) are durable, one barrier after the commit. The
+    records travel by the shared folder, not by a gather: a gloo barrier takes a fraction of the ~5 ms that
+    pickling and gathering them took on a small checkpoint."""
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
@@ -128,15 +158,13 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     module = strategy.lightning_module
     mine = entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"), shape_of=compat.whole_shape)
     names = [e.name for e in mine] if grid.size("pp") > 1 else []
-    hello: list = [None] * world
-    dist.all_gather_object(hello, (str(filepath), AtomicSave.new_token(), keys, grid.coords["pp"], names))
-    path, token, keys = hello[0][:3]  # rank 0's (every rank's optimizer keeps the same kinds)
+    path, token, keys, stages = _hello(grid, me, world, str(filepath), keys, names)
     target = AtomicSave(Path(path), token)
     target.create()  # every rank: whoever comes first makes it
     phase("before_shards", me)
     replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
-    for entry in _first_stage_writes(grid, mine, [(pp, n) for *_, pp, n in hello]):
+    for entry in _first_stage_writes(grid, mine, stages):
         shape = entry.placement.canonical_shape()
         for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
             writer.add(name, shape, box, piece)
@@ -151,12 +179,16 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         crcs[TRAINER_FILE] = _save_small(trainer_state, target.tmp / TRAINER_FILE)
     mine_files = writer.written + list(crcs)
-    fsync_all([target.tmp / name for name in mine_files])  # together: one journal commit where the fs can
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (writer.records, describe_files(target.tmp, mine_files, crcs)))
+    record = target.tmp / _records_file(me)
+    write_small(json.dumps([writer.records, describe_files(target.tmp, mine_files, crcs)]).encode(), record)
+    fsync_all([*(target.tmp / name for name in mine_files), record])  # together: one journal commit where it can
+    strategy.barrier("shardline_checkpoint_written")
     if me == 0:
+        gathered = [_read_records(target.tmp / _records_file(r), r) for r in range(world)]
         records = [r for r, _ in gathered]
         files = {name: info for _, described in gathered for name, info in described.items()}
+        for r in range(world):  # the folder's fsync in the commit makes the removals durable with the manifest
+            (target.tmp / _records_file(r)).unlink()
 
         meta = {"world_size": world, "layout": strategy.layout_record(),
                 "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
