@@ -128,16 +128,25 @@ def _read_records(path: Path, rank: int) -> tuple[list, dict]:
     return records, files
 
 
-def _hello(grid, me: int, world: int, path: str, keys: list, names: list[str]):
+def _hello(strategy, path: str, keys: list, names: list[str]):
     """Before writing: rank 0's ``(path, token, optimizer state kinds)`` on every rank (a broadcast), and under
-    pp every rank's ``(pipeline stage, tensor names)`` for :func:`_first_stage_writes` (a gather)."""
-    if grid.size("pp") > 1:
-        hello: list = [None] * world
-        dist.all_gather_object(hello, (path, AtomicSave.new_token(), keys, grid.coords["pp"], names))
-        return (*hello[0][:3], [(pp, n) for *_, pp, n in hello])
+    pp every rank's ``(pipeline stage, tensor names)`` for :func:`_first_stage_writes`. Those are gathered once
+    and kept (``strategy.saved_stages``); a later save gathers them again only when some rank's names changed
+    (one 1-element ``all_reduce(MAX)`` of a "mine changed" flag decides, the same on every rank)."""
+    grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
     box = [(path, AtomicSave.new_token(), keys) if me == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return (*box[0], [])
+    if grid.size("pp") == 1:
+        return (*box[0], [])
+    mine = (grid.coords["pp"], names)
+    kept = strategy.saved_stages
+    changed = torch.tensor([int(kept is None or kept[me] != mine)], dtype=torch.int64)
+    dist.all_reduce(changed, op=dist.ReduceOp.MAX)
+    if changed.item():
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        strategy.saved_stages = kept = [(pp, list(n)) for pp, n in gathered]
+    return (*box[0], kept)
 
 
 def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
@@ -145,7 +154,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically.
 
     Three collective rounds: one before writing (:func:`_hello`: rank 0's folder, token and optimizer state kinds;
-    under pp, every rank's tensor names), a barrier once every rank's files (and its record of what it wrote,
+    under pp, every rank's tensor names when they changed since the last save), a barrier once every rank's files (and its record of what it wrote,
     ``.records-RRRRR.json``, which rank 0 reads and removes) are durable, one barrier after the commit. The
     records travel by the shared folder, not by a gather: a gloo barrier takes a fraction of the ~5 ms that
     pickling and gathering them took on a small checkpoint."""
@@ -158,7 +167,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     module = strategy.lightning_module
     mine = entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"), shape_of=compat.whole_shape)
     names = [e.name for e in mine] if grid.size("pp") > 1 else []
-    path, token, keys, stages = _hello(grid, me, world, str(filepath), keys, names)
+    path, token, keys, stages = _hello(strategy, str(filepath), keys, names)
     target = AtomicSave(Path(path), token)
     target.create()  # every rank: whoever comes first makes it
     phase("before_shards", me)

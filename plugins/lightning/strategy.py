@@ -101,6 +101,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.collective_dump_dir = collective_dump_dir
         self.watchdog: CollectiveWatchdog | None = None  # from setup_distributed to teardown
         self.pending_rng_state = None  # RNG states of a loaded checkpoint, for the first training step
+        self.saved_stages = None  # under pp: every rank's (stage, tensor names) as the last save exchanged them
 
     # --- layout ------------------------------------------------------------------------------------------------
 
