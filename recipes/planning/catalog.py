@@ -127,12 +127,15 @@ class Cluster:
     host: Link
     cpu_mem_gbps: float
     nvme_gbps: float
+    cpu_ram_gib: float | None = None  # one node's CPU RAM (offload must fit in it); None: not known
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r} must be an integer >= 1" for k in ("gpus_per_node", "nics_per_node")
                     if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)!r} must be > 0" for k in ("cpu_mem_gbps", "nvme_gbps")
                      if not _positive(getattr(self, k))]
+        if self.cpu_ram_gib is not None and not _positive(self.cpu_ram_gib):
+            problems.append(f"cpu_ram_gib={self.cpu_ram_gib!r} must be > 0 or None")
         for key, kind in (("intra_node", "intra"), ("inter_node", "inter"), ("host", "host")):
             link = getattr(self, key)
             if link.kind != kind:
@@ -241,8 +244,9 @@ def gemm_s(gpu: Gpu, m: int, n: int, k: int, *, dtype: str, batch: int = 1, out_
 _GPU_FIELDS = {f.name for f in dataclasses.fields(Gpu)} - {"name"}
 _LINK_FIELDS = {f.name for f in dataclasses.fields(Link)} - {"name"}
 _CLUSTER_FIELDS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "cpu_mem_gbps",
-                   "nvme_gbps"}
-_NULLABLE = {"fp8_tflops", "matmul_fraction_fp8"}
+                   "nvme_gbps", "cpu_ram_gib"}
+_NULLABLE = {"fp8_tflops", "matmul_fraction_fp8", "cpu_ram_gib"}
+_OPTIONAL = {"cpu_ram_gib"}  # a user's node type may leave it out (offload's CPU RAM is then not checked)
 _SECTIONS = {"gpus": _GPU_FIELDS, "links": _LINK_FIELDS, "clusters": _CLUSTER_FIELDS}
 
 
@@ -278,14 +282,15 @@ class Catalog:
 
 def cluster(catalog: Catalog, *, gpu: str, gpus_per_node: int, inter_node: str, nics_per_node: int,
             intra_node: str | None = None, host: str = "pcie-gen5", cpu_mem_gbps: float = 614.4,
-            nvme_gbps: float = 56.0, name: str | None = None) -> Cluster:
+            nvme_gbps: float = 56.0, name: str | None = None, cpu_ram_gib: float | None = None) -> Cluster:
     """A cluster of ``gpu`` nodes from catalog names. ``intra_node`` defaults to the GPU's own scale-up link;
-    the defaults of ``host``, ``cpu_mem_gbps`` and ``nvme_gbps`` are the DGX H100's (catalog.yaml)."""
+    the defaults of ``host``, ``cpu_mem_gbps`` and ``nvme_gbps`` are the DGX H100's (catalog.yaml);
+    ``cpu_ram_gib`` (one node's CPU RAM) has none: unknown, offload's CPU RAM is then not checked."""
     accel = catalog.gpu(gpu)
     return Cluster(name=name or f"{gpus_per_node}x{gpu}", gpu=accel, gpus_per_node=gpus_per_node,
                    intra_node=catalog.link(intra_node or accel.intra_node), inter_node=catalog.link(inter_node),
                    nics_per_node=nics_per_node, host=catalog.link(host), cpu_mem_gbps=cpu_mem_gbps,
-                   nvme_gbps=nvme_gbps)
+                   nvme_gbps=nvme_gbps, cpu_ram_gib=cpu_ram_gib)
 
 
 def load_catalog(path: str | Path | None = None) -> Catalog:
@@ -334,7 +339,7 @@ def _validate(merged: dict[str, dict[str, dict[str, Any]]], source: str) -> None
     for section, known in _SECTIONS.items():
         for name, fields in merged[section].items():
             unknown = sorted(set(fields) - known)
-            missing = sorted(known - set(fields))
+            missing = sorted(known - set(fields) - _OPTIONAL)
             if unknown:
                 problems.append(f"{section}.{name}: unknown fields {unknown} (known: {sorted(known)})")
             if missing:

@@ -27,7 +27,8 @@ larger micro-batches (memory grows with the micro-batch at every level).
 **Fits.** The most loaded rank's estimate (buffers include :data:`~.memory.FIXED_OVERHEAD_BYTES`) must not
 exceed the usable HBM: ``hbm_gb`` GiB (HBM capacities are binary: an "80GB" H100 shows CUDA about 79.2 GiB)
 times ``1 - headroom`` (default :data:`HEADROOM` = 5%, the caching allocator's fragmentation), and the CPU RAM a
-node's offload needs must not exceed ``cpu_ram_gib`` when one is given.
+node's offload needs must not exceed ``cpu_ram_gib`` (given, else the node type's ``cpu_ram_gib`` in the
+catalog; with neither, a row that offloads carries a note that its CPU RAM was not checked).
 
 A fixed field (``layout={"tp": 8}``, or a complete layout) narrows the enumeration to it; a fixed value the rules
 forbid is not dropped: it yields a row that does not fit, or a :class:`~.catalog.PlanError`, naming the numbers.
@@ -399,6 +400,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
             raise PlanError(f"layout: micro_batches*micro_batch_size*dp = {fixed['micro_batches']}*"
                             f"{fixed['micro_batch_size']}*{fixed_dp} = {product} != global_batch={global_batch}")
     usable = cluster.gpu.hbm_gb * GIB * (1 - headroom)
+    if cpu_ram_gib is None:  # the node type's own, where the catalog knows it
+        cpu_ram_gib = cluster.cpu_ram_gib
     cpu_ram = cpu_ram_gib * GIB if cpu_ram_gib is not None else None
     dtype_bytes = 4 if dtype == "fp32" else 2
     rejected: dict[str, str] = {}
@@ -434,8 +437,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                         row.notes.append(f"tp={tp} > gpus_per_node={cluster.gpus_per_node}: TP crosses the NICs")
                     if cpu_ram is None and row.memory is not None and (oo, op) != ("none", "none"):
                         node = _node_cpu_bytes(row.memory, cluster) / GIB
-                        row.notes.append(f"offload needs {node:.0f} GiB of CPU RAM per node (not checked: give "
-                                         f"cpu_ram_gib / --cpu-ram-gib)")
+                        row.notes.append(f"offload needs {node:.0f} GiB of CPU RAM per node (not checked: the "
+                                         f"node type's CPU RAM is not known; give cpu_ram_gib / --cpu-ram-gib)")
                     level_rows.append(row)
                 good = [r for r in level_rows if r.fits]
                 if good:
@@ -556,9 +559,11 @@ def format_table(result: PlanResult, top: int = 10) -> str:
                               enumerate(zip(cols, widths)))]
     out += ["  ".join(v.rjust(w) if j != 1 else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths)))
             for r in lines]
-    misfits = [r for r in (result.rows[:top] if top else result.rows) if not r.fits]
-    for row in misfits:
-        out.append(f"  {describe(row.layout)}: {'; '.join(row.problems)}")
+    shown = result.rows[:top] if top else result.rows
+    for i, row in enumerate(shown, 1):  # why a row does not fit, and what a fitting one leaves unchecked
+        said = [*row.problems, *row.notes]
+        if said:
+            out.append(f"  #{i} {describe(row.layout)}: {'; '.join(said)}")
     if result.rejected:
         out += ["", "rejected:"] + [f"  {k}: {v}" for k, v in result.rejected.items()]
     out.append("")

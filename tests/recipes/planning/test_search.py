@@ -151,8 +151,30 @@ def test_offload_is_chosen_when_it_beats_recompute():
     assert {("full", "none", "none"), ("none", "cpu", "none")} <= set(levels)
     assert result.best.step_s == min(levels.values())
     assert levels[("none", "cpu", "none")] < levels[("full", "none", "none")]
+    # checked against the DGX H100's 2 TB (catalog.yaml), so no "not checked" note
+    assert not [n for r in result.fitting for n in r.notes if "CPU RAM" in n]
+    unknown = search.plan(model, dataclasses.replace(H100, cpu_ram_gib=None), gpus=64, seq_len=8192,
+                          global_batch=256, layout=fixed)
     assert "GiB of CPU RAM per node (not checked" in " ".join(
-        n for r in result.fitting if r.layout.offload_optimizer == "cpu" for n in r.notes)
+        n for r in unknown.fitting if r.layout.offload_optimizer == "cpu" for n in r.notes)
+    assert "GiB of CPU RAM per node (not checked" in search.format_table(unknown, top=0)
+
+
+def test_offload_beyond_the_nodes_cpu_ram_does_not_fit_by_default():
+    """llama3-405b on one DGX H100 with everything offloaded: its CPU states exceed the node's 2 TB (the
+    catalog's, no --cpu-ram-gib given): a row that says so, never a silent "fits"."""
+    model = packaged("llama3-405b")
+    fixed = {"tp": 8, "pp": 1, "cp": 1, "zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
+             "recompute": "full", "micro_batch_size": 1}
+    result = search.plan(model, H100, gpus=8, seq_len=8192, global_batch=8, layout=fixed)
+    assert not result.fitting
+    row = result.rows[0]
+    need = search._node_cpu_bytes(row.memory, H100) / search.GIB
+    assert need > 2048
+    assert f"does not fit: offload needs {need:.0f} GiB of CPU RAM per node > cpu_ram_gib=2048" in row.problems
+    assert "CPU RAM per node > cpu_ram_gib=2048" in search.format_table(result, top=0)
+    roomy = search.plan(model, H100, gpus=8, seq_len=8192, global_batch=8, layout=fixed, cpu_ram_gib=need + 1)
+    assert not [p for p in roomy.rows[0].problems if "CPU RAM" in p], roomy.rows[0].problems
 
 
 def test_usable_memory_is_binary_hbm_less_the_headroom():
@@ -352,7 +374,9 @@ def test_cli_calibrates_from_a_real_profile(traces_dir, capsys):
 
 def test_a_cluster_from_names_matches_the_packaged_node():
     assert cluster(CATALOG, gpu="h100-sxm", gpus_per_node=8, inter_node="ib-ndr", nics_per_node=8,
-                   name="dgx-h100") == H100
+                   name="dgx-h100", cpu_ram_gib=2048) == H100
+    # a node built from names has no CPU RAM unless given: offload's CPU RAM is then noted as unchecked
+    assert cluster(CATALOG, gpu="h100-sxm", gpus_per_node=8, inter_node="ib-ndr", nics_per_node=8).cpu_ram_gib is None
 
 
 def test_cli_compares_a_real_profile_with_its_layout(traces_dir, capsys, tmp_path):
