@@ -404,13 +404,35 @@ ZERO_TABLE_1 = {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 
                 256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)}
 
 
+# The same table's 128B and 1T columns (GB): whole numbers cut, not rounded (1T at N_d = 64: 4187.5 -> 4187,
+# 2218.75 -> 2218), except the sub-unit P_os+g+p values (62.5, 15.6).
+ZERO_TABLE_1_LARGE = {
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128), 64: (536, 284, 32), 256: (518, 263, 8),
+            1024: (513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000), 64: (4187, 2218, 250),
+           256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)}}
+
+
+def _digits(printed) -> int:
+    return len(str(printed).split(".")[1]) if "." in str(printed) else 0
+
+
 @pytest.mark.parametrize("n_d", sorted(ZERO_TABLE_1))
 def test_zero_paper_table_1(n_d):
     assert memory.zero_model_states(7.5e9, stage=0, n_d=n_d) / 1e9 == 120
     for stage, printed in zip((1, 2, 3), ZERO_TABLE_1[n_d], strict=True):
-        digits = len(str(printed).split(".")[1]) if "." in str(printed) else 0
         # The table prints 3 significant digits: within half a unit of its last digit.
-        assert abs(memory.zero_model_states(7.5e9, stage=stage, n_d=n_d) / 1e9 - printed) <= 0.5 * 10**-digits
+        assert abs(memory.zero_model_states(7.5e9, stage=stage, n_d=n_d) / 1e9 - printed) <= 0.5 * 10**-_digits(printed)
+
+
+@pytest.mark.parametrize("psi", sorted(ZERO_TABLE_1_LARGE))
+def test_zero_paper_table_1_large_models(psi):
+    for n_d, row in ZERO_TABLE_1_LARGE[psi].items():
+        assert memory.zero_model_states(psi, stage=0, n_d=n_d) / 1e9 == 16 * psi / 1e9
+        for stage, printed in zip((1, 2, 3), row, strict=True):
+            got = memory.zero_model_states(psi, stage=stage, n_d=n_d) / 1e9
+            assert 0 <= got - printed < 10**-_digits(printed) or abs(got - printed) <= 0.5 * 10**-_digits(printed), (
+                psi, n_d, stage, got, printed)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
