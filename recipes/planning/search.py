@@ -57,7 +57,7 @@ HEADROOM = 0.05
 #: steps on partly empty tiles, and its K/V exchanges are latency-bound).
 MIN_CP_CHUNK = 128
 #: The ``rejected`` keys that are standing notes on what is never searched, not reasons of this request.
-STANDING = ("schedule=gpipe", "recompute=selective")
+STANDING = ("schedule=gpipe", "recompute=selective", "offload=nvme")
 #: ``--layout`` keys: PlanLayout's fields, ``zero`` for ``zero_stage`` and ``offload`` for both offloads
 #: (``none``, ``cpu``/``optimizer`` (the optimizer to CPU), ``nvme``, ``cpu+params``/``all`` (optimizer and
 #: parameters to CPU), ``nvme+params``).
@@ -284,10 +284,20 @@ def _pipelines(model, gpus, global_batch, fixed, rejected, tp, cp, sp):
                                     f"micro_batch_size={mbs} does not divide global_batch/dp={replica}")
             elif "micro_batches" not in fixed or fixed["micro_batches"] == replica // mbs:
                 sizes.append((mbs, replica // mbs))
+        if "micro_batches" in fixed and not sizes:
+            m = fixed["micro_batches"]
+            rejected.setdefault(f"tp={tp},cp={cp},pp={pp},micro_batches={m}", (
+                f"micro_batches={m} does not divide global_batch/dp = {global_batch}/{dp} = {replica}"
+                if replica % m else f"micro_batches={m} needs micro_batch_size = {replica}/{m} = {replica // m}, "
+                                    f"not {fixed.get('micro_batch_size')} (dp={dp})"))
         for schedule, v in schedules:
             fitting = [(mbs, m) for mbs, m in sizes if schedule != "interleaved" or m % pp == 0]
             if fitting:
                 yield tp, cp, sp, pp, dp, schedule, v, fitting
+            elif schedule == "interleaved" and sizes:  # dropped once per pp, unless another dp allows it (plan)
+                rejected.setdefault(f"pp={pp},interleaved", (
+                    f"interleaved needs micro_batches a multiple of pp={pp}: global_batch/dp = {global_batch}/{dp} "
+                    f"gives micro_batches {sorted({m for _, m in sizes})}"))
 
 
 def _levels(fixed: dict[str, Any], attention: str):
@@ -410,13 +420,19 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                                       "of min(pp - rank, m) (never faster, never smaller)")
     if attention == "flash" and "recompute" not in fixed:
         rejected["recompute=selective"] = "not searched: equals recompute=none under flash attention"
+    if "offload_optimizer" not in fixed and "offload_params" not in fixed:
+        rejected["offload=nvme"] = ("not searched: CPU offload is tried first and is never slower "
+                                    "(--layout offload=nvme prices it)")
     rows: list[PlanRow] = []
     closest: dict[str, PlanRow] = {}
     evaluated = 0
     explicit = _fully_fixed(fixed)
+    interleaved: set[int] = set()  # the pipeline degrees some structure interleaves
     for tp, cp, sp, pp, dp, schedule, v, sizes in _structures(model, cluster, gpus, seq_len, global_batch,
                                                               fixed, attention, rejected):
         family = f"tp={tp},pp={pp},cp={cp}"
+        if schedule == "interleaved":
+            interleaved.add(pp)
         for mbs, m in sizes:  # ascending: memory grows with the micro-batch at every level
             found = False
             for recompute, oo, op in _levels(fixed, attention):
@@ -453,6 +469,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                         closest[family] = row
             if not found:
                 break  # a larger micro-batch needs more memory at every level
+    for pp in interleaved:  # another dp interleaved at this pp: not a rejection of the family
+        rejected.pop(f"pp={pp},interleaved", None)
     fitting_families = {f"tp={r.layout.tp},pp={r.layout.pp},cp={r.layout.cp}" for r in rows if r.fits}
     for family, row in closest.items():
         if family in fitting_families:
