@@ -306,7 +306,10 @@ def _levels(fixed: dict[str, Any], attention: str):
         levels.insert(1, ("selective", "none", "none"))
     if any(k in fixed for k in ("recompute", "offload_optimizer", "offload_params")):
         keep = []
-        for r, oo, op in levels + [(r, o, p) for r in RECOMPUTE for o in OFFLOAD for p in OFFLOAD]:
+        # selective only where it differs from none (materialized attention), or where it is asked for
+        recomputes = [r for r in RECOMPUTE if r != "selective" or attention == "materialized"
+                      or fixed.get("recompute") == "selective"]
+        for r, oo, op in levels + [(r, o, p) for r in recomputes for o in OFFLOAD for p in OFFLOAD]:
             if (fixed.get("recompute", r), fixed.get("offload_optimizer", oo), fixed.get("offload_params", op)) \
                     == (r, oo, op) and (r, oo, op) not in keep:
                 keep.append((r, oo, op))

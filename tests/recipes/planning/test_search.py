@@ -177,6 +177,22 @@ def test_offload_beyond_the_nodes_cpu_ram_does_not_fit_by_default():
     assert not [p for p in roomy.rows[0].problems if "CPU RAM" in p], roomy.rows[0].problems
 
 
+def test_a_fixed_offload_does_not_bring_back_selective_recompute_under_flash():
+    """selective equals none under flash attention (a standing rejected note): fixing the offload must not price
+    it again as duplicate rows."""
+    result = search.plan(packaged("llama3-70b"), H100, gpus=64, seq_len=8192, global_batch=256,
+                         layout={"tp": 1, "pp": 1, "cp": 4, "sp": "ring", "micro_batch_size": 1,
+                                 "offload_optimizer": "cpu"})
+    assert result.rows and {r.layout.recompute for r in result.rows} <= {"none", "full"}
+    assert "recompute=selective" in result.rejected
+    keys = [search.describe(r.layout) for r in result.rows]
+    assert len(keys) == len(set(keys))
+    asked = search.plan(packaged("llama3-70b"), H100, gpus=64, seq_len=8192, global_batch=256,
+                        layout={"tp": 1, "pp": 1, "cp": 4, "sp": "ring", "micro_batch_size": 1,
+                                "offload_optimizer": "cpu", "recompute": "selective"})
+    assert asked.rows and {r.layout.recompute for r in asked.rows} == {"selective"}
+
+
 def test_usable_memory_is_binary_hbm_less_the_headroom():
     result = search.plan(packaged("gpt2-125m"), H100, gpus=8, seq_len=1024, global_batch=8, headroom=0.1)
     assert result.usable_bytes == 80 * 2**30 * 0.9
