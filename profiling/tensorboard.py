@@ -277,6 +277,10 @@ def _text(tag: str, markdown: str):
                                      tensor=_string_tensor(markdown))
 
 
+#: The event helpers for other writers of shardline's TensorBoard views (``shardline plan --compare``).
+scalar_value, text_value, write_events = _scalar, _text, _write_events
+
+
 def markdown_table(table: pd.DataFrame) -> str:
     """The window as a markdown table (``tables.breakdown_table``): step time and each non-zero part in ms
     (three decimals, six when a step is shorter than 1 ms), overlap in %."""

@@ -5,7 +5,7 @@
                    [--layout tp=..,pp=..,dp=..,cp=..,chunks=..,zero=..,offload=..,recompute=..,
                              micro_batches=..,micro_batch_size=..,sp=..,schedule=..]
                    [--top K] [--json] [--emit RECIPE.yaml] [--calibrate PROFILE]
-                   [--compare PROFILE_DIR [--recipe RUN.yaml] [--warmup W] [--format text|md|html|json|csv]]
+                   [--compare PROFILE_DIR [--recipe RUN.yaml] [--warmup W] [--format text|md|html|json|csv|parquet|tensorboard]]
 
 MODEL is a packaged name, a Hugging Face ``config.json`` (or its folder) or a YAML of architecture fields (a
 ``shardline fit`` recipe works). The cluster is ``--cluster`` (a packaged node type) or ``--gpu`` with the node
@@ -54,7 +54,7 @@ def add_commands(sub) -> None:
                                                              "the layout of that run (--layout or --recipe)")
     p.add_argument("--recipe", help="the shardline fit recipe of the profiled run (model, layout, GPUs, batch)")
     p.add_argument("--warmup", type=int, default=0, help="--compare: measured steps to leave out at the start")
-    p.add_argument("--format", default=None, choices=("text", "md", "html", "json", "csv"),
+    p.add_argument("--format", default=None, choices=("text", "md", "html", "json", "csv", "parquet", "tensorboard"),
                    help="--compare's report format (default text; json with --json)")
     p.add_argument("--output", "-o", help="write the --compare report or the plan JSON here instead of stdout")
     p.set_defaults(func=run)
@@ -219,6 +219,12 @@ def _compare(args, model, cl, seq, fixed) -> int:
         raise PlanError(f"--layout: {error}") from None
     result = compare(args.compare, model, layout, cl, seq_len=seq, warmup=args.warmup)
     fmt = args.format or ("json" if args.json else "text")
+    if fmt in ("parquet", "tensorboard"):
+        if not args.output:
+            raise PlanError(f"--format {fmt} needs -o " + ("FILE" if fmt == "parquet" else "LOGDIR"))
+        (result.to_parquet if fmt == "parquet" else result.to_tensorboard)(args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+        return 0
     text = {"text": result.to_text, "md": result.to_markdown, "html": result.to_html, "json": result.to_json,
             "csv": lambda: result.to_csv()}[fmt]()
     if args.output:

@@ -28,7 +28,7 @@ measured_s, measured_ns, error, steps`` (``steps``: how many (rank, step) rows t
 partition (they sum to the step on both sides), ``overlapped`` for the ``overlapped_<comm>`` columns (hidden
 communication, outside the partition) and ``step`` for the whole-step row (``category == "step"``). Formats:
 ``to_text`` (terminal), ``to_markdown``, ``to_html`` (the profiler's ``html_table``), ``to_json``, ``to_csv``,
-``to_parquet``; ``summary()`` gives the lines they lead with::
+``to_parquet``, ``to_tensorboard``; ``summary()`` gives the lines they lead with::
 
     error = (predicted_s - measured_s) / measured_s        (NaN where nothing was measured)
 
@@ -103,7 +103,9 @@ class Comparison:
         """Lines: the mean step predicted vs measured, then the ``top`` exclusive categories with the largest
         absolute gap, e.g. ``bubble: predicted 1.20 s, measured 2.05 s (error -41%)``."""
         rows = self.rows(ALL_RANKS)
-        parts = rows[(rows["kind"] == Kind.EXCLUSIVE.value) & (rows["predicted_s"] != rows["measured_s"])]
+        # a gap under a nanosecond is rounding (a prediction's idle left by a subtraction), not a gap
+        parts = rows[(rows["kind"] == Kind.EXCLUSIVE.value)
+                     & ((rows["predicted_s"] - rows["measured_s"]).abs() >= 1e-9)]
         gap = (parts["predicted_s"] - parts["measured_s"]).abs().sort_values(ascending=False, kind="stable")
         return [_line(name, rows.loc[name]) for name in [STEP, *gap.index[:top]]]
 
@@ -154,6 +156,29 @@ class Comparison:
     def to_parquet(self, path: str | Path) -> None:
         """The table as Parquet (pyarrow, a dependency of shardline), as ``shardline profile report`` writes."""
         self.table.to_parquet(path, index=False, engine="pyarrow")
+
+    def to_tensorboard(self, logdir: str | Path) -> None:
+        """TensorBoard views of the comparison, written as the profiler writes its own (torch-free event files):
+        two runs, ``predicted`` and ``measured``, with the same scalar tags ``compare_ms/<category>`` (the step
+        and each category non-zero on either side, ms) at TensorBoard step = global rank, so the two overlay
+        rank by rank; the ``all ranks`` means under ``compare_ms_all_ranks/<category>`` at step 0; and in the
+        root run the markdown report (``compare/report``, the text plugin)."""
+        from shardline.profiling.tensorboard import scalar_value, text_value, write_events
+
+        logdir = Path(logdir)
+        t = self.table
+        shown = set(t.loc[(t["kind"] == Kind.STEP.value) | (t["predicted_s"] != 0) | (t["measured_ns"] != 0),
+                          "category"])
+        rows = t[t["category"].isin(shown)]
+        for side, column in (("predicted", "predicted_s"), ("measured", "measured_s")):
+            events = []
+            for rank, part in rows.groupby("rank", sort=True):
+                family = "compare_ms_all_ranks" if rank == ALL_RANKS else "compare_ms"
+                values = [scalar_value(f"{family}/{c}", 1e3 * v) for c, v in zip(part["category"], part[column],
+                                                                                   strict=True)]
+                events.append((0 if rank == ALL_RANKS else int(rank), values))
+            write_events(logdir / side, events)
+        write_events(logdir, [(0, [text_value("compare/report", self.to_markdown())])])
 
     def _header(self) -> list[str]:
         lay = self.layout
@@ -300,8 +325,9 @@ def _relative_error(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
 
 
 def _seconds_text(seconds: float) -> str:
-    """Three significant digits in the largest unit that keeps the number >= 1 (s, ms, µs, ns); zero: ``0 s``."""
-    if seconds == 0:
+    """Three significant digits in the largest unit that keeps the number >= 1 (s, ms, µs, ns); zero (or under a
+    thousandth of a nanosecond: a subtraction's rounding, not time): ``0 s``."""
+    if abs(seconds) < 1e-12:
         return "0 s"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if abs(seconds) >= scale:

@@ -428,3 +428,36 @@ def test_cli_compares_a_real_profile_with_its_layout(traces_dir, capsys, tmp_pat
     assert {r["rank"] for r in got["rows"]} == set(range(8)) | {-1}
     assert main(base[:4] + ["4"] + base[5:] + ["--layout", "tp=1,pp=1,cp=1"]) == 2
     assert "world size 8 but the layout has world 4" in capsys.readouterr().err
+
+
+def test_cli_compare_writes_parquet_and_tensorboard(traces_dir, capsys, tmp_path):
+    """The profiler's other report formats: parquet (the table itself) and TensorBoard (predicted and measured
+    runs overlaid rank by rank; the all-ranks means; the markdown report), each needing -o."""
+    import pandas as pd
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    profile = traces_dir / "param" / "dlrm_kineto"
+    if not profile.is_dir():
+        pytest.skip(f"{profile} is not in the trace corpus")
+    base = ["plan", "--model", "gpt2-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8",
+            "--compare", str(profile), "--layout", "tp=1,pp=1,cp=1,zero=1,micro_batch_size=1"]
+    assert main(base + ["--format", "json", "-o", str(tmp_path / "c.json")]) == 0
+    rows = pd.DataFrame(json.loads((tmp_path / "c.json").read_text())["rows"])
+    assert main(base + ["--format", "parquet"]) == 2
+    assert "--format parquet needs -o FILE" in capsys.readouterr().err
+    assert main(base + ["--format", "parquet", "-o", str(tmp_path / "c.parquet")]) == 0
+    table = pd.read_parquet(tmp_path / "c.parquet")
+    assert list(table.columns) == list(rows.columns) and len(table) == len(rows)
+    assert table["measured_ns"].tolist() == rows["measured_ns"].tolist()
+    assert main(base + ["--format", "tensorboard", "-o", str(tmp_path / "tb")]) == 0
+    step = rows[rows["category"] == "step"].set_index("rank")
+    for side, column in (("predicted", "predicted_s"), ("measured", "measured_s")):
+        acc = EventAccumulator(str(tmp_path / "tb" / side))
+        acc.Reload()
+        got = {e.step: e.value for e in acc.Scalars("compare_ms/step")}
+        assert got == pytest.approx({r: 1e3 * step.loc[r, column] for r in range(8)}, rel=1e-6)  # float32
+        (mean,) = acc.Scalars("compare_ms_all_ranks/step")
+        assert mean.value == pytest.approx(1e3 * step.loc[-1, column], rel=1e-6)
+    root = EventAccumulator(str(tmp_path / "tb"))
+    root.Reload()
+    assert "compare/report" in root.Tags()["tensors"]
