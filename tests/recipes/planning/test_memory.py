@@ -170,10 +170,12 @@ class _Partitions(pl.Callback):
         shadow = _nbytes(tied.shadows) if tied is not None and tied.shadows else 0
         bit16 = getattr(opt, "bit16_groups_flat", None)  # ZeRO-1/2: the params are views of it
         zero3 = getattr(opt, "fp16_partitioned_groups_flat", None)
+        partitions = 0
         if bit16 is not None:
             params = _nbytes(bit16)
         elif zero3 is not None:  # the partitions, plus whatever is whole (the persistent parameters)
-            params = _nbytes(zero3) + _nbytes(p.data for p in self.params)
+            partitions = _nbytes(zero3)
+            params = partitions + _nbytes(p.data for p in self.params)
         else:
             params = _nbytes(self.params)
         masters = (getattr(opt, "single_partition_of_fp32_groups", None)
@@ -183,7 +185,7 @@ class _Partitions(pl.Callback):
         masters += [t for g in getattr(opt, "fp32_groups", None) or [] for t in g]  # FP16_UnfusedOptimizer
         base = getattr(opt, "optimizer", opt)
         moments = [t for s in base.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() >= 1]
-        self.read = dict(params=params + shadow, shadow=shadow, optimizer=_nbytes(masters) + _nbytes(moments),
+        self.read = dict(params=params + shadow, shadow=shadow, param_partitions=partitions, optimizer=_nbytes(masters) + _nbytes(moments),
                          peak_grads=self.peak_grads, partition_grads=self.partition_grads,
                          bucket=self.peak_bucket, master_grads=self.master_grads, staging=self.staging,
                          pp=trainer.strategy.grid.rank("pp"))
@@ -208,6 +210,7 @@ DS_CASES = [  # (world, strategy arguments, precision)
     (2, dict(zero_stage=3), "32-true"), (2, dict(zero_stage=3, offload_optimizer="cpu"), "bf16-mixed"),
     (4, dict(tp=2, zero_stage=3), "bf16-mixed"), (4, dict(tp=2, pp=2, zero_stage=2), "32-true"),
     (4, dict(cp=2, sp="ring", zero_stage=1), "32-true"),
+    (2, dict(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), "bf16-mixed"),
 ]
 
 
@@ -219,13 +222,17 @@ def test_model_states_equal_deepspeeds_partitions(world, kw, precision):
     est = memory.estimate(DS_SPEC, layout, seq_len=16, dtype_bytes=e)
     for real in run_ranks(_deepspeed, world, kw, precision, timeout=120):
         mine, z, n = est.ranks[real["pp"]], layout.zero_stage, layout.zero_group
-        assert mine.params == real["params"]  # exact: the flat buffer with its padding, ZeRO-3's persistent ones
+        # ZeRO-3's parameter offload: the partitions live in CPU RAM, only the persistent parameters stay
+        offloaded = real["param_partitions"] if layout.offload_params == "cpu" else 0
+        assert offloaded or layout.offload_params == "none"
+        # exact: the flat buffer with its padding, ZeRO-3's persistent ones
+        assert mine.params == real["params"] - offloaded
         assert mine.detail["params.shadow"] == real["shadow"]
         if layout.offload_optimizer != "none":  # all of it in CPU RAM: master, moments, fp32 gradients, the
-            # bf16 staging copy (ZeRO-1/2) or the gradient partition (ZeRO-3); exact
+            # bf16 staging copy (ZeRO-1/2) or the gradient partition (ZeRO-3), the offloaded parameters; exact
             assert mine.optimizer == 0
             assert mine.cpu == real["optimizer"] + real["master_grads"] + real["staging"] + (
-                real.pop("partition_grads") if z == 3 else 0)
+                real.pop("partition_grads") if z == 3 else 0) + offloaded
         else:  # exact: the fp32 master (a clone at every stage) + exp_avg + exp_avg_sq
             assert mine.optimizer == real["optimizer"] and mine.cpu == 0
         if z <= 1:  # whole gradients during backward (ZeRO-1 reduces at the boundary): exact
