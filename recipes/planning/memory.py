@@ -33,7 +33,12 @@ optimizer step makes (4 bytes per partition element) lives after the activations
 ZeRO-1/2 or the gradient partition at ZeRO-3); ``nvme`` (ZeRO-3) puts master and moments on the drive and keeps 4
 swap buffers of ``min(partition, sub_group_size)`` fp32 elements in CPU RAM. ``offload_params`` (ZeRO-3) leaves
 the persistent parameters on the GPU and the partitions in CPU RAM (``nvme``: on the drive, with 5 swap buffers
-of 1e8 elements).
+of 1e8 elements). CPU offload is checked against DeepSpeed's own partitions (tests/recipes/planning/test_memory.py);
+the ``nvme`` split between CPU RAM and the drive is not, and is known to differ from DeepSpeed 0.19.8 in what
+stays in CPU RAM: up to ``offload_param.max_in_cpu`` (1e9) partition elements of parameters stay in a pinned CPU
+buffer, states and partitions under 1 MB are never swapped, the fp32 gradient partition and a reserve buffer are
+not counted, and the swap buffers are rounded up to the aio alignment. The GPU side (as CPU offload's) matched
+DeepSpeed in a probe run, not yet in a test.
 
 **Buffers** (DeepSpeed's defaults, ``runtime/zero/config.py``; allocated at this size whatever the model's size):
 ``reduce_bucket_size = 5e8`` elements of E: one staging bucket at ZeRO-1, two at ZeRO-2 (``overlap_comm``), one at
