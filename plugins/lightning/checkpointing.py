@@ -153,11 +153,11 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically.
 
-    Three collective rounds: one before writing (:func:`_hello`: rank 0's folder, token and optimizer state kinds;
-    under pp, every rank's tensor names when they changed since the last save), a barrier once every rank's files (and its record of what it wrote,
-    ``.records-RRRRR.json``, which rank 0 reads and removes) are durable, one barrier after the commit. The
-    records travel by the shared folder, not by a gather: a gloo barrier takes a fraction of the ~5 ms that
-    pickling and gathering them took on a small checkpoint."""
+    Three collective rounds: one before writing (:func:`_hello`: rank 0's folder, token and optimizer state
+    kinds; under pp, every rank's tensor names when they changed since the last save); a barrier once every
+    rank's files, and its record of what it wrote (``.records-RRRRR.json``, which rank 0 reads and removes), are
+    durable; one barrier after the commit. The records travel by the shared folder, not by a gather: a gloo
+    barrier takes a fraction of the ~5 ms that pickling and gathering them took on a small checkpoint."""
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
