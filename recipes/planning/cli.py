@@ -5,7 +5,8 @@
                    [--layout tp=..,pp=..,dp=..,cp=..,chunks=..,zero=..,offload=..,recompute=..,
                              micro_batches=..,micro_batch_size=..,sp=..,schedule=..]
                    [--top K] [--json] [--emit RECIPE.yaml] [--calibrate PROFILE]
-                   [--compare PROFILE_DIR [--recipe RUN.yaml] [--warmup W] [--format text|md|html|json|csv|parquet|tensorboard]]
+                   [--compare PROFILE_DIR [--recipe RUN.yaml] [--warmup W]
+                    [--format text|md|html|json|csv|parquet|tensorboard]]
 
 MODEL is a packaged name, a Hugging Face ``config.json`` (or its folder) or a YAML of architecture fields (a
 ``shardline fit`` recipe works). The cluster is ``--cluster`` (a packaged node type) or ``--gpu`` with the node

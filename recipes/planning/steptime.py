@@ -548,9 +548,10 @@ def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: 
     grads), ``fused_wgrad`` (accumulated in the GEMM), ``fused_kernels`` (fused norm, rotary, SwiGLU) and
     ``grad_scale_pass`` (its local DDP divides the stage's whole gradient buffer by the DP size before the
     all-reduce, whatever that size, ``buffer_.data /= dp``: one more read and write of every gradient; off, the
-    averaging is taken to happen inside the reduction). ``cut``: how the pipeline splits the model (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2``
-    layers, embedding and head included, cut uniformly) or ``blocks`` (Megatron-LM: the blocks cut evenly, the
-    embedding and head added to the first and last stage)."""
+    averaging is taken to happen inside the reduction). ``cut``: how the pipeline splits the model
+    (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2`` layers, embedding and head included, cut
+    uniformly) or ``blocks`` (Megatron-LM: the blocks cut evenly, the embedding and head added to the first and
+    last stage)."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
                                                fused_kernels, cut, grad_scale_pass)

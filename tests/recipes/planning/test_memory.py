@@ -185,7 +185,8 @@ class _Partitions(pl.Callback):
         masters += [t for g in getattr(opt, "fp32_groups", None) or [] for t in g]  # FP16_UnfusedOptimizer
         base = getattr(opt, "optimizer", opt)
         moments = [t for s in base.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() >= 1]
-        self.read = dict(params=params + shadow, shadow=shadow, param_partitions=partitions, optimizer=_nbytes(masters) + _nbytes(moments),
+        self.read = dict(params=params + shadow, shadow=shadow, param_partitions=partitions,
+                         optimizer=_nbytes(masters) + _nbytes(moments),
                          peak_grads=self.peak_grads, partition_grads=self.partition_grads,
                          bucket=self.peak_bucket, master_grads=self.master_grads, staging=self.staging,
                          pp=trainer.strategy.grid.rank("pp"))
