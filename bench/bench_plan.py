@@ -22,8 +22,6 @@ from pathlib import Path
 
 from _publish import publish
 
-from shardline.recipes.planning.steptime import predict
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bench_plan.md"
 DEV_SET = ROOT / "tests" / "recipes" / "planning" / "test_steptime.py"
@@ -48,16 +46,10 @@ def _free_overlap(cluster):
                                inter_node=dataclasses.replace(cluster.inter_node, channels=0))
 
 
-def _megatron_2022(dev, row, mode: str, cluster):
-    return predict(dev.dev_model(row), dev.dev_layout(row, mode), cluster, seq_len=2048, dtype="fp16",
-                   attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
-                   fused_wgrad=True, fused_kernels=True, cut="blocks", grad_scale_pass=True)
-
-
 def _row(dev, row, mode: str, measured: float) -> tuple[list[str], float, float, float]:
     pred = dev.dev_predict(row, mode)
-    burst = _megatron_2022(dev, row, mode, _burst(dev.DGX_A100))
-    free = _megatron_2022(dev, row, mode, _free_overlap(dev.DGX_A100))
+    burst = dev.dev_predict(row, mode, _burst(dev.DGX_A100))
+    free = dev.dev_predict(row, mode, _free_overlap(dev.DGX_A100))
     err, burst_err, free_err = (p.step_s / measured - 1 for p in (pred, burst, free))
     lay, parts = dev.dev_layout(row, mode), pred.categories()
     share = {k: 100 * v / pred.step_s for k, v in parts.items()}

@@ -82,13 +82,14 @@ def dev_layout(row, mode: str) -> PlanLayout:
                       micro_batches=batch // mbs, micro_batch_size=mbs)
 
 
-def dev_predict(row, mode: str):
-    """The prediction for a Table 5 row, with Megatron-LM's 2022 implementation choices: fp16, unfused
+def dev_predict(row, mode: str, cluster=DGX_A100):
+    """The prediction for a Table 5 row (on ``cluster``: bench_plan varies its constants), with Megatron-LM's 2022
+    implementation choices: fp16, unfused
     attention, dropout, asynchronous backward TP collectives, scatter-gather pipeline transfers, fp32 main
     gradients accumulated in the weight-gradient GEMM, the local DDP's division of the gradient buffer by the DP
     size (megatron/model/distributed.py, ``allreduce_gradients``: ``buffer_.data /= dp world size``, at dp 1
     too)."""
-    return predict(dev_model(row), dev_layout(row, mode), DGX_A100, seq_len=2048, dtype="fp16",
+    return predict(dev_model(row), dev_layout(row, mode), cluster, seq_len=2048, dtype="fp16",
                    attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
                    fused_wgrad=True, fused_kernels=True, cut="blocks", grad_scale_pass=True)
 
