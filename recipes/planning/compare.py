@@ -166,10 +166,7 @@ class Comparison:
         from shardline.profiling.tensorboard import scalar_value, text_value, write_events
 
         logdir = Path(logdir)
-        t = self.table
-        shown = set(t.loc[(t["kind"] == Kind.STEP.value) | (t["predicted_s"] != 0) | (t["measured_ns"] != 0),
-                          "category"])
-        rows = t[t["category"].isin(shown)]
+        rows = self._shown()
         for side, column in (("predicted", "predicted_s"), ("measured", "measured_s")):
             events = []
             for rank, part in rows.groupby("rank", sort=True):
@@ -190,12 +187,16 @@ class Comparison:
                 f"measured steps ({which}): {_steps_text(self.steps)}",
                 "error = (predicted - measured) / measured"]
 
+    def _shown(self) -> pd.DataFrame:
+        """The table's rows of the step and of every category non-zero on either side somewhere."""
+        t = self.table
+        return t[(t["kind"] == Kind.STEP.value) | t["category"].isin(
+            t.loc[(t["predicted_s"] != 0) | (t["measured_ns"] != 0), "category"].unique())]
+
     def _display_tables(self) -> list[tuple[str, pd.DataFrame]]:
         """The all-ranks and the per-rank table, as display strings: the categories non-zero on either side
         somewhere (plus the step), ms (measured exactly, ``ms_text``) and the error in %."""
-        t = self.table
-        shown = t[(t["kind"] == Kind.STEP.value) | t["category"].isin(
-            t.loc[(t["predicted_s"] != 0) | (t["measured_ns"] != 0), "category"].unique())]
+        shown = self._shown()
         out = []
         for heading, rows in (("All ranks (mean over ranks and steps)", shown[shown["rank"] == ALL_RANKS]),
                               ("Per rank (mean over its steps)", shown[shown["rank"] != ALL_RANKS])):
