@@ -562,7 +562,8 @@ def format_table(result: PlanResult, top: int = 10) -> str:
     cols = ("#", "layout", "fits", "GiB", "par", "grad", "opt", "act", "buf", "step s", "tok/s/GPU", "TFLOP/s",
             "MFU", "compute", "exp.comm", "bubble", "offload")
     lines = []
-    for i, row in enumerate(result.rows[:top] if top else result.rows, 1):
+    shown = result.rows[:top] if top else result.rows
+    for i, row in enumerate(shown, 1):
         g = row.memory.memory_gib() if row.memory else {}
         p = row.prediction
         c = p.categories() if p else {}
@@ -580,7 +581,6 @@ def format_table(result: PlanResult, top: int = 10) -> str:
                               enumerate(zip(cols, widths)))]
     out += ["  ".join(v.rjust(w) if j != 1 else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths)))
             for r in lines]
-    shown = result.rows[:top] if top else result.rows
     for i, row in enumerate(shown, 1):  # why a row does not fit, and what a fitting one leaves unchecked
         said = [*row.problems, *row.notes]
         if said:
