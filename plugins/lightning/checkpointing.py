@@ -235,13 +235,10 @@ def _check_mine(reader: CheckpointReader, module, mine: list[Entry]) -> str | No
     return None
 
 
-def _check_extra(reader: CheckpointReader, needed: set[str]) -> str | None:
-    """The checkpoint's weights no rank has a place for (``needed``: every rank's tensor names)."""
-    extra = sorted(n for n in reader.tensors if not n.startswith("optimizer.") and n not in needed)
-    if extra:
-        return f"{reader.folder}: checkpoint tensors this model has no place for: {extra[:8]}" + (
-            f" and {len(extra) - 8} more" if len(extra) > 8 else "")
-    return None
+def _extra_message(reader: CheckpointReader, extra: list[str]) -> str:
+    """The refusal for the checkpoint's weights ``extra`` (sorted) that no rank has a place for."""
+    return f"{reader.folder}: checkpoint tensors this model has no place for: {extra[:8]}" + (
+        f" and {len(extra) - 8} more" if len(extra) > 8 else "")
 
 
 @dataclass
@@ -364,9 +361,8 @@ def _agree(got: _Read) -> str | None:
         reduced = torch.tensor(mask, dtype=torch.int64)
         dist.all_reduce(reduced, op=dist.ReduceOp.BOR)
         words = reduced.tolist()
-        needed = {name for i, name in enumerate(weights) if words[i // _BITS] >> (i % _BITS) & 1}
-        extra = _check_extra(reader, needed)
-        return None if extra is None else f"{extra}; nothing was loaded"
+        extra = [name for i, name in enumerate(weights) if not words[i // _BITS] >> (i % _BITS) & 1]
+        return f"{_extra_message(reader, extra)}; nothing was loaded" if extra else None
     return None
 
 
