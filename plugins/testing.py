@@ -173,3 +173,13 @@ def adopt_process_group_in_lightning() -> None:
     os.environ.update(TORCHELASTIC_RUN_ID="shardline-run-ranks", RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+
+
+def nvme_offload_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload's swapper) can be built here (Debian: libaio-dev)."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # noqa: BLE001 - any failure to probe means the op cannot be built here
+        return False

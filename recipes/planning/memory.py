@@ -20,25 +20,45 @@ optimizer state (:class:`~shardline.plugins.lightning.deepspeed_compat.TiedAcros
 ZeRO-1/2 flatten the rank's parameters into one buffer padded to a multiple of ``2N`` elements
 (``nccl_start_alignment_factor = 2``, times N), partition ``= flat/N``, and clone an fp32 master partition even in
 float32 (K = 12 at E = 4 too); ZeRO-3 pads each parameter to a multiple of N (partition ``ceil(n/N)``), keeps
-parameters under ``stage3_param_persistence_threshold`` whole on every rank (besides their partition) and clones
-the master too (its no-copy branch for float32 compares ``tensor.device`` with a string, never equal); ZeRO-0
+parameters of at most ``stage3_param_persistence_threshold`` elements whole on every rank (besides their
+partition) and clones the master too (its no-copy branch for float32 compares ``tensor.device`` with a string, never equal); ZeRO-0
 runs torch's AdamW on the weights in float32 (8 bytes) and ``FP16_UnfusedOptimizer`` in bf16 (fp32 copies and
 moments, 12). Gradients: ZeRO-0/1 hold ``Ψ_r E`` during backward (ZeRO-1 reduces at the boundary), ZeRO-2/3
 their partition, the gradients in flight sitting in the buckets (under pp > 1 ZeRO-2 reduces only at the step, so
 a rank's gradients wait in its buckets until they overflow into the partition). The fp32 gradient partition the
 optimizer step makes (4 bytes per partition element) lives after the activations are gone: not counted.
 
-**Offload**: ``offload_optimizer`` (ZeRO >= 1) moves master, moments and the gradient partition to CPU RAM,
+**Offload**: ``offload_optimizer='cpu'`` (ZeRO >= 1) moves master, moments and the gradient partition to CPU RAM,
 ``4 + 8 + 4 + E`` bytes per partition element (master, moments, fp32 gradients, and the bf16 staging copy at
-ZeRO-1/2 or the gradient partition at ZeRO-3); ``nvme`` (ZeRO-3) puts master and moments on the drive and keeps 4
-swap buffers of ``min(partition, sub_group_size)`` fp32 elements in CPU RAM. ``offload_params`` (ZeRO-3) leaves
-the persistent parameters on the GPU and the partitions in CPU RAM (``nvme``: on the drive, with 5 swap buffers
-of 1e8 elements). CPU offload is checked against DeepSpeed's own partitions (tests/recipes/planning/test_memory.py);
-the ``nvme`` split between CPU RAM and the drive is not, and is known to differ from DeepSpeed 0.19.8 in what
-stays in CPU RAM: up to ``offload_param.max_in_cpu`` (1e9) partition elements of parameters stay in a pinned CPU
-buffer, states and partitions under 1 MB are never swapped, the fp32 gradient partition and a reserve buffer are
-not counted, and the swap buffers are rounded up to the aio alignment. The GPU side (as CPU offload's) matched
-DeepSpeed in a probe run, not yet in a test.
+ZeRO-1/2 or the gradient partition at ZeRO-3); ``offload_params='cpu'`` (ZeRO-3) leaves the persistent parameters
+on the GPU and the partitions in CPU RAM. Both are checked against DeepSpeed's own partitions
+(tests/recipes/planning/test_memory.py).
+
+**NVMe offload** (ZeRO-3; checked exactly, part by part, against DeepSpeed 0.19.8's CPU buffers and the bytes of
+the files it writes, ``test_nvme_offload_equals_deepspeeds_buffers_and_files``). The settings are
+:class:`ZeroSettings` (DeepSpeed's defaults, or a run's config). ``P``: the rank's partition elements, ``1 MB``:
+``min_aio_bytes``, the smallest tensor DeepSpeed swaps; swapped sizes are aligned up to 1 KiB. Optimizer
+sub-groups are runs of parameters, in the optimizer's order, until their partitions reach ``sub_group_size``.
+
+* ``offload_params='nvme'``: a CPU flat of ``min(P, max_in_cpu)`` elements holds the leading sub-groups that fit
+  in it (``cpu.param_flat``). A partition outside it is on the drive when it is >= 1 MB, else it stays in CPU RAM
+  (``cpu.param_partitions``). Every partition >= 1 MB is written to the drive at start-up and stays there, even
+  one the flat holds (``nvme.params``). Swap buffers: ``buffer_count x buffer_size`` elements
+  (``cpu.param_swap_buffers``). When any sub-group is outside the flat there is also a reserve of the largest
+  sub-group's parameters at their whole, unpartitioned size (``cpu.param_reserve``). DeepSpeed asserts when a
+  swapped partition exceeds ``buffer_size`` (:func:`swap_problems`: a RecipeError here).
+* ``offload_optimizer='nvme'``: a sub-group whose fp32 partition is >= 1 MB keeps its master and both moments on
+  the drive (``nvme.optimizer``, aligned to 256 elements). Its fp32 gradients go there too, per parameter: the
+  aligned part of each one >= 1 MB (``nvme.grads``). A smaller or misaligned gradient stays in CPU RAM, whole,
+  until the step (``cpu.unswapped_grads``). A sub-group under 1 MB keeps master, moments and fp32 gradient in CPU
+  RAM (16 bytes per element, ``cpu.optimizer``). Also in CPU RAM: ``buffer_count`` swap buffers of the largest
+  sub-group's fp32 partition (``cpu.optimizer_swap_buffers``) and the gradient partition, ``E P``
+  (``cpu.grad_partition``).
+* Not modelled: DeepSpeed's last DP rank writes gradients without the partition padding (up to ``N - 1``
+  elements fewer per parameter); the pipelined swapper, partial offload (``ratio``) and GPUDirect Storage are
+  refused by :meth:`ZeroSettings.from_deepspeed`. ``cpu`` and ``nvme`` on :class:`RankMemory` are the sums of
+  these parts, named in its ``detail`` (with ``io.param_pass``, the bytes read from the drive in each forward or
+  backward pass: :func:`swap_traffic`, what the step-time model prices).
 
 **Buffers** (DeepSpeed's defaults, ``runtime/zero/config.py``; allocated at this size whatever the model's size):
 ``reduce_bucket_size = 5e8`` elements of E: one staging bucket at ZeRO-1, two at ZeRO-2 (``overlap_comm``), one at
@@ -96,14 +116,100 @@ MAX_LIVE_PARAMETERS = 1_000_000_000
 PERSISTENCE_THRESHOLD = 100_000
 SUB_GROUP_SIZE = 1_000_000_000
 NCCL_ALIGNMENT = 2  # nccl_start_alignment_factor: ZeRO-1/2 pad the flat buffer to a multiple of 2N elements
-OPTIMIZER_SWAP_BUFFERS = 4
-PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_SIZE = 5, 100_000_000
+MIB = 2**20
+#: DeepSpeed's aio rules (``runtime/swap_tensor/utils.py``): tensors under ``max(MIN_AIO_BYTES, aio.block_size)``
+#: are never swapped; swap reads and writes are aligned to ``AIO_ALIGNED_BYTES * aio.intra_op_parallelism``.
+MIN_AIO_BYTES, AIO_ALIGNED_BYTES = MIB, 1024
 #: Per-GPU cost no layout changes: the CUDA context with cuBLAS/cuDNN workspaces (~0.6 GiB on an H100), NCCL
 #: communicators' buffers for the grid's groups (~1 GiB) and the caching allocator's slack. A stated constant (not
 #: measured here: no GPU); ``estimate(overhead_bytes=...)`` replaces it.
 FIXED_OVERHEAD_BYTES = 2 * GIB
 W = 4  # float32: statistics, softmax, log-sum-exp, master weights
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed settings behind ZeRO-3's sub-groups and NVMe offload, DeepSpeed 0.19's defaults unless a
+    config says otherwise (:meth:`from_deepspeed`): ``sub_group_size`` (partition elements per optimizer sub-group,
+    ``zero_optimization.sub_group_size``), ``offload_param.buffer_count``/``buffer_size``/``max_in_cpu`` (the
+    parameter swap buffers and how many partition elements stay in CPU RAM), ``offload_optimizer.buffer_count``
+    (the optimizer's swap buffers) and ``aio.block_size``/``intra_op_parallelism`` (the smallest swapped tensor,
+    the alignment)."""
+
+    sub_group_size: int = SUB_GROUP_SIZE
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    optimizer_buffer_count: int = 4
+    aio_block_size: int = MIB
+    aio_intra_op_parallelism: int = 1
+
+    def __post_init__(self) -> None:
+        problems = [f"{f}={getattr(self, f)!r} must be an integer >= {low}" for f, low in (
+            ("sub_group_size", 1), ("param_buffer_count", 1), ("param_buffer_size", 1), ("max_in_cpu", 0),
+            ("optimizer_buffer_count", 1), ("aio_block_size", 1), ("aio_intra_op_parallelism", 1))
+            if isinstance(getattr(self, f), bool) or not isinstance(getattr(self, f), int) or getattr(self, f) < low]
+        if problems:
+            raise RecipeError("ZeRO settings: " + "; ".join(problems))
+
+    #: (config path, field) pairs :meth:`from_deepspeed` reads.
+    KEYS = (("zero_optimization.sub_group_size", "sub_group_size"),
+            ("zero_optimization.offload_param.buffer_count", "param_buffer_count"),
+            ("zero_optimization.offload_param.buffer_size", "param_buffer_size"),
+            ("zero_optimization.offload_param.max_in_cpu", "max_in_cpu"),
+            ("zero_optimization.offload_optimizer.buffer_count", "optimizer_buffer_count"),
+            ("aio.block_size", "aio_block_size"), ("aio.intra_op_parallelism", "aio_intra_op_parallelism"))
+
+    @classmethod
+    def from_deepspeed(cls, config: dict, *, source: str = "deepspeed_config") -> ZeroSettings:
+        """The settings a DeepSpeed config dict gives (what ``HybridParallelStrategy(deepspeed_config=...)``
+        takes); keys it leaves out keep DeepSpeed's defaults. Numbers may be written as DeepSpeed accepts them
+        (``5e8``). RecipeError naming the key and ``source`` for a value that is not a whole number, and for the
+        options whose buffers this estimate does not follow (the pipelined optimizer swapper, partial offload,
+        GPUDirect Storage)."""
+        if not isinstance(config, dict):
+            raise RecipeError(f"{source}: a DeepSpeed config must be a mapping, got {type(config).__name__}")
+        values, problems = {}, []
+        for path, name in cls.KEYS:
+            node = config
+            for key in path.split("."):
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is None:
+                continue
+            if isinstance(node, bool) or not isinstance(node, (int, float)) or node != int(node):
+                problems.append(f"{path}={node!r} must be a whole number")
+            else:
+                values[name] = int(node)
+        zero = config.get("zero_optimization") or {}
+        optimizer = zero.get("offload_optimizer") or {} if isinstance(zero, dict) else {}
+        for key in ("pipeline_read", "pipeline_write"):
+            if isinstance(optimizer, dict) and optimizer.get(key):
+                problems.append(f"zero_optimization.offload_optimizer.{key}={optimizer[key]!r}: the pipelined "
+                                "optimizer swapper's buffers are not estimated")
+        if isinstance(optimizer, dict) and optimizer.get("ratio", 1.0) != 1.0:
+            problems.append(f"zero_optimization.offload_optimizer.ratio={optimizer['ratio']!r}: partial offload "
+                            "(some sub-groups' optimizer on the GPU) is not estimated")
+        aio = config.get("aio") or {}
+        if isinstance(aio, dict) and aio.get("use_gds"):
+            problems.append(f"aio.use_gds={aio['use_gds']!r}: GPUDirect Storage keeps the parameter swap buffers "
+                            "on the GPU, which is not estimated")
+        if problems:
+            raise RecipeError(f"{source}: " + "; ".join(problems))
+        return cls(**values)
+
+    @property
+    def min_aio_bytes(self) -> int:
+        """Tensors smaller than this are never swapped."""
+        return max(MIN_AIO_BYTES, self.aio_block_size)
+
+    def aligned(self, numel: int, element_bytes: int) -> int:
+        """``numel`` rounded up to the swap alignment for ``element_bytes``-byte elements."""
+        a = AIO_ALIGNED_BYTES * self.aio_intra_op_parallelism // element_bytes
+        return -(-numel // a) * a
+
+
+DEFAULT_ZERO = ZeroSettings()
 
 
 @dataclass(frozen=True)
@@ -209,7 +315,8 @@ def padded_vocab(model: ModelSpec, *, tp: int) -> int:
 
 def layer_numels(model: ModelSpec, index: int, *, tp: int) -> list[int]:
     """Sizes (elements) of the parameters of pipeline layer ``index`` (0: embedding, ``n_layer + 1``: head) on one
-    TP rank. The head lists its vocabulary matrix even when tied (whether a rank holds it is the caller's)."""
+    TP rank, in the module's order (``named_parameters``). The head lists its vocabulary matrix (first) even when
+    tied (whether a rank holds it is the caller's)."""
     return list(_layer_numels(model, _kind(model, index), tp))
 
 
@@ -223,14 +330,16 @@ def _layer_numels(model: ModelSpec, kind: str, tp: int) -> tuple[int, ...]:
     q, kvd = model.n_head * model.dim_per_head, model.kv_heads * model.dim_per_head
     vocab = padded_vocab(model, tp=t) // t * d
     gpt = model.architecture == "gpt2"
-    if kind == "embedding":
-        return (vocab, model.seq_len * d) if gpt else (vocab,)
-    if kind == "head":
-        return ((d, d) if gpt else (d,)) + (vocab,)
+    if kind == "embedding":  # GPT: positions, then tokens
+        return (model.seq_len * d, vocab) if gpt else (vocab,)
+    if kind == "head":  # the vocabulary matrix, then the final norm
+        return (vocab,) + ((d, d) if gpt else (d,))
     if gpt:  # ln1, qkv, proj, ln2, fc1, fc2 (weights and biases)
         return (d, d, 3 * q * d // t, 3 * q // t, d * q // t, d, d, d, f * d // t, f // t, d * f // t, d)
-    bias = (q // t, kvd // t, kvd // t) if model.qkv_bias else ()
-    return (d, q * d // t, kvd * d // t, kvd * d // t, *bias, d * q // t, d, f * d // t, f * d // t, d * f // t)
+    qkv = (q * d // t, kvd * d // t, kvd * d // t)
+    if model.qkv_bias:  # each projection's weight, then its bias
+        qkv = (q * d // t, q // t, kvd * d // t, kvd // t, kvd * d // t, kvd // t)
+    return (d, *qkv, d * q // t, d, f * d // t, f * d // t, d * f // t)
 
 
 def hosted_stages(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> dict[int, range]:
@@ -241,14 +350,16 @@ def hosted_stages(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> dict[in
 
 
 def rank_parameters(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> tuple[list[int], int]:
-    """``(sizes of the parameters DeepSpeed optimises on this rank, elements of a tied shadow)``."""
+    """``(sizes of the parameters DeepSpeed optimises on this rank in the optimizer's order, elements of a tied
+    shadow)``."""
     layers = [i for r in hosted_stages(model, layout, pp_rank).values() for i in r]
-    head = model.n_layer + 1
-    numels = [n for i in layers for n in layer_numels(model, i, tp=layout.tp)]
-    shadow = 0
-    if model.tie_embeddings and head in layers:
-        vocab = numels.pop()  # the head's matrix: the embedding's own here, or a shadow of it
-        shadow = 0 if 0 in layers else vocab
+    numels, shadow = [], 0
+    for i in layers:
+        sizes = layer_numels(model, i, tp=layout.tp)
+        if model.tie_embeddings and i == model.n_layer + 1:
+            vocab, sizes = sizes[0], sizes[1:]  # the head's matrix: the embedding's own here, or a shadow of it
+            shadow = 0 if 0 in layers else vocab
+        numels += sizes
     return numels, shadow
 
 
@@ -258,6 +369,7 @@ class _RankStatic:
 
     stages: tuple[tuple[int, range], ...]
     sizes: tuple[tuple[int, int], ...]  # (parameter size, how many) DeepSpeed optimises
+    numels: tuple[int, ...]  # the same sizes in the optimizer's order
     shadow: int
     psi: int
     has_blocks: bool
@@ -272,8 +384,9 @@ def _rank_static(model: ModelSpec, tp: int, pp: int, chunks: int, pp_rank: int) 
     stages = hosted_stages(model, layout, pp_rank)
     numels, shadow = rank_parameters(model, layout, pp_rank)
     layers = [i for r in stages.values() for i in r]
-    big = [sum(x for x in _layer_numels(model, _kind(model, i), tp) if x >= PERSISTENCE_THRESHOLD) for i in layers]
-    return _RankStatic(stages=tuple(stages.items()), sizes=tuple(Counter(numels).items()), shadow=shadow,
+    big = [sum(x for x in _layer_numels(model, _kind(model, i), tp) if x > PERSISTENCE_THRESHOLD) for i in layers]
+    return _RankStatic(stages=tuple(stages.items()), sizes=tuple(Counter(numels).items()), numels=tuple(numels),
+                       shadow=shadow,
                        psi=sum(numels), has_blocks=any(0 < i <= model.n_layer for i in layers),
                        has_head=model.n_layer + 1 in layers, big_max=max(big), big_sum=sum(big))
 
@@ -287,18 +400,21 @@ def zero_model_states(psi: float, *, stage: int, n_d: int, k: int = 12) -> float
             3: (4 + k) * psi / n_d}[stage]
 
 
-def model_states(numels: list[int], shadow: int, layout: PlanLayout, dtype_bytes: int) -> dict[str, int]:
+def model_states(numels: list[int], shadow: int, layout: PlanLayout, dtype_bytes: int,
+                 zero: ZeroSettings = DEFAULT_ZERO) -> dict[str, int]:
     """GPU bytes of params/grads/optimizer (and CPU RAM, NVMe) for one rank, as DeepSpeed allocates them (see the
-    module docstring)."""
-    return _states(tuple(Counter(numels).items()), shadow, layout, dtype_bytes)
+    module docstring); ``numels`` in the order the optimizer holds the parameters (ZeRO-3's sub-groups follow it)."""
+    return _states(tuple(Counter(numels).items()), tuple(numels), shadow, layout, dtype_bytes, zero)
 
 
-def _states(sizes: tuple[tuple[int, int], ...], shadow: int, layout: PlanLayout, dtype_bytes: int) -> dict[str, int]:
-    """:func:`model_states` over ``(parameter size, how many)`` pairs."""
+def _states(sizes: tuple[tuple[int, int], ...], numels: tuple[int, ...], shadow: int, layout: PlanLayout,
+            dtype_bytes: int, zero: ZeroSettings) -> dict:
+    """:func:`model_states` over ``(parameter size, how many)`` pairs (and the ordered sizes, for NVMe offload);
+    ``detail`` names the CPU RAM and NVMe parts of an NVMe offload."""
     e, n, z = dtype_bytes, layout.zero_group, layout.zero_stage
     oo, op = layout.offload_optimizer, layout.offload_params
     psi = sum(x * c for x, c in sizes)
-    out = dict(cpu=0, nvme=0, partition=psi)
+    out = dict(cpu=0, nvme=0, partition=psi, detail={})
     if z == 0:
         out.update(params=psi * e, grads=psi * e, optimizer=(12 if e == 2 else 8) * psi)
     elif z in (1, 2):
@@ -310,23 +426,115 @@ def _states(sizes: tuple[tuple[int, int], ...], shadow: int, layout: PlanLayout,
             out["cpu"] = (4 + 8 + 4 + e) * part
     else:
         part = out["partition"] = sum(-(-x // n) * c for x, c in sizes)
-        persistent = sum(x * c for x, c in sizes if x < PERSISTENCE_THRESHOLD)
+        persistent = sum(x * c for x, c in sizes if x <= PERSISTENCE_THRESHOLD)
         out.update(params=(persistent if op != "none" else part + persistent) * e,
                    grads=0 if oo != "none" else part * e,
                    optimizer=0 if oo != "none" else 12 * part)
         if oo == "cpu":
             out["cpu"] += (12 + e + 4) * part
-        elif oo == "nvme":
-            out["nvme"] += 12 * part
-            out["cpu"] += e * part + OPTIMIZER_SWAP_BUFFERS * min(part, SUB_GROUP_SIZE) * W
         if op == "cpu":
             out["cpu"] += part * e
-        elif op == "nvme":
-            out["nvme"] += part * e
-            out["cpu"] += PARAM_SWAP_BUFFERS * PARAM_SWAP_BUFFER_SIZE * e
+        if "nvme" in (oo, op):
+            swap = out["detail"] = _swap_parts(numels, n, e, oo, op, zero)
+            out["cpu"] += sum(v for k, v in swap.items() if k.startswith("cpu."))
+            out["nvme"] += sum(v for k, v in swap.items() if k.startswith("nvme."))
     out["params"] += shadow * e
     out["grads"] += shadow * e
     return out
+
+
+def _sub_groups(parts: list[int], size: int) -> list[tuple[int, int]]:
+    """ZeRO-3's optimizer sub-groups as ``[start, stop)`` parameter ranges: parameters in order until their
+    partitions reach ``size`` elements (the last group takes the rest); one group when all fit."""
+    if size >= sum(parts):
+        return [(0, len(parts))]
+    groups, start, acc = [], 0, 0
+    for i, p in enumerate(parts):
+        acc += p
+        if acc >= size or i == len(parts) - 1:
+            groups.append((start, i + 1))
+            start, acc = i + 1, 0
+    return groups
+
+
+@functools.lru_cache(maxsize=4096)
+def _swap_parts(numels: tuple[int, ...], n: int, e: int, oo: str, op: str, zero: ZeroSettings) -> dict[str, int]:
+    """CPU RAM (``cpu.*``) and drive (``nvme.*``) bytes of ZeRO-3's NVMe offload on one rank, as DeepSpeed 0.19
+    allocates them (see the module docstring, **NVMe offload**)."""
+    parts = [-(-x // n) for x in numels]
+    groups = _sub_groups(parts, zero.sub_group_size)
+    sums = [sum(parts[a:b]) for a, b in groups]
+    low = zero.min_aio_bytes
+    out: dict[str, int] = {}
+    if op == "nvme":
+        total = sum(parts)
+        flat = max(1, total if total <= zero.max_in_cpu else zero.max_in_cpu)  # an empty flat is 1 element
+        offset, outside = 0, []
+        for (a, b), size in zip(groups, sums):
+            if offset + size > flat:
+                outside.extend(range(a, b))
+            offset += size
+        swapped = [p * e >= low for p in parts]
+        out["cpu.param_flat"] = flat * e
+        out["cpu.param_partitions"] = e * sum(parts[i] for i in outside if not swapped[i])
+        out["cpu.param_swap_buffers"] = zero.param_buffer_count * zero.aligned(zero.param_buffer_size, e) * e
+        if outside:  # the fp16 flat's stand-in for swapping out after the step: the largest sub-group, unpartitioned
+            a, b = groups[sums.index(max(sums))]
+            out["cpu.param_reserve"] = e * sum(zero.aligned(x, e) for x in numels[a:b])
+        out["nvme.params"] = e * sum(zero.aligned(p, e) for p, s in zip(parts, swapped) if s)
+        # drive traffic, not bytes held: read in every forward and every backward pass, written after the step
+        out["io.param_pass"] = e * sum(zero.aligned(parts[i], e) for i in outside if swapped[i])
+    if oo == "nvme":
+        unit = zero.aligned(1, W)
+        on_drive = [size * W >= low for size in sums]
+        out["cpu.optimizer_swap_buffers"] = zero.optimizer_buffer_count * zero.aligned(max(sums), W) * W
+        out["cpu.grad_partition"] = sum(parts) * e
+        # a sub-group too small to swap keeps its fp32 master, Adam moments and fp32 gradient in CPU RAM
+        out["cpu.optimizer"] = (4 + 8 + 4) * sum(size for size, d in zip(sums, on_drive) if not d)
+        kept = written = 0
+        for (a, b), d in zip(groups, on_drive):
+            for p in parts[a:b] if d else ():
+                body = p // unit * unit if p * W >= low else 0
+                if body * W >= low:
+                    written += body * W
+                if body * W < low or body != p:  # an unswapped piece (or the remainder's view) keeps it all
+                    kept += p * W
+        out["cpu.unswapped_grads"] = kept
+        out["nvme.optimizer"] = 3 * W * sum(zero.aligned(size, W) for size, d in zip(sums, on_drive) if d)
+        out["nvme.grads"] = written
+    return out
+
+
+def swap_traffic(numels: list[int], layout: PlanLayout, dtype_bytes: int,
+                 zero: ZeroSettings = DEFAULT_ZERO) -> tuple[int, int]:
+    """``(bytes read from the drive in each forward or backward pass, bytes read and written at each optimizer
+    step)`` of one rank's NVMe offload: the swapped parameter partitions outside the CPU flat (read each pass,
+    written back after the step), the swapped sub-groups' master and moments (read and written) and fp32
+    gradients (written at the end of backward, read at the step). ``(0, 0)`` without NVMe offload."""
+    oo, op = layout.offload_optimizer, layout.offload_params
+    if layout.zero_stage != 3 or "nvme" not in (oo, op):
+        return 0, 0
+    parts = _swap_parts(tuple(numels), layout.zero_group, dtype_bytes, oo, op, zero)
+    passes = parts.get("io.param_pass", 0)
+    return passes, passes + 2 * parts.get("nvme.optimizer", 0) + 2 * parts.get("nvme.grads", 0)
+
+
+def swap_problems(numels: list[int], layout: PlanLayout, dtype_bytes: int, zero: ZeroSettings) -> list[str]:
+    """What DeepSpeed 0.19 refuses (an assertion at start-up or at the first step) in this rank's NVMe offload:
+    a swapped parameter partition larger than one parameter swap buffer, fewer optimizer swap buffers than Adam
+    swaps in at once (master, two moments and the gradient)."""
+    problems, n, e = [], layout.zero_group, dtype_bytes
+    if layout.zero_stage != 3:
+        return problems
+    if layout.offload_params == "nvme":
+        biggest = max((-(-x // n) for x in numels if -(-x // n) * e >= zero.min_aio_bytes), default=0)
+        if biggest > zero.param_buffer_size:
+            problems.append(f"offload_params='nvme': a parameter partition of {biggest} elements exceeds "
+                            f"offload_param.buffer_size={zero.param_buffer_size} (raise buffer_size to >= {biggest})")
+    if layout.offload_optimizer == "nvme" and zero.optimizer_buffer_count < 4:
+        problems.append(f"offload_optimizer='nvme': offload_optimizer.buffer_count={zero.optimizer_buffer_count} "
+                        "is fewer than the 4 buffers Adam's step swaps in (master, 2 moments, gradient)")
+    return problems
 
 
 # --- activations -------------------------------------------------------------------------------------------------
@@ -465,13 +673,16 @@ def representative_ranks(model: ModelSpec, layout: PlanLayout) -> list[int]:
 
 
 def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes: int = 2,
-             overhead_bytes: int = FIXED_OVERHEAD_BYTES, pp_ranks: list[int] | None = None) -> MemoryEstimate:
+             overhead_bytes: int = FIXED_OVERHEAD_BYTES, pp_ranks: list[int] | None = None,
+             zero: ZeroSettings = DEFAULT_ZERO) -> MemoryEstimate:
     """Bytes per GPU for every pipeline rank of ``layout`` training ``model`` on ``seq_len``-token sequences with
     ``dtype_bytes`` activations/weights (2: bf16 mixed precision, 4: float32); see the module docstring.
     ``pp_ranks`` limits it to those pipeline ranks (the planner passes :func:`representative_ranks`: the most
-    loaded rank is among them).
+    loaded rank is among them). ``zero``: the DeepSpeed settings of ZeRO-3's sub-groups and NVMe offload
+    (:meth:`ZeroSettings.from_deepspeed` reads them from a DeepSpeed config).
 
-    RecipeError naming every bad value when the layout cannot run the model."""
+    RecipeError naming every bad value when the layout cannot run the model (or DeepSpeed would refuse its NVMe
+    offload's settings)."""
     problems = layout_problems(model, layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
     if problems:
         raise RecipeError(f"model {model.name!r} cannot be estimated on {layout}: " + "; ".join(problems))
@@ -479,7 +690,11 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
     ranks = []
     for r in range(layout.pp) if pp_ranks is None else pp_ranks:
         static = _rank_static(model, layout.tp, layout.pp, layout.chunks if layout.pp > 1 else 1, r)
-        states = _states(static.sizes, static.shadow, layout, dtype_bytes)
+        swap = swap_problems(list(static.numels), layout, dtype_bytes, zero)
+        if swap:
+            raise RecipeError(f"model {model.name!r} cannot be estimated on {layout} (pipeline rank {r}): "
+                              + "; ".join(swap))
+        states = _states(static.sizes, static.numels, static.shadow, layout, dtype_bytes, zero)
         saved, in_flight = _saved_activations(model, static, g, layout.recompute, layout.cp, layout.pp,
                                               layout.micro_batches, layout.schedule, layout.chunks, r)
         in_flight = dict(in_flight)
@@ -488,7 +703,8 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
         recompute = block_bytes(model, g) if static.has_blocks and layout.recompute == "full" else 0
         parts = _buffers(model, layout, g, static, dtype_bytes) | {"buffers.overhead": overhead_bytes}
         detail = {"activations.saved": saved, "activations.recompute": recompute, **parts,
-                  "params.shadow": static.shadow * dtype_bytes, "partition_elements": states["partition"]}
+                  "params.shadow": static.shadow * dtype_bytes, "partition_elements": states["partition"],
+                  **states["detail"]}
         ranks.append(RankMemory(
             pp_rank=r, rank=r * layout.tp * layout.cp * layout.dp, stages=tuple(s for s, _ in static.stages),
             param_elements=static.psi + static.shadow, optimized_elements=static.psi, params=states["params"],
@@ -535,10 +751,11 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: b
 def clear_caches() -> None:
     """Forget the per-layer, per-rank, per-block and pipeline-order tables memoised across :func:`estimate` calls
     (see :func:`shardline.recipes.planning.search.clear_caches`)."""
-    for cached in (_layer_numels, _rank_static, block_bytes, _interleaved_order, _saved_activations):
+    for cached in (_layer_numels, _rank_static, block_bytes, _interleaved_order, _saved_activations, _swap_parts):
         cached.cache_clear()
 
 
-__all__ = ["CATEGORIES", "FIXED_OVERHEAD_BYTES", "GIB", "MemoryEstimate", "RankMemory", "block_bytes", "clear_caches",
-           "estimate", "hosted_stages", "representative_ranks", "in_flight_peak", "korthikanti_layer_bytes", "layer_numels", "layout_problems",
-           "model_states", "padded_vocab", "rank_parameters", "zero_model_states"]
+__all__ = ["CATEGORIES", "DEFAULT_ZERO", "FIXED_OVERHEAD_BYTES", "GIB", "MemoryEstimate", "RankMemory", "ZeroSettings",
+           "block_bytes", "clear_caches", "estimate", "hosted_stages", "in_flight_peak", "korthikanti_layer_bytes",
+           "layer_numels", "layout_problems", "model_states", "padded_vocab", "rank_parameters",
+           "representative_ranks", "swap_problems", "swap_traffic", "zero_model_states"]

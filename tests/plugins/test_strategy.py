@@ -12,7 +12,7 @@ import shardline.plugins  # noqa: F401 - registers the strategy names
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.lightning.registry import parse_strategy_name, registered_names
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
-from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
+from shardline.plugins.testing import adopt_process_group_in_lightning, nvme_offload_available, run_ranks
 
 STEPS = 4
 GLOBAL_BATCH = 16
@@ -185,15 +185,6 @@ def test_user_deepspeed_config_is_merged_over_the_derived_one(tmp_path):
 
 
 
-def _nvme_offload_available() -> bool:
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        return bool(AsyncIOBuilder().is_compatible(verbose=False))
-    except Exception:  # noqa: BLE001 - any failure to probe means the op cannot be built here
-        return False
-
-
 class _SwapFiles(pl.Callback):
     """Counts the files under the NVMe path while training runs (DeepSpeed removes them at teardown)."""
 
@@ -213,7 +204,7 @@ def _fit_counting_swaps(rank, world, strategy_kwargs):
 
 
 @pytest.mark.jit_ops
-@pytest.mark.skipif(not _nvme_offload_available(), reason="DeepSpeed's async_io op cannot build here "
+@pytest.mark.skipif(not nvme_offload_available(), reason="DeepSpeed's async_io op cannot build here "
                     "(Debian: apt-get install libaio-dev)")
 def test_zero3_nvme_offload_parity(tmp_path):
     # Parameters and optimizer states swapped to files under nvme_path (a local directory stands in for NVMe).

@@ -27,7 +27,7 @@ from shardline.plugins.pipeline import MemoryAccounting, PipelineEngine
 from shardline.plugins.pipeline.memory import SavedTensorMeter
 from shardline.plugins.pipeline.partition import build_stages, partition_layers
 from shardline.plugins.pipeline.schedule import build_schedule, simulate
-from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
+from shardline.plugins.testing import adopt_process_group_in_lightning, nvme_offload_available, run_ranks
 from shardline.recipes.lit_lm import LanguageModule
 from shardline.recipes.planning import memory
 from shardline.recipes.planning.layout import PlanLayout
@@ -55,28 +55,43 @@ META_CASES = [
     ("llama3-8b", dict(tp=16, pp=2)),  # tp > n_kv_head = 8: K/V rows head_dim/2 per rank
     ("llama3-70b", dict(tp=8, pp=4, cp=2, sp="ulysses", dp=2)),
     ("llama3-405b", dict(tp=8, pp=16)),
+    ("qwen-like", dict(tp=2)),  # biases on q/k/v (Qwen2): each weight, then its bias
+    ("gpt2-untied", dict(pp=2)),  # GPT's own head matrix on the last stage
 ]
+PACKAGED_AND_VARIANTS = {
+    **PACKAGED, "qwen-like": PACKAGED["llama3-8b"].replace(name="qwen-like", n_layer=4, qkv_bias=True),
+    "gpt2-untied": PACKAGED["gpt2-125m"].replace(name="gpt2-untied", tie_embeddings=False)}
 
 
-def _meta_count(spec: ModelSpec, layout: PlanLayout, rank: int) -> tuple[int, int]:
-    """(parameters, tied-shadow elements) of ``rank``'s model built on the meta device."""
+def _meta_params(spec: ModelSpec, layout: PlanLayout, rank: int) -> tuple[list[int], int]:
+    """(the sizes DeepSpeed optimises, in the module's order; tied-shadow elements) of ``rank``'s model built on the
+    meta device."""
     model = CLASSES[spec.architecture](spec.shardline_config(), grid=Grid.stand_in(_dims(layout), rank=rank),
                                        device="meta", chunks=layout.chunks)
     params = dict(model.named_parameters())
     shadow = 0
     if spec.tie_embeddings and "head.weight" in params and "embedding.wte.weight" not in params:
-        shadow = params["head.weight"].numel()
-    return sum(p.numel() for p in params.values()), shadow
+        shadow = params.pop("head.weight").numel()
+    return [p.numel() for p in params.values()], shadow
+
+
+def _meta_count(spec: ModelSpec, layout: PlanLayout, rank: int) -> tuple[int, int]:
+    """(parameters, tied-shadow elements) of ``rank``'s model built on the meta device."""
+    numels, shadow = _meta_params(spec, layout, rank)
+    return sum(numels) + shadow, shadow
 
 
 @pytest.mark.parametrize(("name", "kw"), META_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(META_CASES)])
 def test_parameters_per_rank_equal_the_meta_device_model(name, kw):
-    spec, layout = PACKAGED[name], PlanLayout(**kw)
+    spec, layout = PACKAGED_AND_VARIANTS[name], PlanLayout(**kw)
     est = memory.estimate(spec, layout, seq_len=spec.seq_len, dtype_bytes=2)
     assert [r.pp_rank for r in est.ranks] == list(range(layout.pp))
     for r in est.ranks:
-        params, shadow = _meta_count(spec, layout, r.rank)
+        numels, shadow = _meta_params(spec, layout, r.rank)
+        params = sum(numels) + shadow
         assert r.param_elements == params  # exact: integer counts
+        # in the optimizer's order too (ZeRO-3's sub-groups are runs of it)
+        assert memory.rank_parameters(spec, layout, r.pp_rank) == (numels, shadow)
         assert r.param_elements - r.optimized_elements == shadow
         assert r.detail["params.shadow"] == 2 * shadow
     if layout.pp == layout.tp == 1:
@@ -243,6 +258,194 @@ def test_model_states_equal_deepspeeds_partitions(world, kw, precision):
             assert 0 <= mine.grads - real["shadow"] - real.get("partition_grads", 0) <= (2 * n - 1) * e
         if z >= 1:
             assert mine.detail["buffers.buckets"] == real["bucket"]  # 5e8 elements per bucket, exact
+
+
+# --- (a) exact structure: DeepSpeed's NVMe offload -------------------------------------------------------------
+
+class _Swaps(pl.Callback):
+    """What DeepSpeed's NVMe offload holds on this rank, named as the estimate's ``cpu.*``/``nvme.*`` parts: the
+    CPU flat of parameter partitions and the partitions outside it, the parameter swapper's buffers and reserve,
+    the optimizer swapper's buffers, the gradient partition, the fp32 state of sub-groups too small to swap, the
+    gradients too small (or misaligned) to swap (read as the step starts, while they are held), and the bytes of
+    the files it wrote for this rank under ``nvme_path``."""
+
+    def __init__(self, root: str):
+        self.root, self.kept = root, 0
+
+    def on_train_start(self, trainer, module):
+        opt = trainer.strategy.model.optimizer
+        step = opt.step
+
+        def step_reading_the_unswapped(*args, **kwargs):
+            swapper = getattr(opt, "optimizer_swapper", None)
+            if swapper is not None:  # a remainder is a view: its whole storage stays
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for info in swapper.swap_params_info.values() for t in info.unswapped_gradients.values()}
+                self.kept = sum(storages.values())
+            return step(*args, **kwargs)
+
+        opt.step = step_reading_the_unswapped
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        import os
+
+        opt, params, rank = trainer.strategy.model.optimizer, list(module.parameters()), trainer.global_rank
+        param_swapper = next((p.nvme_swapper for p in params if getattr(p, "nvme_swapper", None)), None)
+        read = {"params": _nbytes(p.data for p in params),
+                "cpu.param_flat": _nbytes(opt.param_groups_fp16_flat_cpu_memory),
+                "cpu.param_partitions": _nbytes(  # DeepSpeed marks these final_location None
+                    p.ds_tensor for p in params if getattr(p.ds_tensor, "final_location", "") is None),
+                "cpu.grad_partition": _nbytes([opt.grad_partitions_flat_buffer])}
+        if param_swapper is not None:
+            read["cpu.param_swap_buffers"] = _nbytes([param_swapper.buffers])
+            read["cpu.param_reserve"] = _nbytes([param_swapper.partitioned_swap_buffer])
+        if getattr(opt, "optimizer_swapper", None) is not None:
+            read["cpu.optimizer_swap_buffers"] = _nbytes(opt.optimizer_swapper.swap_buffer_manager.all_buffers)
+            read["cpu.unswapped_grads"] = self.kept
+        masters = opt.fp32_partitioned_groups_flat  # a swapped sub-group's is empty, its gradient None
+        state = opt.optimizer.state
+        read["cpu.optimizer"] = _nbytes(masters) + _nbytes(m.grad for m in masters) + sum(
+            _nbytes(t for t in state[m].values() if torch.is_tensor(t) and t.dim() >= 1) for m in masters if m in state)
+        for key in ("nvme.params", "nvme.optimizer", "nvme.grads"):
+            read[key] = 0
+        for folder, _, files in os.walk(self.root):  # zero_stage_3/{bfloat16params,optimizer}/rank{r}
+            parts = folder.split(os.sep)
+            if f"rank{rank}" not in parts:
+                continue
+            for name in files:
+                key = ("nvme.params" if "optimizer" not in parts else "nvme.grads" if "_gradient_" in name
+                       else "nvme.optimizer")
+                read[key] += os.path.getsize(os.path.join(folder, name))
+        self.read = read
+
+
+def _nvme_deepspeed(rank, world, model, kw, root):
+    adopt_process_group_in_lightning()
+    reader = _Swaps(root)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**kw, nvme_path=root),
+                         max_steps=1, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[reader])
+    tokens = torch.randint(0, model["vocab_size"], (8, 17), generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    trainer.fit(LanguageModule(**model), DataLoader(data, batch_size=4))
+    return reader.read
+
+
+# DeepSpeed swaps only tensors of >= 1 MB: hidden 1024 gives 2 MB halves of the 1024 x 1024 weights, 1 MB halves of
+# the K/V ones (fp32: swapped; bf16: kept in CPU RAM); hidden 1040 gives partitions off the 1 KiB aio alignment
+# (540800 = 2112*256 + 128 elements), whose gradients DeepSpeed swaps in part and keeps in part.
+NVME_MODEL = dict(architecture="llama", vocab_size=1601, seq_len=16, n_layer=2, n_head=8, n_kv_head=4,
+                  d_model=1024, d_ff=1024, tie_embeddings=True)
+SMALL_BUFFERS = {"buffer_count": 4, "buffer_size": 2**20}  # DeepSpeed's 5 x 1e8 would pin 1 GB per rank
+NVME_CASES = {
+    # everything in the CPU flat (max_in_cpu 1e9), the partitions' files written at start-up and left there;
+    # one sub-group, swapped (master, moments, gradients), the norms' gradients kept
+    "nvme-both": (NVME_MODEL, dict(offload_optimizer="nvme", offload_params="nvme"),
+                  {"zero_optimization": {"offload_param": SMALL_BUFFERS}}),
+    # the parameters as above, the optimizer in CPU RAM (the CPU-offload sizes)
+    "nvme-params": (NVME_MODEL, dict(offload_optimizer="cpu", offload_params="nvme"),
+                    {"zero_optimization": {"offload_param": SMALL_BUFFERS}}),
+    # one sub-group per parameter, 2e6 partition elements in CPU RAM: the first five sub-groups in the flat, the
+    # rest on the drive or (under 1 MB) in CPU RAM, the reserve of the largest sub-group; the norms' sub-groups too
+    # small to swap (fp32 master, moments, gradient in CPU RAM); misaligned partitions
+    "nvme-spill": (dict(NVME_MODEL, d_model=1040, d_ff=1040), dict(offload_optimizer="nvme", offload_params="nvme"),
+                   {"zero_optimization": {"sub_group_size": 1, "offload_param": dict(SMALL_BUFFERS, max_in_cpu=2e6)}}),
+}
+
+
+@pytest.mark.jit_ops
+@pytest.mark.skipif(not nvme_offload_available(), reason="DeepSpeed's async_io op cannot build here "
+                    "(Debian: apt-get install libaio-dev)")
+@pytest.mark.parametrize("case", list(NVME_CASES))
+def test_nvme_offload_equals_deepspeeds_buffers_and_files(case, tmp_path):
+    model, kw, config = NVME_CASES[case]
+    spec = ModelSpec(name=case, **model)
+    layout = PlanLayout(dp=2, zero_stage=3, **kw)
+    zero = memory.ZeroSettings.from_deepspeed(config)
+    est = memory.estimate(spec, layout, seq_len=16, zero=zero).ranks[0]
+    mine = {k: v for k, v in est.detail.items() if k.startswith(("cpu.", "nvme."))}
+    for real in run_ranks(_nvme_deepspeed, 2, model, dict(zero_stage=3, **kw, deepspeed_config=config),
+                          str(tmp_path), timeout=900):  # the first use JIT-compiles async_io
+        assert est.params == real.pop("params")  # only the persistent parameters on the GPU
+        assert est.grads == est.optimizer == 0
+        for key, value in mine.items():  # exact, part by part
+            assert (key, value) == (key, real[key])
+        # the rest is nothing, or CPU offload's optimizer (master, moments, fp32 gradients) and gradient partition
+        rest = {k for k, v in real.items() if k not in mine and v}
+        assert rest == ({"cpu.optimizer", "cpu.grad_partition"} if kw["offload_optimizer"] == "cpu" else set())
+        assert est.cpu == sum(v for k, v in real.items() if k.startswith("cpu."))
+        assert est.nvme == sum(v for k, v in real.items() if k.startswith("nvme.")) > 0
+    expected = {"nvme-both": ("cpu.unswapped_grads", "nvme.grads"), "nvme-params": ("nvme.params",),
+                "nvme-spill": ("cpu.param_reserve", "cpu.param_partitions", "cpu.optimizer", "cpu.unswapped_grads")}
+    assert all(mine[k] > 0 for k in expected[case])  # each case exercises what it is there for
+
+
+def test_zero_settings_follow_deepspeed():
+    from deepspeed.runtime.swap_tensor import constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    ours, params, optimizer = memory.ZeroSettings(), DeepSpeedZeroOffloadParamConfig(), \
+        DeepSpeedZeroOffloadOptimizerConfig()
+    assert (ours.param_buffer_count, ours.param_buffer_size, ours.max_in_cpu) == (
+        params.buffer_count, params.buffer_size, params.max_in_cpu)
+    assert ours.optimizer_buffer_count == optimizer.buffer_count
+    assert ours.sub_group_size == DeepSpeedZeroConfig().sub_group_size
+    assert (ours.aio_block_size, ours.aio_intra_op_parallelism) == (
+        constants.AIO_BLOCK_SIZE_DEFAULT, constants.AIO_INTRA_OP_PARALLELISM_DEFAULT)
+    assert memory.ZeroSettings.from_deepspeed({}) == ours
+    got = memory.ZeroSettings.from_deepspeed({"zero_optimization": {
+        "sub_group_size": 5e8, "offload_param": {"max_in_cpu": 0, "buffer_size": 2.5e8},
+        "offload_optimizer": {"buffer_count": 6}}, "aio": {"block_size": 2**21}})
+    assert (got.sub_group_size, got.max_in_cpu, got.param_buffer_size, got.optimizer_buffer_count,
+            got.min_aio_bytes) == (500_000_000, 0, 250_000_000, 6, 2**21)
+    with pytest.raises(RecipeError) as info:
+        memory.ZeroSettings.from_deepspeed({"zero_optimization": {"sub_group_size": 1.5, "offload_param": {
+            "buffer_count": "five"}, "offload_optimizer": {"pipeline_read": True, "ratio": 0.5}}}, source="ds.json")
+    for text in ("ds.json", "sub_group_size=1.5", "buffer_count='five'", "pipeline_read=True", "ratio=0.5"):
+        assert text in str(info.value)
+
+
+def test_nvme_offload_refuses_what_deepspeed_asserts():
+    # llama3-8b's embedding over 8 ranks: 128256 * 4096 / 8 = 65.7M elements, over a 5e7-element swap buffer
+    spec = PACKAGED["llama3-8b"]
+    layout = PlanLayout(dp=8, zero_stage=3, offload_optimizer="nvme", offload_params="nvme")
+    assert memory.estimate(spec, layout, seq_len=4096).ranks[0].nvme > 0  # DeepSpeed's 1e8 holds it
+    with pytest.raises(RecipeError) as info:
+        memory.estimate(spec, layout, seq_len=4096,
+                        zero=memory.ZeroSettings(param_buffer_size=50_000_000, optimizer_buffer_count=3))
+    for text in ("65667072 elements", "buffer_size=50000000", "buffer_count=3", "pipeline rank 0"):
+        assert text in str(info.value)
+
+
+def test_sub_groups_and_the_swap_split_by_hand():
+    # three parameters, ZeRO over 2 ranks: partitions 600000, 100000, 600000 elements; sub_group_size 650000
+    # closes a group at 700000 (params 0-1) and the last takes the rest (param 2)
+    assert memory._sub_groups([600_000, 100_000, 600_000], 650_000) == [(0, 2), (2, 3)]
+    assert memory._sub_groups([600_000, 100_000, 600_000], 2_000_000) == [(0, 3)]
+    zero = memory.ZeroSettings(sub_group_size=650_000, max_in_cpu=800_000, param_buffer_count=2,
+                               param_buffer_size=1000)
+    parts = memory._swap_parts((1_200_000, 200_000, 1_200_001), 2, 2, "nvme", "nvme", zero)
+    # the flat holds min(1300001, 800000) elements: sub-group 0 (700000) fits, sub-group 1 (600001) does not
+    assert parts["cpu.param_flat"] == 800_000 * 2
+    # param 2 (600001 bf16 elements = 1.2 MB) is swapped; nothing under 1 MB is outside the flat
+    assert parts["cpu.param_partitions"] == 0
+    assert parts["nvme.params"] == 2 * (600_064 + 600_064)  # params 0 and 2, aligned up to 512 bf16 elements
+    assert parts["cpu.param_swap_buffers"] == 2 * 1024 * 2  # 1000 aligned up to 1024
+    # the reserve: the largest sub-group (0, 700000 elements) at its full, unpartitioned size, aligned
+    assert parts["cpu.param_reserve"] == 2 * (1_200_128 + 200_192)
+    # fp32: both sub-groups are over 1 MB and swapped: 3 tensors each, aligned to 256 elements
+    assert parts["nvme.optimizer"] == 3 * 4 * (700_160 + 600_064)
+    assert parts["cpu.optimizer_swap_buffers"] == 4 * 700_160 * 4
+    # gradients: 600000 = 2343.75 * 256 -> 599808 written, the rest kept with its whole storage; 100000 (400 kB)
+    # kept; 600001 -> 599808 written, kept whole
+    assert parts["nvme.grads"] == 4 * (599_808 + 599_808)
+    assert parts["cpu.unswapped_grads"] == 4 * (600_000 + 100_000 + 600_001)
+    assert parts["cpu.grad_partition"] == 2 * 1_300_001 and parts["cpu.optimizer"] == 0
 
 
 # --- (b) measured activations -----------------------------------------------------------------------------------
@@ -452,7 +655,7 @@ def test_the_estimate_reduces_to_the_zero_formula(stage):
     psi = spec.params()
     numels = [x for i in range(spec.n_layer + 1) for x in memory.layer_numels(spec, i, tp=1)] + [2 * spec.d_model]
     assert sum(numels) == psi
-    extra = 2 * sum(x for x in numels if x < memory.PERSISTENCE_THRESHOLD) if stage == 3 else 0
+    extra = 2 * sum(x for x in numels if x <= memory.PERSISTENCE_THRESHOLD) if stage == 3 else 0
     padding = 16 * (len(numels) if stage == 3 else 2) * n  # < N elements per parameter (ZeRO-3) / 2N per buffer
     states = rank.params + rank.grads + rank.optimizer
     assert 0 <= states - memory.zero_model_states(psi, stage=stage, n_d=n) - extra <= padding
