@@ -46,6 +46,9 @@ def add_commands(sub) -> None:
     p.add_argument("--attention", default="flash", choices=("flash", "materialized"))
     p.add_argument("--headroom", type=float, default=None, help="share of HBM kept free (default 0.05)")
     p.add_argument("--cpu-ram-gib", type=float, default=None, help="CPU RAM per node, to check offload against")
+    p.add_argument("--deepspeed-config", metavar="DS.json", help="the run's DeepSpeed config (JSON or YAML): the "
+                   "memory estimate follows its ZeRO-3 sub-group and NVMe offload settings (default: a --recipe's "
+                   "deepspeed_config, else DeepSpeed's defaults)")
     p.add_argument("--top", type=int, default=10, help="rows to print (0: all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--emit", metavar="RECIPE.yaml", help="write the best fitting layout as a shardline fit recipe")
@@ -103,7 +106,8 @@ def _cluster(args, catalog):
 
 
 def _from_recipe(path: str):
-    """(model spec, layout fields, gpus, global batch) of a shardline fit recipe."""
+    """(model spec, layout fields, gpus, global batch, the strategy's deepspeed_config or None) of a shardline fit
+    recipe."""
     import yaml
 
     from shardline.recipes.planning.catalog import PlanError
@@ -120,7 +124,29 @@ def _from_recipe(path: str):
     trainer = recipe.get("trainer") or {}
     gpus = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
     spec = from_mapping(recipe.get("model") or {}, name=Path(path).stem, source=path)
-    return spec, lay, gpus, lay.global_batch
+    strategy = trainer.get("strategy")
+    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    ds = init_args.get("deepspeed_config") if isinstance(init_args, dict) else None  # a path: from the working
+    return spec, lay, gpus, lay.global_batch, ds  # folder, as the fit command reads it
+
+
+def _zero_settings(config, flag: str):
+    """The estimate's :class:`~.memory.ZeroSettings` from a DeepSpeed config (a mapping, or a JSON/YAML file)."""
+    import yaml
+
+    from shardline.recipes.planning.catalog import PlanError
+    from shardline.recipes.planning.memory import DEFAULT_ZERO, ZeroSettings
+
+    if config is None:
+        return DEFAULT_ZERO
+    source = flag
+    if not isinstance(config, dict):
+        source = f"{flag} {config}"
+        try:
+            config = yaml.safe_load(Path(config).expanduser().read_text())  # JSON is YAML
+        except (OSError, yaml.YAMLError) as error:
+            raise PlanError(f"{source}: cannot be read ({error})") from None
+    return ZeroSettings.from_deepspeed(config, source=source)
 
 
 def _run(args) -> int:
@@ -131,9 +157,9 @@ def _run(args) -> int:
     from shardline.recipes.planning.models import load_model
 
     catalog = load_catalog(args.catalog)
-    recipe_layout = None
+    recipe_layout, recipe_ds = None, None
     if args.recipe:
-        spec, recipe_layout, gpus, batch = _from_recipe(args.recipe)
+        spec, recipe_layout, gpus, batch, recipe_ds = _from_recipe(args.recipe)
         model = load_model(args.model) if args.model else spec
         args.gpus = gpus if args.gpus is None else args.gpus
         args.global_batch = batch if args.global_batch is None else args.global_batch
@@ -162,8 +188,11 @@ def _run(args) -> int:
     if args.compare:
         return _compare(args, model, cl, seq, fixed)
     kwargs = {} if args.headroom is None else {"headroom": args.headroom}
+    zero = (_zero_settings(args.deepspeed_config, "--deepspeed-config") if args.deepspeed_config else
+            _zero_settings(recipe_ds, f"--recipe {args.recipe}: trainer.strategy.init_args.deepspeed_config"))
     result = search.plan(model, cl, gpus=args.gpus, seq_len=seq, global_batch=args.global_batch, layout=fixed,
-                         dtype=args.dtype, attention=args.attention, cpu_ram_gib=args.cpu_ram_gib, **kwargs)
+                         dtype=args.dtype, attention=args.attention, cpu_ram_gib=args.cpu_ram_gib, zero=zero,
+                         **kwargs)
     top = args.top if args.top and args.top > 0 else None
     if args.json:
         text = json.dumps(result.to_json(top), indent=1, default=float)
@@ -180,7 +209,8 @@ def _run(args) -> int:
         row = result.best
         command = "shardline plan " + " ".join(shlex.quote(a) for a in _reproducer(args))
         Path(args.emit).write_text(recipe_yaml(model, row, cl, gpus=args.gpus, seq_len=seq,
-                                               global_batch=args.global_batch, command=command))
+                                               global_batch=args.global_batch, command=command,
+                                               deepspeed_config=args.deepspeed_config or recipe_ds))
         print(f"wrote {args.emit}: {search.describe(row.layout)}", file=sys.stderr)
     return 0 if result.fitting else 1
 
@@ -189,7 +219,7 @@ def _reproducer(args) -> list[str]:
     out = []
     for flag in ("model", "recipe", "gpus", "gpus_per_node", "gpu", "cluster", "interconnect", "nics_per_node",
                  "catalog", "calibrate", "seq", "global_batch", "layout", "dtype", "attention", "headroom",
-                 "cpu_ram_gib"):
+                 "cpu_ram_gib", "deepspeed_config"):
         value = getattr(args, flag)
         if value in (None, "") or (flag == "dtype" and value == "bf16") or (flag == "attention"
                                                                             and value == "flash"):

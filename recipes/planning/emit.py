@@ -153,8 +153,10 @@ TRAINER_KEYS = ("max_steps", "gradient_clip_val", "val_check_interval", "limit_v
 
 
 def recipe_dict(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, global_batch: int,
-                training: dict[str, Any] | None = None, nvme_path: str | None = None) -> dict[str, Any]:
-    """The recipe (as a dict) that runs ``row``'s layout; PlanError naming every reason it cannot."""
+                training: dict[str, Any] | None = None, nvme_path: str | None = None,
+                deepspeed_config: dict | str | None = None) -> dict[str, Any]:
+    """The recipe (as a dict) that runs ``row``'s layout; PlanError naming every reason it cannot.
+    ``deepspeed_config`` (the one the plan's memory estimate followed) goes to the strategy as it is."""
     problems = _refusals(model, row, cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch)
     if problems:
         raise PlanError(f"cannot emit a recipe for {model.name!r} on {gpus} x {cluster.gpu.name}: "
@@ -167,6 +169,8 @@ def recipe_dict(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: 
         "strategy": {"class_path": HYBRID_CLASS,
                      "init_args": _strategy_args(lay, gpus_per_node=devices, nvme_path=nvme_path)},
         "precision": "bf16-mixed"}
+    if deepspeed_config is not None:
+        trainer["strategy"]["init_args"]["deepspeed_config"] = deepspeed_config
     if lay.pp == 1 and lay.micro_batches > 1:
         trainer["accumulate_grad_batches"] = lay.micro_batches
     trainer.update({"max_steps": 1000, "gradient_clip_val": 1.0, "limit_val_batches": 4, "num_sanity_val_steps": 0,
@@ -265,14 +269,14 @@ def header(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, 
 
 def recipe_yaml(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, global_batch: int,
                 command: str, training: dict[str, Any] | None = None, nvme_path: str | None = None,
-                notes: list[str] = (), validate: bool = True) -> str:
+                notes: list[str] = (), validate: bool = True, deepspeed_config: dict | str | None = None) -> str:
     """``row`` (a :class:`~.search.PlanRow` that fits) as a ``shardline fit`` recipe: the comment block (memory
     per rank by category and the most loaded rank, predicted step, tokens/s/GPU, MFU, the cluster, ``command``),
     then the YAML. ``training``: LanguageModule fields (``lr``, ``warmup_steps``, ``weight_decay``,
     ``rope_theta``, ...) and trainer fields (:data:`TRAINER_KEYS`); ``notes``: more comment lines. With ``validate`` the recipe is checked as
     ``shardline fit`` checks a file (imports Lightning). PlanError naming every reason it cannot be emitted."""
     recipe = recipe_dict(model, row, cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch,
-                         training=training, nvme_path=nvme_path)
+                         training=training, nvme_path=nvme_path, deepspeed_config=deepspeed_config)
     if validate:
         validate_recipe(recipe, source=f"emitted for {model.name!r}")
     lines = header(model, row, cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch, command=command,

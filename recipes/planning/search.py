@@ -126,6 +126,7 @@ class PlanRow:
         row["fits"] = self.fits
         row["memory_gib"] = self.memory.memory_gib() if self.memory is not None else None
         row["cpu_gib_per_gpu"] = self.memory.most_loaded.cpu / GIB if self.memory is not None else None
+        row["nvme_gib_per_gpu"] = self.memory.most_loaded.nvme / GIB if self.memory is not None else None
         row["max_memory_rank"] = self.memory.max_memory_rank if self.memory is not None else None
         row["step_s"] = pred.step_s if pred else None
         row["tokens_per_s_per_gpu"] = pred.tokens_per_s_per_gpu if pred else None
@@ -383,11 +384,14 @@ def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | N
 def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_batch: int,
          layout: dict[str, Any] | None = None, top: int | None = None, dtype: str = "bf16",
          attention: str = "flash", headroom: float = HEADROOM, cpu_ram_gib: float | None = None,
-         overhead_bytes: int = mem.FIXED_OVERHEAD_BYTES, **predict_kwargs) -> PlanResult:
+         overhead_bytes: int = mem.FIXED_OVERHEAD_BYTES, zero: mem.ZeroSettings = mem.DEFAULT_ZERO,
+         **predict_kwargs) -> PlanResult:
     """Every layout of ``model`` on ``gpus`` GPUs of ``cluster`` training ``global_batch`` sequences of
     ``seq_len`` tokens per step (see the module docstring), fitting rows first by predicted step time, then the
     rest by memory. ``layout`` fixes fields (PlanLayout's names, or :func:`parse_layout`'s output); ``top``
-    keeps that many rows. ``predict_kwargs`` go to :func:`~.steptime.predict` (``tp_overlap`` ...)."""
+    keeps that many rows. ``zero``: the DeepSpeed settings the memory estimate follows (ZeRO-3's sub-groups, the
+    NVMe offload's buffers; :meth:`~.memory.ZeroSettings.from_deepspeed`). ``predict_kwargs`` go to
+    :func:`~.steptime.predict` (``tp_overlap`` ...)."""
     _check_request(model, cluster, gpus, seq_len, global_batch)
     fixed = dict(layout or {})
     unknown = set(fixed) - {f.name for f in dataclasses.fields(PlanLayout)}
@@ -451,13 +455,17 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                         continue
                     evaluated += 1
                     row = _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, cpu_ram,
-                                 overhead_bytes, predict_kwargs, explicit)
+                                 overhead_bytes, predict_kwargs, explicit, zero)
                     if tp > cluster.gpus_per_node:
                         row.notes.append(f"tp={tp} > gpus_per_node={cluster.gpus_per_node}: TP crosses the NICs")
                     if cpu_ram is None and row.memory is not None and (oo, op) != ("none", "none"):
                         node = _node_cpu_bytes(row.memory, cluster) / GIB
                         row.notes.append(f"offload needs {node:.0f} GiB of CPU RAM per node (not checked: the "
                                          f"node type's CPU RAM is not known; give cpu_ram_gib / --cpu-ram-gib)")
+                    if row.memory is not None and "nvme" in (oo, op):
+                        drive = max(r.nvme for r in row.memory.ranks)
+                        row.notes.append(f"NVMe offload keeps {drive / GIB:.1f} GiB per GPU on the drive "
+                                         f"({drive * cluster.gpus_per_node / GIB:.0f} GiB per node)")
                     level_rows.append(row)
                 good = [r for r in level_rows if r.fits]
                 if good:
@@ -497,12 +505,12 @@ def _fully_fixed(fixed: dict[str, Any]) -> bool:
 
 
 def _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, cpu_ram, overhead,
-           predict_kwargs, explicit_price: bool = False) -> PlanRow:
+           predict_kwargs, explicit_price: bool = False, zero: mem.ZeroSettings = mem.DEFAULT_ZERO) -> PlanRow:
     """The row of one layout: its memory, and its step time when it fits (or when ``explicit_price``)."""
     try:
         ranks = None if explicit_price else _representatives(model, lay.tp, lay.pp, lay.chunks)
         estimate = mem.estimate(model, lay, seq_len=seq_len, dtype_bytes=dtype_bytes, overhead_bytes=overhead,
-                                pp_ranks=ranks)
+                                pp_ranks=ranks, zero=zero)
     except RecipeError as error:
         return PlanRow(lay, False, None, None, [str(error)])
     problems = _fit_problem(estimate, usable, cpu_ram, cluster)
@@ -511,7 +519,7 @@ def _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, 
         return PlanRow(lay, False, estimate, None, problems)
     try:
         prediction = steptime.predict(model, lay, cluster, seq_len=seq_len,
-                                      dtype="bf16" if dtype == "fp32" else dtype, attention=attention,
+                                      dtype="bf16" if dtype == "fp32" else dtype, attention=attention, zero=zero,
                                       **predict_kwargs)
     except PlanError as error:
         problems.append(str(error))

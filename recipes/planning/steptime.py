@@ -30,7 +30,11 @@ on ``sms - channels`` SMs for the overlap (a backward GEMM beside a TP collectiv
 waves included; a stage's forward/backward beside ZeRO's traffic ``sms / (sms - channels)`` slower), the
 extra time counted as compute; CP's ring send/receive and offload copies (copy engines) are not charged.
 Offload over the host link:
-gradients down, parameters up, CPU Adam over the node's CPU-memory bandwidth share (NVMe: the states too).
+gradients down, parameters up, CPU Adam over the node's CPU-memory bandwidth share. NVMe offload adds the drive
+traffic DeepSpeed's swappers make (:func:`~.memory.swap_traffic`, over the node's drive bandwidth share): the
+swapped parameter partitions outside the CPU flat read in every forward and backward pass (beside the host
+copy) and written back after the step; the swapped sub-groups' master, moments and fp32 gradients read and
+written at the step (with DeepSpeed's ``max_in_cpu = 1e9`` most parameters of a rank stay in CPU RAM).
 
 Pipeline: with per-micro-batch stage times ``t_s``, ``makespan = m max(t_s) + (sum(t_s) - max(t_s)) / v``, i.e.
 the bubble fraction ``(p-1)/(v m + p - 1)`` for equal stages (1F1B, GPipe, interleaved); the first stage holds
@@ -53,6 +57,7 @@ from shardline.profiling.partition import LABELS, OVERLAP_COLUMNS
 from shardline.recipes.planning import catalog as hw
 from shardline.recipes.planning.catalog import Cluster, Gpu, GroupLink, PlanError
 from shardline.recipes.planning.layout import PlanLayout
+from shardline.recipes.planning.memory import DEFAULT_ZERO, ZeroSettings, rank_parameters, swap_traffic
 from shardline.recipes.planning.models import ModelSpec
 
 DTYPES = ("bf16", "fp16", "fp8")
@@ -414,7 +419,24 @@ def _stage_params(st: _Setup, stage: int, layers: int) -> float:
     return n / lay.tp
 
 
-def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, float], params: float) -> _Ledger:
+def _swap_io(st: _Setup, stage: int, params: float, cut: str, zero: ZeroSettings) -> tuple[float, float]:
+    """``(drive bytes per forward or backward pass, drive bytes per optimizer step)`` of one rank of ``stage``:
+    DeepSpeed's split (:func:`~.memory.swap_traffic`) under shardline's cut; under ``cut='blocks'`` every
+    partition swapped (parameters read each pass, written after the step; master, moments and gradients
+    read and written)."""
+    lay = st.layout
+    if lay.zero_stage != 3 or "nvme" not in (lay.offload_optimizer, lay.offload_params):
+        return 0.0, 0.0
+    if cut == "layers":
+        numels, _ = rank_parameters(st.model, lay, stage)
+        return swap_traffic(numels, lay, 2, zero)
+    local = params / lay.zero_group
+    passes = 2 * local if lay.offload_params == "nvme" else 0.0
+    return passes, passes + (2 * 16 * local if lay.offload_optimizer == "nvme" else 0.0)
+
+
+def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, float], params: float,
+           drive_pass: float) -> _Ledger:
     """One pipeline rank, one micro-batch: its blocks, embedding/head, pipeline transfers, and the per-micro-batch
     ZeRO-2/3 collectives and parameter offload hidden (``overlap_dp``) under its forward/backward compute."""
     lay, e = st.layout, 2
@@ -446,8 +468,7 @@ def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, flo
     if lay.offload_params != "none":
         local = params / n * e
         seconds = local / st.cluster.host.bytes_per_s
-        if lay.offload_params == "nvme":
-            seconds += local / (st.cluster.nvme_gbps * 1e9 / st.cluster.gpus_per_node)
+        seconds += drive_pass / (st.cluster.nvme_gbps * 1e9 / st.cluster.gpus_per_node)
         led.comm("memcpy_h2d", seconds, hidden_under=fwd_window)
         led.comm("memcpy_h2d", seconds, hidden_under=bwd_window)
     return led
@@ -467,7 +488,7 @@ class _Tail:
         return self.ledger.busy - self.in_bubble + self.cpu_s
 
 
-def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: float) -> _Tail:
+def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: float, drive_step: float) -> _Tail:
     """Once per step on ``stage``: the ZeRO-0/1 gradient reduction (hidden under the last backward, then the
     cool-down wait), the tied-embedding all-reduce between the first and last stage, the optimizer (GPU, or CPU
     with its host traffic) and ZeRO-1/2's parameter all-gather."""
@@ -494,9 +515,9 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
     else:
         led.comm("memcpy_d2h", local * st.grad_bytes / cl.host.bytes_per_s)
         cpu_s = ADAM_BYTES_CPU * local / (cl.cpu_mem_gbps * 1e9 / cl.gpus_per_node)
-        if lay.offload_optimizer == "nvme":  # fp32 master, m, v read and written from NVMe
-            cpu_s += 2 * 12 * local / (cl.nvme_gbps * 1e9 / cl.gpus_per_node)
         led.comm("memcpy_h2d", local * e / cl.host.bytes_per_s)
+    # NVMe: master, moments and gradients read and written, the swapped parameters written back
+    cpu_s += drive_step / (cl.nvme_gbps * 1e9 / cl.gpus_per_node)
     if lay.zero_stage in (1, 2) and n > 1:
         led.comm("all_gather", hw.all_gather_s(params * e, n, link))
     return _Tail(led, in_bubble, cpu_s)
@@ -539,7 +560,7 @@ def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: 
             attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
             overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
             fused_wgrad: bool = False, fused_kernels: bool = False, cut: str = "layers",
-            grad_scale_pass: bool = False) -> StepPrediction:
+            grad_scale_pass: bool = False, zero: ZeroSettings = DEFAULT_ZERO) -> StepPrediction:
     """One optimizer step of ``layout`` training ``model`` on ``cluster`` (see the module docstring).
 
     The defaults describe shardline (eager PyTorch, SDPA flash attention, no dropout, synchronous TP autograd
@@ -551,10 +572,11 @@ def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: 
     averaging is taken to happen inside the reduction). ``cut``: how the pipeline splits the model
     (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2`` layers, embedding and head included, cut
     uniformly) or ``blocks`` (Megatron-LM: the blocks cut evenly, the embedding and head added to the first and
-    last stage)."""
+    last stage). ``zero``: the DeepSpeed settings that decide what NVMe offload reads from and writes to the drive
+    (:func:`~.memory.swap_traffic`; with ``cut='blocks'`` every partition is taken to be swapped)."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels, cut, grad_scale_pass)
+                                               fused_kernels, cut, grad_scale_pass, zero)
     m = layout.micro_batches
     busiest = max(range(layout.pp), key=lambda s: (m * stages[s].busy + tails[s].ledger.busy, s))
     return _prediction(st, stages[busiest], tails[busiest], makespan, step, busiest)
@@ -564,13 +586,14 @@ def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, se
                    attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
                    overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
                    fused_wgrad: bool = False, fused_kernels: bool = False,
-                   cut: str = "layers", grad_scale_pass: bool = False) -> list[StepPrediction]:
+                   cut: str = "layers", grad_scale_pass: bool = False,
+                   zero: ZeroSettings = DEFAULT_ZERO) -> list[StepPrediction]:
     """:func:`predict` for every pipeline rank: element ``r`` is pipeline rank ``r``'s step (global ranks
     ``r*tp*cp*dp ...``; TP, CP and DP peers of a pipeline rank are priced alike). :func:`predict` returns the
     busiest of them (the most compute and exposed communication, the last of equals). Same arguments."""
     st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
                                                tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels, cut, grad_scale_pass)
+                                               fused_kernels, cut, grad_scale_pass, zero)
     return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(layout.pp)]
 
 
@@ -588,7 +611,7 @@ def block_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq
 
 
 def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp, pp_scatter_gather,
-           grad_bytes, fused_wgrad, fused_kernels, cut, grad_scale_pass):
+           grad_bytes, fused_wgrad, fused_kernels, cut, grad_scale_pass, zero):
     _check(model, layout, cluster, seq_len, dtype, attention, cut)
     st = _Setup(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp,
                 pp_scatter_gather, grad_bytes, fused_wgrad, fused_kernels, grad_scale_pass)
@@ -596,17 +619,18 @@ def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overla
     block = _block(st)
     layers = stage_layers(model.n_layer, lay.pp, lay.chunks, cut=cut)
     params = [_stage_params(st, s, n) for s, n in enumerate(layers)]
+    io = [_swap_io(st, s, params[s], cut, zero) for s in range(lay.pp)]
     alike: dict[tuple, _Ledger] = {}  # interior stages of equal size cost the same
     stages = []
     for s, n in enumerate(layers):
         key = (n, s == 0, s == lay.pp - 1)
         if key not in alike:
-            alike[key] = _stage(st, s, n, block, params[s])
+            alike[key] = _stage(st, s, n, block, params[s], io[s][0])
         stages.append(alike[key])
     times = [led.busy for led in stages]
     makespan = pipeline_makespan(times, micro_batches=lay.micro_batches, chunks=lay.chunks)
     bwd = [n * block[2] for n in layers]
-    tails = [_tail(st, s, params[s], bwd[s], sum(bwd[:s]) / lay.chunks) for s in range(lay.pp)]
+    tails = [_tail(st, s, params[s], bwd[s], sum(bwd[:s]) / lay.chunks, io[s][1]) for s in range(lay.pp)]
     step = makespan + max(t.duration for t in tails)
     return st, stages, tails, makespan, step
 

@@ -359,6 +359,36 @@ def test_cli_json_has_the_issues_shape(capsys):
     assert steps == sorted(steps)
 
 
+def test_cli_follows_the_runs_deepspeed_config(capsys, tmp_path):
+    """--deepspeed-config: the NVMe offload's CPU RAM and drive bytes follow its buffers and max_in_cpu (the
+    estimate's own numbers for those settings), a buffer DeepSpeed would refuse is a row's named problem, a bad file
+    one error naming it; --emit carries the config into the recipe."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--seq", "4096", "--global-batch",
+            "8", "--layout", "tp=1,pp=1,cp=1,zero=3,offload=nvme+params,recompute=full,micro_batch_size=1", "--json"]
+    config = {"zero_optimization": {"offload_param": {"max_in_cpu": 1e8, "buffer_count": 6}}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    assert main(base) == 0
+    default = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert main(base + ["--deepspeed-config", str(tmp_path / "ds.json"), "--emit", str(tmp_path / "r.yaml")]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    lay = PlanLayout(dp=8, zero_stage=3, offload_optimizer="nvme", offload_params="nvme", recompute="full")
+    for got, zero in ((default, memory.DEFAULT_ZERO), (row, memory.ZeroSettings.from_deepspeed(config))):
+        rank = memory.estimate(PACKAGED["llama3-8b"], lay, seq_len=4096, zero=zero).ranks[0]
+        assert math.isclose(got["cpu_gib_per_gpu"], rank.cpu / 2**30) and math.isclose(got["nvme_gib_per_gpu"],
+                                                                                         rank.nvme / 2**30)
+    assert row["cpu_gib_per_gpu"] < default["cpu_gib_per_gpu"]  # 1e8 of 1e9 partition elements kept in CPU RAM
+    assert any("GiB per GPU on the drive" in note for note in row["notes"])
+    assert "deepspeed_config: " + str(tmp_path / "ds.json") in (tmp_path / "r.yaml").read_text()
+    (tmp_path / "small.json").write_text(json.dumps({"zero_optimization": {"offload_param": {"buffer_size": 5e7}}}))
+    assert main(base + ["--deepspeed-config", str(tmp_path / "small.json")]) == 1
+    refused = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert not refused["fits"] and any("exceeds offload_param.buffer_size=50000000" in p for p in refused["problems"])
+    (tmp_path / "bad.json").write_text('{"zero_optimization": {"sub_group_size": "big"}}')
+    assert main(base + ["--deepspeed-config", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json" in err and "sub_group_size='big'" in err
+
+
 def test_cli_table_and_errors(capsys):
     assert main(["plan", "--model", "gpt2-125m", "--gpus", "8", "--cluster", "dgx-a100-80gb",
                  "--global-batch", "32", "--top", "2"]) == 0

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from shardline.profiling.partition import LABELS, OVERLAP_COLUMNS
+from shardline.recipes.planning import memory
 from shardline.recipes.planning.catalog import (
     NCCL_BASE_LATENCY_S,
     TREE_EFFICIENCY,
@@ -348,6 +349,32 @@ def test_the_gradient_scale_pass_reads_and_writes_every_local_gradient_once():
                                                                                    rel=1e-9)
         assert {k: v for k, v in scaled.time_s.items() if k != "compute"} == pytest.approx(
             {k: v for k, v in base.time_s.items() if k != "compute"}, rel=1e-12)
+
+
+def test_nvme_offload_prices_the_drive_traffic_deepspeed_makes():
+    """llama3-8b over 8 ranks: 1.004e9 partition elements per rank, one sub-group (sub_group_size 1e9 closes only
+    at the last parameters) that does not fit DeepSpeed's max_in_cpu = 1e9 flat, so every swapped partition is
+    read in each forward and backward pass and written back after the step; with max_in_cpu = 2e9 all stay in CPU
+    RAM and the drive is never read. Nothing hidden (overlap_dp off): the step grows by exactly (2m + 1) passes
+    over the node's drive share; the optimizer's own traffic (nvme) adds 2 x (master, moments, gradients)."""
+    model, h100 = packaged("llama3-8b"), CATALOG.cluster("dgx-h100")
+    roomy = memory.ZeroSettings(max_in_cpu=2_000_000_000)
+    share = h100.nvme_gbps * 1e9 / h100.gpus_per_node
+    for oo in ("cpu", "nvme"):
+        lay = PlanLayout(dp=8, zero_stage=3, offload_optimizer=oo, offload_params="nvme", recompute="full",
+                         micro_batches=2)
+        numels, _ = memory.rank_parameters(model, lay, 0)
+        passes, step = memory.swap_traffic(numels, lay, 2)
+        parts = memory.estimate(model, lay, seq_len=4096).ranks[0].detail
+        assert passes == parts["io.param_pass"] > 0.99 * parts["nvme.params"]  # (nearly) all swapped ones
+        assert step == passes + (0 if oo == "cpu" else 2 * (parts["nvme.optimizer"] + parts["nvme.grads"]))
+        assert memory.swap_traffic(numels, lay, 2, roomy)[0] == 0
+        slow, fast = (predict(model, lay, h100, seq_len=4096, overlap_dp=False, zero=z)
+                      for z in (memory.DEFAULT_ZERO, roomy))
+        fast_step = memory.swap_traffic(numels, lay, 2, roomy)[1]
+        assert slow.step_s - fast.step_s == pytest.approx(((2 * 2 + 1) * passes + step - passes - fast_step) / share,
+                                                          rel=1e-9)
+    assert memory.swap_traffic(numels, PlanLayout(dp=8, zero_stage=3, offload_optimizer="cpu"), 2) == (0, 0)
 
 
 def test_ulysses_all_to_alls_are_the_closed_form_and_ring_hops_hide_under_attention():
