@@ -46,9 +46,10 @@ def add_commands(sub) -> None:
     p.add_argument("--attention", default="flash", choices=("flash", "materialized"))
     p.add_argument("--headroom", type=float, default=None, help="share of HBM kept free (default 0.05)")
     p.add_argument("--cpu-ram-gib", type=float, default=None, help="CPU RAM per node, to check offload against")
-    p.add_argument("--deepspeed-config", metavar="DS.json", help="the run's DeepSpeed config (JSON or YAML): the "
-                   "memory estimate follows its ZeRO-3 sub-group and NVMe offload settings (default: a --recipe's "
-                   "deepspeed_config, else DeepSpeed's defaults)")
+    p.add_argument("--deepspeed-config", metavar="DS.json", help="the run's DeepSpeed config (JSON, as the "
+                   "strategy reads it): the memory estimate and the step model follow its ZeRO-3 sub-group and NVMe "
+                   "offload settings (default: a --recipe's deepspeed_config, else DeepSpeed's defaults; this flag "
+                   "wins over the recipe's)")
     p.add_argument("--top", type=int, default=10, help="rows to print (0: all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--emit", metavar="RECIPE.yaml", help="write the best fitting layout as a shardline fit recipe")
@@ -131,8 +132,9 @@ def _from_recipe(path: str):
 
 
 def _zero_settings(config, flag: str):
-    """The estimate's :class:`~.memory.ZeroSettings` from a DeepSpeed config (a mapping, or a JSON/YAML file)."""
-    import yaml
+    """The estimate's :class:`~.memory.ZeroSettings` from a DeepSpeed config: a mapping, or a JSON file read as
+    ``shardline fit`` reads it (``HybridParallelStrategy(deepspeed_config=PATH)``: JSON, the path as given)."""
+    import json
 
     from shardline.recipes.planning.catalog import PlanError
     from shardline.recipes.planning.memory import DEFAULT_ZERO, ZeroSettings
@@ -143,9 +145,11 @@ def _zero_settings(config, flag: str):
     if not isinstance(config, dict):
         source = f"{flag} {config}"
         try:
-            config = yaml.safe_load(Path(config).expanduser().read_text())  # JSON is YAML
-        except (OSError, yaml.YAMLError) as error:
+            config = json.loads(Path(config).read_text())
+        except OSError as error:
             raise PlanError(f"{source}: cannot be read ({error})") from None
+        except json.JSONDecodeError as error:
+            raise PlanError(f"{source}: not valid JSON: line {error.lineno}: {error.msg}") from None
     return ZeroSettings.from_deepspeed(config, source=source)
 
 
@@ -185,11 +189,11 @@ def _run(args) -> int:
     fixed = search.parse_layout(args.layout)
     if recipe_layout is not None:
         fixed = {**dataclasses.asdict(recipe_layout), **fixed}
-    if args.compare:
-        return _compare(args, model, cl, seq, fixed)
-    kwargs = {} if args.headroom is None else {"headroom": args.headroom}
     zero = (_zero_settings(args.deepspeed_config, "--deepspeed-config") if args.deepspeed_config else
             _zero_settings(recipe_ds, f"--recipe {args.recipe}: trainer.strategy.init_args.deepspeed_config"))
+    if args.compare:
+        return _compare(args, model, cl, seq, fixed, zero)
+    kwargs = {} if args.headroom is None else {"headroom": args.headroom}
     result = search.plan(model, cl, gpus=args.gpus, seq_len=seq, global_batch=args.global_batch, layout=fixed,
                          dtype=args.dtype, attention=args.attention, cpu_ram_gib=args.cpu_ram_gib, zero=zero,
                          **kwargs)
@@ -228,7 +232,7 @@ def _reproducer(args) -> list[str]:
     return out + ["--emit", args.emit]
 
 
-def _compare(args, model, cl, seq, fixed) -> int:
+def _compare(args, model, cl, seq, fixed, zero) -> int:
     from shardline.recipes.planning.catalog import PlanError
     from shardline.recipes.planning.compare import compare
     from shardline.recipes.planning.layout import PlanLayout
@@ -248,7 +252,7 @@ def _compare(args, model, cl, seq, fixed) -> int:
         layout = PlanLayout(**fixed)
     except ShardlineError as error:
         raise PlanError(f"--layout: {error}") from None
-    result = compare(args.compare, model, layout, cl, seq_len=seq, warmup=args.warmup)
+    result = compare(args.compare, model, layout, cl, seq_len=seq, warmup=args.warmup, zero=zero)
     fmt = args.format or ("json" if args.json else "text")
     if fmt in ("parquet", "tensorboard"):
         if not args.output:

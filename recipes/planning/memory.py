@@ -21,9 +21,10 @@ ZeRO-1/2 flatten the rank's parameters into one buffer padded to a multiple of `
 (``nccl_start_alignment_factor = 2``, times N), partition ``= flat/N``, and clone an fp32 master partition even in
 float32 (K = 12 at E = 4 too); ZeRO-3 pads each parameter to a multiple of N (partition ``ceil(n/N)``), keeps
 parameters of at most ``stage3_param_persistence_threshold`` elements whole on every rank (besides their
-partition) and clones the master too (its no-copy branch for float32 compares ``tensor.device`` with a string, never equal); ZeRO-0
-runs torch's AdamW on the weights in float32 (8 bytes) and ``FP16_UnfusedOptimizer`` in bf16 (fp32 copies and
-moments, 12). Gradients: ZeRO-0/1 hold ``Ψ_r E`` during backward (ZeRO-1 reduces at the boundary), ZeRO-2/3
+partition) and clones the master too (its no-copy branch for float32 compares ``tensor.device`` with a string,
+never equal); ZeRO-0 runs torch's AdamW on the weights in float32 (8 bytes) and ``FP16_UnfusedOptimizer`` in
+bf16 (fp32 copies and moments, 12). Gradients: ZeRO-0/1 hold ``Ψ_r E`` during backward (ZeRO-1 reduces at the
+boundary), ZeRO-2/3
 their partition, the gradients in flight sitting in the buckets (under pp > 1 ZeRO-2 reduces only at the step, so
 a rank's gradients wait in its buckets until they overflow into the partition). The fp32 gradient partition the
 optimizer step makes (4 bytes per partition element) lives after the activations are gone: not counted.
@@ -49,14 +50,22 @@ sub-groups are runs of parameters, in the optimizer's order, until their partiti
   swapped partition exceeds ``buffer_size`` (:func:`swap_problems`: a RecipeError here).
 * ``offload_optimizer='nvme'``: a sub-group whose fp32 partition is >= 1 MB keeps its master and both moments on
   the drive (``nvme.optimizer``, aligned to 256 elements). Its fp32 gradients go there too, per parameter: the
-  aligned part of each one >= 1 MB (``nvme.grads``). A smaller or misaligned gradient stays in CPU RAM, whole,
-  until the step (``cpu.unswapped_grads``). A sub-group under 1 MB keeps master, moments and fp32 gradient in CPU
-  RAM (16 bytes per element, ``cpu.optimizer``). Also in CPU RAM: ``buffer_count`` swap buffers of the largest
+  aligned part of each one >= 1 MB (``nvme.grads``). A smaller or misaligned gradient stays, whole, where
+  DeepSpeed converted it at the end of backward, the accelerator, until the step (``step.unswapped_grads``: after
+  the activations are freed, so in neither the GPU peak nor CPU RAM; the CPU test reads it in CPU RAM). A
+  sub-group under 1 MB keeps master, moments and fp32 gradient in CPU RAM (16 bytes per element,
+  ``cpu.optimizer``). Also in CPU RAM: ``buffer_count`` swap buffers of the largest
   sub-group's fp32 partition (``cpu.optimizer_swap_buffers``) and the gradient partition, ``E P``
   (``cpu.grad_partition``).
 * Not modelled: DeepSpeed's last DP rank writes gradients without the partition padding (up to ``N - 1``
-  elements fewer per parameter); the pipelined swapper, partial offload (``ratio``) and GPUDirect Storage are
-  refused by :meth:`ZeroSettings.from_deepspeed`. ``cpu`` and ``nvme`` on :class:`RankMemory` are the sums of
+  elements fewer per parameter); the start-up peak in CPU RAM (fp32 copies of the sub-groups outside the flat,
+  one fp32 buffer of the largest sub-group: about 4 GB per rank for llama3-8b over 8 ranks); persistent
+  parameters outside the flat keep their partition on the GPU (counted in CPU RAM; norms, negligible); Adam is
+  assumed (3 swapped tensors per sub-group, 4 buffers); one optimizer parameter group (DeepSpeed forms flats and
+  sub-groups per group; LanguageModule has one); whether ``buffer_count`` covers the swapped parameters one
+  module fetches (and those kept gathered from the second step on) is not checked. The pipelined swapper,
+  partial offload (``ratio``), ``fast_init``, ``super_offload`` and GPUDirect Storage are refused by
+  :meth:`ZeroSettings.from_deepspeed`. ``cpu`` and ``nvme`` on :class:`RankMemory` are the sums of
   these parts, named in its ``detail`` (with ``io.param_pass``, the bytes read from the drive in each forward or
   backward pass: :func:`swap_traffic`, what the step-time model prices).
 
@@ -167,7 +176,7 @@ class ZeroSettings:
         takes); keys it leaves out keep DeepSpeed's defaults. Numbers may be written as DeepSpeed accepts them
         (``5e8``). RecipeError naming the key and ``source`` for a value that is not a whole number, and for the
         options whose buffers this estimate does not follow (the pipelined optimizer swapper, partial offload,
-        GPUDirect Storage)."""
+        ``fast_init``, ``super_offload``, GPUDirect Storage)."""
         if not isinstance(config, dict):
             raise RecipeError(f"{source}: a DeepSpeed config must be a mapping, got {type(config).__name__}")
         values, problems = {}, []
@@ -187,6 +196,10 @@ class ZeroSettings:
             if isinstance(optimizer, dict) and optimizer.get(key):
                 problems.append(f"zero_optimization.offload_optimizer.{key}={optimizer[key]!r}: the pipelined "
                                 "optimizer swapper's buffers are not estimated")
+        for key in ("fast_init", "super_offload"):
+            if isinstance(optimizer, dict) and optimizer.get(key):
+                problems.append(f"zero_optimization.offload_optimizer.{key}={optimizer[key]!r}: its start-up and "
+                                "buffers are not estimated")
         if isinstance(optimizer, dict) and optimizer.get("ratio", 1.0) != 1.0:
             problems.append(f"zero_optimization.offload_optimizer.ratio={optimizer['ratio']!r}: partial offload "
                             "(some sub-groups' optimizer on the GPU) is not estimated")
@@ -435,7 +448,7 @@ def _states(sizes: tuple[tuple[int, int], ...], numels: tuple[int, ...], shadow:
         if op == "cpu":
             out["cpu"] += part * e
         if "nvme" in (oo, op):
-            swap = out["detail"] = _swap_parts(numels, n, e, oo, op, zero)
+            swap = out["detail"] = dict(_swap_parts(numels, n, e, oo, op, zero))  # the cache's own stays intact
             out["cpu"] += sum(v for k, v in swap.items() if k.startswith("cpu."))
             out["nvme"] += sum(v for k, v in swap.items() if k.startswith("nvme."))
     out["params"] += shadow * e
@@ -499,7 +512,9 @@ def _swap_parts(numels: tuple[int, ...], n: int, e: int, oo: str, op: str, zero:
                     written += body * W
                 if body * W < low or body != p:  # an unswapped piece (or the remainder's view) keeps it all
                     kept += p * W
-        out["cpu.unswapped_grads"] = kept
+        # on the accelerator (converted there at the end of backward) until the step, after the activations are
+        # freed: not in the GPU peak, nor in CPU RAM (on a CPU accelerator, CPU RAM)
+        out["step.unswapped_grads"] = kept
         out["nvme.optimizer"] = 3 * W * sum(zero.aligned(size, W) for size, d in zip(sums, on_drive) if d)
         out["nvme.grads"] = written
     return out

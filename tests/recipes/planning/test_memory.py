@@ -301,7 +301,7 @@ class _Swaps(pl.Callback):
             read["cpu.param_reserve"] = _nbytes([param_swapper.partitioned_swap_buffer])
         if getattr(opt, "optimizer_swapper", None) is not None:
             read["cpu.optimizer_swap_buffers"] = _nbytes(opt.optimizer_swapper.swap_buffer_manager.all_buffers)
-            read["cpu.unswapped_grads"] = self.kept
+            read["step.unswapped_grads"] = self.kept
         masters = opt.fp32_partitioned_groups_flat  # a swapped sub-group's is empty, its gradient None
         state = opt.optimizer.state
         read["cpu.optimizer"] = _nbytes(masters) + _nbytes(m.grad for m in masters) + sum(
@@ -364,7 +364,7 @@ def test_nvme_offload_equals_deepspeeds_buffers_and_files(case, tmp_path):
     layout = PlanLayout(dp=2, zero_stage=3, **kw)
     zero = memory.ZeroSettings.from_deepspeed(config)
     est = memory.estimate(spec, layout, seq_len=16, zero=zero).ranks[0]
-    mine = {k: v for k, v in est.detail.items() if k.startswith(("cpu.", "nvme."))}
+    mine = {k: v for k, v in est.detail.items() if k.startswith(("cpu.", "nvme.", "step."))}
     for real in run_ranks(_nvme_deepspeed, 2, model, dict(zero_stage=3, **kw, deepspeed_config=config),
                           str(tmp_path), timeout=900):  # the first use JIT-compiles async_io
         assert est.params == real.pop("params")  # only the persistent parameters on the GPU
@@ -376,8 +376,8 @@ def test_nvme_offload_equals_deepspeeds_buffers_and_files(case, tmp_path):
         assert rest == ({"cpu.optimizer", "cpu.grad_partition"} if kw["offload_optimizer"] == "cpu" else set())
         assert est.cpu == sum(v for k, v in real.items() if k.startswith("cpu."))
         assert est.nvme == sum(v for k, v in real.items() if k.startswith("nvme.")) > 0
-    expected = {"nvme-both": ("cpu.unswapped_grads", "nvme.grads"), "nvme-params": ("nvme.params",),
-                "nvme-spill": ("cpu.param_reserve", "cpu.param_partitions", "cpu.optimizer", "cpu.unswapped_grads")}
+    expected = {"nvme-both": ("step.unswapped_grads", "nvme.grads"), "nvme-params": ("nvme.params",),
+                "nvme-spill": ("cpu.param_reserve", "cpu.param_partitions", "cpu.optimizer", "step.unswapped_grads")}
     assert all(mine[k] > 0 for k in expected[case])  # each case exercises what it is there for
 
 
@@ -405,8 +405,10 @@ def test_zero_settings_follow_deepspeed():
             got.min_aio_bytes) == (500_000_000, 0, 250_000_000, 6, 2**21)
     with pytest.raises(RecipeError) as info:
         memory.ZeroSettings.from_deepspeed({"zero_optimization": {"sub_group_size": 1.5, "offload_param": {
-            "buffer_count": "five"}, "offload_optimizer": {"pipeline_read": True, "ratio": 0.5}}}, source="ds.json")
-    for text in ("ds.json", "sub_group_size=1.5", "buffer_count='five'", "pipeline_read=True", "ratio=0.5"):
+            "buffer_count": "five"}, "offload_optimizer": {"pipeline_read": True, "ratio": 0.5, "fast_init": True}}},
+            source="ds.json")
+    for text in ("ds.json", "sub_group_size=1.5", "buffer_count='five'", "pipeline_read=True", "ratio=0.5",
+                 "fast_init=True"):
         assert text in str(info.value)
 
 
@@ -444,7 +446,7 @@ def test_sub_groups_and_the_swap_split_by_hand():
     # gradients: 600000 = 2343.75 * 256 -> 599808 written, the rest kept with its whole storage; 100000 (400 kB)
     # kept; 600001 -> 599808 written, kept whole
     assert parts["nvme.grads"] == 4 * (599_808 + 599_808)
-    assert parts["cpu.unswapped_grads"] == 4 * (600_000 + 100_000 + 600_001)
+    assert parts["step.unswapped_grads"] == 4 * (600_000 + 100_000 + 600_001)
     assert parts["cpu.grad_partition"] == 2 * 1_300_001 and parts["cpu.optimizer"] == 0
 
 

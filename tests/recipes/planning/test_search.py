@@ -387,6 +387,9 @@ def test_cli_follows_the_runs_deepspeed_config(capsys, tmp_path):
     assert main(base + ["--deepspeed-config", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert "bad.json" in err and "sub_group_size='big'" in err
+    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  sub_group_size: 1e9\n")  # fit reads JSON only
+    assert main(base + ["--deepspeed-config", str(tmp_path / "ds.yaml")]) == 2
+    assert "ds.yaml: not valid JSON: line 1" in capsys.readouterr().err
 
 
 def test_cli_table_and_errors(capsys):
