@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import random
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.plugins.checkpoint.files import (
+    MANIFEST,
     TRAINER_FILE,
     AtomicSave,
     CheckpointReader,
@@ -154,10 +156,17 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically.
 
     Three collective rounds: one before writing (:func:`_hello`: rank 0's folder, token and optimizer state
-    kinds; under pp, every rank's tensor names when they changed since the last save); a barrier once every
-    rank's files, and its record of what it wrote (``.records-RRRRR.json``, which rank 0 reads and removes), are
-    durable; one barrier after the commit. The records travel by the shared folder, not by a gather: a gloo
-    barrier takes a fraction of the ~5 ms that pickling and gathering them took on a small checkpoint."""
+    kinds; under pp, every rank's tensor names when they changed since the last save); once every rank's files,
+    and its record of what it wrote (``.records-RRRRR.json``, which rank 0 reads and removes), are durable, a
+    1-element ``all_reduce(MAX)`` of "this rank failed" (:func:`_written`); after rank 0's commit, its 1-element
+    broadcast of the commit's outcome (:func:`_committed`). The records travel by the shared folder, not by a
+    gather: a small collective takes a fraction of the ~5 ms that pickling and gathering them took on a small
+    checkpoint.
+
+    A rank that fails while writing (a full disk, an unwritable folder) or a commit that fails on rank 0 raises
+    one :class:`CheckpointError` on every rank at once, naming the rank and its error, instead of leaving the
+    others waiting in a barrier until the collective timeout; nothing is committed, the partial folder is
+    removed, and the previous checkpoint and ``latest`` stay as they were."""
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
@@ -169,41 +178,91 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     names = [e.name for e in mine] if grid.size("pp") > 1 else []
     path, token, keys, stages = _hello(strategy, str(filepath), keys, names)
     target = AtomicSave(Path(path), token)
-    target.create()  # every rank: whoever comes first makes it
-    phase("before_shards", me)
-    replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
-    writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
-    for entry in _first_stage_writes(grid, mine, stages):
-        shape = entry.placement.canonical_shape()
-        for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
-            writer.add(name, shape, box, piece)
-    writer.flush()
-    crcs = {_rank_file(me): _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
-                                         "engine": _engine_counters(strategy.model)}, target.tmp / _rank_file(me))}
+    failure = None
+    try:
+        target.create()  # every rank: whoever comes first makes it
+        phase("before_shards", me)
+        replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
+        writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
+        for entry in _first_stage_writes(grid, mine, stages):
+            shape = entry.placement.canonical_shape()
+            for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
+                writer.add(name, shape, box, piece)
+        writer.flush()
+        crcs = {_rank_file(me): _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
+                                             "engine": _engine_counters(strategy.model)},
+                                            target.tmp / _rank_file(me))}
+        if me == 0:
+            trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            if optimizer is not None and not weights_only:
+                trainer_state["shardline_optimizer"] = {
+                    "step": compat.optimizer_step_count(optimizer),
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+            crcs[TRAINER_FILE] = _save_small(trainer_state, target.tmp / TRAINER_FILE)
+        mine_files = writer.written + list(crcs)
+        record = target.tmp / _records_file(me)
+        write_small(json.dumps([writer.records, describe_files(target.tmp, mine_files, crcs)]).encode(), record)
+        fsync_all([*(target.tmp / name for name in mine_files), record])  # together: one journal commit where it can
+    except Exception as error:  # noqa: BLE001 - every rank learns of it in _written, and raises
+        failure = error
+    _written(target, failure, me, world)
+    failure = None
     if me == 0:
-        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if optimizer is not None and not weights_only:
-            trainer_state["shardline_optimizer"] = {
-                "step": compat.optimizer_step_count(optimizer),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
-        crcs[TRAINER_FILE] = _save_small(trainer_state, target.tmp / TRAINER_FILE)
-    mine_files = writer.written + list(crcs)
-    record = target.tmp / _records_file(me)
-    write_small(json.dumps([writer.records, describe_files(target.tmp, mine_files, crcs)]).encode(), record)
-    fsync_all([*(target.tmp / name for name in mine_files), record])  # together: one journal commit where it can
-    strategy.barrier("shardline_checkpoint_written")
-    if me == 0:
-        gathered = [_read_records(target.tmp / _records_file(r), r) for r in range(world)]
-        records = [r for r, _ in gathered]
-        files = {name: info for _, described in gathered for name, info in described.items()}
-        for r in range(world):  # the folder's fsync in the commit makes the removals durable with the manifest
-            (target.tmp / _records_file(r)).unlink()
+        try:
+            gathered = [_read_records(target.tmp / _records_file(r), r) for r in range(world)]
+            records = [r for r, _ in gathered]
+            files = {name: info for _, described in gathered for name, info in described.items()}
+            for r in range(world):  # the folder's fsync in the commit makes the removals durable with the manifest
+                (target.tmp / _records_file(r)).unlink()
+            meta = {"world_size": world, "layout": strategy.layout_record(),
+                    "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
+                    "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
+            target.commit(build_manifest(records, files, meta), rank=me)
+        except Exception as error:  # noqa: BLE001 - every rank learns of it in _committed, and raises
+            failure = error
+    _committed(target, failure, me)
 
-        meta = {"world_size": world, "layout": strategy.layout_record(),
-                "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
-                "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
-        target.commit(build_manifest(records, files, meta), rank=me)
-    strategy.barrier("shardline_checkpoint_end")
+
+def _said(error: BaseException) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def _written(target: AtomicSave, failure: Exception | None, me: int, world: int) -> None:
+    """After every rank's writes: one 1-element ``all_reduce(MAX)`` of "this rank failed"; when one did, every
+    rank's error (``all_gather_object``, on that path alone), the partial folder removed (rank 0: every rank is
+    past its writes) and one CheckpointError on every rank naming the ranks that failed."""
+    failed = torch.tensor([int(failure is not None)], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if not failed.item():
+        return
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, None if failure is None else _said(failure))
+    if me == 0:
+        shutil.rmtree(target.tmp, ignore_errors=True)
+    said = "; ".join(f"rank {r}: {message}" for r, message in enumerate(everyone) if message is not None)
+    raise CheckpointError(f"{target.final}: the save failed while writing ({said}); nothing was committed, the "
+                          "partial folder was removed, and the previous checkpoint and 'latest' are unchanged") \
+        from failure
+
+
+def _committed(target: AtomicSave, failure: Exception | None, me: int) -> None:
+    """After rank 0's commit: its 1-element broadcast of the outcome; on a failure, its error and whether the
+    folder was already renamed into place (a second broadcast, on that path alone), the partial folder removed
+    where it was not, and one CheckpointError on every rank."""
+    failed = torch.tensor([int(failure is not None)], dtype=torch.int64)
+    dist.broadcast(failed, src=0)
+    if not failed.item():
+        return
+    if me == 0:
+        renamed = not target.tmp.exists() and (target.final / MANIFEST).is_file()
+        if not renamed:
+            shutil.rmtree(target.tmp, ignore_errors=True)
+    box = [(_said(failure), renamed) if me == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    said, renamed = box[0]
+    where = ("the folder is complete and in place, but 'latest' may still name the previous checkpoint"
+             if renamed else "nothing was committed; the previous checkpoint and 'latest' are unchanged")
+    raise CheckpointError(f"{target.final}: rank 0 could not commit the save ({said}); {where}") from failure
 
 
 def _first_failure(errors: list[str | None]) -> str | None:

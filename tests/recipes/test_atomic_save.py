@@ -9,7 +9,9 @@ the manifest, or before the ``latest`` pointer moves. Then a new run resumes fro
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import warnings
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.checkpoint.files import KILL_ENV, MANIFEST, PHASES, POINTER
+from shardline.plugins.checkpoint.files import KILL_ENV, MANIFEST, PHASES, POINTER, CheckpointReader, resolve
 from shardline.plugins.errors import RankFailedError
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
@@ -84,3 +86,73 @@ def test_a_save_killed_at_any_phase_leaves_the_previous_checkpoint(tmp_path, ref
     assert losses == reference[2:]
     if phase != "before_pointer":
         assert len(warned) == 1 and ".epoch=1-step=4.ckpt.partial-" in warned[0]
+
+
+class _FailSave(pl.Callback):
+    """Arms one failure for the second epoch's save, on one rank: an OSError where that rank fsyncs its files
+    (``write``: a full disk), where rank 0 commits (``commit``), or in the commit once the folder is renamed into
+    place (``pointer``: before ``latest`` moves)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def on_train_epoch_end(self, trainer, module):
+        if trainer.current_epoch != 1:
+            return
+        from shardline.plugins.checkpoint import files
+        from shardline.plugins.lightning import checkpointing
+
+        rank = trainer.global_rank
+        if self.where == "write" and rank == 1:
+            def full(paths):
+                raise OSError(errno.ENOSPC, "No space left on device", str(paths[0]))
+            checkpointing.fsync_all = full
+        elif self.where == "commit" and rank == 0:
+            def broken(self, manifest, *, rank):
+                raise OSError(errno.EIO, "Input/output error")
+            files.AtomicSave.commit = broken
+        elif self.where == "pointer" and rank == 0:
+            def at(name, rank):
+                if name == "before_pointer":
+                    raise OSError(errno.EIO, "Input/output error")
+            files.phase = at
+
+
+def _fail(rank, world, root, where):
+    adopt_process_group_in_lightning()
+    saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_last=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**LAYOUT),
+                         max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[_FailSave(where), saver])
+    try:
+        trainer.fit(GPTModule(**MODEL), _data())
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return type(error).__name__, str(error), trainer.current_epoch
+    return "ok", "", trainer.current_epoch
+
+
+@pytest.mark.parametrize(("where", "said"), [
+    ("write", r"while writing \(rank 1: OSError: \[Errno 28\] No space left on device: .*rank-00001-000"),
+    ("commit", r"rank 0 could not commit the save \(OSError: \[Errno 5\] Input/output error\); nothing was committed"),
+    ("pointer", r"rank 0 could not commit the save \(OSError: \[Errno 5\] Input/output error\); the folder is "
+                r"complete and in place, but 'latest' may still name the previous checkpoint"),
+])
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank(tmp_path, where, said):
+    """Not a wait in a barrier until the collective timeout (10 min: run_ranks' 300 s would fail the test): one
+    CheckpointError on both ranks, naming the rank and its error, at the failing save; no partial folder left;
+    the pointer still names the epoch-1 checkpoint, which still loads."""
+    root = tmp_path / "ckpts"
+    results = run_ranks(_fail, 2, str(root), where, timeout=300)
+    for kind, message, epoch in results:
+        assert kind == "CheckpointError", message
+        assert re.search(said, message), message
+        assert "epoch=1-step=4.ckpt" in message and epoch == 1
+    assert results[0][1] == results[1][1]
+    first, second = root / "epoch=0-step=2.ckpt", root / "epoch=1-step=4.ckpt"
+    assert (root / POINTER).read_text().strip() == first.name
+    assert not [p.name for p in root.iterdir() if ".partial-" in p.name]
+    assert (second / MANIFEST).is_file() == (where == "pointer")
+    with CheckpointReader(resolve(root)) as reader:  # the pointer's checkpoint, whole
+        assert reader.folder == first
+        for name in reader.tensors:
+            reader.read(name)
