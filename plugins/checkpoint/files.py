@@ -17,9 +17,12 @@ Saving is atomic (:class:`AtomicSave`): every rank writes into ``.NAME.partial-T
 each file is written, flushed and fsynced (a rank's files together, :func:`fsync_all`); then rank 0 writes the
 manifest into that folder (still a temporary name: no reader takes a ``.partial-`` folder for a checkpoint) and
 makes it, the folder's entries and the pointer's new text (``latest.tmp``) durable, renames the folder to ``NAME``
-(an existing ``NAME`` is first moved aside and removed after) and makes that durable, and only then moves the
-``latest`` pointer of the parent folder (a rename). A save killed at any point leaves the previous checkpoint and
-the pointer as they were; :func:`resolve` ignores the partial folder with a warning.
+(an existing ``NAME`` is first moved aside, and removed once the renames are durable), then moves the ``latest``
+pointer of the parent folder (a rename), and makes both renames durable with one fsync of the parent. A save
+killed at any point leaves the previous checkpoint and the pointer as they were; :func:`resolve` ignores the
+partial folder with a warning. (A system crash before that last fsync, on a filesystem that makes the pointer's
+rename durable before the folder's, leaves ``latest`` naming a folder that is not there: :func:`resolve` then
+warns and takes the newest complete checkpoint, the previous one. So the two renames need no fsync between them.)
 
 CRCs are computed on one thread per process beside the I/O (both CRCs release the GIL): a save's while each large
 tensor is written, a read's chunk by chunk while the next chunk is read; every check is made before a read
@@ -77,6 +80,7 @@ PENDING_BYTES = 256 << 20
 # madvise(MADV_WILLNEED) before a mapped span is read (Linux, macOS; None elsewhere): the kernel reads the span
 # ahead in one go instead of faulting it in page by page (tiny's cold load: 5-14 ms of CRC per rank, now 2-5)
 _WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
+WILLNEED_MIN = 128 << 10
 MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer.pt"
 #: Test hook: ``PHASE`` or ``PHASE:RANK`` makes that rank SIGKILL itself when the save reaches ``PHASE``
 #: (one of ``PHASES``), to prove a save killed anywhere leaves the previous checkpoint loadable.
@@ -504,10 +508,11 @@ class AtomicSave:
         self.tmp.mkdir(parents=True, exist_ok=True)
 
     def commit(self, manifest: dict, *, rank: int) -> None:
-        """Rank 0, once every rank's files are durable: the manifest, then the rename, then ``latest``. Each
-        step is durable before the next one starts (the manifest and the folder's entries before the rename,
-        the rename before the pointer moves); the pointer's new text is staged and made durable together with
-        the manifest, under a name no reader looks at (``latest.tmp``), so moving it is one rename."""
+        """Rank 0, once every rank's files are durable: the manifest, then the rename, then ``latest``. The
+        manifest and the folder's entries are durable before the rename; the pointer's new text is staged and
+        made durable together with the manifest, under a name no reader looks at (``latest.tmp``), so moving it
+        is one rename; one fsync of the parent then makes both renames durable (the module docstring says why
+        no fsync is needed between them); a ``NAME`` it replaced is removed only after that."""
         phase("before_manifest", rank)
         # Straight under its name: the folder is still ``.NAME.partial-*``, which no reader takes for a checkpoint.
         (self.tmp / MANIFEST).write_text(_manifest_text(manifest))
@@ -519,12 +524,11 @@ class AtomicSave:
             old = self.final.parent / f".{self.final.name}.old-{self.tmp.name.rsplit('-', 1)[-1]}"
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
-        _fsync(self.final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         phase("before_pointer", rank)
         os.replace(pointer, self.final.parent / POINTER)
-        _fsync(self.final.parent)
+        _fsync(self.final.parent)  # both renames
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -668,6 +672,7 @@ class CheckpointReader:
         self._headers: dict[str, tuple[int, dict]] = {}
         self._paths: dict[str, Path] = {}
         self._boxes: dict[str, list[tuple[str, str, Box, int]]] = {}
+        self._by_box: dict[str, dict[Box, tuple[str, str, int]]] = {}  # read_flat's, per tensor
         self._verified: set[tuple[str, str]] = set()
         self._verified_chunks: set[tuple[str, str, int]] = set()
         chunks = self.manifest.get("chunk_crc32")
@@ -763,7 +768,9 @@ class CheckpointReader:
         read them one by one."""
         if not self.mapped or name not in self.tensors or not boxes:
             return None
-        by_box = {box: (file, key, value) for file, key, box, value in self._pieces(name)}
+        by_box = self._by_box.get(name)
+        if by_box is None:
+            by_box = self._by_box[name] = {box: (file, key, value) for file, key, box, value in self._pieces(name)}
         found = [by_box.get(tuple(tuple(b) for b in box)) for box in boxes]
         if None in found or len({file for file, _, _ in found}) != 1:
             return None
@@ -774,8 +781,8 @@ class CheckpointReader:
         whole = self._span(path, start + a, spans[-1][4][1] - a) if (start + a) % dtype.itemsize == 0 else None
         if whole is None:
             return None
-        for (file, key, value), box in zip(found, boxes, strict=True):
-            self._piece(file, key, value, name, box)  # its check (a view of the same map)
+        for (file, key, value), (*_, (lo, hi)) in zip(found, spans, strict=True):
+            self._check_view(path, file, key, value, name, whole[lo - a:hi - a])  # each piece's own CRC
         return whole.view(dtype)
 
     def _pieces(self, name: str) -> list[tuple[str, str, Box, int]]:
@@ -841,7 +848,10 @@ class CheckpointReader:
         # "cut short") instead of faulting (SIGBUS) on pages the file no longer has
         if offset + nbytes > min(whole.numel(), os.fstat(self._handle(path).fileno()).st_size):
             return None
-        if _WILLNEED is not None:  # one read-ahead of the whole span, not a page fault (and a small read) per page
+        # one read-ahead of the whole span, not a page fault (and a small read) per page; a span under
+        # WILLNEED_MIN is left to the read-around of its first fault (Linux reads read_ahead_kb around it, 128 KiB
+        # by default), which spares a system call per small piece
+        if _WILLNEED is not None and nbytes >= WILLNEED_MIN:
             start = offset - offset % mmap.PAGESIZE
             with contextlib.suppress(OSError):
                 mapping.madvise(_WILLNEED, start, offset + nbytes - start)
@@ -985,6 +995,23 @@ class CheckpointReader:
                     check.exception()
         return buf[r0 * row - lo:r1 * row - lo].view(dtype).reshape(r1 - r0, *shape[1:])
 
+    def _check_view(self, path: Path, file: str, key: str, value: int, name: str, view: torch.Tensor) -> None:
+        """The CRC check of the piece ``(file, key)`` over ``view`` (its bytes in the file's map, uint8), the first
+        time the piece is read."""
+        if self._checked((file, key)):
+            return
+        data = memoryview(view.numpy())
+        if len(data) < CHUNK // 8:  # not worth a hand-off (as _RunningCrc.add): checked here and now
+            got = self.checksum.of(data)
+            result = lambda: got  # noqa: E731 - _check takes a callable
+        else:
+            running = _RunningCrc(self.checksum)
+            for at in range(0, len(data), CHUNK):
+                running.add(data[at:at + CHUNK])
+            result = running.result
+        self._check(result, value, f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does not match "
+                    "the manifest", self._verified, (file, key), 0)  # 0: page cache, not held memory
+
     def _piece(self, file: str, key: str, value: int, name: str, box: Box, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """One piece: a view of the file's map (``mapped``, no ``out``: :meth:`_span`), or read into ``out``
@@ -992,16 +1019,11 @@ class CheckpointReader:
         ``readinto`` calls of :data:`CHUNK` bytes (the kernel reads ahead); its CRC checked the first time, chunk
         by chunk on the CRC thread while the caller reads on."""
         path, start, shape, dtype, (a, b) = self._entry(file, key, name, box)
-        check = not self._checked((file, key))
         mapped = None if out is not None or (start + a) % dtype.itemsize else self._span(path, start + a, b - a)
         if mapped is not None:
-            if check:
-                running, data = _RunningCrc(self.checksum), memoryview(mapped.numpy())
-                for at in range(0, b - a, CHUNK):
-                    running.add(data[at:at + CHUNK])
-                self._check(running.result, value, f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC "
-                            "does not match the manifest", self._verified, (file, key), 0)  # 0: page cache, not held memory
+            self._check_view(path, file, key, value, name, mapped)
             return mapped.view(dtype).reshape(shape)
+        check = not self._checked((file, key))
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():

@@ -219,6 +219,11 @@ def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, st
     :meth:`~shardline.plugins.checkpoint.files.CheckpointReader.read_flat`), else each of the range's boxes
     straight into its run of a fresh buffer (no concatenation)."""
     _need(reader, entry, name)
+    whole = entry.placement
+    if whole.kind == "plain" and start == 0 and stop == volume(whole.box):  # the whole part: its own box
+        flat = reader.read_flat(name, [whole.box])
+        if flat is not None:
+            return flat
     subs = _range_placements(entry, start, stop)
     # plain, or a vocabulary range short of its padding rows: the range's boxes are the canonical pieces' boxes
     if entry.placement.kind in ("plain", "vocab") and all(canonical_boxes(sub) == [sub.box] for sub in subs):
