@@ -213,6 +213,29 @@ def test_the_manifest_is_the_dict_and_a_partial_folder_is_refused(tmp_path):
         assert files.resolve(tmp_path) == folder
 
 
+def test_a_pointer_that_names_a_missing_folder_falls_back_to_the_newest_complete_one(tmp_path):
+    """What a commit's single fsync after its two renames relies on: a crash that made the pointer's rename
+    durable but not the folder's leaves ``latest`` naming a folder that is not there (or still a partial one).
+    The folder of checkpoints then resolves, with a warning, to its newest complete checkpoint: the previous."""
+    import os
+    import time
+
+    from shardline.plugins.checkpoint import files
+
+    w = torch.arange(6.0).reshape(2, 3)
+    first, _ = _save(tmp_path, {"w": (w, _rows(2, 3, []))})
+    old = tmp_path / "older"
+    first.rename(old)  # two complete checkpoints, "older" before "ck"
+    os.utime(old / files.MANIFEST, ns=(time.time_ns() - 10**9,) * 2)
+    second, _ = _save(tmp_path, {"w": (w + 1, _rows(2, 3, []))})
+    (tmp_path / files.POINTER).write_text("ck-next\n")  # the pointer moved, the folder's rename was lost
+    (tmp_path / ".ck-next.partial-0123abcd").mkdir()
+    with pytest.warns(UserWarning, match=r"latest names ck-next, which is not a complete checkpoint"):
+        assert files.resolve(tmp_path) == second
+    with files.CheckpointReader(files.resolve(tmp_path)) as reader:
+        assert torch.equal(reader.read("w"), w + 1)
+
+
 def test_a_reader_that_refused_its_folder_closes_cleanly(tmp_path, monkeypatch):
     """A reader whose constructor raised (no manifest) is still collected without an error in ``__del__``: its
     open files are set up before anything can refuse."""
