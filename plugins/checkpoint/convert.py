@@ -53,8 +53,9 @@ import torch
 
 from shardline.plugins import hf
 from shardline.plugins.checkpoint.boxes import Placement, full
-from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, CheckpointReader, resolve
+from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, resolve
 from shardline.plugins.checkpoint.names import STATE
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30

@@ -31,8 +31,9 @@ from shardline.plugins.checkpoint.boxes import (
     to_canonical,
     volume,
 )
-from shardline.plugins.checkpoint.files import CheckpointReader, dtype_of
+from shardline.plugins.checkpoint.files import dtype_of
 from shardline.plugins.checkpoint.names import STATE, Entry
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
 from shardline.plugins.layers.tp_comm import owned
 from shardline.plugins.lightning import deepspeed_compat as compat
@@ -216,7 +217,7 @@ def read(reader: CheckpointReader, entry: Entry, name: str) -> torch.Tensor:
 def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened rank's part of ``name`` (a ZeRO partition's range), read into
     one buffer: a view of the file's map where the range was saved as it is read (the saving layout:
-    :meth:`~shardline.plugins.checkpoint.files.CheckpointReader.read_flat`), else each of the range's boxes
+    :meth:`~shardline.plugins.checkpoint.reader.CheckpointReader.read_flat`), else each of the range's boxes
     straight into its run of a fresh buffer (no concatenation)."""
     _need(reader, entry, name)
     whole = entry.placement

@@ -39,7 +39,6 @@ from shardline.plugins.checkpoint.files import (
     MANIFEST,
     TRAINER_FILE,
     AtomicSave,
-    CheckpointReader,
     ShardWriter,
     build_manifest,
     describe_files,
@@ -49,6 +48,7 @@ from shardline.plugins.checkpoint.files import (
     write_small,
 )
 from shardline.plugins.checkpoint.names import Entry, entries, models
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
 from shardline.plugins.lightning.checkpoint_access import Access

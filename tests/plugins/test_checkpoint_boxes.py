@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.plugins import hf
+from shardline.plugins.checkpoint import reader as reader_module
 from shardline.plugins.checkpoint.boxes import (
     Placement,
     canonical_boxes,
@@ -26,6 +27,7 @@ from shardline.plugins.checkpoint.boxes import (
     to_canonical,
     volume,
 )
+from shardline.plugins.checkpoint.reader import CheckpointReader
 
 
 @settings(max_examples=300, deadline=None)
@@ -108,7 +110,6 @@ def _rows(n_rows: int, cols: int, cuts: list[int]) -> list:
 
 
 def test_read_into_out_is_the_plain_read_and_its_boxes_are_slices(tmp_path):
-    from shardline.plugins.checkpoint.files import CheckpointReader
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(37, 11, generator=g)
@@ -135,7 +136,6 @@ def test_read_part_of_a_vocab_tensor_into_out_reads_its_rows_in_place_and_zeroes
     """A vocabulary tensor (37 canonical rows, padded to 40 over tp 4): each rank's part read into ``out`` equals
     ``from_canonical`` of its rows (padding zeros), with no whole-part copy into ``out``."""
     from shardline.plugins.checkpoint.boxes import Placement, from_canonical
-    from shardline.plugins.checkpoint.files import CheckpointReader
 
     w = torch.randn(37, 6, generator=torch.Generator().manual_seed(1))
     folder, _ = _save(tmp_path, {"embed": (w, _rows(37, 6, [10, 20, 30]))})
@@ -174,7 +174,7 @@ def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path,
     piece = manifest["tensors"]["big"]["pieces"][0]
     assert manifest["checksum"] == "crc32c"
     assert piece[3] == crc32c.crc32c(big[:100].numpy().tobytes())  # the writer's CRC (its thread) is the bytes'
-    with files.CheckpointReader(folder, mapped=mapped) as reader:
+    with CheckpointReader(folder, mapped=mapped) as reader:
         assert torch.equal(reader.read("big"), big)
     assert threads and all(t.startswith("shardline-crc") for t in threads)  # each chunk CRC'd off the reader
     # One flipped byte deep in the first piece (its 7th chunk): the read names the file and the tensor.
@@ -184,11 +184,11 @@ def test_a_large_piece_is_crc_checked_chunk_by_chunk_on_the_crc_thread(tmp_path,
     data = bytearray(file.read_bytes())
     data[8 + header_len + 6 * (1 << 16) + 123] ^= 0x01
     file.write_bytes(bytes(data))
-    with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
+    with CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
         reader.read("big")
     assert f"{file}: tensor 'big' (entry {piece[1]!r}) is damaged" in str(caught.value)
     # Cut short after the reader checked the sizes: named too, and the CRC thread is left idle.
-    with files.CheckpointReader(folder, mapped=mapped) as reader:
+    with CheckpointReader(folder, mapped=mapped) as reader:
         file.write_bytes(bytes(data[:8 + header_len + 5 * (1 << 16)]))
         with pytest.raises(CheckpointError, match="'big'.*is cut short"):
             reader.read("big")
@@ -232,7 +232,7 @@ def test_a_pointer_that_names_a_missing_folder_falls_back_to_the_newest_complete
     (tmp_path / ".ck-next.partial-0123abcd").mkdir()
     with pytest.warns(UserWarning, match=r"latest names ck-next, which is not a complete checkpoint"):
         assert files.resolve(tmp_path) == second
-    with files.CheckpointReader(files.resolve(tmp_path)) as reader:
+    with CheckpointReader(files.resolve(tmp_path)) as reader:
         assert torch.equal(reader.read("w"), w + 1)
 
 
@@ -242,7 +242,6 @@ def test_a_reader_that_refused_its_folder_closes_cleanly(tmp_path, monkeypatch):
     import gc
     import sys
 
-    from shardline.plugins.checkpoint.files import CheckpointReader
     from shardline.plugins.errors import CheckpointError
 
     unraisable = []
@@ -255,7 +254,6 @@ def test_a_reader_that_refused_its_folder_closes_cleanly(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["plain", "vocab"])
 def test_read_range_fills_one_buffer_with_the_flat_range(tmp_path, kind):
-    from shardline.plugins.checkpoint.files import CheckpointReader
     from shardline.plugins.checkpoint.names import Entry
     from shardline.plugins.lightning.checkpoint_access import read_range
 
@@ -282,7 +280,6 @@ def test_a_saved_zero_range_read_in_its_own_layout_is_one_view_of_the_map(tmp_pa
     rank's file, so the range is one view of the file's map (no fresh memory, no copy), each box still CRC-checked;
     another range, or a reader that does not map, reads into fresh memory with the same values; a damaged box of
     the range is named."""
-    from shardline.plugins.checkpoint.files import CheckpointReader
     from shardline.plugins.checkpoint.names import Entry
     from shardline.plugins.errors import CheckpointError
     from shardline.plugins.lightning.checkpoint_access import read_range
@@ -319,7 +316,6 @@ def test_a_mapped_file_that_changes_or_cannot_be_mapped_is_named_or_read_without
     import errno
     import mmap as mmap_module
 
-    from shardline.plugins.checkpoint import files
     from shardline.plugins.errors import CheckpointError
 
     a = torch.arange(4096, dtype=torch.float32)
@@ -328,7 +324,7 @@ def test_a_mapped_file_that_changes_or_cannot_be_mapped_is_named_or_read_without
     file = folder / manifest["tensors"]["a"]["pieces"][0][0]
     assert file.name == manifest["tensors"]["b"]["pieces"][0][0]  # one file, a then b
     raw = file.read_bytes()
-    with files.CheckpointReader(folder, mapped=True) as reader:
+    with CheckpointReader(folder, mapped=True) as reader:
         assert torch.equal(reader.read("a"), a)  # the file is mapped now
         with open(file, "r+b") as f:  # the same inode, cut before b's bytes
             f.truncate(len(raw) - 4096)
@@ -336,7 +332,7 @@ def test_a_mapped_file_that_changes_or_cannot_be_mapped_is_named_or_read_without
             reader.read("b")
     file.write_bytes(raw)
     os.utime(file, ns=(0, 0))  # an old modification time: the write below surely changes it
-    with files.CheckpointReader(folder, mapped=True, defer_checks=True) as reader:
+    with CheckpointReader(folder, mapped=True, defer_checks=True) as reader:
         got = reader.read("b")
         assert got.untyped_storage().nbytes() == len(raw)  # a view of the map
         with open(file, "r+b") as f:  # 4 bytes of b's last element, in place
@@ -350,7 +346,7 @@ def test_a_mapped_file_that_changes_or_cannot_be_mapped_is_named_or_read_without
         raise OSError(errno.ENODEV, "No such device")
 
     monkeypatch.setattr(mmap_module, "mmap", no_map)
-    with files.CheckpointReader(folder, mapped=True, defer_checks=True) as reader:
+    with CheckpointReader(folder, mapped=True, defer_checks=True) as reader:
         got = reader.read("b")
         reader.verify()
         assert torch.equal(got, b) and got.untyped_storage().nbytes() == b.numel() * 4  # memory of its own
@@ -364,7 +360,7 @@ def test_a_mapped_file_that_changes_or_cannot_be_mapped_is_named_or_read_without
     assert len(text) == header_len
     file.write_bytes(raw[:8] + text + raw[8 + header_len:])
     for mapped in (True, False):
-        with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
+        with CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
             reader.read("a")
         assert f"{file}: tensor 'a' (entry {key!r}): data_offsets [-16384, 0]" in str(caught.value)
 
@@ -399,7 +395,7 @@ def test_without_the_crc32c_package_a_save_and_a_read_are_refused_by_name(tmp_pa
     folder, _ = _save(tmp_path, {"w": (torch.ones(2, 3), [((0, 2), (0, 3))])})
     monkeypatch.setattr(crc, "_hardware_crc32c", None)
     with pytest.raises(CheckpointError, match=r"ck/manifest.json: CRC-32C checksums need the 'crc32c' package"):
-        files.CheckpointReader(folder)
+        CheckpointReader(folder)
     with pytest.raises(CheckpointError, match=r"saving a checkpoint into .*/new: CRC-32C checksums need the 'crc32c'"):
         files.ShardWriter(tmp_path / "new", rank=0)
 
@@ -444,7 +440,7 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
     old["version"] = 1
     old["files"][files.TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": small}
     (folder / files.MANIFEST).write_text(json.dumps(old))
-    with files.CheckpointReader(folder) as reader:
+    with CheckpointReader(folder) as reader:
         assert reader.checksum is crc.LEGACY
         assert torch.equal(reader.read("w", ((70, 80), (0, 7))), w[70:80])  # chunks: a partial read
         assert len(reader._verified_chunks) == 2 and not reader._verified
@@ -453,7 +449,7 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
     raw = bytearray((folder / file).read_bytes())
     raw[-3] ^= 0x40  # the file's last piece
     (folder / file).write_bytes(bytes(raw))
-    with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match="'w'.*is damaged"):
+    with CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match="'w'.*is damaged"):
         reader.read("w")
     for bad, match in (({**old, "checksum": "md5"}, r"manifest.json: checksum 'md5' is not one this shardline reads"),
                        ({**old, "version": 2}, r"manifest.json: version 2 names its checksum, this manifest has no"),
@@ -461,7 +457,7 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
                                                r"shardline reads 'shardline-checkpoint' versions 1, 2")):
         (folder / files.MANIFEST).write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=match):
-            files.CheckpointReader(folder)
+            CheckpointReader(folder)
 
 
 def _count_reads(reader) -> list[int]:
@@ -515,7 +511,7 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
     assert manifest["chunk_crc32"]["bytes"] == 256 and len(crcs) == 11
     assert all(k.startswith("w@") for k in manifest["chunk_crc32"]["pieces"][file])  # 56 bytes: no chunks
     box = ((40, 50), (2, 5))
-    with files.CheckpointReader(folder, mapped=mapped) as reader:
+    with CheckpointReader(folder, mapped=mapped) as reader:
         counts = _count_reads(reader)
         assert torch.equal(reader.read("w", box), w[40:50, 2:5])
         assert sum(counts) == 512  # chunks 4 and 5
@@ -534,24 +530,24 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
         (folder / file).write_bytes(bytes(damaged))
 
     flipped(100)  # chunk 0: not among the rows read
-    with files.CheckpointReader(folder, mapped=mapped) as reader:
+    with CheckpointReader(folder, mapped=mapped) as reader:
         assert torch.equal(reader.read("w", box), w[40:50, 2:5])
         with pytest.raises(CheckpointError, match=r"tensor 'w' .* is damaged"):
             reader.read("w")
     flipped(1300)  # chunk 5: named
-    with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
+    with CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError) as caught:
         reader.read("w", box)
     assert f"{folder / file}: tensor 'w' (entry {key!r}) is damaged: chunk 5 of 11" in str(caught.value)
     spans = json.dumps(json.loads(raw[8:data_start])[key]["data_offsets"], separators=(",", ":")).encode()
     assert raw.count(spans) == 1 and spans.endswith(b"0]")
     (folder / file).write_bytes(bytes(raw).replace(spans, spans[:-2] + b"4]"))  # a damaged header, same length
-    with files.CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError, match=r"data_offsets .* do not hold"):
+    with CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError, match=r"data_offsets .* do not hold"):
         reader.read("w", box)
     (folder / file).write_bytes(bytes(raw))
     old = json.loads((folder / files.MANIFEST).read_text())
     del old["chunk_crc32"]
     (folder / files.MANIFEST).write_text(json.dumps(old))
-    with files.CheckpointReader(folder, mapped=mapped) as reader:
+    with CheckpointReader(folder, mapped=mapped) as reader:
         counts = _count_reads(reader)
         assert torch.equal(reader.read("w", box), w[40:50, 2:5]) and sum(counts) == 2800
     for bad, match in (({"bytes": 0, "pieces": {}}, "'chunk_crc32' is not"),
@@ -560,7 +556,7 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
                        ({"bytes": 256, "pieces": {file: {key: 7}}}, "lists chunk CRCs 7 for 2800 bytes")):
         (folder / files.MANIFEST).write_text(json.dumps({**old, "chunk_crc32": bad}))
         with pytest.raises(CheckpointError, match=match):
-            with files.CheckpointReader(folder, mapped=mapped) as reader:
+            with CheckpointReader(folder, mapped=mapped) as reader:
                 reader.read("w", box)
 
 
@@ -576,7 +572,7 @@ def test_a_small_file_reads_back_and_is_refused_when_damaged_or_unlisted(tmp_pat
     crc = files.write_small(buffer.getbuffer(), folder / files.TRAINER_FILE)
     manifest["files"][files.TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": crc}
     (folder / files.MANIFEST).write_text(json.dumps(manifest))
-    with files.CheckpointReader(folder) as reader:
+    with CheckpointReader(folder) as reader:
         state = reader.small_file(files.TRAINER_FILE)
         assert state["loops"] == {"step": 7} and torch.equal(state["rng"], torch.arange(5))
         with pytest.raises(CheckpointError, match=r"rank-00009.pt: not listed in the manifest"):
@@ -584,7 +580,7 @@ def test_a_small_file_reads_back_and_is_refused_when_damaged_or_unlisted(tmp_pat
     raw = bytearray((folder / files.TRAINER_FILE).read_bytes())
     raw[len(raw) // 2] ^= 0x20
     (folder / files.TRAINER_FILE).write_bytes(bytes(raw))
-    with files.CheckpointReader(folder) as reader, pytest.raises(
+    with CheckpointReader(folder) as reader, pytest.raises(
             CheckpointError, match=rf"{files.TRAINER_FILE}: its CRC does not match the manifest \(damaged\)"):
         reader.small_file(files.TRAINER_FILE)
 
@@ -598,7 +594,7 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
     monkeypatch.setattr(files, "CHUNK", 256)
     w = torch.randn(100, 7, generator=torch.Generator().manual_seed(6))  # 2800 bytes: 11 chunks
     folder, manifest = _save(tmp_path, {"w": (w, [((0, 100), (0, 7))]), "v": (w[:3].clone(), [((0, 3), (0, 7))])})
-    with files.CheckpointReader(folder, defer_checks=True) as reader:
+    with CheckpointReader(folder, defer_checks=True) as reader:
         assert torch.equal(reader.read("w"), w) and torch.equal(reader.read("w", ((40, 50), (0, 7))), w[40:50])
         # still to come: the whole piece's check; rows 40-50 read after it are not CRC'd again
         assert len(reader._pending) == 1 and not reader._verified and not reader._verified_chunks
@@ -612,25 +608,25 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
     raw[data_start + offset + 5 * 256 + 9] ^= 0x04  # chunk 5 of w
     (folder / file).write_bytes(bytes(raw))
     for box, match in ((((40, 50), (0, 7)), "chunk 5 of 11 does not match"), (None, "its CRC does not match")):
-        with files.CheckpointReader(folder, defer_checks=True) as reader:
+        with CheckpointReader(folder, defer_checks=True) as reader:
             got = reader.read("w", box)  # no raise: the check is deferred
             assert got.shape == ((10, 7) if box else (100, 7))
             assert torch.equal(reader.read("v"), w[:3])
             with pytest.raises(CheckpointError, match=rf"tensor 'w' \(entry {key!r}\) is damaged: {match}"):
                 reader.verify()
             assert not reader._pending and len(reader._verified) == 1  # v's check passed and counts
-        with files.CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=match):
+        with CheckpointReader(folder) as reader, pytest.raises(CheckpointError, match=match):
             reader.read("w", box)  # the default: checked before the read returns
     # Over PENDING_BYTES read into memory waiting, the oldest check is waited for at once; its failure still
     # comes from verify. Mapped reads hold no memory of their own (page cache): they do not count.
-    monkeypatch.setattr(files, "PENDING_BYTES", 1000)
-    with files.CheckpointReader(folder, defer_checks=True, mapped=True) as reader:
+    monkeypatch.setattr(reader_module, "PENDING_BYTES", 1000)
+    with CheckpointReader(folder, defer_checks=True, mapped=True) as reader:
         reader.read("w")
         reader.read("v")
         assert len(reader._pending) == 2 and reader._pending_bytes == 0
         with pytest.raises(CheckpointError, match="'w'.*is damaged: its CRC does not match"):
             reader.verify()
-    with files.CheckpointReader(folder, defer_checks=True, mapped=False) as reader:
+    with CheckpointReader(folder, defer_checks=True, mapped=False) as reader:
         reader.read("w")  # 2800 bytes: alone in the queue, it stays
         assert len(reader._pending) == 1
         reader.read("v")
@@ -641,7 +637,7 @@ def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tm
         assert len(reader._verified) == 1 and reader._failed is None
     # Leaving without verify(): close() waits for the CRCs, and the reader says nothing was verified.
     with pytest.warns(UserWarning, match="1 deferred CRC checks were never verified"):
-        with files.CheckpointReader(folder, defer_checks=True) as reader:
+        with CheckpointReader(folder, defer_checks=True) as reader:
             reader.read("v")
     assert not reader._pending
 
@@ -658,7 +654,7 @@ def test_a_zero3_range_of_a_tp_piece_reads_about_its_own_bytes(tmp_path, monkeyp
     flat = w.reshape(-1)
     for part in range(4):
         start, stop = part * 768 - (5 if part else 0), (part + 1) * 768 + (7 if part < 3 else 0)
-        with files.CheckpointReader(folder, mapped=mapped) as reader:
+        with CheckpointReader(folder, mapped=mapped) as reader:
             counts = _count_reads(reader)
             got = torch.cat([reader.read("w", box).reshape(-1) for box in flat_boxes((64, 48), start, stop)])
         assert torch.equal(got, flat[start:stop]), part

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins import hf
 from shardline.plugins.checkpoint.convert import to_hf, to_state_dict
-from shardline.plugins.checkpoint.files import CheckpointReader
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.hf import CheckpointError
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks

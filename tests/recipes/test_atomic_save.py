@@ -20,7 +20,8 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.checkpoint.files import KILL_ENV, MANIFEST, PHASES, POINTER, CheckpointReader, resolve
+from shardline.plugins.checkpoint.files import KILL_ENV, MANIFEST, PHASES, POINTER, resolve
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import RankFailedError
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks

@@ -12,7 +12,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.checkpoint.files import MANIFEST, CheckpointReader
+from shardline.plugins.checkpoint.files import MANIFEST
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_lm import LanguageModule

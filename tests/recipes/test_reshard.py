@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins.checkpoint import files
-from shardline.plugins.checkpoint.files import CheckpointReader
+from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_lm import LanguageModule
