@@ -20,7 +20,10 @@ Method, per (model, layout), in one set of 4 forked ranks (``run_ranks``):
   fsynced and dropped from the page cache (``posix_fadvise(DONTNEED)``), and the previous round's deletions are
   flushed (``os.sync()``) before the next round, so no save's write-back spills into the next operation, every
   load reads from the device, cold, and none runs beside the other side's cached files. (Without that, whichever side
-  ran second in a round ran beside the first one's 4-5 GB of cached files and took up to twice as long.) Ours fsyncs each file inside its save (an atomic,
+  ran second in a round ran beside the first one's 4-5 GB of cached files and took up to twice as long.) Then rank 0
+  waits for the device to go idle (nothing in flight, its counters still for 0.25 s: ext4's ``discard`` TRIMs of
+  deleted files reach the device after ``os.sync()``, and had slowed whichever save came first in a round).
+  Ours fsyncs each file inside its save (an atomic,
   durable commit); DeepSpeed's ``torch.save`` does not, so "DS + fsync" adds the fsync of DeepSpeed's files
   (each rank a quarter of them, in parallel, the slower rank) for the same durability.
 - Memory per rank: ``VmHWM`` (peak RSS, reset through ``/proc/self/clear_refs`` right before the operation) minus
@@ -145,6 +148,34 @@ def _evict(folder: Path, share: tuple[int, int] = (0, 1)) -> None:
             os.close(fd)
 
 
+def _device_stat(folder: Path) -> Path | None:
+    """``/sys/dev/block/MAJOR:MINOR/stat`` of the block device holding ``folder`` (None where there is none: a
+    network or in-memory file system)."""
+    dev = os.stat(folder).st_dev
+    path = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return path if path.is_file() else None
+
+
+def _quiet_device(stat: Path | None, *, still: float = 0.25, limit: float = 20.0) -> float:
+    """Wait until the device has nothing in flight and its counters (reads, writes, discards) stayed unchanged
+    for ``still`` seconds, at most ``limit``; the seconds waited. With ext4's ``discard`` mount option a deletion's
+    TRIMs reach the device after ``os.sync()`` returns: without this wait whichever operation ran first in a round
+    paid for the previous round's deletions (bench at 83afba1: ours 3.1-3.2 s when first, 1.8 s when second)."""
+    if stat is None:
+        return 0.0
+    start = time.monotonic()
+    last, since = None, start
+    while time.monotonic() - start < limit:
+        fields = stat.read_text().split()
+        now = (fields[0], fields[4], *fields[11:12])  # reads, writes, discards completed
+        if now != last or fields[8] != "0":  # fields[8]: I/Os in flight
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= still:
+            break
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
 def _bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in _files(folder))
 
@@ -236,13 +267,16 @@ class _Bench(pl.Callback):
             ops["reshard_load"] = lambda i: strategy.load_checkpoint(self.reshard_from)
         rows: dict[str, list] = {name: [] for name in [*ops, "ds_fsync"]}
         sizes = {}
+        device = _device_stat(self.root)
+
         def settle(i):
             """Before every timed operation (rank 0; the others wait in ``_timed``'s barrier): no checkpoint file
-            in the page cache and none left to write back, so each starts from the same state."""
+            in the page cache, none left to write back and the device idle, so each starts from the same state."""
             if rank == 0:
                 for folder in (ours_path(i), self._folder("ds", i), self.reshard_from):
                     if folder is not None and folder.exists():
                         _evict(folder)
+                _quiet_device(device)
 
         for i in range(self.repeats + 1):  # round 0 is the warm-up
             saves = ["ours_save", "ds_save"] if i % 2 else ["ds_save", "ours_save"]
@@ -367,14 +401,14 @@ PROFILE_GROUPS = {
         ("c10d calls and waits", ("torch._C._distributed_c10d",)),
     ],
     "ours_load": [
-        ("CheckpointReader init", ("files.py:__init__",)),
-        ("CheckpointReader.read, read_flat", ("files.py:read", "files.py:read_flat")),
+        ("CheckpointReader init", ("reader.py:__init__",)),
+        ("CheckpointReader.read, read_flat", ("reader.py:read", "reader.py:read_flat")),
         ("  device reads (readinto)", ("method 'readinto'",)),
-        ("  copy into a box of other pieces", ("self:files.py:read",)),
+        ("  copy into a box of other pieces", ("self:reader.py:read",)),
         # the load defers its checks (CheckpointReader(defer_checks=True)): what is left to wait for is in verify
         # _settle is named so that verify -> _settle -> result counts once (the summary subtracts named callers)
         ("CRC: what its thread left to wait for (in read or verify; mapped: with the device reads)", (
-            "files.py:verify", "files.py:_settle", "zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c", "files.py:result",
+            "reader.py:verify", "reader.py:_settle", "zlib.crc32", "crc32c.crc32c", "crc.py:_crc32c", "files.py:result",
             "_base.py:result")),
         ("assembly: from_canonical, cat", ("boxes.py:from_canonical", "torch.cat")),
         ("setting: apply, set_weight, set_state", ("checkpoint_access.py:apply", "checkpointing.py:set_weight",
@@ -384,7 +418,7 @@ PROFILE_GROUPS = {
         ("  safe_set_full_*", ("tensor_fragment.py:safe_set_full_fp32_param",
                                "tensor_fragment.py:safe_set_full_optimizer_state")),
         ("  ZeRO-3 GatheredParameters", ("partition_parameters.py:__enter__", "partition_parameters.py:__exit__")),
-        ("rank/trainer .pt files", ("files.py:small_file",)),
+        ("rank/trainer .pt files", ("reader.py:small_file",)),
         ("c10d calls and waits", ("torch._C._distributed_c10d",)),
     ],
     "ds_save": [
@@ -506,8 +540,8 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
         "",
         "Each operation's time is the slower rank's, the median of the timed rounds after one warm-up round; ours "
         "and DeepSpeed's alternate in the same processes on the same engine. Before every operation all the "
-        "checkpoints are fsynced and dropped from the page cache, so each starts alike and every load reads from "
-        "the device. Ours fsyncs each file "
+        "checkpoints are fsynced and dropped from the page cache and the device is let go idle (its TRIMs of "
+        "deleted files done), so each starts alike and every load reads from the device. Ours fsyncs each file "
         "inside its save (its atomic commit); DeepSpeed's `torch.save` does not, so 'DS + fsync' adds the fsync "
         "of DeepSpeed's files (4 ranks in parallel) for the same durability.",
         "",
