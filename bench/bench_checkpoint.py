@@ -151,6 +151,9 @@ def _evict(folder: Path, share: tuple[int, int] = (0, 1)) -> None:
 def _device_stat(folder: Path) -> Path | None:
     """``/sys/dev/block/MAJOR:MINOR/stat`` of the block device holding ``folder`` (None where there is none: a
     network or in-memory file system)."""
+    folder = Path(folder)
+    while not folder.exists():  # the checkpoints' folder may not be made yet: the device of its nearest parent
+        folder = folder.parent
     dev = os.stat(folder).st_dev
     path = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
     return path if path.is_file() else None
