@@ -18,9 +18,10 @@ its public training setup where there is one (``SIZES``; ``source`` says where e
   (the last stage of its batch schedule), lr 8e-5, 8000 warm-up steps, 15.6T tokens. The paper gives no batch or
   learning rate for 8B and 70B: Llama 2's 4M tokens and learning rates are assumed. RoPE theta 500000.
 
-The full search takes minutes per size on a small machine; the CI check (tests/recipes/planning/
-test_recipes_sizes.py) re-prices each file's own layout (:func:`render` with ``layout``), which is instant and
-catches a changed estimator, step-time model or emitter. ``--check`` repeats the whole search.
+The suite's check (tests/recipes/planning/test_recipes_sizes.py) re-prices each file's own layout (:func:`render`
+with ``layout``), which is instant and catches a changed estimator, step-time model or emitter. ``--check``
+repeats the whole search for every size (about a minute in all on the 2-core CI machine); ``.ci/run`` runs it
+after the suite, so a recipe the planner would no longer pick fails CI.
 """
 
 from __future__ import annotations
