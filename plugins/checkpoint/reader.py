@@ -9,6 +9,7 @@ import io
 import json
 import mmap
 import os
+import stat
 import struct
 import warnings
 from pathlib import Path
@@ -117,13 +118,17 @@ class CheckpointReader:
                                   f"versions {', '.join(map(str, READS))}")
         if version >= 2 and "checksum" not in self.manifest:
             raise CheckpointError(f"{path}: version {version} names its checksum, this manifest has no 'checksum'")
-        for name, info in self.manifest["files"].items():
-            file = self.folder / name
-            if not file.is_file():
-                raise CheckpointError(f"{file}: listed in the manifest but missing")
-            if file.stat().st_size != info["size"]:
-                raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says {info['size']} "
-                                      "(truncated or replaced)")
+        where = str(self.folder)
+        for name, info in self.manifest["files"].items():  # one stat per file (a load makes a reader per rank)
+            try:
+                found = os.stat(os.path.join(where, name))
+            except OSError:
+                found = None
+            if found is None or not stat.S_ISREG(found.st_mode):
+                raise CheckpointError(f"{self.folder / name}: listed in the manifest but missing")
+            if found.st_size != info["size"]:
+                raise CheckpointError(f"{self.folder / name}: {found.st_size} bytes, the manifest says "
+                                      f"{info['size']} (truncated or replaced)")
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.checksum = algorithm(self.manifest["checksum"], path) if "checksum" in self.manifest else LEGACY
         self.checksum.require(path)
@@ -185,7 +190,7 @@ class CheckpointReader:
         if name not in self.tensors:
             raise CheckpointError(f"{self.folder}: no tensor {name!r} in the checkpoint")
         entry = self.tensors[name]
-        box = full(entry["shape"]) if box is None else tuple(tuple(b) for b in box)
+        box = full(entry["shape"]) if box is None else tuple(map(tuple, box))
         shape, dtype = tuple(b - a for a, b in box), _NAMES[entry["dtype"]]
         if out is not None and tuple(out.shape) != shape:
             raise CheckpointError(f"{self.folder}: tensor {name!r} box {box}: out= has shape {list(out.shape)}, "
@@ -247,7 +252,7 @@ class CheckpointReader:
         """``name``'s pieces from the manifest, their boxes as tuples (made once per tensor)."""
         made = self._boxes.get(name)
         if made is None:
-            made = self._boxes[name] = [(file, key, tuple(tuple(b) for b in box), value)
+            made = self._boxes[name] = [(file, key, tuple(map(tuple, box)), value)
                                         for file, key, box, value in self.tensors[name]["pieces"]]
         return made
 
@@ -319,12 +324,22 @@ class CheckpointReader:
         """Whether the piece ``(file, key)`` or chunk ``(file, key, i)`` was verified, or is to be (deferred)."""
         return key in self._verified or key in self._verified_chunks or key in self._queued
 
-    def _check(self, crc_of, want: int, message: str, verified: set, key: tuple, nbytes: int) -> None:
-        """Check ``crc_of() == want`` now, or by :meth:`verify` (``defer_checks``); ``key`` joins ``verified``
-        (:attr:`_verified` or :attr:`_verified_chunks`) once it passed; ``message`` is the error otherwise."""
+    def _check(self, crc_of, want: int, message, verified: set, key: tuple, nbytes: int) -> None:
+        """Check the CRC ``crc_of`` (an int, or a callable giving it) ``== want`` now, or by :meth:`verify`
+        (``defer_checks``); ``key`` joins ``verified`` (:attr:`_verified` or :attr:`_verified_chunks`) once it
+        passed; ``message()`` is the error otherwise. A CRC already computed is compared at once, also when
+        deferred (its failure is kept for :meth:`verify`): nothing is left to wait for."""
+        if type(crc_of) is int:
+            if crc_of == want:
+                verified.add(key)
+            elif not self.defer_checks:
+                raise CheckpointError(message())
+            elif self._failed is None:
+                self._failed = message()
+            return
         if not self.defer_checks:
             if crc_of() != want:
-                raise CheckpointError(message)
+                raise CheckpointError(message())
             verified.add(key)
             return
         self._pending.append((crc_of, want, message, verified, key, nbytes))
@@ -344,7 +359,7 @@ class CheckpointReader:
         if ok:
             verified.add(key)
         elif self._failed is None:
-            self._failed = message
+            self._failed = message()
 
     def verify(self) -> None:
         """Wait for every deferred check (``defer_checks``); CheckpointError on the first that failed, after all
@@ -387,22 +402,21 @@ class CheckpointReader:
     def _entry(self, file: str, key: str, name: str, box: Box):
         """``(path, where the data starts, shape, dtype, (begin, end) data offsets)`` of a piece's safetensors
         entry, checked against its box in the manifest."""
-        start, header = self._header(file)
+        start, header = self._headers[file] if file in self._headers else self._header(file)
         info = header.get(key)
-        path = self._path(file)
-        if not isinstance(info, dict) or info.get("dtype") not in _NAMES:
-            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is not in the file's header")
+        dtype = _NAMES.get(info.get("dtype")) if type(info) is dict else None
+        if dtype is None:
+            raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}) is not in the file's header")
         shape, offsets = tuple(info["shape"]), info["data_offsets"]
-        if shape != tuple(hi - lo for lo, hi in box):
-            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, the manifest "
-                                  f"says box {box}")
-        dtype = _NAMES[info["dtype"]]
+        if shape != tuple([hi - lo for lo, hi in box]):
+            raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, "
+                                  f"the manifest says box {box}")
         nbytes = volume(box) * dtype.itemsize
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+        if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
                 and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes):
-            raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}): data_offsets {offsets} do not hold "
-                                  f"{nbytes} bytes of {info['dtype']} {list(shape)} (a damaged header)")
-        return path, start, shape, dtype, offsets
+            raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}): data_offsets {offsets} do "
+                                  f"not hold {nbytes} bytes of {info['dtype']} {list(shape)} (a damaged header)")
+        return self._path(file), start, shape, dtype, offsets
 
     def _few_rows(self, file: str, key: str, common: Box, piece_box: Box) -> bool:
         """Whether to read only the rows of ``common`` from the piece: it has chunk CRCs and those rows are at
@@ -442,8 +456,10 @@ class CheckpointReader:
                     checks.append((i, len(chunk), files._worker().submit(self.checksum.of, chunk)))
                 got += len(chunk)
             for n, (i, nbytes, check) in enumerate(checks):
-                message = (f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of {len(crcs)} does not "
-                           "match its CRC in the manifest")
+                def message(i=i):
+                    return (f"{path}: tensor {name!r} (entry {key!r}) is damaged: chunk {i} of {len(crcs)} does not "
+                            "match its CRC in the manifest")
+
                 self._check(check.result, crcs[i], message, self._verified_chunks, (file, key, i),
                             nbytes if handle is not None else 0)
                 checks[n] = (i, nbytes, None)  # in _pending now, or checked
@@ -456,19 +472,22 @@ class CheckpointReader:
     def _check_view(self, path: Path, file: str, key: str, value: int, name: str, view: torch.Tensor) -> None:
         """The CRC check of the piece ``(file, key)`` over ``view`` (its bytes in the file's map, uint8), the first
         time the piece is read."""
-        if self._checked((file, key)):
+        checked = (file, key)
+        if checked in self._verified or checked in self._queued:
             return
         data = memoryview(view.numpy())
         if len(data) < files.CHUNK // 8:  # not worth a hand-off (as _RunningCrc.add): checked here and now
-            got = self.checksum.of(data)
-            result = lambda: got  # noqa: E731 - _check takes a callable
+            result = self.checksum.of(data)
         else:
             running = files._RunningCrc(self.checksum)
             for at in range(0, len(data), files.CHUNK):
                 running.add(data[at:at + files.CHUNK])
             result = running.result
-        self._check(result, value, f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does not match "
-                    "the manifest", self._verified, (file, key), 0)  # 0: page cache, not held memory
+
+        def message():
+            return f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does not match the manifest"
+
+        self._check(result, value, message, self._verified, checked, 0)  # 0: page cache, not held memory
 
     def _piece(self, file: str, key: str, value: int, name: str, box: Box, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -504,8 +523,10 @@ class CheckpointReader:
                 running.result()
             raise CheckpointError(f"{path}: tensor {name!r} (entry {key!r}) is cut short ({got} of {b - a} bytes)")
         if running is not None:
-            self._check(running.result, value, f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does "
-                        "not match the manifest", self._verified, (file, key), b - a)
+            def message():
+                return f"{path}: tensor {name!r} (entry {key!r}) is damaged: its CRC does not match the manifest"
+
+            self._check(running.result, value, message, self._verified, (file, key), b - a)
         return out
 
 
