@@ -43,17 +43,30 @@ class Entry:
         return tuple(b - a for a, b in self.placement.box)
 
 
-def _decoders(module: nn.Module) -> list[tuple[str, nn.Module, dict]]:
-    """``(prefix, model, table)`` for every shardline decoder model inside ``module``."""
+def _decoders(module: nn.Module, modules=None, *, tables: bool = True) -> list[tuple[str, nn.Module, dict | None]]:
+    """``(prefix, model, table)`` for every shardline decoder model inside ``module`` (``modules``: its
+    ``named_modules()``, where the caller has them); ``tables=False``: ``None`` for the table (which costs a
+    build of the model's name table)."""
     from shardline.plugins import hf
     from shardline.plugins.models.decoder import DecoderLM
 
     found = []
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules() if modules is None else modules:
         if isinstance(sub, DecoderLM):
-            arch, hf_config = hf._hf_config_of(sub)
-            found.append((prefix + "." if prefix else "", sub, hf._table(arch, sub.config, hf_config)))
+            table = None
+            if tables:
+                arch, hf_config = hf._hf_config_of(sub)
+                table = hf._table(arch, sub.config, hf_config)
+            found.append((prefix + "." if prefix else "", sub, table))
     return found
+
+
+def architectures(module: nn.Module) -> list[tuple[str, str]]:
+    """``(prefix, Hugging Face architecture)`` of every shardline decoder model inside ``module``: what a load
+    compares with the checkpoint's :func:`models` (without building their configs)."""
+    from shardline.plugins import hf
+
+    return [(prefix, hf._hf_config_of(sub)[0]) for prefix, sub, _ in _decoders(module, tables=False)]
 
 
 def models(module: nn.Module) -> list[dict]:
@@ -76,11 +89,23 @@ def entries(module: nn.Module, *, tp: int, tp_rank: int, shape_of=None) -> list[
     """Every parameter and persistent buffer of ``module`` on this rank, in module order. ``shape_of(tensor)``
     is the rank's whole shape of a tensor (default its shape; ZeRO-3 keeps a partition and knows the whole)."""
     shape_of = shape_of or (lambda tensor: tuple(tensor.shape))
-    decoders = _decoders(module)
-    out, seen = [], set()
-    persistent = set(module.state_dict(keep_vars=True))
-    named = [(path, p, True) for path, p in module.named_parameters()]
-    named += [(path, b, False) for path, b in module.named_buffers() if path in persistent]
+    # One walk of the modules for the decoders, the parameters and the persistent buffers, in the order (and with
+    # the de-duplication by identity) of named_parameters() then named_buffers(); persistent as state_dict() has
+    # them: not in the module's ``_non_persistent_buffers_set``.
+    modules = list(module.named_modules())
+    decoders = _decoders(module, modules)
+    out, seen, known = [], set(), set()
+    named = []
+    for is_param in (True, False):
+        for prefix, sub in modules:
+            tensors = sub._parameters if is_param else sub._buffers
+            for key, tensor in tensors.items():
+                if tensor is None or id(tensor) in known:
+                    continue
+                known.add(id(tensor))  # as named_buffers(): a buffer's first path, persistent or not, is its path
+                if not is_param and key in sub._non_persistent_buffers_set:
+                    continue
+                named.append((f"{prefix}.{key}" if prefix else key, tensor, is_param))
     for path, tensor, is_param in named:
         if tensor.device.type == "meta":
             continue  # never materialised on this rank
@@ -108,4 +133,4 @@ def entries(module: nn.Module, *, tp: int, tp_rank: int, shape_of=None) -> list[
     return out
 
 
-__all__ = ["STATE", "Entry", "entries", "models"]
+__all__ = ["STATE", "Entry", "architectures", "entries", "models"]

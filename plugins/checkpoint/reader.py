@@ -7,6 +7,7 @@ import collections
 import contextlib
 import io
 import json
+import math
 import mmap
 import os
 import stat
@@ -95,8 +96,9 @@ class CheckpointReader:
 
     def __init__(self, folder: str | os.PathLike, *, defer_checks: bool = False, mapped: bool = False):
         self._files: dict[Path, object] = {}  # first: close() (and __del__) must work on a reader that refused
-        # each file's memory map, its bytes as a uint8 tensor over it and its identity (``mapped``, :meth:`_map`)
-        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor, tuple] | None] = {}
+        # each file's memory map, its bytes as a uint8 tensor and as a memoryview over it, and its identity
+        # (``mapped``, :meth:`_map`)
+        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor, tuple, memoryview] | None] = {}
         self.mapped = mapped
         # deferred checks, oldest first: (callable giving the CRC, want, message, verified set, key, bytes)
         self._pending: collections.deque[tuple] = collections.deque()
@@ -132,6 +134,7 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.checksum = algorithm(self.manifest["checksum"], path) if "checksum" in self.manifest else LEGACY
         self.checksum.require(path)
+        self._crc = self.checksum.direct()  # the CRC function itself (checked present just now)
         self._headers: dict[str, tuple[int, dict]] = {}
         self._paths: dict[str, Path] = {}
         self._boxes: dict[str, list[tuple[str, str, Box, int]]] = {}
@@ -234,18 +237,28 @@ class CheckpointReader:
         by_box = self._by_box.get(name)
         if by_box is None:
             by_box = self._by_box[name] = {box: (file, key, value) for file, key, box, value in self._pieces(name)}
-        found = [by_box.get(tuple(tuple(b) for b in box)) for box in boxes]
-        if None in found or len({file for file, _, _ in found}) != 1:
+        found = []
+        for box in boxes:
+            try:
+                hit = by_box.get(box)
+            except TypeError:  # a box of lists: the manifest's boxes are tuples here
+                hit = by_box.get(tuple(map(tuple, box)))
+            if hit is None:
+                return None
+            found.append(hit)
+        file = found[0][0]
+        if len(found) > 1 and any(f != file for f, _, _ in found):
             return None
-        spans = [self._entry(file, key, name, box) for (file, key, _), box in zip(found, boxes, strict=True)]
+        spans = [self._entry(file, key, name, box) for (_, key, _), box in zip(found, boxes, strict=True)]
         path, start, _, dtype, (a, _) = spans[0]
-        if any(d != dtype for *_, d, _ in spans) or any(x[4][1] != y[4][0] for x, y in zip(spans, spans[1:])):
+        if len(spans) > 1 and (any(d != dtype for *_, d, _ in spans)
+                               or any(x[4][1] != y[4][0] for x, y in zip(spans, spans[1:]))):
             return None
         whole = self._span(path, start + a, spans[-1][4][1] - a) if (start + a) % dtype.itemsize == 0 else None
         if whole is None:
             return None
-        for (file, key, value), (*_, (lo, hi)) in zip(found, spans, strict=True):
-            self._check_view(path, file, key, value, name, whole[lo - a:hi - a])  # each piece's own CRC
+        for (_, key, value), (*_, (lo, hi)) in zip(found, spans, strict=True):
+            self._check_mapped(path, file, key, value, name, start + lo, start + hi)  # each piece's own CRC
         return whole.view(dtype)
 
     def _pieces(self, name: str) -> list[tuple[str, str, Box, int]]:
@@ -294,7 +307,7 @@ class CheckpointReader:
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):
             return None
-        return mapping, torch.frombuffer(mapping, dtype=torch.uint8), _identity(stat)
+        return mapping, torch.frombuffer(mapping, dtype=torch.uint8), _identity(stat), memoryview(mapping)
 
     def _span(self, path: Path, offset: int, nbytes: int) -> torch.Tensor | None:
         """Bytes ``[offset, offset + nbytes)`` of ``path`` as a uint8 view of the file's private memory map (made
@@ -306,7 +319,7 @@ class CheckpointReader:
             self._maps[path] = self._map(path)
         if self._maps[path] is None or offset < 0:
             return None
-        mapping, whole, _ = self._maps[path]
+        mapping, whole, *_ = self._maps[path]
         # the file as it is now: one cut short since it was mapped reads past its end with readinto (named
         # "cut short") instead of faulting (SIGBUS) on pages the file no longer has
         if offset + nbytes > min(whole.numel(), os.fstat(self._handle(path).fileno()).st_size):
@@ -411,7 +424,7 @@ class CheckpointReader:
         if shape != tuple([hi - lo for lo, hi in box]):
             raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, "
                                   f"the manifest says box {box}")
-        nbytes = volume(box) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize if min(shape, default=0) >= 0 else 0  # volume(box)
         if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
                 and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes):
             raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}): data_offsets {offsets} do "
@@ -469,18 +482,21 @@ class CheckpointReader:
                     check.exception()
         return buf[r0 * row - lo:r1 * row - lo].view(dtype).reshape(r1 - r0, *shape[1:])
 
-    def _check_view(self, path: Path, file: str, key: str, value: int, name: str, view: torch.Tensor) -> None:
-        """The CRC check of the piece ``(file, key)`` over ``view`` (its bytes in the file's map, uint8), the first
-        time the piece is read."""
+    def _check_mapped(self, path: Path, file: str, key: str, value: int, name: str, lo: int, hi: int) -> None:
+        """The CRC check of the piece ``(file, key)`` over bytes ``[lo, hi)`` of its file's map (made by
+        :meth:`_span`), the first time the piece is read."""
         checked = (file, key)
         if checked in self._verified or checked in self._queued:
             return
-        data = memoryview(view.numpy())
-        if len(data) < files.CHUNK // 8:  # not worth a hand-off (as _RunningCrc.add): checked here and now
-            result = self.checksum.of(data)
+        data = self._maps[path][3][lo:hi]
+        if hi - lo < files.CHUNK // 8:  # not worth a hand-off (as _RunningCrc.add): checked here and now
+            result = self._crc(data)
+            if result == value:
+                self._verified.add(checked)
+                return
         else:
             running = files._RunningCrc(self.checksum)
-            for at in range(0, len(data), files.CHUNK):
+            for at in range(0, hi - lo, files.CHUNK):
                 running.add(data[at:at + files.CHUNK])
             result = running.result
 
@@ -498,8 +514,8 @@ class CheckpointReader:
         path, start, shape, dtype, (a, b) = self._entry(file, key, name, box)
         mapped = None if out is not None or (start + a) % dtype.itemsize else self._span(path, start + a, b - a)
         if mapped is not None:
-            self._check_view(path, file, key, value, name, mapped)
-            return mapped.view(dtype).reshape(shape)
+            self._check_mapped(path, file, key, value, name, start + a, start + b)
+            return mapped.view(dtype).view(shape)
         check = not self._checked((file, key))
         if out is None:
             out = torch.empty(shape, dtype=dtype)

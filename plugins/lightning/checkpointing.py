@@ -47,7 +47,7 @@ from shardline.plugins.checkpoint.files import (
     resolve,
     write_small,
 )
-from shardline.plugins.checkpoint.names import Entry, entries, models
+from shardline.plugins.checkpoint.names import Entry, architectures, entries, models
 from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
@@ -278,7 +278,7 @@ def _first_failure(errors: list[str | None]) -> str | None:
 def _check_mine(reader: CheckpointReader, module, mine: list[Entry]) -> str | None:
     """This rank's part of the architecture check: the same models, and each of its tensors, with its shape."""
     saved = [(m["prefix"], m["architecture"]) for m in reader.manifest.get("models", [])]
-    now = [(m["prefix"], m["architecture"]) for m in models(module)]
+    now = architectures(module)
     if saved != now:
         def say(pairs):
             return ", ".join(f"{arch} at {prefix or 'the top'!r}" for prefix, arch in pairs) or "no shardline model"
@@ -381,30 +381,47 @@ def _agree_and_apply(strategy, got: _Read, optimizer, access: Access) -> dict[st
     return trainer_state
 
 
-_FAILED, _MISSING = 2, 1  # a rank's flags in the agreement (the larger wins)
+_FAILED, _MISSING = 2, 1  # a rank's flags in the agreement
 _BITS = 63  # names per int64 word of the coverage mask (the sign bit left alone)
+#: Words of the coverage mask that travel in the agreement's one all-reduce (for up to 63 x 32 = 2016 weights:
+#: a 405B Llama has 1,138); a checkpoint with more weights sends the rest of its mask in a second round.
+AGREE_WORDS = 32
+
+
+def _coverage(weights: list[str], names: set[str]) -> list[int]:
+    """The bit mask of ``weights`` (sorted) that this rank has a place for: bit ``i % 63`` of word ``i // 63``."""
+    mask = [0] * -(-len(weights) // _BITS)
+    for i, name in enumerate(weights):
+        if name in names:
+            mask[i // _BITS] |= 1 << (i % _BITS)
+    return mask
 
 
 def _agree(got: _Read) -> str | None:
     """The one exchange of a load: None when every rank read the same checkpoint without an error and every
     checkpoint weight has a place on some rank; otherwise the message, the same on every rank.
 
-    One ``all_reduce(MAX)`` of two int64: ``key << 2 | flags`` and ``-(key << 2)``, ``key`` a digest of the folder
-    and of its weight names. The two maxima are the largest and (negated) the smallest key, equal when every rank
-    read the same checkpoint; the flags' maximum says whether a rank failed (``_FAILED``) or lacks some of the
-    checkpoint's weights (``_MISSING``: a pipeline stage holds only its own layers). Only then a second round:
-    the failures' messages (``all_gather_object``), or a bit mask of the weights each rank has a place for
-    (``all_reduce(BOR)``). gloo runs a 2-element all-reduce in a fraction of a millisecond where the objects'
-    gather takes two collectives and pickling (several ms on a loaded host)."""
+    One ``all_reduce(BOR)`` of ``3 + AGREE_WORDS`` int64: ``key``, ``~key``, the flags and the first words of the
+    coverage mask, ``key`` a digest of the folder and of its weight names. Every rank read the same checkpoint
+    exactly when the two ORs have no bit in common (a rank whose key differs sets a bit in one that another's
+    sets in the other); the flags say whether a rank failed (``_FAILED``) or lacks some of the checkpoint's
+    weights (``_MISSING``: a pipeline stage holds only its own layers), and then the OR of the masks (the same
+    weights on every rank: the same key) says which weights no rank has a place for. A second round only for
+    the failures' messages (``all_gather_object``), or for the rest of the mask of a checkpoint of more than
+    ``63 x AGREE_WORDS`` weights (``all_reduce(BOR)``). gloo runs a small all-reduce in a fraction of a
+    millisecond where the objects' gather takes two collectives and pickling (several ms on a loaded host); and
+    on a host with more ranks than cores every collective also waits for the slowest rank to be scheduled."""
     reader, names = got.reader, {e.name for e in got.mine}
     weights = sorted(n for n in reader.tensors if not n.startswith("optimizer.")) if got.error is None else []
     digest = hashlib.blake2b(repr((got.found, weights)).encode(), digest_size=7).digest()
-    key = int.from_bytes(digest, "little") << 2
+    key = int.from_bytes(digest, "little")
     flags = _FAILED if got.error is not None else _MISSING if any(n not in names for n in weights) else 0
-    both = torch.tensor([key | flags, -key], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    high, low = int(both[0]), -int(both[1])
-    if high >> 2 != low >> 2 or high & 3 == _FAILED:  # the details, from every rank
+    mask = _coverage(weights, names) if flags == _MISSING else []
+    sent = [key, ~key, flags, *mask[:AGREE_WORDS]]
+    both = torch.tensor(sent + [0] * (3 + AGREE_WORDS - len(sent)), dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.BOR)
+    words = both.tolist()
+    if words[0] & words[1] or words[2] & _FAILED:  # the details, from every rank
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (got.found, got.error))
         failure = _first_failure([e for _, e in everyone])
@@ -412,15 +429,13 @@ def _agree(got: _Read) -> str | None:
             failure = "the ranks found different checkpoints (or the same folder changed between their reads): " + \
                 ", ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone)) + "; nothing was loaded"
         return failure
-    if high & 3 == _MISSING:  # the same weights on every rank (the same key): which has a place somewhere
-        mask = [0] * -(-len(weights) // _BITS)
-        for i, name in enumerate(weights):
-            if name in names:
-                mask[i // _BITS] |= 1 << (i % _BITS)
-        reduced = torch.tensor(mask, dtype=torch.int64)
-        dist.all_reduce(reduced, op=dist.ReduceOp.BOR)
-        words = reduced.tolist()
-        extra = [name for i, name in enumerate(weights) if not words[i // _BITS] >> (i % _BITS) & 1]
+    if words[2] & _MISSING:  # the same weights on every rank (the same key): which has a place somewhere
+        covered = words[3:3 + min(len(mask), AGREE_WORDS)]
+        if len(mask) > AGREE_WORDS:  # every rank knows it (the same weights): one more round, the same on all
+            rest = torch.tensor(mask[AGREE_WORDS:], dtype=torch.int64)
+            dist.all_reduce(rest, op=dist.ReduceOp.BOR)
+            covered += rest.tolist()
+        extra = [name for i, name in enumerate(weights) if not covered[i // _BITS] >> (i % _BITS) & 1]
         return f"{_extra_message(reader, extra)}; nothing was loaded" if extra else None
     return None
 

@@ -96,8 +96,15 @@ def test_another_shape(saved, tmp_path):
     assert "needs [64, 48]" in message
 
 
-def test_checkpoint_weights_this_model_has_no_place_for(saved, tmp_path):
-    """A 2-layer checkpoint into a 1-layer model: the second layer's weights are named, nothing is loaded."""
+@pytest.mark.parametrize("words", [None, 0])
+def test_checkpoint_weights_this_model_has_no_place_for(saved, tmp_path, monkeypatch, words):
+    """A 2-layer checkpoint into a 1-layer model: the second layer's weights are named, nothing is loaded; also
+    with none of the coverage mask in the agreement's first round (``AGREE_WORDS=0``: the second round a
+    checkpoint of more than 2016 weights takes), so the ranks are forked with it."""
+    if words is not None:
+        from shardline.plugins.lightning import checkpointing
+
+        monkeypatch.setattr(checkpointing, "AGREE_WORDS", words)
     message, other = _refused(_copy(saved, tmp_path), {**LLAMA, "n_layer": 1})
     assert message == other  # the same refusal on every rank
     assert "ckpt: checkpoint tensors this model has no place for: ['model.layers.1." in message
