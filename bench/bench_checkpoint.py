@@ -399,7 +399,7 @@ PROFILE_GROUPS = {
         ("  writes (O_DIRECT: what the writer thread left to wait for)", ("files.py:_wait", "files.py:_write_all")),
         ("  copies into the aligned buffers", ("self:files.py:write",)),
         ("  fsync", ("posix.fsync",)),
-        ("rank/trainer .pt files", ("checkpointing.py:_save_small",)),
+        ("rank/trainer .pt files and records", ("checkpointing.py:_pickled", "files.py:write_small")),
         ("manifest + commit", ("files.py:build_manifest", "files.py:commit")),
         ("c10d calls and waits", ("torch._C._distributed_c10d",)),
     ],
