@@ -27,6 +27,7 @@ import io
 import json
 import random
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,13 +59,6 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _save_small(obj: Any, path: Path) -> int:
-    """``torch.save`` of ``obj`` to ``path`` (not yet fsynced); its CRC, computed from the bytes written."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return write_small(buffer.getbuffer(), path)
-
-
 def capture_rng() -> dict[str, Any]:
     import numpy as np
 
@@ -94,6 +88,14 @@ def _fitting(strategy) -> bool:
 
     trainer = strategy.lightning_module.trainer
     return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def _in_fit(strategy) -> bool:
+    """Inside ``trainer.fit`` (not a ``trainer.save_checkpoint`` after it): an asynchronous save is committed by
+    the fit's next batch, save or teardown, so only a save made while the fit runs may be one."""
+    from pytorch_lightning.trainer.states import TrainerStatus
+
+    return _fitting(strategy) and strategy.lightning_module.trainer.state.status == TrainerStatus.RUNNING
 
 
 def _optimizer(strategy):
@@ -163,11 +165,19 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     gather: a small collective takes a fraction of the ~5 ms that pickling and gathering them took on a small
     checkpoint.
 
+    With ``strategy.async_checkpoint`` and while fitting, the call returns once every piece is copied
+    (:class:`_Pending`): a thread writes and fsyncs the files while training goes on, and the last two rounds
+    and the commit run in :func:`settle`, at the first training batch that finds every rank's writes done (or
+    at the next save or load, or the end of the fit). A save already pending is settled first, so at most one
+    copy of the state is held.
+
     A rank that fails while writing (a full disk, an unwritable folder) or a commit that fails on rank 0 raises
     one :class:`CheckpointError` on every rank at once, naming the rank and its error, instead of leaving the
     others waiting in a barrier until the collective timeout; nothing is committed, the partial folder is
     removed, and the previous checkpoint and ``latest`` stay as they were."""
+    settle(strategy)
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
+    background = bool(getattr(strategy, "async_checkpoint", False)) and _in_fit(strategy)
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
@@ -178,33 +188,65 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     names = [e.name for e in mine] if grid.size("pp") > 1 else []
     path, token, keys, stages = _hello(strategy, str(filepath), keys, names)
     target = AtomicSave(Path(path), token)
+    meta = None
+    small = {_rank_file(me): {"rank": me, "coords": grid.coords, "rng": capture_rng(),
+                              "engine": _engine_counters(strategy.model)}}
+    if me == 0:
+        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if optimizer is not None and not weights_only:
+            trainer_state["shardline_optimizer"] = {
+                "step": compat.optimizer_step_count(optimizer),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        small[TRAINER_FILE] = trainer_state
+        meta = {"world_size": world, "layout": strategy.layout_record(),
+                "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
+                "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
     failure = None
     try:
+        small = {name: _pickled(obj) for name, obj in small.items()}  # bytes now: the state goes on changing
         target.create()  # every rank: whoever comes first makes it
         phase("before_shards", me)
         replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
-        writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
-        for entry in _first_stage_writes(grid, mine, stages):
-            shape = entry.placement.canonical_shape()
-            for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica):
-                writer.add(name, shape, box, piece)
-        writer.flush()
-        crcs = {_rank_file(me): _save_small({"rank": me, "coords": grid.coords, "rng": capture_rng(),
-                                             "engine": _engine_counters(strategy.model)},
-                                            target.tmp / _rank_file(me))}
-        if me == 0:
-            trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            if optimizer is not None and not weights_only:
-                trainer_state["shardline_optimizer"] = {
-                    "step": compat.optimizer_step_count(optimizer),
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
-            crcs[TRAINER_FILE] = _save_small(trainer_state, target.tmp / TRAINER_FILE)
-        mine_files = writer.written + list(crcs)
-        record = target.tmp / _records_file(me)
-        write_small(json.dumps([writer.records, describe_files(target.tmp, mine_files, crcs)]).encode(), record)
-        fsync_all([*(target.tmp / name for name in mine_files), record])  # together: one journal commit where it can
+        pieces = ((name, entry.placement.canonical_shape(), box, piece)
+                  for entry in _first_stage_writes(grid, mine, stages)
+                  for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica))
+        if background:
+            # Copies (the whole-value path's gathers are collective, so they run here): the next step may change
+            # every parameter and moment the moment this returns.
+            staged = [(name, shape, box, piece.clone()) for name, shape, box, piece in pieces]
+        else:
+            _write(target, me, pieces, small, max_file_bytes)
     except Exception as error:  # noqa: BLE001 - every rank learns of it in _written, and raises
         failure = error
+    if background:  # also after a failure: every rank then raises it from the same settle
+        strategy.pending_save = _Pending(target, meta, None if failure is not None else
+                                         (target, me, staged, small, max_file_bytes), failure)
+        return
+    _finish(target, failure, me, world, meta)
+
+
+def _pickled(obj: Any) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getbuffer()
+
+
+def _write(target: AtomicSave, me: int, pieces, small: dict[str, memoryview], max_file_bytes: int) -> None:
+    """This rank's files: its ``pieces`` (``(name, canonical shape, box, tensor)``), its small ``.pt`` files
+    (``small``: name -> bytes) and its record of them, all fsynced."""
+    writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
+    for name, shape, box, piece in pieces:
+        writer.add(name, shape, box, piece)
+    writer.flush()
+    crcs = {name: write_small(data, target.tmp / name) for name, data in small.items()}
+    mine_files = writer.written + list(crcs)
+    record = target.tmp / _records_file(me)
+    write_small(json.dumps([writer.records, describe_files(target.tmp, mine_files, crcs)]).encode(), record)
+    fsync_all([*(target.tmp / name for name in mine_files), record])  # together: one journal commit where it can
+
+
+def _finish(target: AtomicSave, failure: Exception | None, me: int, world: int, meta: dict | None) -> None:
+    """After this rank's writes (``failure``: their error): the two collective rounds and rank 0's commit."""
     _written(target, failure, me, world)
     failure = None
     if me == 0:
@@ -214,13 +256,71 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
             files = {name: info for _, described in gathered for name, info in described.items()}
             for r in range(world):  # the folder's fsync in the commit makes the removals durable with the manifest
                 (target.tmp / _records_file(r)).unlink()
-            meta = {"world_size": world, "layout": strategy.layout_record(),
-                    "global_step": checkpoint.get("global_step"), "optimizer_state_keys": keys,
-                    "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
             target.commit(build_manifest(records, files, meta), rank=me)
         except Exception as error:  # noqa: BLE001 - every rank learns of it in _committed, and raises
             failure = error
     _committed(target, failure, me)
+
+
+class _Pending:
+    """A save whose files a thread writes (``async_checkpoint``), not yet committed: :func:`settle` commits it.
+    ``removals``: checkpoints Lightning asked to remove meanwhile (``save_top_k``), removed only once this one
+    is committed, so a crash in between never leaves fewer complete checkpoints than ``save_top_k``."""
+
+    def __init__(self, target: AtomicSave, meta: dict | None, work: tuple | None, failure: Exception | None):
+        self.target, self.meta, self.failure = target, meta, failure
+        self.removals: list[str] = []
+        self.thread = None
+        if work is not None:
+            self.thread = threading.Thread(target=self._run, args=work, name="shardline-save", daemon=False)
+            self.thread.start()
+
+    def _run(self, *work) -> None:
+        try:
+            _write(*work)
+        except BaseException as error:  # noqa: BLE001 - raised on every rank by settle
+            self.failure = error if isinstance(error, Exception) else CheckpointError(
+                f"{self.target.final}: the save's writer thread was interrupted ({error!r})")
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> Exception | None:
+        if self.thread is not None:
+            self.thread.join()
+        return self.failure
+
+
+def settle(strategy, *, poll: bool = False) -> None:
+    """Collective: commit the pending ``async_checkpoint`` save (:class:`_Pending`), waiting for this rank's
+    writes; then remove the checkpoints removed meanwhile (rank 0). ``poll``: only if every rank's writes are
+    already done (one 1-element ``all_reduce(MIN)``), else leave it pending: the per-batch check."""
+    pending = getattr(strategy, "pending_save", None)
+    if pending is None:
+        return
+    if poll:
+        done = torch.tensor([int(pending.done())], dtype=torch.int64)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not done.item():
+            return
+    strategy.pending_save = None
+    me = strategy.global_rank
+    _finish(pending.target, pending.wait(), me, dist.get_world_size(), pending.meta)
+    if me == 0:
+        for path in pending.removals:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def abandon(strategy) -> None:
+    """After a failure (no collective can be trusted): wait for this rank's writes to end and leave the pending
+    save uncommitted; its partial folder is ignored, with a warning, by whoever loads the folder next."""
+    pending = getattr(strategy, "pending_save", None)
+    if pending is None:
+        return
+    strategy.pending_save = None
+    pending.wait()
+    warnings.warn(f"{pending.target.final}: an asynchronous save was still being written when the run failed; "
+                  f"it is not committed (its partial folder {pending.target.tmp.name} is ignored)", stacklevel=2)
 
 
 def _said(error: BaseException) -> str:
@@ -355,7 +455,9 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
 
     One collective round: every rank resolves the path, reads and checks all it needs (:func:`_read_everything`),
     then the ranks agree (:func:`_agree`); any error anywhere (or ranks that found different checkpoints, or
-    checkpoint weights no rank has a place for) raises on every rank before anything is set."""
+    checkpoint weights no rank has a place for) raises on every rank before anything is set. An
+    ``async_checkpoint`` save still pending is committed first (:func:`settle`)."""
+    settle(strategy)
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     got = _read_everything(strategy, checkpoint_path, optimizer, access)

@@ -63,6 +63,13 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     each rank entered and completed; each rank dumps its record to ``collective_dump_dir`` (default: a fresh
     folder per run under the system's temp dir, so failing test runs leave nothing in the working tree; the
     message names it).
+
+    ``async_checkpoint=True``: a checkpoint saved while fitting costs the training loop only a copy of this
+    rank's pieces (in memory, once); a thread writes and fsyncs them while training goes on, and the commit
+    (manifest, rename, ``latest``) follows at the first batch that finds every rank's writes done, at the next
+    save or load, or at the end of the fit. Atomicity and checks are a synchronous save's; a save made while
+    one is pending waits for it (with ``ModelCheckpoint(save_last=...)`` use ``save_last="link"``, or the
+    ``last.ckpt`` save right after a top-k one waits); a run that fails leaves a pending save uncommitted.
     """
 
     strategy_name = "shardline"
@@ -73,7 +80,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                  chunks: int = 1, activation_checkpointing: bool = False, pipeline_annotations: str = "when_profiling",
                  deepspeed_config: dict | str | None = None, gpus_per_node: int | None = None,
                  collective_timeout: float | datetime.timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-                 collective_dump_dir: str | None = None, **lightning_kwargs: Any):
+                 collective_dump_dir: str | None = None, async_checkpoint: bool = False, **lightning_kwargs: Any):
         # The one layout value, validated now (the world size still unknown) and bound once at setup.
         self.layout = Layout(tp=tp, pp=pp, cp=cp, sp=sp, gpus_per_node=gpus_per_node,
                              pipeline=PipelineSpec(schedule=schedule, chunks=chunks, micro_batches=micro_batches),
@@ -102,6 +109,11 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.watchdog: CollectiveWatchdog | None = None  # from setup_distributed to teardown
         self.pending_rng_state = None  # RNG states of a loaded checkpoint, for the first training step
         self.saved_stages = None  # under pp: every rank's (stage, tensor names) as the last save exchanged them
+        if not isinstance(async_checkpoint, bool):
+            raise ContractError(f"async_checkpoint={async_checkpoint!r} must be True or False")
+        self.async_checkpoint = async_checkpoint
+        self.pending_save = None  # an async_checkpoint save being written (checkpointing._Pending)
+        self._failed = False  # on_exception ran: a pending save is abandoned, not committed
 
     # --- layout ------------------------------------------------------------------------------------------------
 
@@ -155,6 +167,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         # The watchdog names the dead or hung rank (it waits, bounded, for the verdict); teardown raises it.
+        self._failed = True
         if self.watchdog is not None:
             self.watchdog.on_exception(exception)
         super().on_exception(exception)
@@ -162,7 +175,15 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         """Lightning's teardown, then the watchdog's: after a failure it raises the one CollectiveError (from
         the exception that interrupted the run), except on a rank whose own code raised something other than a
-        collective error (that rank keeps its exception)."""
+        collective error (that rank keeps its exception). A pending ``async_checkpoint`` save is committed
+        first, or, after a failure, left uncommitted once its writes end."""
+        if self.pending_save is not None:
+            from shardline.plugins.lightning import checkpointing
+
+            if self._failed:
+                checkpointing.abandon(self)
+            else:
+                checkpointing.settle(self)
         try:
             super().teardown()
         finally:
@@ -334,6 +355,11 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         return {}
 
     def remove_checkpoint(self, filepath) -> None:
+        """Rank 0 removes the checkpoint folder; while an ``async_checkpoint`` save is pending, only once that
+        one is committed (``save_top_k`` rotation never leaves fewer complete checkpoints than it keeps)."""
+        if self.pending_save is not None:
+            self.pending_save.removals.append(str(filepath))
+            return
         if self.is_global_zero:
             import shutil
 
@@ -370,6 +396,13 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                               f"but their dim 1 differ: {listed}; define cp_shard_batch(batch, shard) on the "
                               "LightningModule to say which tensors carry the sequence")
         return _map_sequence_tensors(batch, lambda tensor, path: cut(tensor))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.pending_save is not None:  # commit an async_checkpoint save once every rank has written it
+            from shardline.plugins.lightning import checkpointing
+
+            checkpointing.settle(self, poll=True)
 
     def training_step(self, *args: Any, **kwargs: Any):
         if self.pending_rng_state is not None:

@@ -50,11 +50,12 @@ class _Losses(pl.Callback):
             os.environ[KILL_ENV] = self.kill_at
 
 
-def _run(rank, world, root, epochs, kill_at, resume):
+def _run(rank, world, root, epochs, kill_at, resume, asynchronous=False):
     adopt_process_group_in_lightning()
     losses = _Losses(kill_at)
     saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_last=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**LAYOUT),
+    strategy = HybridParallelStrategy(**LAYOUT, async_checkpoint=asynchronous)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                          max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[losses, saver])
     with warnings.catch_warnings(record=True) as caught:
@@ -69,11 +70,14 @@ def reference(tmp_path_factory):
     return run_ranks(_run, 2, root, 3, None, False, timeout=300)[0][0]  # the batch losses (equal on both stages)
 
 
-@pytest.mark.parametrize("phase", PHASES)
-def test_a_save_killed_at_any_phase_leaves_the_previous_checkpoint(tmp_path, reference, phase):
+@pytest.mark.parametrize(("phase", "asynchronous"), [(phase, False) for phase in PHASES] + [
+    ("mid_shard", True), ("before_manifest", True)])  # async_checkpoint: killed in the writer thread / the commit
+def test_a_save_killed_at_any_phase_leaves_the_previous_checkpoint(tmp_path, reference, phase, asynchronous):
+    """With ``async_checkpoint`` the kill comes while the next epoch trains (the writer thread, or the commit at
+    a later batch); the previous checkpoint and the resume are the same."""
     root = str(tmp_path / "ckpts")
     with pytest.raises(RankFailedError, match="died|exit code|Connection|closed|reset"):
-        run_ranks(_run, 2, root, 3, phase, False, timeout=300)
+        run_ranks(_run, 2, root, 3, phase, False, asynchronous, timeout=300)
     first = "epoch=0-step=2.ckpt"
     assert (tmp_path / "ckpts" / POINTER).read_text().strip() == first  # the pointer never moved
     partial = [p.name for p in (tmp_path / "ckpts").iterdir() if ".partial-" in p.name]
@@ -119,10 +123,11 @@ class _FailSave(pl.Callback):
             files.phase = at
 
 
-def _fail(rank, world, root, where):
+def _fail(rank, world, root, where, asynchronous):
     adopt_process_group_in_lightning()
     saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_last=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(**LAYOUT),
+    strategy = HybridParallelStrategy(**LAYOUT, async_checkpoint=asynchronous)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                          max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[_FailSave(where), saver])
     try:
@@ -132,22 +137,29 @@ def _fail(rank, world, root, where):
     return "ok", "", trainer.current_epoch
 
 
-@pytest.mark.parametrize(("where", "said"), [
-    ("write", r"while writing \(rank 1: OSError: \[Errno 28\] No space left on device: .*rank-00001-000"),
-    ("commit", r"rank 0 could not commit the save \(OSError: \[Errno 5\] Input/output error\); nothing was committed"),
+_WRITE = r"while writing \(rank 1: OSError: \[Errno 28\] No space left on device: .*rank-00001-000"
+
+
+@pytest.mark.parametrize(("where", "said", "asynchronous"), [
+    ("write", _WRITE, False),
+    ("write", _WRITE, True),  # async_checkpoint: the writer thread's failure, raised where the save is settled
+    ("commit", r"rank 0 could not commit the save \(OSError: \[Errno 5\] Input/output error\); nothing was committed",
+     False),
+    ("commit", r"rank 0 could not commit the save \(OSError: \[Errno 5\] Input/output error\); nothing was committed",
+     True),
     ("pointer", r"rank 0 could not commit the save \(OSError: \[Errno 5\] Input/output error\); the folder is "
-                r"complete and in place, but 'latest' may still name the previous checkpoint"),
+                r"complete and in place, but 'latest' may still name the previous checkpoint", False),
 ])
-def test_a_save_that_fails_on_one_rank_raises_on_every_rank(tmp_path, where, said):
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank(tmp_path, where, said, asynchronous):
     """Not a wait in a barrier until the collective timeout (10 min: run_ranks' 300 s would fail the test): one
     CheckpointError on both ranks, naming the rank and its error, at the failing save; no partial folder left;
     the pointer still names the epoch-1 checkpoint, which still loads."""
     root = tmp_path / "ckpts"
-    results = run_ranks(_fail, 2, str(root), where, timeout=300)
+    results = run_ranks(_fail, 2, str(root), where, asynchronous, timeout=300)
     for kind, message, epoch in results:
         assert kind == "CheckpointError", message
         assert re.search(said, message), message
-        assert "epoch=1-step=4.ckpt" in message and epoch == 1
+        assert "epoch=1-step=4.ckpt" in message and epoch == (2 if asynchronous else 1)
     assert results[0][1] == results[1][1]
     first, second = root / "epoch=0-step=2.ckpt", root / "epoch=1-step=4.ckpt"
     assert (root / POINTER).read_text().strip() == first.name
