@@ -184,6 +184,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                 checkpointing.abandon(self)
             else:
                 checkpointing.settle(self)
+        self._failed = False  # a later fit with this strategy starts clean
         try:
             super().teardown()
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,17 @@ class _HeldWrites(pl.Callback):
     def on_train_end(self, trainer, module):
         self.ended.set()
 
+    def on_exception(self, trainer, module, exception):
+        self.ended.set()
+
+
+class _Boom(pl.Callback):
+    """Fails the run at the first batch after the save after epoch 1, while that save is still pending (held)."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.current_epoch == 2 and trainer.strategy.pending_save is not None:
+            raise RuntimeError(f"boom on rank {trainer.global_rank}")
+
 
 def _fit(rank, world, root, layout, asynchronous, saver_kwargs, epochs):
     adopt_process_group_in_lightning()
@@ -84,6 +96,43 @@ def _fit(rank, world, root, layout, asynchronous, saver_kwargs, epochs):
     trainer.save_checkpoint(str(Path(root) / "after-fit.ckpt"))  # outside fit: synchronous
     committed_on_return = (Path(root) / "after-fit.ckpt" / MANIFEST).is_file()
     return held.losses, held.seen, pending_after_fit, committed_on_return
+
+
+def _fail_while_pending(rank, world, root):
+    adopt_process_group_in_lightning()
+    saver = ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, save_last=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(
+        pp=2, zero_stage=1, async_checkpoint=True), max_epochs=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[_HeldWrites(), _Boom(), saver])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(GPTModule(**MODEL), _data())
+        except RuntimeError as error:
+            raised = str(error)
+        else:
+            raised = ""
+    return raised, [str(w.message) for w in caught if "asynchronous save" in str(w.message)], \
+        trainer.strategy.pending_save is None
+
+
+def test_a_run_that_fails_while_a_save_is_pending_leaves_it_uncommitted(tmp_path):
+    """No collective can be trusted after a failure: the pending save's writes end, it is not committed (warned),
+    and the checkpoint directory has no committed checkpoint newer than the last one committed before it."""
+    root = tmp_path / "ckpts"
+    for rank, (raised, warned, cleared) in enumerate(run_ranks(_fail_while_pending, 2, str(root), timeout=300)):
+        assert raised == f"boom on rank {rank}" and cleared
+        assert len(warned) == 1 and "epoch=1-step=4.ckpt" in warned[0] and "not committed" in warned[0], warned
+    assert not (root / "epoch=1-step=4.ckpt").exists()
+    assert (root / POINTER).read_text().strip() == "epoch=0-step=2.ckpt"  # committed by the epoch-1 save's settle
+    partial = [p.name for p in root.iterdir() if ".partial-" in p.name]
+    assert len(partial) == 1 and partial[0].startswith(".epoch=1-step=4.ckpt.partial-"), partial
+    with pytest.warns(UserWarning, match="partial"):
+        folder = resolve(root)
+    assert folder == root / "epoch=0-step=2.ckpt"
+    with CheckpointReader(folder) as reader:
+        for name in reader.tensors:
+            reader.read(name)
 
 
 def _tensors(folder: Path) -> dict:
