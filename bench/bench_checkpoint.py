@@ -259,8 +259,19 @@ class _Bench(pl.Callback):
         def ours_path(i):
             return self._folder("ours", i)
 
+        from shardline.plugins.lightning import checkpointing
+
+        def async_save(i):  # async_checkpoint=True: returns once the pieces are copied; a thread writes them
+            strategy.async_checkpoint = True
+            try:
+                strategy.save_checkpoint(checkpoint, self._folder("async", i))
+            finally:
+                strategy.async_checkpoint = False
+
         ops = {
             "ours_save": lambda i: strategy.save_checkpoint(checkpoint, ours_path(i)),
+            "async_save": async_save,
+            "async_commit": lambda i: checkpointing.settle(strategy),  # waits for the writes, then commits
             "ds_save": lambda i: engine.save_checkpoint(str(ds_dir), tag=f"step-{i}", client_state=client_state),
             "ours_load": lambda i: strategy.load_checkpoint(ours_path(i)),
             "ds_load": lambda i: engine.load_checkpoint(str(ds_dir), tag=f"step-{i}", load_optimizer_states=True,
@@ -276,7 +287,7 @@ class _Bench(pl.Callback):
             """Before every timed operation (rank 0; the others wait in ``_timed``'s barrier): no checkpoint file
             in the page cache, none left to write back and the device idle, so each starts from the same state."""
             if rank == 0:
-                for folder in (ours_path(i), self._folder("ds", i), self.reshard_from):
+                for folder in (ours_path(i), self._folder("ds", i), self._folder("async", i), self.reshard_from):
                     if folder is not None and folder.exists():
                         _evict(folder)
                 _quiet_device(device)
@@ -288,6 +299,9 @@ class _Bench(pl.Callback):
                 rows[name].append(_timed(ops[name], i, what=f"{name} round {i}"))
                 if name == "ds_save":  # what ours does inside its save: every file on the device
                     rows["ds_fsync"].append(_timed(_evict, self._folder("ds", i), (rank, WORLD)))
+            settle(i)
+            rows["async_save"].append(_timed(ops["async_save"], i, what=f"async_save round {i}"))
+            rows["async_commit"].append(_timed(ops["async_commit"], i, what=f"async_commit round {i}"))
             if rank == 0:
                 sizes = {"ours": _bytes(ours_path(i)), "ds": _bytes(self._folder("ds", i))}
             loads = ["ours_load", "ds_load"] if i % 2 else ["ds_load", "ours_load"]
@@ -300,9 +314,13 @@ class _Bench(pl.Callback):
             if rank == 0 and i < self.repeats:  # the last pair stays for the profile and the resharding source
                 shutil.rmtree(ours_path(i))
                 shutil.rmtree(self._folder("ds", i))
+                shutil.rmtree(self._folder("async", i))
                 os.sync()  # the deletions reach the device now, not during the next round's first save
             dist.barrier()
         last = self.repeats
+        if rank == 0:
+            shutil.rmtree(self._folder("async", last))
+        dist.barrier()
         if self.profile_to is not None:
             self._profile(strategy, ops, last, rank)
         if self.keep_to is not None and rank == 0:
@@ -562,6 +580,22 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
             f"{_s(durable)} | {m['ours_save'] / durable:.2f} | {_s(m['ours_load'])} | {_s(m['ds_load'])} | "
             f"**{m['ours_load'] / m['ds_load']:.2f}** |")
     lines += ["", "Target: ours / DS <= 1.3 at the same layout.", "",
+              "Asynchronous save (`HybridParallelStrategy(async_checkpoint=True)`, ours only, in each round after the "
+              "two saves above): 'returns' is what the save costs the training loop (the pieces copied in memory, "
+              "ZeRO-3's gathers, the small files pickled); 'then committed' is the wait, started at once, for the "
+              "thread's writes and fsyncs and the commit (in a run, training goes on meanwhile); peak anonymous "
+              "memory of the copy per rank.", "",
+              "| model | layout | returns s | **returns / DS save** | then committed s | returns + committed s | "
+              "copy MB per rank (anon peak) |",
+              "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        m = r["median"]
+        both = statistics.median(a + b for a, b in zip(r["seconds"]["async_save"], r["seconds"]["async_commit"],
+                                                       strict=True))
+        lines.append(f"| {r['model']} | {r['layout']} | {_s(m['async_save'])} | "
+                     f"**{m['async_save'] / m['ds_save']:.2f}** | {_s(m['async_commit'])} | {_s(both)} | "
+                     f"{'/'.join(_mb(a) for a in r['anon']['async_save'])} |")
+    lines += ["",
               "Resharding load (ours only: DeepSpeed's `load_checkpoint` reads only the layout that saved, with its "
               "tp/pp degrees and ZeRO partitioning, so there is nothing to compare with):", "",
               "| model | saved in | loaded into | load s | that layout's own load s (above) |",
@@ -576,14 +610,16 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
     for r in rows:
         cells = " | ".join(_memory_cell(r, n) for n in ("ours_save", "ds_save", "ours_load", "ds_load", "reshard_load"))
         lines.append(f"| {r['model']} | {r['layout']} | {'/'.join(_mb(x) for x in r['rss'])} | {cells} |")
-    lines += ["", "Every round's seconds (ours save | DS save | DS fsync | ours load | DS load | resharding load; "
+    lines += ["", "Every round's seconds (ours save | DS save | DS fsync | async returns | async then committed | "
+              "ours load | DS load | resharding load; "
               "the two sides of a round ran back to back, so their ratio saw the same machine load), "
               "Lightning's `dump_checkpoint` (run once, common to both sides, not in the tables), parameters per "
               "rank, DeepSpeed's optimizer:", ""]
     for r in rows:
         s = r["seconds"]
         parts = " | ".join(", ".join(f"{x:.2f}" for x in s[n]) for n in
-                           ("ours_save", "ds_save", "ds_fsync", "ours_load", "ds_load", "reshard_load") if n in s)
+                           ("ours_save", "ds_save", "ds_fsync", "async_save", "async_commit", "ours_load", "ds_load",
+                            "reshard_load") if n in s)
         paired = "; ".join(
             f"{op} ours/DS per round " + ", ".join(f"{a / b:.2f}" for a, b in zip(s[f"ours_{op}"], s[f"ds_{op}"],
                                                                                   strict=True))
