@@ -63,6 +63,8 @@ from shardline.plugins.errors import CheckpointError
 FORMAT, VERSION = "shardline-checkpoint", 2
 READS = (1, 2)  # the versions this shardline reads (module docstring)
 MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer.pt"
+#: In the placeholder an asynchronous save leaves at its final name until its commit (:meth:`AtomicSave.reserve`).
+PENDING = "shardline-pending"
 #: Test hook: ``PHASE`` or ``PHASE:RANK`` makes that rank SIGKILL itself when the save reaches ``PHASE``
 #: (one of ``PHASES``), to prove a save killed anywhere leaves the previous checkpoint loadable.
 KILL_ENV = "SHARDLINE_TEST_KILL_SAVE_AT"
@@ -488,6 +490,20 @@ class AtomicSave:
         """Make :attr:`tmp` (every rank may call it; the token is new, so the folder is this save's alone)."""
         self.tmp.mkdir(parents=True, exist_ok=True)
 
+    def reserve(self) -> None:
+        """Rank 0, for an asynchronous save: an empty folder at :attr:`final` (holding only a :data:`PENDING`
+        marker) until the commit replaces it, so the name is taken at once (Lightning versions the next file name
+        and links ``last.ckpt`` to it); :func:`resolve` falls back from one to the newest complete checkpoint
+        beside it. A checkpoint already at that name stays there until the commit replaces it."""
+        if not os.path.lexists(self.final):
+            self.final.mkdir()
+            (self.final / PENDING).write_text(self.tmp.name + "\n")
+
+    def unreserve(self) -> None:
+        """Rank 0, after the asynchronous save failed: remove its placeholder (never a checkpoint)."""
+        if is_placeholder(self.final):
+            shutil.rmtree(self.final, ignore_errors=True)
+
     def commit(self, manifest: dict, *, rank: int) -> None:
         """Rank 0, once every rank's files are durable: the manifest, then the rename, then ``latest``. The
         manifest and the folder's entries are durable before the rename; the pointer's new text is staged and
@@ -516,6 +532,11 @@ def is_checkpoint(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def is_placeholder(path: Path) -> bool:
+    """An asynchronous save's placeholder (:meth:`AtomicSave.reserve`): its commit has not happened."""
+    return (Path(path) / PENDING).is_file() and not is_checkpoint(path)
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """The complete checkpoint folder ``path`` names: a checkpoint itself, or a folder of checkpoints (its
     ``latest`` pointer, else its newest complete checkpoint). Partial saves beside it are ignored with a
@@ -526,6 +547,11 @@ def resolve(path: str | os.PathLike) -> Path:
                               "once its manifest is durable): the save that wrote it was interrupted")
     if is_checkpoint(path):
         return path
+    if is_placeholder(path):
+        warnings.warn(f"{path} is an asynchronous save that was never committed (the run ended before its "
+                      f"commit); loading the checkpoint directory's latest complete checkpoint instead",
+                      stacklevel=2)
+        return _newest(path.resolve().parent)
     if path.is_dir() and ((not path.name.startswith(".") and (path / POINTER).exists()) or _complete(path)
                           or any(".partial-" in p.name for p in path.iterdir())):
         return _newest(path)
@@ -566,6 +592,6 @@ def _newest(root: Path) -> Path:
     return max(complete, key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
 
 
-__all__ = ["AtomicSave", "CHUNK", "FORMAT", "KILL_ENV", "MANIFEST", "PHASES", "POINTER", "READS",
-           "ShardWriter", "build_manifest", "describe_files", "dtype_of", "fsync_all", "is_checkpoint", "phase",
-           "resolve", "write_small"]
+__all__ = ["AtomicSave", "CHUNK", "FORMAT", "KILL_ENV", "MANIFEST", "PENDING", "PHASES", "POINTER", "READS",
+           "ShardWriter", "build_manifest", "describe_files", "dtype_of", "fsync_all", "is_checkpoint",
+           "is_placeholder", "phase", "resolve", "write_small"]

@@ -91,11 +91,11 @@ def _fitting(strategy) -> bool:
 
 
 def _in_fit(strategy) -> bool:
-    """Inside ``trainer.fit`` (not a ``trainer.save_checkpoint`` after it): an asynchronous save is committed by
-    the fit's next batch, save or teardown, so only a save made while the fit runs may be one."""
-    from pytorch_lightning.trainer.states import TrainerStatus
-
-    return _fitting(strategy) and strategy.lightning_module.trainer.state.status == TrainerStatus.RUNNING
+    """Between the fit's ``on_train_start`` and ``on_train_end`` (the strategy's hooks, which every rank runs
+    after the callbacks' and the module's): an asynchronous save is committed by the next batch, save or load, or
+    at the latest by ``on_train_end``, so only a save made in that window may be one. A save in ``on_fit_end``,
+    a ``teardown`` hook or after ``fit`` is synchronous."""
+    return bool(getattr(strategy, "async_window", False)) and _fitting(strategy)
 
 
 def _optimizer(strategy):
@@ -205,6 +205,8 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     try:
         small = {name: _pickled(obj) for name, obj in small.items()}  # bytes now: the state goes on changing
         target.create()  # every rank: whoever comes first makes it
+        if background and me == 0:
+            target.reserve()
         phase("before_shards", me)
         replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
         pieces = ((name, entry.placement.canonical_shape(), box, piece)
@@ -272,7 +274,8 @@ class _Pending:
         self.removals: list[str] = []
         self.thread = None
         if work is not None:
-            self.thread = threading.Thread(target=self._run, args=work, name="shardline-save", daemon=False)
+            # A daemon: only an abandoned save (the run failed) can still be writing when the interpreter exits.
+            self.thread = threading.Thread(target=self._run, args=work, name="shardline-save", daemon=True)
             self.thread.start()
 
     def _run(self, *work) -> None:
@@ -305,22 +308,32 @@ def settle(strategy, *, poll: bool = False) -> None:
             return
     strategy.pending_save = None
     me = strategy.global_rank
-    _finish(pending.target, pending.wait(), me, dist.get_world_size(), pending.meta)
+    try:
+        _finish(pending.target, pending.wait(), me, dist.get_world_size(), pending.meta)
+    except CheckpointError:
+        if me == 0:  # nothing committed: the name is free again (the checkpoints to remove are kept)
+            pending.target.unreserve()
+        raise
     if me == 0:
         for path in pending.removals:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def abandon(strategy) -> None:
-    """After a failure (no collective can be trusted): wait for this rank's writes to end and leave the pending
-    save uncommitted; its partial folder is ignored, with a warning, by whoever loads the folder next."""
+def abandon(strategy, *, wait_s: float = 30.0) -> None:
+    """After a failure (no collective can be trusted): wait (at most ``wait_s``) for this rank's writes to end and
+    leave the pending save uncommitted. Its partial folder is ignored, with a warning, by whoever loads the folder
+    next, and its placeholder (:meth:`AtomicSave.reserve`, which ``last.ckpt`` may link to) loads the latest
+    complete checkpoint beside it, with a warning."""
     pending = getattr(strategy, "pending_save", None)
     if pending is None:
         return
     strategy.pending_save = None
-    pending.wait()
-    warnings.warn(f"{pending.target.final}: an asynchronous save was still being written when the run failed; "
-                  f"it is not committed (its partial folder {pending.target.tmp.name} is ignored)", stacklevel=2)
+    if pending.thread is not None:
+        pending.thread.join(wait_s)
+    still = pending.thread is not None and pending.thread.is_alive()
+    warnings.warn(f"{pending.target.final}: an asynchronous save was {'still being' if still else 'being'} written when "
+                  f"the run failed; it is not committed (its partial folder {pending.target.tmp.name} is ignored"
+                  f"{'; its writer thread is still running' if still else ''})", stacklevel=2)
 
 
 def _said(error: BaseException) -> str:

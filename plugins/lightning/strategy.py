@@ -64,12 +64,15 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     folder per run under the system's temp dir, so failing test runs leave nothing in the working tree; the
     message names it).
 
-    ``async_checkpoint=True``: a checkpoint saved while fitting costs the training loop only a copy of this
-    rank's pieces (in memory, once); a thread writes and fsyncs them while training goes on, and the commit
-    (manifest, rename, ``latest``) follows at the first batch that finds every rank's writes done, at the next
-    save or load, or at the end of the fit. Atomicity and checks are a synchronous save's; a save made while
-    one is pending waits for it (with ``ModelCheckpoint(save_last=...)`` use ``save_last="link"``, or the
-    ``last.ckpt`` save right after a top-k one waits); a run that fails leaves a pending save uncommitted.
+    ``async_checkpoint=True``: a checkpoint saved during training (from ``on_train_start`` to ``on_train_end``)
+    costs the training loop only a copy of this rank's pieces (in memory, once); a thread writes and fsyncs them
+    while training goes on, and the commit (manifest, rename, ``latest``) follows at the first batch that finds
+    every rank's writes done, at the next save or load, or at ``on_train_end``. Rank 0 reserves the name at once
+    with a placeholder folder, so Lightning's versioning and ``save_last="link"`` see it. Atomicity and checks
+    are a synchronous save's; a save made while one is pending waits for it (with ``ModelCheckpoint(save_last=
+    ...)`` use ``save_last="link"``, or the ``last.ckpt`` save right after a top-k one waits); a run that fails
+    leaves a pending save uncommitted (teardown runs no collective), and its placeholder loads the latest
+    complete checkpoint beside it, with a warning.
     """
 
     strategy_name = "shardline"
@@ -113,7 +116,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             raise ContractError(f"async_checkpoint={async_checkpoint!r} must be True or False")
         self.async_checkpoint = async_checkpoint
         self.pending_save = None  # an async_checkpoint save being written (checkpointing._Pending)
-        self._failed = False  # on_exception ran: a pending save is abandoned, not committed
+        self.async_window = False  # from on_train_start to on_train_end: where a save may be asynchronous
 
     # --- layout ------------------------------------------------------------------------------------------------
 
@@ -167,7 +170,6 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         # The watchdog names the dead or hung rank (it waits, bounded, for the verdict); teardown raises it.
-        self._failed = True
         if self.watchdog is not None:
             self.watchdog.on_exception(exception)
         super().on_exception(exception)
@@ -175,16 +177,14 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         """Lightning's teardown, then the watchdog's: after a failure it raises the one CollectiveError (from
         the exception that interrupted the run), except on a rank whose own code raised something other than a
-        collective error (that rank keeps its exception). A pending ``async_checkpoint`` save is committed
-        first, or, after a failure, left uncommitted once its writes end."""
+        collective error (that rank keeps its exception). An ``async_checkpoint`` save still pending here (the
+        fit failed or was interrupted before ``on_train_end``) is left uncommitted once its writes end: no
+        collective runs in teardown, where the ranks may not all have arrived."""
+        self.async_window = False
         if self.pending_save is not None:
             from shardline.plugins.lightning import checkpointing
 
-            if self._failed:
-                checkpointing.abandon(self)
-            else:
-                checkpointing.settle(self)
-        self._failed = False  # a later fit with this strategy starts clean
+            checkpointing.abandon(self)
         try:
             super().teardown()
         finally:
@@ -397,6 +397,20 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                               f"but their dim 1 differ: {listed}; define cp_shard_batch(batch, shard) on the "
                               "LightningModule to say which tensors carry the sequence")
         return _map_sequence_tensors(batch, lambda tensor, path: cut(tensor))
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.async_window = True
+
+    def on_train_end(self) -> None:
+        """Commits a pending ``async_checkpoint`` save (collective: every rank ends training here, after the
+        callbacks' ``on_train_end``); saves from here on are synchronous."""
+        self.async_window = False
+        if self.pending_save is not None:
+            from shardline.plugins.lightning import checkpointing
+
+            checkpointing.settle(self)
+        super().on_train_end()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)

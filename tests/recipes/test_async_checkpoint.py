@@ -21,7 +21,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.checkpoint.files import MANIFEST, POINTER, resolve
+from shardline.plugins.checkpoint.files import MANIFEST, POINTER, is_checkpoint, is_placeholder, resolve
 from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import ContractError
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
@@ -62,7 +62,8 @@ class _HeldWrites(pl.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):  # runs before the strategy's poll
         pending = trainer.strategy.pending_save
         if pending is not None:
-            self.seen.append((trainer.global_step, pending.target.final.exists(),
+            final = pending.target.final  # rank 0 reserved the name at once; the commit has not happened
+            self.seen.append((trainer.global_step, (is_checkpoint(final), is_placeholder(final)),
                               [(Path(p).name, (Path(p) / MANIFEST).is_file()) for p in pending.removals]))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -86,7 +87,7 @@ class _Boom(pl.Callback):
 def _fit(rank, world, root, layout, asynchronous, saver_kwargs, epochs):
     adopt_process_group_in_lightning()
     held = _HeldWrites()
-    saver = ModelCheckpoint(dirpath=root, every_n_epochs=1, **saver_kwargs)
+    saver = ModelCheckpoint(dirpath=root, **{"every_n_epochs": 1, **saver_kwargs})
     strategy = HybridParallelStrategy(**layout, async_checkpoint=asynchronous)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -100,7 +101,7 @@ def _fit(rank, world, root, layout, asynchronous, saver_kwargs, epochs):
 
 def _fail_while_pending(rank, world, root):
     adopt_process_group_in_lightning()
-    saver = ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, save_last=False)
+    saver = ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, save_last="link")
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(
         pp=2, zero_stage=1, async_checkpoint=True), max_epochs=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[_HeldWrites(), _Boom(), saver])
@@ -123,13 +124,18 @@ def test_a_run_that_fails_while_a_save_is_pending_leaves_it_uncommitted(tmp_path
     for rank, (raised, warned, cleared) in enumerate(run_ranks(_fail_while_pending, 2, str(root), timeout=300)):
         assert raised == f"boom on rank {rank}" and cleared
         assert len(warned) == 1 and "epoch=1-step=4.ckpt" in warned[0] and "not committed" in warned[0], warned
-    assert not (root / "epoch=1-step=4.ckpt").exists()
-    assert (root / POINTER).read_text().strip() == "epoch=0-step=2.ckpt"  # committed by the epoch-1 save's settle
+    first, second = root / "epoch=0-step=2.ckpt", root / "epoch=1-step=4.ckpt"
+    assert is_placeholder(second) and not is_checkpoint(second)
+    assert (root / POINTER).read_text().strip() == first.name  # committed by the epoch-1 save's settle
+    assert (root / "last.ckpt").resolve() == second  # Lightning linked it when the save returned
     partial = [p.name for p in root.iterdir() if ".partial-" in p.name]
     assert len(partial) == 1 and partial[0].startswith(".epoch=1-step=4.ckpt.partial-"), partial
     with pytest.warns(UserWarning, match="partial"):
         folder = resolve(root)
-    assert folder == root / "epoch=0-step=2.ckpt"
+    assert folder == first
+    # ckpt_path="last" (or the placeholder's name): the latest complete checkpoint, said in a warning
+    with pytest.warns(UserWarning, match="never committed"):
+        assert resolve(root / "last.ckpt") == first
     with CheckpointReader(folder) as reader:
         for name in reader.tensors:
             reader.read(name)
@@ -155,7 +161,7 @@ def test_async_saves_are_the_synchronous_saves(tmp_path, layout):
     for _, seen, pending_after_fit, committed_on_return in asyn:
         # The saves after epochs 0 and 1 were still being written at the next batch (held): not committed then.
         assert {step for step, _, _ in seen} >= {per_epoch, 2 * per_epoch}, seen
-        assert not any(exists for _, exists, _ in seen), seen
+        assert {state for _, state, _ in seen} == {(False, True)}, seen  # a placeholder (on the shared disk)
         assert not pending_after_fit and committed_on_return  # the fit's last save committed by its teardown
     for _, seen, _, committed_on_return in sync:
         assert not seen and committed_on_return
@@ -184,6 +190,28 @@ def test_top_k_rotation_and_last_link_wait_for_the_commit(tmp_path):
     with CheckpointReader(resolve(root / "last.ckpt")) as reader:
         for name in reader.tensors:
             reader.read(name)
+
+
+def test_names_taken_by_pending_saves_are_versioned_as_in_a_synchronous_run(tmp_path):
+    """A save after every step under one file name, top 3 by step: Lightning gives a name that exists ``-v1``,
+    ``-v2``. The previous save is still pending at the next one's name check (held: the poll never finds it
+    done), so only the placeholder, which takes the name at once, keeps the names (and what each holds) those of
+    a synchronous run instead of the next save overwriting the pending one."""
+    kwargs = dict(filename="same", save_top_k=3, monitor="step", mode="max", every_n_epochs=None,
+                  every_n_train_steps=1)
+    layout = dict(pp=2, zero_stage=1)
+
+    def saved(root):
+        names = sorted(p.name for p in root.iterdir() if p.name.endswith(".ckpt") and p.name != "after-fit.ckpt")
+        assert all(is_checkpoint(root / name) for name in names), names
+        return {name: json.loads((root / name / MANIFEST).read_text())["global_step"] for name in names}
+
+    run_ranks(_fit, 2, str(tmp_path / "sync"), layout, False, kwargs, 3, timeout=300)
+    run_ranks(_fit, 2, str(tmp_path / "async"), layout, True, kwargs, 3, timeout=300)
+    sync = saved(tmp_path / "sync")
+    assert sorted(sync.values()) == [4, 5, 6] and len(sync) == 3 and "same-v1.ckpt" in sync, sync
+    assert saved(tmp_path / "async") == sync
+    assert not [p.name for p in (tmp_path / "async").iterdir() if ".partial-" in p.name]
 
 
 def test_async_checkpoint_must_be_a_bool():
