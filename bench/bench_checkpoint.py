@@ -549,6 +549,11 @@ def _model_line(name: str) -> str:
     return f"`{name}` ({count} parameters: Llama, {shape})"
 
 
+def _median_of_sums(row: dict, first: str, then: str) -> float:
+    """The median over the rounds of two operations' seconds added (each round's pair ran back to back)."""
+    return statistics.median(a + b for a, b in zip(row["seconds"][first], row["seconds"][then], strict=True))
+
+
 def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[str]:
     used = sorted({r["model"] for r in rows}, key=list(MODELS).index)
     lines = [
@@ -572,8 +577,7 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
     ]
     for r in rows:
         m = r["median"]
-        durable = statistics.median(a + b for a, b in zip(r["seconds"]["ds_save"], r["seconds"]["ds_fsync"],
-                                                          strict=True))
+        durable = _median_of_sums(r, "ds_save", "ds_fsync")
         lines.append(
             f"| {r['model']} | {r['layout']} | {_mb(r['sizes']['ours'])} / {_mb(r['sizes']['ds'])} | "
             f"{_s(m['ours_save'])} | {_s(m['ds_save'])} | **{m['ours_save'] / m['ds_save']:.2f}** | "
@@ -590,8 +594,7 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
               "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         m = r["median"]
-        both = statistics.median(a + b for a, b in zip(r["seconds"]["async_save"], r["seconds"]["async_commit"],
-                                                       strict=True))
+        both = _median_of_sums(r, "async_save", "async_commit")
         lines.append(f"| {r['model']} | {r['layout']} | {_s(m['async_save'])} | "
                      f"**{m['async_save'] / m['ds_save']:.2f}** | {_s(m['async_commit'])} | {_s(both)} | "
                      f"{'/'.join(_mb(a) for a in r['anon']['async_save'])} |")

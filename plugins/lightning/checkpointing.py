@@ -90,12 +90,13 @@ def _fitting(strategy) -> bool:
     return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
-def _in_fit(strategy) -> bool:
-    """Between the fit's ``on_train_start`` and ``on_train_end`` (the strategy's hooks, which every rank runs
-    after the callbacks' and the module's): an asynchronous save is committed by the next batch, save or load, or
-    at the latest by ``on_train_end``, so only a save made in that window may be one. A save in ``on_fit_end``,
-    a ``teardown`` hook or after ``fit`` is synchronous."""
-    return bool(getattr(strategy, "async_window", False)) and _fitting(strategy)
+def _asynchronous(strategy) -> bool:
+    """Whether a save now is an asynchronous one: with ``async_checkpoint``, between the fit's ``on_train_start``
+    and ``on_train_end`` (the strategy's hooks, which every rank runs after the callbacks' and the module's). It
+    is committed by the next batch, save or load, or at the latest by ``on_train_end``, so only a save made in
+    that window may be one; a save in ``on_fit_end``, a ``teardown`` hook or after ``fit`` is synchronous."""
+    return (bool(getattr(strategy, "async_checkpoint", False)) and bool(getattr(strategy, "async_window", False))
+            and _fitting(strategy))
 
 
 def _optimizer(strategy):
@@ -177,7 +178,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     removed, and the previous checkpoint and ``latest`` stay as they were."""
     settle(strategy)
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
-    background = bool(getattr(strategy, "async_checkpoint", False)) and _in_fit(strategy)
+    background = _asynchronous(strategy)
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
@@ -288,9 +289,10 @@ class _Pending:
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
 
-    def wait(self) -> Exception | None:
+    def wait(self, timeout: float | None = None) -> Exception | None:
+        """This rank's writes' error, once they end (or ``timeout`` seconds pass: see :meth:`done`)."""
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout)
         return self.failure
 
 
@@ -314,9 +316,8 @@ def settle(strategy, *, poll: bool = False) -> None:
         if me == 0:  # nothing committed: the name is free again (the checkpoints to remove are kept)
             pending.target.unreserve()
         raise
-    if me == 0:
-        for path in pending.removals:
-            shutil.rmtree(path, ignore_errors=True)
+    for path in pending.removals:  # nothing pending now: the strategy's own removal (rank 0's)
+        strategy.remove_checkpoint(path)
 
 
 def abandon(strategy, *, wait_s: float = 30.0) -> None:
@@ -328,12 +329,11 @@ def abandon(strategy, *, wait_s: float = 30.0) -> None:
     if pending is None:
         return
     strategy.pending_save = None
-    if pending.thread is not None:
-        pending.thread.join(wait_s)
-    still = pending.thread is not None and pending.thread.is_alive()
-    warnings.warn(f"{pending.target.final}: an asynchronous save was {'still being' if still else 'being'} written when "
-                  f"the run failed; it is not committed (its partial folder {pending.target.tmp.name} is ignored"
-                  f"{'; its writer thread is still running' if still else ''})", stacklevel=2)
+    pending.wait(wait_s)
+    still = not pending.done()
+    warnings.warn(f"{pending.target.final}: an asynchronous save was {'still being' if still else 'being'} "
+                  f"written when the run failed; it is not committed (its partial folder {pending.target.tmp.name} "
+                  f"is ignored{'; its writer thread is still running' if still else ''})", stacklevel=2)
 
 
 def _said(error: BaseException) -> str:
