@@ -482,9 +482,12 @@ class AtomicSave:
         self.final = Path(final)
         self.tmp = self.final.parent / f".{self.final.name}.partial-{token}"
 
+    #: A token's random bytes (written as twice as many hex digits): one int64 carries it between ranks.
+    TOKEN_BYTES = 4
+
     @staticmethod
     def new_token() -> str:
-        return secrets.token_hex(4)
+        return secrets.token_hex(AtomicSave.TOKEN_BYTES)
 
     def create(self) -> None:
         """Make :attr:`tmp` (every rank may call it; the token is new, so the folder is this save's alone)."""

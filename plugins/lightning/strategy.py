@@ -107,6 +107,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.pipeline_driver = None  # a PipelineDriver when pp > 1, built at setup
         self._pipeline_runs = 0  # strategy.pipeline() calls in the current step (exactly one under pp > 1)
         self.pipeline_meta_group = None
+        # gloo over the whole world where the grid's groups are NCCL's: the checkpoint's few-word CPU collectives
+        # (a CPU tensor has no backend on an NCCL-only group); None (the default group) where that is gloo
+        self.control_group = None
         self.collective_timeout = collective_timeout_seconds(collective_timeout)  # seconds, validated now
         self.collective_dump_dir = collective_dump_dir
         self.watchdog: CollectiveWatchdog | None = None  # from setup_distributed to teardown
@@ -160,6 +163,10 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                 group = dist.new_group(ranks, backend="gloo")
                 if self.global_rank in ranks:
                     self.pipeline_meta_group = group
+        if self.grid.backend != "gloo" and self.world_size > 1:
+            import torch.distributed as dist
+
+            self.control_group = dist.new_group(backend="gloo", group_desc="shardline_control")
         if self.world_size > 1:
             self.watchdog = CollectiveWatchdog.start(self.grid, timeout=self.collective_timeout,
                                                      dump_dir=self.collective_dump_dir)

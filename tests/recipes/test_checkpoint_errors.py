@@ -29,11 +29,14 @@ def _data() -> DataLoader:
 
 
 def _fit(rank, world, model, save_to, resume_from):
-    """Train (one epoch) from ``resume_from`` (a list: each rank its own path); on failure return the error text
-    and whether the weights are still the freshly built ones (nothing was overwritten)."""
+    """Train (one epoch) from ``resume_from`` and save to ``save_to`` (either a list: each rank its own path); on
+    failure return the error text and whether the weights are still the freshly built ones (nothing was
+    overwritten)."""
     adopt_process_group_in_lightning()
     if isinstance(resume_from, list):
         resume_from = resume_from[rank]
+    if isinstance(save_to, list):
+        save_to = save_to[rank]
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(zero_stage=1),
                          max_epochs=1 if resume_from is None else 2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -120,6 +123,18 @@ def test_ranks_that_found_different_checkpoints(saved, tmp_path):
         assert unchanged
         assert "the ranks found different checkpoints" in message
         assert f"rank 0: {paths[0]}, rank 1: {paths[1]}; nothing was loaded" in message
+
+
+def test_ranks_given_different_folders_save_into_rank_0s(tmp_path):
+    """A save whose ranks were given different folders writes one checkpoint, at rank 0's (the ranks learn that
+    they differ from the digests in the save's first all-reduce, then take rank 0's folder), and it loads."""
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert [kind for kind, _, _ in run_ranks(_fit, 2, LLAMA, paths, None, timeout=300)] == ["ok", "ok"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "latest"]
+    with CheckpointReader(tmp_path / "a") as reader:
+        reader.verify()
+        assert reader.manifest["world_size"] == 2
+    assert [kind for kind, _, _ in run_ranks(_fit, 2, LLAMA, None, paths[0], timeout=300)] == ["ok", "ok"]
 
 
 def test_missing_shard(saved, tmp_path):
