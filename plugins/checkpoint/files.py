@@ -37,6 +37,7 @@ instead of reporting its CRC-32C values as damage.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import fcntl
 import json
@@ -176,6 +177,30 @@ _BOUNCE: dict[int, tuple[threading.Lock, list[mmap.mmap]]] = {}
 _COALESCE = 1 << 20
 
 
+def _writeback_starter():
+    """Linux's ``sync_file_range`` (through libc), or None where there is none (macOS, other libcs)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _writeback_starter()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; do not wait for them
+
+
+def start_writeback(fd: int) -> None:
+    """Have the kernel start writing ``fd``'s dirty pages to the device now, without waiting: the fsync that
+    makes the file durable later then finds them on their way, and the rank's other work (its small files,
+    its record) runs beside the device's. For 2.6 MB written plainly, then 1 ms of other work, write + fsync
+    took 3.3 ms instead of 4.4 ms here. Advice only: where the call is missing or fails, nothing changes."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     """Write all of ``view`` at ``fd``'s offset. An O_DIRECT write the file system refuses (``_REFUSED``: some
     accept the flag and refuse the write) clears the flag and goes through the page cache."""
@@ -305,6 +330,8 @@ class _Sink:
                     buf[self.fill:padded] = bytes(padded - self.fill)
                     _write_all(self.fd, memoryview(buf)[:padded])
                     os.ftruncate(self.fd, self.size)
+            elif ok:  # a plain file: its pages are dirty in the page cache until the caller's fsync
+                start_writeback(self.fd)
         finally:
             if self.pending is not None:  # an error above: still no close under a running write
                 _settled(self.pending)

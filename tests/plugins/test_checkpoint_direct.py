@@ -4,10 +4,12 @@ file system or a write that refuses O_DIRECT still gets the file, through the pa
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
 import struct
+import sys
 
 import pytest
 import torch
@@ -229,3 +231,36 @@ def test_a_small_file_of_many_tensors_is_written_in_few_writes(tmp_path, monkeyp
     sink.write(b"x" * 100)
     sink.close(ok=False)
     assert (tmp_path / "failed").read_bytes() == b""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_a_plain_file_starts_its_writeback_when_its_writes_end(tmp_path, monkeypatch):
+    """A plain (page-cache) file asks the kernel to start writing its dirty pages when its sink closes, so the
+    caller's fsync finds them on their way: the real ``sync_file_range`` through libc (a wrong signature fails
+    with EINVAL or EBADF here), once per plain file, never for an O_DIRECT file or a failed write."""
+    assert files._SYNC_FILE_RANGE is not None
+    with open(tmp_path / "probe", "wb") as f:
+        f.write(b"y" * 10000)
+        f.flush()
+        assert files._SYNC_FILE_RANGE(f.fileno(), 0, 0, files._SYNC_FILE_RANGE_WRITE) == 0
+    assert files._SYNC_FILE_RANGE(-1, 0, 0, files._SYNC_FILE_RANGE_WRITE) == -1
+    assert ctypes.get_errno() == errno.EBADF
+    started, real = [], files.start_writeback
+
+    def seen(fd):
+        started.append(os.fstat(fd).st_size)
+        real(fd)
+
+    monkeypatch.setattr(files, "start_writeback", seen)
+    small = [("x", torch.randn(1000)), ("y", torch.arange(7))]
+    write_safetensors(tmp_path / "small.safetensors", small, rank=0)
+    assert started == [(tmp_path / "small.safetensors").stat().st_size]  # every byte written by then
+    _same(tmp_path / "small.safetensors", small)
+    monkeypatch.setattr(files, "DIRECT_MIN", 1 << 16)
+    big = [("z", torch.randn(50000))]  # 200 kB: O_DIRECT at this DIRECT_MIN
+    write_safetensors(tmp_path / "big.safetensors", big, rank=0)
+    _same(tmp_path / "big.safetensors", big)
+    sink = _Sink(tmp_path / "failed", direct=False)
+    sink.write(b"x" * 100)
+    sink.close(ok=False)
+    assert len(started) == 1 or not files._O_DIRECT  # the direct file and the failed one started nothing
