@@ -509,8 +509,10 @@ class AtomicSave:
         self.final = Path(final)
         self.tmp = self.final.parent / f".{self.final.name}.partial-{token}"
 
-    #: A token's random bytes (written as twice as many hex digits): one int64 carries it between ranks.
+    #: A token's random bytes (written as twice as many hex digits): one non-negative int64 carries it between
+    #: ranks, so at most 7.
     TOKEN_BYTES = 4
+    assert TOKEN_BYTES <= 7
 
     @staticmethod
     def new_token() -> str:

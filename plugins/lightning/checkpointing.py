@@ -183,7 +183,7 @@ def _hello(strategy, path: str, keys: list, names: list[str]):
     group = _group(strategy)
     number, most, least_negated, changed = _reduce_words([int(token, 16) if me == 0 else 0, digest, -digest,
                                                            changed], "max", group)
-    token = token if me == 0 else f"{number:0{2 * AtomicSave.TOKEN_BYTES}x}"
+    token = f"{number:0{2 * AtomicSave.TOKEN_BYTES}x}"  # every rank alike: rank 0's, zero-padded
     if most != -least_negated:  # not the same (path, keys) everywhere: rank 0's, on every rank
         box = [(path, keys) if me == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)

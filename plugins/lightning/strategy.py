@@ -163,7 +163,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                 group = dist.new_group(ranks, backend="gloo")
                 if self.global_rank in ranks:
                     self.pipeline_meta_group = group
-        if self.grid.backend != "gloo" and self.world_size > 1:
+        if self.grid.backend != "gloo":  # also for one rank: its collectives still need a CPU backend
             import torch.distributed as dist
 
             self.control_group = dist.new_group(backend="gloo", group_desc="shardline_control")

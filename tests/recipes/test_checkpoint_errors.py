@@ -137,6 +137,20 @@ def test_ranks_given_different_folders_save_into_rank_0s(tmp_path):
     assert [kind for kind, _, _ in run_ranks(_fit, 2, LLAMA, None, paths[0], timeout=300)] == ["ok", "ok"]
 
 
+def test_a_token_with_leading_zeros_names_one_folder_on_every_rank(tmp_path, monkeypatch):
+    """Rank 0's token travels as an int64 and every rank, rank 0 included, writes it back the same way, into the
+    same temporary folder (a token of 8 hex digits starts with a zero in 1 save of 16; a rank whose text of it
+    differed from rank 0's, e.g. without the zeros, would write its pieces elsewhere and rank 0's commit would
+    miss its record: this fails then). The forked ranks inherit the patch."""
+    from shardline.plugins.checkpoint.files import AtomicSave
+
+    monkeypatch.setattr(AtomicSave, "new_token", staticmethod(lambda: "0000abcd"))
+    assert [kind for kind, _, _ in run_ranks(_fit, 2, LLAMA, str(tmp_path / "ck"), None, timeout=300)] == ["ok"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "latest"]
+    with CheckpointReader(tmp_path / "ck") as reader:
+        reader.verify()
+
+
 def test_missing_shard(saved, tmp_path):
     path = _copy(saved, tmp_path)
     (path / "rank-00001-000.safetensors").unlink()
