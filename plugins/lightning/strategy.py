@@ -155,17 +155,16 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.layout = self.layout.bind(self.world_size)
         self._init_deepspeed_distributed()
         self.grid = Grid.build(self.dims)
-        if self.dims.pp > 1 and self.grid.backend != "gloo":
-            # NCCL ignores message tags: the pipeline's shape headers travel on a gloo twin of the pp group.
+        if self.grid.backend != "gloo":
             import torch.distributed as dist
 
-            for ranks in self.dims.group_ranks("pp"):
-                group = dist.new_group(ranks, backend="gloo")
-                if self.global_rank in ranks:
-                    self.pipeline_meta_group = group
-        if self.grid.backend != "gloo":  # also for one rank: its collectives still need a CPU backend
-            import torch.distributed as dist
-
+            if self.dims.pp > 1:
+                # NCCL ignores message tags: the pipeline's shape headers travel on a gloo twin of the pp group.
+                for ranks in self.dims.group_ranks("pp"):
+                    group = dist.new_group(ranks, backend="gloo")
+                    if self.global_rank in ranks:
+                        self.pipeline_meta_group = group
+            # also for one rank: the checkpoint's collectives still need a CPU backend
             self.control_group = dist.new_group(backend="gloo", group_desc="shardline_control")
         if self.world_size > 1:
             self.watchdog = CollectiveWatchdog.start(self.grid, timeout=self.collective_timeout,

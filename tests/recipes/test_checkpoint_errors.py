@@ -127,7 +127,7 @@ def test_ranks_that_found_different_checkpoints(saved, tmp_path):
 
 def test_ranks_given_different_folders_save_into_rank_0s(tmp_path):
     """A save whose ranks were given different folders writes one checkpoint, at rank 0's (the ranks learn that
-    they differ from the digests in the save's first all-reduce, then take rank 0's folder), and it loads."""
+    they differ from the digests in the save's first exchange, then take rank 0's folder), and it loads."""
     paths = [str(tmp_path / "a"), str(tmp_path / "b")]
     assert [kind for kind, _, _ in run_ranks(_fit, 2, LLAMA, paths, None, timeout=300)] == ["ok", "ok"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "latest"]

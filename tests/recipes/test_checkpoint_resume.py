@@ -60,7 +60,6 @@ def test_resume_continues_exactly(tmp_path):
     assert full[0][2:] != pytest.approx(full[0][:2], rel=1e-3)  # the later steps really differ
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one per NCCL rank)")
 def test_resume_continues_exactly_on_nccl(tmp_path):
