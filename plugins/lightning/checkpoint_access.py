@@ -60,10 +60,13 @@ class Access:
 
     # --- save -------------------------------------------------------------------------------------------------
 
-    def pieces(self, entry: Entry, keys: list[str], *, replicas: int, replica: int
+    def pieces(self, entry: Entry, keys: list[str], *, replicas: int, replica: int, private: bool = False
                ) -> Iterator[tuple[str, Box, torch.Tensor]]:
         """``(canonical name, canonical box, values)`` this rank writes of ``entry``'s weight and its optimizer
-        states ``keys``. Collective on the whole-value path: every rank holding ``entry`` must iterate it."""
+        states ``keys``. Collective on the whole-value path: every rank holding ``entry`` must iterate it.
+        ``private``: no piece shares memory with the model or the optimizer (an asynchronous save's, which the
+        next step must not change), copying only what is not a copy already: a value moved off an accelerator,
+        a ZeRO-3 gather, a replica's rows."""
         trainable = entry.is_param and entry.tensor.requires_grad
         named = [(None, entry.name)] + ([(k, STATE.format(key=k, name=entry.name)) for k in keys] if trainable
                                         else [])
@@ -73,15 +76,16 @@ class Access:
                 return
             for key, name in named:
                 start, values = fragment if key is None else compat.local_fragment(entry.tensor, key)
-                yield from self._range_pieces(entry, name, start, values.detach().cpu())
+                yield from self._range_pieces(entry, name, start, _on_cpu(values.detach(), private, False))
             return
         for key, name in named:
-            value = self.weight(entry) if key is None else self.state(entry, key)
+            value, copied = self.weight(entry) if key is None else (self.state(entry, key), False)
             if value is None:
                 raise CheckpointError(f"{entry.path} has no optimizer state {key!r} on this rank")
             if not entry.writes:
                 continue
-            for box, piece in to_canonical(entry.placement, value.detach().cpu()):
+            value = _on_cpu(value.detach(), private and replicas == 1, copied)
+            for box, piece in to_canonical(entry.placement, value):
                 if replicas == 1:
                     yield name, box, piece
                     continue
@@ -99,20 +103,21 @@ class Access:
             for canonical, piece in to_canonical(sub, data):
                 yield name, canonical, piece
 
-    def weight(self, entry: Entry) -> torch.Tensor:
+    def weight(self, entry: Entry) -> tuple[torch.Tensor, bool]:
+        """The rank's whole value of ``entry``'s weight, and whether it is a copy made here (a ZeRO-3 gather's)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         param = entry.tensor
         if entry.is_param and param.requires_grad and compat.has_optimizer_view(param):
             value = safe_get_full_fp32_param(param)
             if value is not None:
-                return value.reshape(entry.local_shape())
+                return value.reshape(entry.local_shape()), False
         if compat.zero3_partitioned(param):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                return param.data.detach().clone()
-        return param.detach()
+                return param.data.detach().clone(), True
+        return param.detach(), False
 
     def state(self, entry: Entry, key: str) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_full_optimizer_state
@@ -194,6 +199,14 @@ class Access:
         state[key] = owned(value.reshape(param.shape), dtype=param.dtype, device=param.device)
         if step is not None and "step" not in state:
             state["step"] = torch.tensor(float(step))
+
+
+def _on_cpu(value: torch.Tensor, private: bool, copied: bool) -> torch.Tensor:
+    """``value`` on the CPU; with ``private``, sharing no memory with what it was read from: copied unless it is
+    a copy already (``copied``, or moved here from another device)."""
+    moved = value.device.type != "cpu"
+    value = value.cpu()
+    return value.clone() if private and not (copied or moved) else value
 
 
 def _range_placements(entry: Entry, start: int, stop: int) -> list:

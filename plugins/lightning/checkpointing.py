@@ -254,13 +254,14 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
             target.reserve()
         phase("before_shards", me)
         replicas, replica = grid.size("dp_cp"), grid.rank("dp_cp")
+        # Under async, private pieces (copies where they are not copies already): the next step may change every
+        # parameter and moment the moment this returns.
         pieces = ((name, entry.placement.canonical_shape(), box, piece)
                   for entry in _first_stage_writes(grid, mine, stages)
-                  for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica))
+                  for name, box, piece in access.pieces(entry, keys, replicas=replicas, replica=replica,
+                                                        private=background))
         if background:
-            # Copies (the whole-value path's gathers are collective, so they run here): the next step may change
-            # every parameter and moment the moment this returns.
-            staged = [(name, shape, box, piece.clone()) for name, shape, box, piece in pieces]
+            staged = list(pieces)  # here: the whole-value path's gathers are collective
         else:
             _write(target, me, pieces, small, max_file_bytes)
     except Exception as error:  # noqa: BLE001 - every rank learns of it in _written, and raises

@@ -684,3 +684,44 @@ def test_set_state_adopts_a_value_read_for_it_alone_and_copies_a_view():
     access.set_state(entry, "exp_avg", flat, step=5)
     assert optimizer.state[param]["exp_avg"].data_ptr() == flat.data_ptr()
     assert torch.equal(optimizer.state[param]["exp_avg"], flat.reshape(4, 3))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_private_pieces_share_no_memory_and_are_copied_once(monkeypatch, replicas):
+    """An asynchronous save's pieces (``Access.pieces(private=True)``) share no memory with the weights or the
+    optimizer state, and each value is copied once: the whole value where one replica writes it, only the
+    replica's rows where two do (those rows were a copy already). A synchronous save's (``private=False``) are
+    views of the live tensors where one replica writes them: no copy at all. ZeRO-0 in float32 on a real torch
+    AdamW after a step: the whole-value path."""
+    from shardline.plugins.checkpoint.names import Entry
+    from shardline.plugins.lightning.checkpoint_access import Access
+
+    param = torch.nn.Parameter(torch.randn(6, 5))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.randn(6, 5)
+    optimizer.step()
+    live = [param, *(optimizer.state[param][k] for k in ("exp_avg", "exp_avg_sq"))]
+    storages = {t.untyped_storage().data_ptr() for t in live}
+    entry = Entry(path="w", name="w", tensor=param, writes=True, is_param=True,
+                  placement=Placement(kind="plain", dense=(6, 5), box=((0, 6), (0, 5))))
+    clones, real = [], torch.Tensor.clone
+
+    def counted(self, *args, **kwargs):
+        clones.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted)
+    for private in (False, True):
+        clones.clear()
+        got = [list(Access(optimizer).pieces(entry, ["exp_avg", "exp_avg_sq"], replicas=replicas, replica=r,
+                                             private=private)) for r in range(replicas)]
+        for r, pieces in enumerate(got):
+            assert [name for name, _, _ in pieces] == ["w", "optimizer.exp_avg/w", "optimizer.exp_avg_sq/w"]
+            for (name, box, piece), value in zip(pieces, live, strict=True):
+                assert torch.equal(piece, value.detach()[relative(box, ((0, 6), (0, 5)))]), (name, r)
+            shared = [piece.untyped_storage().data_ptr() in storages for _, _, piece in pieces]
+            assert shared == [not private and replicas == 1] * 3, (private, r)
+        # a copy per value: whole (6, 5) values with one replica, (3, 5) rows with two; none for a sync save's
+        # single replica
+        want = ([(6, 5)] * 3 if private else []) if replicas == 1 else [(3, 5)] * 3 * replicas
+        assert clones == want, (private, clones)
