@@ -419,7 +419,7 @@ PROFILE_GROUPS = {
         ("  writes (O_DIRECT: what the writer thread left to wait for)", ("files.py:_wait", "files.py:_write_all")),
         ("  copies into the aligned buffers", ("self:files.py:write",)),
         ("  fsync", ("posix.fsync",)),
-        ("rank/trainer .pt files and records", ("checkpointing.py:_pickled", "files.py:write_small")),
+        ("rank/trainer state files and records", ("state.py:encode", "files.py:write_small")),
         ("manifest + commit", ("files.py:build_manifest", "files.py:commit")),
         ("c10d calls and waits", ("torch._C._distributed_c10d",)),
     ],
@@ -441,7 +441,7 @@ PROFILE_GROUPS = {
         ("  safe_set_full_*", ("tensor_fragment.py:safe_set_full_fp32_param",
                                "tensor_fragment.py:safe_set_full_optimizer_state")),
         ("  ZeRO-3 GatheredParameters", ("partition_parameters.py:__enter__", "partition_parameters.py:__exit__")),
-        ("rank/trainer .pt files", ("reader.py:small_file",)),
+        ("rank/trainer state files", ("reader.py:state_file",)),
         ("c10d calls and waits", ("torch._C._distributed_c10d",)),
     ],
     "ds_save": [

@@ -237,6 +237,11 @@ class _Files:
             self.where = {name: folder / file for name, file in weight_map.items()}
         else:
             files = sorted(folder.glob("*.safetensors"))
+            pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+            if not files and pickles:
+                raise CheckpointError(f"{folder}: its weights are {pickles[:3]}, torch.save pickles, which shardline "
+                                      "never loads (unpickling runs code); convert them to safetensors with a tool "
+                                      "you trust, or download the model's safetensors files")
             if not files:
                 raise CheckpointError(f"{folder}: no *.safetensors file (and no model.safetensors.index.json)")
             self.where = {}

@@ -2,6 +2,11 @@
 
     shardline convert CHECKPOINT OUT --to hf [--dtype bfloat16] [--max-shard-size 2GiB] [--model-index 0]
     shardline convert CHECKPOINT OUT --to state_dict [--dtype bfloat16] [--optimizer]
+    shardline convert CHECKPOINT OUT --migrate --trust
+
+``--migrate`` rewrites a checkpoint of format version 1 or 2 (its state files were ``torch.save`` pickles) as one
+of today's format, which holds no pickle; it unpickles the old files, so it runs only with ``--trust``
+(:func:`~shardline.plugins.checkpoint.convert.migrate`).
 
 ``CHECKPOINT`` is a checkpoint folder (what ``trainer.save_checkpoint`` or the checkpoint callback wrote under
 :class:`~shardline.plugins.lightning.strategy.HybridParallelStrategy`) or a folder of them (its ``latest``, else
@@ -42,7 +47,14 @@ def add_commands(subparsers) -> None:
                     "Hugging Face model folder or to a single consolidated PyTorch (Lightning) state dict.")
     parser.add_argument("checkpoint", help="a checkpoint folder, or a folder of them (its latest)")
     parser.add_argument("out", help="the folder (--to hf) or file (--to state_dict) to write; must not exist")
-    parser.add_argument("--to", required=True, choices=[t.value for t in Target], help="the output format")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--to", choices=[t.value for t in Target], help="the output format")
+    what.add_argument("--migrate", action="store_true",
+                      help="rewrite an old (format version 1-2) checkpoint, whose state files are pickles, as one of "
+                           "today's format (no pickle); needs --trust")
+    parser.add_argument("--trust", action="store_true",
+                        help="--migrate: unpickle the old checkpoint's state files. Unpickling runs any code their "
+                             "author put in them: only for a checkpoint you or someone you trust wrote")
     parser.add_argument("--dtype", default=None, metavar="|".join(DTYPE_NAMES),
                         help="cast every weight to this dtype (default: as saved, float32 master weights)")
     parser.add_argument("--max-shard-size", default="2GiB", metavar="SIZE",
@@ -80,6 +92,15 @@ def _command(args: argparse.Namespace) -> int:
 
 def run_convert(args: argparse.Namespace):
     """The conversion ``args`` ask for; returns :class:`~shardline.plugins.checkpoint.convert.Converted`."""
+    if getattr(args, "migrate", False):
+        from shardline.plugins.checkpoint import convert
+
+        if not args.trust:
+            raise ConvertError(f"--migrate without --trust: migrating unpickles the old checkpoint's state files, "
+                               f"and {convert.TRUST}")
+        return convert.migrate(args.checkpoint, args.out, trust=True)
+    if args.trust:
+        raise ConvertError("--trust goes with --migrate (nothing else unpickles anything)")
     target = Target(args.to)
     if args.dtype is not None and args.dtype not in DTYPE_NAMES:
         raise ConvertError(f"--dtype {args.dtype!r}: one of {', '.join(DTYPE_NAMES)}")

@@ -36,6 +36,12 @@ With ``optimizer=True`` it also holds ``sd["shardline_optimizer"]``::
 ``state`` is keyed by the module's parameter names (``named_parameters()``: a tied weight once, under its
 first name), each state shaped and laid out like the parameter; a parameter without saved states is absent.
 
+:func:`migrate` rewrites a checkpoint of format version 1 or 2, whose trainer and per-rank state files are
+``torch.save`` pickles, as a version-3 one whose state files are data (:mod:`.state`). It unpickles those files,
+which runs whatever code their author put in them, so it runs only when told to trust them (``trust=True``,
+``shardline convert --migrate --trust``): for a checkpoint you or someone you trust wrote, never a downloaded one.
+The shard files are hard-linked (copied where the filesystem cannot link) and the tensors left as they are.
+
 Bad input raises :class:`~shardline.plugins.hf.CheckpointError` naming the checkpoint, the tensor and the
 numbers before anything is written: no decoder model, a missing or misshapen tensor, a bad ``dtype``, an
 output that already exists. Outputs appear atomically (written beside under a temporary name, then renamed).
@@ -52,6 +58,7 @@ from pathlib import Path
 import torch
 
 from shardline.plugins import hf
+from shardline.plugins.checkpoint import files, state
 from shardline.plugins.checkpoint.boxes import Placement, full
 from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, resolve
 from shardline.plugins.checkpoint.names import STATE
@@ -59,7 +66,7 @@ from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
-#: What of the trainer's state (``trainer.pt``) the consolidated file keeps.
+#: What of the trainer's state (its state file) the consolidated file keeps.
 TRAINER_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "hyper_parameters",
                 "datamodule_hparams_name", "datamodule_hyper_parameters")
 
@@ -244,7 +251,7 @@ def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtyp
     _check(reader, params)
     out = Path(out)
     _free(out, folder=False)
-    trainer = reader.small_file(TRAINER_FILE)
+    trainer = reader.state_file(TRAINER_FILE)
     claimed = {p.name for p in params}
     # Every other tensor (not an optimizer state) is a LightningModule parameter or buffer outside the
     # decoders: its canonical name is its module path and its canonical layout is its dense one.
@@ -290,4 +297,63 @@ def _optimizer_states(reader: CheckpointReader, trainer: dict, params: list[_Par
             "state": state}
 
 
-__all__ = ["Converted", "DEFAULT_MAX_SHARD_BYTES", "parse_dtype", "to_hf", "to_state_dict"]
+TRUST = ("unpickling runs whatever code the file's author put in it: migrate only a checkpoint that you, or "
+         "someone you trust, wrote (never one you downloaded), and say so with --trust")
+
+
+def migrate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, trust: bool = False) -> Converted:
+    """Rewrite ``checkpoint`` (format version 1 or 2: pickled state files) as the version-3 checkpoint folder
+    ``out``, whose state files are data (module docstring). ``trust=True`` is required: it unpickles them."""
+    if trust is not True:
+        raise CheckpointError(f"{checkpoint}: migrating a checkpoint unpickles its trainer.pt and rank-N.pt, and "
+                              + TRUST)
+    folder = resolve(checkpoint)
+    reader = CheckpointReader(folder)
+    if reader.version >= files.DATA_STATE:
+        raise CheckpointError(f"{folder / MANIFEST}: already format version {reader.version}, which holds no "
+                              "pickle: nothing to migrate")
+    out = Path(out)
+    _free(out, folder=True)
+    staging = AtomicSave(out, AtomicSave.new_token()).tmp
+    staging.mkdir(parents=True)
+    listed, written, nbytes = {}, [], 0
+    try:
+        for name, info in reader.manifest["files"].items():
+            if not name.endswith(".pt"):  # a shard file: the same bytes (a committed file never changes)
+                _link_or_copy(folder / name, staging / name)
+                listed[name] = info
+                continue
+            new = _state_name(name, folder)
+            data = state.encode(reader.state_file(new, trust_pickle=True), where=str(folder / name))
+            (staging / new).write_bytes(data)
+            listed[new] = {"size": len(data), "crc32": reader.checksum.of(data)}
+            written.append(staging / new)
+            nbytes += len(data)
+        manifest = {**reader.manifest, "version": files.VERSION, "checksum": reader.checksum.name,
+                    "files": dict(sorted(listed.items()))}
+        (staging / MANIFEST).write_text(files._manifest_text(manifest))
+        files.fsync_all([*written, staging / MANIFEST])
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Converted(out=out, checkpoint=folder, tensors=len(reader.tensors), nbytes=nbytes)
+
+
+def _state_name(legacy: str, folder: Path) -> str:
+    """The version-3 name of a version 1-2 state file (``trainer.pt``, ``rank-00003.pt``)."""
+    if legacy == files.LEGACY_TRAINER_FILE:
+        return TRAINER_FILE
+    digits = legacy.removeprefix("rank-").removesuffix(".pt")
+    if not (legacy.startswith("rank-") and digits.isascii() and digits.isdigit()):
+        raise CheckpointError(f"{folder / legacy}: not a file of a shardline checkpoint (trainer.pt, rank-N.pt)")
+    return files.rank_file(int(digits))
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+__all__ = ["Converted", "DEFAULT_MAX_SHARD_BYTES", "TRUST", "migrate", "parse_dtype", "to_hf", "to_state_dict"]

@@ -5,8 +5,13 @@ is a folder::
 
     manifest.json                 written last: every tensor's global shape and pieces, every file's size and CRC
     rank-00003-000.safetensors    the pieces rank 3 wrote (one or more files of at most ``max_file_bytes``)
-    rank-00003.pt                 rank 3's own state (RNG states, engine counters; torch.save of plain values)
-    trainer.pt                    the trainer's state (loops, callbacks, schedulers, hparams), from rank 0
+    rank-00003-state.safetensors  rank 3's own state (RNG states, engine counters)
+    trainer-state.safetensors     the trainer's state (loops, callbacks, schedulers, hparams), from rank 0
+
+Every file is data: tensors in safetensors, everything else JSON (the two state files are safetensors files
+whose header holds their typed JSON, :mod:`.state`). Nothing in a checkpoint is unpickled, so loading one runs
+no code, whoever wrote it. Every file name the manifest or ``latest`` gives must name an entry of its folder
+(:func:`confined`: no separators, no ``..``, no symbolic link out of it).
 
 A *piece* is a box of one canonical tensor (:mod:`.boxes`) stored as one safetensors entry, with its CRC
 (and, over :data:`CHUNK` bytes, a CRC per chunk: a reader that needs some rows of it reads and checks only
@@ -29,8 +34,11 @@ CRCs are computed on one thread per process beside the I/O (both CRCs release th
 tensor is written, a read's chunk by chunk while the next chunk is read; every check is made before a read
 returns, or, for a reader made with ``defer_checks`` (a load), before its :meth:`.reader.CheckpointReader.verify` returns.
 
-Format versions: 2 (what a save writes) names its CRC in the manifest's ``checksum`` (``"crc32c"``); 1 (before
-it) holds zlib's CRC-32 everywhere. A reader of version 1 only refuses a version-2 checkpoint by its version
+Format versions: 3 (what a save writes) holds the state files above; 2 and 1 held the same state as
+``trainer.pt`` and ``rank-00003.pt``, ``torch.save`` pickles, which this shardline never unpickles on its own:
+their tensors read as before, and ``shardline convert --migrate --trust`` (:func:`.convert.migrate`) rewrites such
+a checkpoint as version 3 for whoever trusts its author. Version 2 names its CRC in the manifest's ``checksum``
+(``"crc32c"``); 1 holds zlib's CRC-32 everywhere. An older reader refuses a newer checkpoint by its version
 instead of reporting its CRC-32C values as damage.
 """
 
@@ -61,9 +69,45 @@ from shardline.plugins.checkpoint.boxes import (
 from shardline.plugins.checkpoint.crc import WRITTEN, Checksum
 from shardline.plugins.errors import CheckpointError
 
-FORMAT, VERSION = "shardline-checkpoint", 2
-READS = (1, 2)  # the versions this shardline reads (module docstring)
-MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer.pt"
+FORMAT, VERSION = "shardline-checkpoint", 3
+READS = (1, 2, 3)  # the versions this shardline reads (module docstring)
+MANIFEST, POINTER, TRAINER_FILE = "manifest.json", "latest", "trainer-state.safetensors"
+#: What versions 1 and 2 called the trainer's state file (a ``torch.save`` pickle).
+LEGACY_TRAINER_FILE = "trainer.pt"
+#: The first version whose state files are data (:mod:`.state`) rather than pickles.
+DATA_STATE = 3
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s own state file (RNG states, engine counters)."""
+    return f"rank-{rank:05d}-state.safetensors"
+
+
+def is_state_file(name: str) -> bool:
+    """Whether ``name`` is one of a checkpoint's state files (CRC'd whole; shard files' pieces carry theirs)."""
+    return name == TRAINER_FILE or (name.startswith("rank-") and name.endswith("-state.safetensors"))
+
+
+def legacy_name(name: str) -> str:
+    """The name a version 1 or 2 checkpoint gave the state file ``name`` (its ``torch.save`` pickle)."""
+    if name == TRAINER_FILE:
+        return LEGACY_TRAINER_FILE
+    return name.removesuffix("-state.safetensors") + ".pt"
+
+
+def confined(folder: Path, name, *, what: str) -> Path:
+    """``folder / name`` where ``name`` (read from a manifest or a pointer: ``what`` says which) names an entry of
+    ``folder`` itself, also once symbolic links are resolved; CheckpointError naming it otherwise (``../x``,
+    ``/etc/passwd``, a link out of the folder)."""
+    ok = (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+          and os.path.basename(name) == name and "\\" not in name)
+    path = Path(folder) / name if ok else None
+    if ok and os.path.islink(path):  # a plain name's only way out: a link (the folder itself is the caller's)
+        ok = os.path.dirname(os.path.realpath(path)) == os.path.realpath(folder)
+    if not ok:
+        raise CheckpointError(f"{folder}: {what} names {str(name)[:200]!r}, which is not a file of this folder "
+                              "(a checkpoint's file names are plain names inside it; links out of it are refused)")
+    return path
 #: In the placeholder an asynchronous save leaves at its final name until its commit (:meth:`AtomicSave.reserve`).
 PENDING = "shardline-pending"
 #: Test hook: ``PHASE`` or ``PHASE:RANK`` makes that rank SIGKILL itself when the save reaches ``PHASE``
@@ -444,19 +488,21 @@ class ShardWriter:
 
 
 def describe_files(folder: Path, names: list[str], crcs: dict[str, int] | None = None) -> dict[str, dict]:
-    """Size (and, for the small ``.pt`` files, CRC: from ``crcs`` where the writer computed it, else read
-    back) of each of ``names`` in ``folder``, as the rank that wrote them sees them (on a network filesystem
-    another rank's view may lag)."""
+    """Size (and, for the state files, CRC: from ``crcs`` where the writer computed it, else read back) of each
+    of ``names`` in ``folder``, as the rank that wrote them sees them (on a network filesystem another rank's view
+    may lag). A shard file's CRCs are its pieces'."""
     crcs = crcs or {}
 
     def crc32(name):
-        return None if name.endswith(".safetensors") else crcs[name] if name in crcs else file_crc(folder / name)
+        if name in crcs:
+            return crcs[name]
+        return None if name.endswith(".safetensors") and not is_state_file(name) else file_crc(folder / name)
 
     return {name: {"size": (folder / name).stat().st_size, "crc32": crc32(name)} for name in names}
 
 
 def write_small(data: bytes, path: Path) -> int:
-    """Write ``data`` (a small file: a ``torch.save``'d state) to ``path``, not yet fsynced; returns its CRC."""
+    """Write ``data`` (a small file: a state file's bytes) to ``path``, not yet fsynced; returns its CRC."""
     with open(path, "wb") as f:
         f.write(data)
     return WRITTEN.of(data)
@@ -584,10 +630,17 @@ def resolve(path: str | os.PathLike) -> Path:
                       f"commit); loading the checkpoint directory's latest complete checkpoint instead",
                       stacklevel=2)
         return _newest(path.resolve().parent)
+    if path.is_file():
+        raise CheckpointError(f"{path}: a file, not a shardline checkpoint folder (shardline loads only its own "
+                              "checkpoints, and never unpickles a file such as a Lightning .ckpt or torch.save)")
+    if path.is_dir() and _deepspeed_native(path):
+        raise CheckpointError(f"{path}: a DeepSpeed checkpoint (its model and optimizer states are torch.save "
+                              "pickles, which shardline never loads); shardline loads only its own checkpoints")
     if path.is_dir() and ((not path.name.startswith(".") and (path / POINTER).exists()) or _complete(path)
                           or any(".partial-" in p.name for p in path.iterdir())):
         return _newest(path)
-    if path.is_dir() and any(path.iterdir()) and not (path / TRAINER_FILE).exists():
+    if path.is_dir() and any(path.iterdir()) and not any(
+            (path / name).exists() for name in (TRAINER_FILE, LEGACY_TRAINER_FILE)):
         raise CheckpointError(f"{path}: not a shardline checkpoint (no {MANIFEST}) nor a folder of them")
     moved = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
     if moved and is_checkpoint(moved[-1]):
@@ -598,6 +651,11 @@ def resolve(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}, which a save writes last): "
                               "the save that wrote it was interrupted")
     raise CheckpointError(f"{path}: no such checkpoint")
+
+
+def _deepspeed_native(path: Path) -> bool:
+    """Whether ``path`` looks like DeepSpeed's own checkpoint (``global_stepN/mp_rank_00_model_states.pt``)."""
+    return any(path.glob("mp_rank_*_model_states.pt")) or any(path.glob("*/mp_rank_*_model_states.pt"))
 
 
 def _complete(root: Path) -> list[Path]:
@@ -613,7 +671,7 @@ def _newest(root: Path) -> Path:
                       "was committed)", stacklevel=3)
     pointer = root / POINTER
     if pointer.is_file():
-        target = root / pointer.read_text().strip()
+        target = confined(root, pointer.read_text(errors="replace").strip(), what=f"the pointer {POINTER!r}")
         if is_checkpoint(target):
             return target
         warnings.warn(f"{pointer} names {target.name}, which is not a complete checkpoint; using the newest "
@@ -624,6 +682,7 @@ def _newest(root: Path) -> Path:
     return max(complete, key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
 
 
-__all__ = ["AtomicSave", "CHUNK", "FORMAT", "KILL_ENV", "MANIFEST", "PENDING", "PHASES", "POINTER", "READS",
-           "ShardWriter", "build_manifest", "describe_files", "dtype_of", "fsync_all", "is_checkpoint",
-           "is_placeholder", "phase", "resolve", "write_small"]
+__all__ = ["AtomicSave", "CHUNK", "DATA_STATE", "FORMAT", "KILL_ENV", "LEGACY_TRAINER_FILE", "MANIFEST", "PENDING",
+           "PHASES", "POINTER", "READS", "ShardWriter", "TRAINER_FILE", "build_manifest", "confined", "describe_files",
+           "dtype_of", "fsync_all", "is_checkpoint", "is_placeholder", "is_state_file", "legacy_name", "phase",
+           "rank_file", "resolve", "write_small"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shardline.plugins.checkpoint import files
+from shardline.plugins.checkpoint import files, state
 from shardline.plugins.checkpoint.boxes import (
     Box,
     Placement,
@@ -29,12 +29,9 @@ from shardline.plugins.checkpoint.boxes import (
     volume,
 )
 from shardline.plugins.checkpoint.crc import LEGACY, algorithm
-from shardline.plugins.checkpoint.files import _NAMES, FORMAT, MANIFEST, READS, file_crc
+from shardline.plugins.checkpoint.files import _NAMES, FORMAT, MANIFEST, READS
 from shardline.plugins.errors import CheckpointError
 
-#: A small file (``trainer.pt``, a rank's own) up to this size is read once for its CRC and its unpickling;
-#: a larger one (a callback with a model-sized state) is streamed for its CRC, then loaded from the file.
-SMALL_FILE_ONCE = 64 << 20
 #: A deferred-check reader waits for its oldest CRCs while more than this many bytes read into memory are
 #: waiting for one, so that temporaries read for a box are not all kept alive when the reads outrun the CRC
 #: thread (a mapped read's bytes are the page cache's, which the kernel can drop: they do not count).
@@ -108,20 +105,27 @@ class CheckpointReader:
         self.folder = Path(folder)
         path = self.folder / MANIFEST
         try:
-            self.manifest = json.loads(path.read_text())
+            self.manifest = json.loads(files.confined(self.folder, MANIFEST, what="the folder").read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{self.folder}: no {MANIFEST} (not a checkpoint, or an interrupted save)") from None
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"{path}: not a readable manifest ({error})") from None
+        except (OSError, ValueError, RecursionError) as error:
+            raise CheckpointError(f"{path}: not a readable manifest ({str(error)[:200]})") from None
         version = self.manifest.get("version") if isinstance(self.manifest, dict) else None
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT or version not in READS:
             found = self.manifest.get("format") if isinstance(self.manifest, dict) else None
-            raise CheckpointError(f"{path}: format {found!r} version {version!r}; this shardline reads {FORMAT!r} "
-                                  f"versions {', '.join(map(str, READS))}")
+            raise CheckpointError(f"{path}: format {repr(found)[:80]} version {repr(version)[:80]}; this "
+                                  f"shardline reads {FORMAT!r} versions {', '.join(map(str, READS))}")
         if version >= 2 and "checksum" not in self.manifest:
             raise CheckpointError(f"{path}: version {version} names its checksum, this manifest has no 'checksum'")
+        for key in ("files", "tensors"):
+            if not isinstance(self.manifest.get(key), dict):
+                raise CheckpointError(f"{path}: no {key!r} table (a manifest maps its files and its tensors)")
+        self.version = version
         where = str(self.folder)
         for name, info in self.manifest["files"].items():  # one stat per file (a load makes a reader per rank)
+            files.confined(self.folder, name, what=f"{MANIFEST}'s 'files'")
+            if not isinstance(info, dict) or type(info.get("size")) is not int:
+                raise CheckpointError(f"{path}: file {name!r} has no size ({str(info)[:80]})")
             try:
                 found = os.stat(os.path.join(where, name))
             except OSError:
@@ -150,9 +154,13 @@ class CheckpointReader:
         self._chunks: dict[str, dict[str, list[int]]] = chunks["pieces"] if chunks else {}
 
     def _path(self, file: str) -> Path:
-        """The path of one of the checkpoint's files (made once: a load asks for it per piece)."""
+        """The path of one of the checkpoint's files (made once: a load asks for it per piece); only a file the
+        manifest lists (each confined to the folder when the reader was made)."""
         path = self._paths.get(file)
         if path is None:
+            if not isinstance(file, str) or file not in self.manifest["files"]:
+                raise CheckpointError(f"{self.folder / MANIFEST}: a piece names the file {str(file)[:200]!r}, which "
+                                      "its 'files' do not list")
             path = self._paths[file] = self.folder / file
         return path
 
@@ -164,23 +172,52 @@ class CheckpointReader:
                 f = self._handle(path)
                 f.seek(0)
                 size = struct.unpack("<Q", f.read(8))[0]
+                room = os.fstat(f.fileno()).st_size - 8
+                if size > room:
+                    raise ValueError(f"its header length field says {size} bytes, the file has {room} after it")
                 header = json.loads(f.read(size))
-            except (OSError, ValueError, struct.error) as error:
+            except (OSError, ValueError, struct.error, RecursionError) as error:
                 raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
             self._headers[file] = (8 + size, header)
         return self._headers[file]
 
-    def small_file(self, name: str):
-        """A ``.pt`` file of plain values, its CRC checked against the manifest."""
+    def has_state(self, name: str) -> bool:
+        """Whether the checkpoint holds the state file ``name`` (:func:`.files.rank_file`, ``TRAINER_FILE``),
+        under its version 1-2 name in such a checkpoint."""
+        return (name if self.version >= files.DATA_STATE else files.legacy_name(name)) in self.manifest["files"]
+
+    def state_file(self, name: str, *, trust_pickle: bool = False):
+        """The value of the state file ``name`` (:mod:`.state`), its CRC checked against the manifest.
+
+        A version 1-2 checkpoint holds it as a ``torch.save`` pickle (:func:`.files.legacy_name`), which is
+        unpickled only with ``trust_pickle`` (unpickling runs whatever code the file names); without it,
+        CheckpointError naming the file and the way to migrate it."""
+        if self.version >= files.DATA_STATE:
+            return state.decode(self._small_bytes(name), path=str(self.folder / name))
+        legacy = files.legacy_name(name)
+        if not trust_pickle:
+            raise CheckpointError(
+                f"{self.folder / legacy}: a pickle (this checkpoint is format version {self.version}, whose state "
+                "files are torch.save pickles; unpickling one runs whatever code its author put in it), so it is not "
+                "loaded. If you trust whoever wrote this checkpoint, rewrite it as a version "
+                f"{files.VERSION} checkpoint, which holds no pickle: shardline convert --migrate --trust "
+                f"{self.folder} NEW_FOLDER")
+        data = self._small_bytes(legacy)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as error:  # noqa: BLE001 - whatever the unpickler raised, named with the file
+            raise CheckpointError(f"{self.folder / legacy}: not a readable torch.save file ({error})") from None
+
+    def _small_bytes(self, name: str) -> bytes:
+        """The bytes of the small file ``name``, checked against the manifest's size and CRC."""
         path = self.folder / name
         info = self.manifest["files"].get(name)
         if info is None:
             raise CheckpointError(f"{path}: not listed in the manifest")
-        once = info.get("size", 0) <= SMALL_FILE_ONCE
-        data = path.read_bytes() if once else None  # the CRC and the unpickling read the same bytes
-        if (self.checksum.of(data) if once else file_crc(path, self.checksum)) != info["crc32"]:
+        data = path.read_bytes()
+        if len(data) != info["size"] or self.checksum.of(data) != info.get("crc32"):
             raise CheckpointError(f"{path}: its CRC does not match the manifest (damaged)")
-        return torch.load(io.BytesIO(data) if once else path, map_location="cpu", weights_only=False)
+        return data
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
@@ -546,4 +583,4 @@ class CheckpointReader:
         return out
 
 
-__all__ = ["PENDING_BYTES", "SMALL_FILE_ONCE", "WILLNEED_MIN", "CheckpointReader"]
+__all__ = ["PENDING_BYTES", "WILLNEED_MIN", "CheckpointReader"]

@@ -23,7 +23,6 @@ naming the file and the tensor, and no weight has been overwritten.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import random
 import shutil
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardline.plugins.checkpoint import state
 from shardline.plugins.checkpoint.files import (
     MANIFEST,
     TRAINER_FILE,
@@ -45,6 +45,7 @@ from shardline.plugins.checkpoint.files import (
     describe_files,
     fsync_all,
     phase,
+    rank_file,
     resolve,
     write_small,
 )
@@ -53,10 +54,6 @@ from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
 from shardline.plugins.lightning import deepspeed_compat as compat
 from shardline.plugins.lightning.checkpoint_access import Access
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -234,7 +231,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     path, token, keys, stages = _hello(strategy, str(filepath), keys, names)
     target = AtomicSave(Path(path), token)
     meta = None
-    small = {_rank_file(me): {"rank": me, "coords": grid.coords, "rng": capture_rng(),
+    small = {rank_file(me): {"rank": me, "coords": grid.coords, "rng": capture_rng(),
                               "engine": _engine_counters(strategy.model)}}
     if me == 0:
         trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -248,7 +245,9 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
                 "module": f"{type(module).__module__}.{type(module).__qualname__}", "models": models(module)}
     failure = None
     try:
-        small = {name: _pickled(obj) for name, obj in small.items()}  # bytes now: the state goes on changing
+        # bytes now (the state goes on changing); a value that is not plain data is refused here, by its key
+        small = {name: state.encode(obj, where="the trainer's state" if name == TRAINER_FILE else f"rank {me}'s state")
+                 for name, obj in small.items()}
         target.create()  # every rank: whoever comes first makes it
         if background and me == 0:
             target.reserve()
@@ -273,14 +272,8 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     _finish(target, failure, me, world, meta, _group(strategy))
 
 
-def _pickled(obj: Any) -> memoryview:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getbuffer()
-
-
 def _write(target: AtomicSave, me: int, pieces, small: dict[str, memoryview], max_file_bytes: int) -> None:
-    """This rank's files: its ``pieces`` (``(name, canonical shape, box, tensor)``), its small ``.pt`` files
+    """This rank's files: its ``pieces`` (``(name, canonical shape, box, tensor)``), its state files
     (``small``: name -> bytes) and its record of them, all fsynced."""
     writer = ShardWriter(target.tmp, rank=me, max_file_bytes=max_file_bytes)
     for name, shape, box, piece in pieces:
@@ -473,9 +466,10 @@ class _Read:
     error: str | None = None
 
 
-def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _Read:
+def _read_everything(strategy, checkpoint_path, optimizer, access: Access, trust_pickle: bool = False) -> _Read:
     """This rank's whole load, read and checked, nothing set. Any bad input is the :attr:`_Read.error`, not a
-    raise, so that every rank reaches the one exchange of :func:`load`."""
+    raise, so that every rank reaches the one exchange of :func:`load`. ``trust_pickle``: a version 1-2
+    checkpoint's pickled state files are unpickled (:meth:`CheckpointReader.state_file`)."""
     me, grid = strategy.global_rank, strategy.grid
     out = _Read()
     try:
@@ -495,9 +489,9 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
         if now_keys and set(now_keys) != set(saved_keys):
             raise CheckpointError(f"{reader.folder}: the checkpoint's optimizer keeps {saved_keys}, this one "
                                   f"{now_keys}")
-        out.trainer_state = reader.small_file(TRAINER_FILE)
-        own_name = _rank_file(me)
-        out.own = reader.small_file(own_name) if own_name in reader.manifest["files"] else None
+        out.trainer_state = reader.state_file(TRAINER_FILE, trust_pickle=trust_pickle)
+        own_name = rank_file(me)
+        out.own = reader.state_file(own_name, trust_pickle=trust_pickle) if reader.has_state(own_name) else None
         out.staged = [(entry, access.stage(reader, entry, saved_keys if optimizer is not None else []))
                       for entry in out.mine]
         reader.verify()  # every CRC of what was read (they ran beside the reads)
@@ -509,9 +503,14 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access) -> _R
     return out
 
 
-def load(strategy, checkpoint_path) -> dict[str, Any]:
+def load(strategy, checkpoint_path, *, weights_only: bool | None = None) -> dict[str, Any]:
     """Collective: load the checkpoint (or the newest in a folder of them) into this layout; returns the
     trainer's state for Lightning to restore (loops, callbacks, schedulers).
+
+    ``weights_only`` is Lightning's (``trainer.fit(ckpt_path=..., weights_only=...)``): a checkpoint of today's
+    format holds no pickle, so it loads the same either way. Only an explicit ``weights_only=False`` unpickles a
+    version 1-2 checkpoint's ``trainer.pt`` and ``rank-N.pt``, with a warning that it trusts their author; None
+    or True refuse them with a :class:`CheckpointError` naming the file and ``shardline convert --migrate``.
 
     One collective round: every rank resolves the path, reads and checks all it needs (:func:`_read_everything`),
     then the ranks agree (:func:`_agree`); any error anywhere (or ranks that found different checkpoints, or
@@ -520,7 +519,10 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
     settle(strategy)
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
-    got = _read_everything(strategy, checkpoint_path, optimizer, access)
+    got = _read_everything(strategy, checkpoint_path, optimizer, access, trust_pickle=weights_only is False)
+    if weights_only is False and got.reader is not None and got.reader.version < 3 and got.error is None:
+        warnings.warn(f"{got.found}: unpickled its pickled state files (format version {got.reader.version}) "
+                      "because weights_only=False: that runs any code their author put in them", stacklevel=2)
     try:
         return _agree_and_apply(strategy, got, optimizer, access)
     finally:  # set, or refused here or on another rank: no view of a map outlives the load (nor its error)

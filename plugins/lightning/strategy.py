@@ -347,10 +347,11 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written by any layout into this one (a folder of checkpoints: its newest); see
-        :mod:`shardline.plugins.lightning.checkpointing`."""
+        :mod:`shardline.plugins.lightning.checkpointing`. Nothing in it is unpickled; ``weights_only=False``
+        (Lightning's, explicit) alone lets an old (version 1-2) checkpoint's pickled state files load."""
         from shardline.plugins.lightning import checkpointing
 
-        return checkpointing.load(self, checkpoint_path)
+        return checkpointing.load(self, checkpoint_path, weights_only=weights_only)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Nothing: :meth:`save_checkpoint` writes the module's tensors itself, piece by piece (Lightning would

@@ -415,8 +415,8 @@ def test_crc_combine_and_chunked_are_the_crc_of_the_whole(name, a, b, chunk):
 
 def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksums_are_refused(tmp_path,
                                                                                                  monkeypatch):
-    """Version 1 (before the ``checksum`` field) holds zlib's CRC-32 everywhere: its pieces, chunks and small
-    files read, and damage to it is still found. A version-2 manifest without ``checksum``, an unknown checksum
+    """Version 1 (before the ``checksum`` field) holds zlib's CRC-32 everywhere: its pieces, chunks and (trusted)
+    pickled state file read, and damage to it is still found; untrusted, the pickle is refused, naming it. A version-2 manifest without ``checksum``, an unknown checksum
     and an unknown version are refused, naming the manifest."""
     import io
     import zlib
@@ -430,7 +430,7 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
     folder, manifest = _save(tmp_path, {"w": (w, _rows(100, 7, [60]))})
     buffer = io.BytesIO()
     torch.save({"step": 3}, buffer)
-    small = files.write_small(buffer.getbuffer(), folder / files.TRAINER_FILE)
+    small = files.write_small(buffer.getbuffer(), folder / files.LEGACY_TRAINER_FILE)
     monkeypatch.undo()
     assert manifest["checksum"] == "crc32" and small == zlib.crc32(buffer.getbuffer())
     first = manifest["tensors"]["w"]["pieces"][0]
@@ -438,13 +438,17 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
     assert manifest["chunk_crc32"]["pieces"][first[0]][first[1]][0] == zlib.crc32(w[:60].numpy().tobytes()[:256])
     old = {k: v for k, v in manifest.items() if k != "checksum"}
     old["version"] = 1
-    old["files"][files.TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": small}
+    old["files"][files.LEGACY_TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": small}
     (folder / files.MANIFEST).write_text(json.dumps(old))
     with CheckpointReader(folder) as reader:
         assert reader.checksum is crc.LEGACY
         assert torch.equal(reader.read("w", ((70, 80), (0, 7))), w[70:80])  # chunks: a partial read
         assert len(reader._verified_chunks) == 2 and not reader._verified
-        assert torch.equal(reader.read("w"), w) and reader.small_file(files.TRAINER_FILE) == {"step": 3}
+        assert torch.equal(reader.read("w"), w)
+        assert reader.state_file(files.TRAINER_FILE, trust_pickle=True) == {"step": 3}
+        with pytest.raises(CheckpointError, match=r"trainer.pt: a pickle \(this checkpoint is format version 1.*"
+                                                  r"shardline convert --migrate --trust"):
+            reader.state_file(files.TRAINER_FILE)
     file, key = first[:2]
     raw = bytearray((folder / file).read_bytes())
     raw[-3] ^= 0x40  # the file's last piece
@@ -453,8 +457,8 @@ def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksu
         reader.read("w")
     for bad, match in (({**old, "checksum": "md5"}, r"manifest.json: checksum 'md5' is not one this shardline reads"),
                        ({**old, "version": 2}, r"manifest.json: version 2 names its checksum, this manifest has no"),
-                       ({**old, "version": 3}, r"manifest.json: format 'shardline-checkpoint' version 3; this "
-                                               r"shardline reads 'shardline-checkpoint' versions 1, 2")):
+                       ({**old, "version": 4}, r"manifest.json: format 'shardline-checkpoint' version 4; this "
+                                               r"shardline reads 'shardline-checkpoint' versions 1, 2, 3")):
         (folder / files.MANIFEST).write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=match):
             CheckpointReader(folder)
@@ -560,29 +564,26 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
                 reader.read("w", box)
 
 
-def test_a_small_file_reads_back_and_is_refused_when_damaged_or_unlisted(tmp_path):
-    import io
-
-    from shardline.plugins.checkpoint import files
+def test_a_state_file_reads_back_and_is_refused_when_damaged_or_unlisted(tmp_path):
+    from shardline.plugins.checkpoint import files, state
     from shardline.plugins.errors import CheckpointError
 
     folder, manifest = _save(tmp_path, {"w": (torch.ones(2, 3), [((0, 2), (0, 3))])})
-    buffer = io.BytesIO()
-    torch.save({"loops": {"step": 7}, "rng": torch.arange(5)}, buffer)
-    crc = files.write_small(buffer.getbuffer(), folder / files.TRAINER_FILE)
-    manifest["files"][files.TRAINER_FILE] = {"size": len(buffer.getbuffer()), "crc32": crc}
+    data = state.encode({"loops": {"step": 7}, "rng": torch.arange(5)})
+    crc = files.write_small(data, folder / files.TRAINER_FILE)
+    manifest["files"][files.TRAINER_FILE] = {"size": len(data), "crc32": crc}
     (folder / files.MANIFEST).write_text(json.dumps(manifest))
     with CheckpointReader(folder) as reader:
-        state = reader.small_file(files.TRAINER_FILE)
-        assert state["loops"] == {"step": 7} and torch.equal(state["rng"], torch.arange(5))
-        with pytest.raises(CheckpointError, match=r"rank-00009.pt: not listed in the manifest"):
-            reader.small_file("rank-00009.pt")
+        got = reader.state_file(files.TRAINER_FILE)
+        assert got["loops"] == {"step": 7} and torch.equal(got["rng"], torch.arange(5))
+        with pytest.raises(CheckpointError, match=r"rank-00009-state.safetensors: not listed in the manifest"):
+            reader.state_file(files.rank_file(9))
     raw = bytearray((folder / files.TRAINER_FILE).read_bytes())
     raw[len(raw) // 2] ^= 0x20
     (folder / files.TRAINER_FILE).write_bytes(bytes(raw))
     with CheckpointReader(folder) as reader, pytest.raises(
             CheckpointError, match=rf"{files.TRAINER_FILE}: its CRC does not match the manifest \(damaged\)"):
-        reader.small_file(files.TRAINER_FILE)
+        reader.state_file(files.TRAINER_FILE)
 
 
 def test_deferred_checks_return_the_bytes_at_once_and_verify_names_the_damage(tmp_path, monkeypatch):

@@ -19,7 +19,11 @@ mapping written apart from :func:`from_canonical`), and logits against transform
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import pickle
 import re
 import shutil
 import warnings
@@ -32,6 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins import hf
+from shardline.plugins.checkpoint import files
 from shardline.plugins.checkpoint.convert import to_hf, to_state_dict
 from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.hf import CheckpointError
@@ -83,7 +88,13 @@ def _train(rank, world, name, root):
     module = (ProbedModule if name == "probed" else LanguageModule)(**model)
     dp = strategy.layout_for(world).dp
     trainer.fit(module, DataLoader(_dataset(model["vocab_size"]), batch_size=BATCH // dp))
-    trainer.save_checkpoint(f"{root}/checkpoints/step{STEPS}")
+    path = f"{root}/checkpoints/step{STEPS}"
+    with _no_unpickling():  # the format's every file, written and read by every rank, without one unpickle
+        trainer.save_checkpoint(path)
+        loaded = strategy.load_checkpoint(path)
+    assert loaded["global_step"] == STEPS and loaded["hyper_parameters"]["lr"] == model["lr"], loaded
+    if name == "llama":
+        _legacy_loads_only_when_trusted(rank, path, f"{root}/legacy", strategy)
     if name not in RUNS:
         return True
     network = module.network
@@ -95,6 +106,63 @@ def _train(rank, world, name, root):
     else:
         hf.save_pretrained(network, f"{root}/run_hf", grid=strategy.grid, max_shard_bytes=20_000)
     return True
+
+
+class _Unpickled(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def _no_unpickling():
+    """Every unpickler raises inside: pickle's ``Unpickler``, ``load`` and ``loads``, and ``torch.load``."""
+    def refuse(*args, **kwargs):
+        raise _Unpickled("something unpickled a file of the checkpoint format")
+
+    class Refusing(pickle.Unpickler):
+        def __init__(self, *args, **kwargs):
+            refuse()
+
+    saved = pickle.Unpickler, pickle.load, pickle.loads, torch.load, torch.serialization.load
+    pickle.Unpickler, pickle.load, pickle.loads = Refusing, refuse, refuse
+    torch.load = torch.serialization.load = refuse
+    try:
+        yield
+    finally:
+        pickle.Unpickler, pickle.load, pickle.loads, torch.load, torch.serialization.load = saved
+
+
+def _as_version_2(folder: Path, out: Path) -> None:
+    """``folder`` as a format-version-2 checkpoint wrote it: its state files as ``torch.save`` pickles under the
+    old names (``trainer.pt``, ``rank-00003.pt``), the manifest's sizes and CRCs to match."""
+    shutil.copytree(folder, out)
+    manifest = json.loads((out / files.MANIFEST).read_text())
+    with CheckpointReader(out) as reader:
+        for name in [n for n in manifest["files"] if files.is_state_file(n)]:
+            buffer = io.BytesIO()
+            torch.save(reader.state_file(name), buffer)
+            old = files.legacy_name(name)
+            (out / old).write_bytes(buffer.getvalue())
+            (out / name).unlink()
+            del manifest["files"][name]
+            manifest["files"][old] = {"size": len(buffer.getvalue()), "crc32": reader.checksum.of(buffer.getvalue())}
+    manifest["version"] = 2
+    (out / files.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _legacy_loads_only_when_trusted(rank, path, legacy, strategy) -> None:
+    """Lightning's ``weights_only`` reaches the load: None (its default) refuses a version-2 checkpoint's pickled
+    state on every rank, naming the file; an explicit False unpickles it, with a warning, and loads the same."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        _as_version_2(Path(path), Path(legacy))
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"trainer.pt: a pickle .*shardline convert --migrate --trust"):
+        strategy.load_checkpoint(legacy)
+    with pytest.warns(UserWarning, match=r"unpickled its pickled state files \(format version 2\) because "
+                                         r"weights_only=False"):
+        trusted = strategy.load_checkpoint(legacy, weights_only=False)
+    assert trusted["global_step"] == STEPS
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +232,8 @@ def test_state_dict_is_the_checkpoint_consolidated_and_loads_into_the_dense_modu
     folder = runs[name] / "checkpoints" / f"step{STEPS}"
     done = to_state_dict(runs[name] / "checkpoints", tmp_path / "model.ckpt", optimizer=True)
     saved = torch.load(tmp_path / "model.ckpt", weights_only=True)  # plain values only: safe to load
-    trainer = torch.load(folder / "trainer.pt", weights_only=False)
+    with CheckpointReader(folder) as reader:
+        trainer = reader.state_file(files.TRAINER_FILE)
     assert saved["global_step"] == trainer["global_step"] == STEPS and saved["epoch"] == trainer["epoch"]
     assert saved["hyper_parameters"] == trainer["hyper_parameters"]
     assert saved["pytorch-lightning_version"] == pl.__version__
@@ -284,6 +353,47 @@ def test_command_errors_are_one_line_and_exit_2(runs, tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("shardline convert: error: "), err
         assert re.search(message, err[0]), err[0]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+class _Boom:
+    """A malicious pickle's payload: unpickling it runs a shell command."""
+
+    def __reduce__(self):
+        return os.system, ("touch PWNED",)
+
+
+def test_a_malicious_trainer_pt_is_refused_and_migrating_needs_trust(runs, tmp_path, capsys, monkeypatch):
+    """The attack: a checkpoint whose ``trainer.pt`` pickle calls ``os.system`` and whose manifest's size and CRC
+    match it. ``convert`` refuses it in one line naming the file, runs nothing, writes nothing; ``--migrate``
+    needs ``--trust``. A trusted migration of an honest version-2 copy gives today's files back, byte for byte."""
+    monkeypatch.chdir(tmp_path)
+    folder = runs["llama"] / "checkpoints" / f"step{STEPS}"
+    honest = tmp_path / "v2"
+    _as_version_2(folder, honest)
+    evil = tmp_path / "evil"
+    shutil.copytree(honest, evil)
+    buffer = io.BytesIO()
+    torch.save({"global_step": _Boom()}, buffer)
+    (evil / "trainer.pt").write_bytes(buffer.getvalue())
+    manifest = json.loads((evil / files.MANIFEST).read_text())
+    manifest["files"]["trainer.pt"] = {"size": len(buffer.getvalue()), "crc32": files.WRITTEN.of(buffer.getvalue())}
+    (evil / files.MANIFEST).write_text(json.dumps(manifest))
+    cases = [(["--to", "state_dict"], rf"{evil}/trainer.pt: a pickle .* shardline convert --migrate --trust"),
+             (["--migrate"], r"--migrate without --trust: .* unpickling runs whatever code"),
+             (["--to", "hf", "--trust"], r"--trust goes with --migrate")]
+    for extra, message in cases:
+        assert main(["convert", str(evil), str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(message, err[0]), err
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "out").exists()
+    assert main(["convert", str(honest), str(tmp_path / "v3"), "--migrate", "--trust"]) == 0
+    for name in [n for n in json.loads((folder / files.MANIFEST).read_text())["files"] if files.is_state_file(n)]:
+        assert (tmp_path / "v3" / name).read_bytes() == (folder / name).read_bytes(), name
+    with CheckpointReader(tmp_path / "v3") as reader:
+        assert reader.version == files.VERSION and torch.equal(reader.read("model.norm.weight"),
+                                                               CheckpointReader(folder).read("model.norm.weight"))
+    assert main(["convert", str(tmp_path / "v3"), str(tmp_path / "v4"), "--migrate", "--trust"]) == 2
+    assert "already format version 3, which holds no pickle: nothing to migrate" in capsys.readouterr().err
 
 
 # --- bad input --------------------------------------------------------------------------------------------------
