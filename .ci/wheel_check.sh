@@ -19,7 +19,7 @@ import importlib, pkgutil, sys
 venv = sys.argv[1]
 import shardline
 count = 0
-for root in ("shardline.plugins", "shardline.profiling", "shardline.recipes"):
+for root in ("shardline.job", "shardline.plugins", "shardline.profiling", "shardline.recipes"):
     package = importlib.import_module(root)
     for info in [None, *pkgutil.walk_packages(package.__path__, root + ".")]:
         module = package if info is None else importlib.import_module(info.name)

@@ -14,7 +14,8 @@ import pytest
 from shardline.recipes.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"plugins": "shardline.plugins", "profiling": "shardline.profiling", "recipes": "shardline.recipes"}
+ROOTS = {"job": "shardline.job", "plugins": "shardline.plugins", "profiling": "shardline.profiling",
+         "recipes": "shardline.recipes"}
 
 
 def _pyproject() -> dict:
@@ -22,7 +23,7 @@ def _pyproject() -> dict:
 
 
 def _package_folders() -> dict[str, str]:
-    """Every folder under the three roots holding an __init__.py, as dotted package -> folder."""
+    """Every folder under the four roots holding an __init__.py, as dotted package -> folder."""
     found = {}
     for folder, package in ROOTS.items():
         for init in sorted((REPO / folder).rglob("__init__.py")):
@@ -41,7 +42,7 @@ def test_every_package_folder_is_listed_and_mapped():
     assert config["package-dir"] == folders
 
 
-def test_no_fourth_top_level_package():
+def test_no_shardline_folder_or_top_level_init():
     assert not (REPO / "shardline").exists()
     assert not (REPO / "__init__.py").exists()
 
