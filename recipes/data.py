@@ -27,6 +27,7 @@ import fnmatch
 import inspect
 import os
 import sysconfig
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from shardline.plugins.errors import ContractError
 from shardline.recipes.schema import RecipeError
@@ -141,6 +142,8 @@ class ByteWindows(Dataset):
 
 
 _STATE_KEYS = ("epoch", "batches", "length", "samples", "rng")
+#: Since format version 3 of the checkpoint: what maps a position onto another data-parallel size or batch size.
+_GLOBAL_KEYS = ("replicas", "batch_size", "order")
 _END = object()
 
 
@@ -234,6 +237,18 @@ class ResumableDataLoader(DataLoader):
     its order is ``seed + epoch``). ``state_dict`` and ``load_state_dict`` draw nothing. A resumed pass draws its
     base seed afresh (per-sample randomness inside workers is not replayed) at its first ``next()``.
 
+    Another data-parallel size or batch size: ``state_dict()`` also records ``replicas`` (the sampler's
+    ``num_replicas``, 1 without a ``DistributedSampler``), ``batch_size`` and ``order`` (the sampler's kind, and a
+    ``DistributedSampler``'s ``seed`` and ``shuffle``). A ``DistributedSampler`` orders the whole dataset the same
+    way whatever its ``num_replicas`` (a permutation of ``seed + epoch``, padded at its end) and deals it out
+    round-robin, so after ``batches`` batches on every rank the epoch's first ``G = batches x batch_size x
+    replicas`` samples of that order are consumed: the position in global samples. A loader of another length
+    (another dp or batch size) over the same dataset resumes at batch ``G / (its replicas x its batch_size)`` of
+    the epoch, exactly the samples the uninterrupted run at its layout would draw next, when both samplers are
+    ``DistributedSampler`` samplers of the same seed and shuffle and ``G`` is a whole number of its global batches (the
+    global batch kept does it). Otherwise it restarts the epoch, with a warning that says why; a saved position
+    at the end of an epoch starts the next one. A dataset of another size is refused.
+
     Limits: one pass at a time (as Lightning iterates); Lightning saves rank 0's loop state, so every rank replays
     rank 0's RNG sources; a run resumed at an epoch boundary draws the next epoch's ``RandomSampler`` order from
     the RNG as it then is. Map-style datasets only (ContractError for an ``IterableDataset``).
@@ -272,39 +287,89 @@ class ResumableDataLoader(DataLoader):
         else:
             epoch, batches, rng = self._pass.epoch, self._pass.skipped + self._pass.returned, self._pass.rng
         return {"epoch": epoch, "batches": batches, "length": len(self), "samples": len(self.dataset),
-                "rng": dict(rng)}
+                "rng": dict(rng), "replicas": self._replicas(), "batch_size": self.batch_size, "order": self._order()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue at ``state_dict``'s position (see the class docstring). RecipeError naming every value that does
         not fit this loader: other keys, another length or dataset size, a position past the epoch's end, RNG
         sources this loader does not draw from."""
-        if not isinstance(state_dict, dict) or set(state_dict) != set(_STATE_KEYS):
+        keys = set(state_dict) if isinstance(state_dict, dict) else None
+        if keys not in (set(_STATE_KEYS), set(_STATE_KEYS) | set(_GLOBAL_KEYS)):
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise RecipeError(f"the checkpoint's train-loader state has keys {got}, a ResumableDataLoader's has "
-                              f"{sorted(_STATE_KEYS)}")
+                              f"{sorted(_STATE_KEYS + _GLOBAL_KEYS)}")
         epoch, batches, length, samples, rng = (state_dict[key] for key in _STATE_KEYS)
         problems = [f"{name}={value!r} is not an integer >= 0" for name, value in
                     (("epoch", epoch), ("batches", batches), ("length", length), ("samples", samples))
                     if not isinstance(value, int) or isinstance(value, bool) or value < 0]
+        moved = False
         if not problems:
-            if (length, samples) != (len(self), len(self.dataset)):
-                problems.append(f"it was saved with length={length} batches per epoch over samples={samples}, this "
-                                f"loader has {len(self)} batches per epoch over {len(self.dataset)} samples (another "
-                                "batch size, dataset or number of data-parallel ranks?)")
             if batches > length:
                 problems.append(f"batches={batches} is past the end of an epoch of length={length}")
-            elif 0 < batches < length and (not isinstance(rng, dict) or sorted(rng) != self._rng_sources()):
+            elif (length, samples) != (len(self), len(self.dataset)):
+                if samples != len(self.dataset) or "order" not in state_dict:
+                    problems.append(f"it was saved with length={length} batches per epoch over samples={samples}, "
+                                    f"this loader has {len(self)} batches per epoch over {len(self.dataset)} "
+                                    "samples (another batch size, dataset or number of data-parallel ranks?)")
+                else:  # the same dataset, another dp or batch size: the same global sample where it can be
+                    (epoch, batches), moved = self._moved(state_dict), True
+            if not problems and 0 < batches < len(self) and (not isinstance(rng, dict)
+                                                             or sorted(rng) != self._rng_sources()):
                 held = sorted(rng) if isinstance(rng, dict) else type(rng).__name__
                 problems.append(f"rng holds {held}, this loader draws from {self._rng_sources()}")
         if problems:
             raise RecipeError("the checkpoint's train-loader state does not fit this loader: " + "; ".join(problems))
-        if batches == length:  # the end of an epoch is the start of the next
+        if not moved and batches == length:  # the end of an epoch is the start of the next
             epoch, batches = epoch + 1, 0
         for sampler in self._epoch_samplers():
             # With workers, torch draws indices at iter(), before Lightning's set_epoch: have the right one already.
             sampler.set_epoch(epoch)
         self._next_epoch = epoch
         self._resume = _Resume(epoch, batches, dict(rng) if batches else {})
+
+    def _moved(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, batches)`` of this loader for the saved position ``state`` of a loader of another length
+        over the same dataset (another dp or batch size): the same global sample, or the epoch's start, warned."""
+        epoch, batches, length = state["epoch"], state["batches"], state["length"]
+        if batches == length:  # the end of an epoch: the next one starts, whatever the layout
+            return epoch + 1, 0
+        saved, now = state["order"], self._order()
+        step = self._replicas() * (self.batch_size or 0)
+        consumed = batches * (state["batch_size"] or 0) * state["replicas"]
+        why = None
+        if not (saved or {}).get("seed_based") or not now.get("seed_based"):
+            why = (f"a {(saved or {}).get('sampler')} saved it and this loader has a {now.get('sampler')}: only a "
+                   "DistributedSampler orders an epoch by its seed alone, the same for any dp or batch size")
+        elif saved != now:
+            why = (f"the saved order ({saved}) is not this loader's ({now}), so the same position in samples is "
+                   "not the same samples")
+        elif not state["batch_size"] or not step:
+            why = "a batch sampler of its own gives no batch size to count samples with"
+        elif consumed % step:
+            why = (f"{consumed} samples of the epoch were consumed ({batches} batches x {state['batch_size']} x "
+                   f"{state['replicas']} replicas), not a whole number of this run's global batches "
+                   f"({self.batch_size} x {self._replicas()} replicas = {step}; keep the global batch to resume "
+                   "exactly)")
+        if why is not None:
+            warnings.warn(f"resuming the train loader at the start of epoch {epoch}, not where it stopped: {why}",
+                          UserWarning, stacklevel=3)
+            return epoch, 0
+        if consumed // step >= len(self):
+            return epoch + 1, 0
+        return epoch, consumed // step
+
+    def _replicas(self) -> int:
+        found = [s.num_replicas for s in self._epoch_samplers() if isinstance(s, DistributedSampler)]
+        return int(found[0]) if found else 1
+
+    def _order(self) -> dict[str, Any]:
+        """How the sampler orders an epoch: a ``DistributedSampler``'s permutation depends only on its seed, the
+        epoch and whether it shuffles (``seed_based``); any other sampler's is its own business."""
+        for sampler in self._epoch_samplers():
+            if isinstance(sampler, DistributedSampler):
+                return {"sampler": "DistributedSampler", "seed": int(sampler.seed), "shuffle": bool(sampler.shuffle),
+                        "seed_based": True}
+        return {"sampler": type(self.sampler).__name__, "seed_based": False}
 
     def _draw(self, indices) -> Iterator:
         """One pass's batches of indices from ``indices``: the rest of the resumed epoch, or a whole epoch. Runs

@@ -7,6 +7,7 @@ byte tensors."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -66,7 +67,7 @@ class _Data(pl.LightningDataModule):
 
 
 def _fit(data: _Data, *, save_to: Path | None = None, resume: Path | None = None, devices: int = 1,
-         strategy: str = "auto", **trainer_kwargs) -> list[list[int]]:
+         strategy: str = "auto", said: list | None = None, **trainer_kwargs) -> list[list[int]]:
     """Two epochs (or ``trainer_kwargs``) from seed 0; the batches seen, in order. ``save_to``: a checkpoint
     every EVERY steps there. ``resume``: the checkpoint to start from; Lightning's not-resumable warning fails."""
     pl.seed_everything(0, verbose=False)
@@ -79,6 +80,8 @@ def _fit(data: _Data, *, save_to: Path | None = None, resume: Path | None = None
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=data, ckpt_path=resume)
     assert not [w for w in caught if NOT_RESUMABLE in str(w.message)]
+    if said is not None:  # the warnings' texts, for the caller
+        said.extend(str(w.message) for w in caught)
     return model.seen
 
 
@@ -141,10 +144,15 @@ def test_two_ranks_with_lightnings_distributed_sampler(tmp_path, num_workers):
             assert resumed[rank] == full[rank][step:]
 
 
-def test_resuming_with_another_batch_size_names_both_lengths(tmp_path):
+def test_resuming_with_another_batch_size_and_a_random_sampler_restarts_the_epoch_saying_why(tmp_path):
+    """A RandomSampler's order comes from the RNG, so no position in samples maps onto another batch size: the
+    epoch restarts, warned (a DistributedSampler's maps: test_data.py's global-position tests)."""
     _fit(_Data(20), save_to=tmp_path, max_steps=3)
-    with pytest.raises(RecipeError, match=r"length=5 batches per epoch over samples=20, this loader has 4 "):
-        _fit(_Data(20, batch_size=5), resume=_checkpoint(tmp_path, 3))
+    said: list[str] = []
+    seen = _fit(_Data(20, batch_size=5), resume=_checkpoint(tmp_path, 3), max_steps=5, said=said)
+    assert any(re.search(r"resuming the train loader at the start of epoch 0, not where it stopped: a RandomSampler "
+                         r"saved it .* only a DistributedSampler orders an epoch", text) for text in said), said
+    assert len(seen) == 2 and all(len(set(batch)) == 5 for batch in seen)  # steps 3, 4: the new epoch's first
 
 
 def _loader(**kwargs) -> ResumableDataLoader:
@@ -227,10 +235,13 @@ def test_states_that_do_not_fit_are_refused():
     next(it)
     state = loader.state_dict()
     cases = [
-        (_loader(batch_size=5), state, r"saved with length=5 batches per epoch over samples=20, this loader has 4 "),
+        (_loader(batch_size=5), {k: v for k, v in state.items() if k not in ("replicas", "batch_size", "order")},
+         r"saved with length=5 batches per epoch over samples=20, this loader has 4 "),  # a state of before v3
+        (ResumableDataLoader(TensorDataset(torch.arange(21)), batch_size=4, shuffle=True), state,
+         r"saved with length=5 batches per epoch over samples=20, this loader has 6 batches per epoch over 21"),
         (_loader(), {**state, "batches": 6}, r"batches=6 is past the end of an epoch of length=5"),
         (_loader(), {**state, "epoch": -1, "batches": "2"}, r"epoch=-1 is not.*; batches='2' is not"),
-        (_loader(), {k: v for k, v in state.items() if k != "rng"}, r"keys \['batches', 'epoch', 'length', "),
+        (_loader(), {k: v for k, v in state.items() if k != "rng"}, r"keys \['batch_size', 'batches', 'epoch', "),
         (_loader(generator=torch.Generator()), state, r"rng holds \['torch'\], this loader draws from "
                                                       r"\['generator', 'torch'\]"),
     ]
@@ -245,3 +256,53 @@ def test_states_that_do_not_fit_are_refused():
 
     with pytest.raises(ContractError, match="Stream it was given is an IterableDataset"):
         ResumableDataLoader(Stream())
+
+
+def _distributed(n: int, replicas: int, rank: int, batch: int) -> ResumableDataLoader:
+    data = TensorDataset(torch.arange(n))
+    return ResumableDataLoader(data, batch_size=batch, drop_last=True,
+                               sampler=DistributedSampler(data, num_replicas=replicas, rank=rank, seed=7, shuffle=True))
+
+
+@pytest.mark.parametrize(("saved", "now"), [((1, 8), (4, 2)), ((4, 2), (2, 4)), ((2, 4), (4, 1)), ((4, 2), (1, 8))],
+                         ids=["dp1-to-dp4", "dp4-to-dp2", "dp2-to-dp4-batch1", "dp4-to-dp1"])
+def test_a_distributed_position_resumes_at_the_same_global_sample_on_another_dp(saved, now):
+    """The reference is DistributedSampler's definition, not its code: epoch e's order is
+    ``randperm(n, seed + e)`` dealt round-robin, so rank r's batch j holds order[r + R (j b + t)]. Three saved
+    batches on every rank consumed the order's first 3 b R samples; every rank of the new dp continues there."""
+    n, epoch, done = 101, 1, 3
+    (saved_dp, saved_b), (now_dp, now_b) = saved, now
+    loader = _distributed(n, saved_dp, 0, saved_b)
+    loader.sampler.set_epoch(epoch)
+    it = iter(loader)
+    for _ in range(done):
+        next(it)
+    state = loader.state_dict()
+    assert (state["replicas"], state["batch_size"], state["order"]["sampler"]) == (saved_dp, saved_b,
+                                                                                  "DistributedSampler")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+    start = done * saved_b * saved_dp
+    for rank in range(now_dp):
+        resumed = _distributed(n, now_dp, rank, now_b)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an exact move: no restart warning
+            resumed.load_state_dict(state)
+        got = [batch[0].tolist() for batch in resumed]
+        first = start // (now_dp * now_b)
+        expected = [[order[(rank + now_dp * (j * now_b + t)) % n] for t in range(now_b)]
+                    for j in range(first, len(resumed))]
+        assert got == expected, rank
+        assert got and got[0][0] == order[start + rank]  # the very next sample of the global order
+
+
+def test_a_position_that_is_not_a_whole_global_batch_restarts_the_epoch_saying_why():
+    loader = _distributed(101, 1, 0, 8)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    resumed = _distributed(101, 4, 0, 5)
+    with pytest.warns(UserWarning, match=r"start of epoch 0, not where it stopped: 24 samples of the epoch were "
+                                         r"consumed \(3 batches x 8 x 1 replicas\), not a whole number of this run's "
+                                         r"global batches \(5 x 4 replicas = 20"):
+        resumed.load_state_dict(loader.state_dict())
+    assert len([batch for batch in resumed]) == len(resumed)  # the whole epoch again
