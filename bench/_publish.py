@@ -24,8 +24,9 @@ def stamp() -> str:
     commit = _git("rev-parse", "HEAD").strip()
     changed = [line[3:] for line in _git("status", "--porcelain").splitlines()
                if line.strip() and not line[3:].startswith("bench/results/")]
+    more = ", ..." if len(changed) > 5 else ""
     tree = "clean tree" if not changed else \
-        f"dirty tree: {len(changed)} files differ from it ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})"
+        f"dirty tree: {len(changed)} files differ from it ({', '.join(changed[:5])}{more})"
     return f"Measured at commit `{commit[:12]}` ({tree}), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC."
 
 

@@ -610,7 +610,8 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
     lines += ["", "Memory per rank (ranks 0/1/2/3), MB above the rank's RSS before the operation, the largest over "
               "the rounds: peak RSS (VmHWM, reset right before) and, in brackets, peak anonymous memory (RssAnon "
               "sampled every 5 ms: without the checkpoint files a reader maps, which the kernel can drop).", "",
-              "| model | layout | RSS after the step MB | save ours | save DS | load ours | load DS | resharding load |",
+              "| model | layout | RSS after the step MB | save ours | save DS | load ours | load DS "
+              "| resharding load |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = " | ".join(_memory_cell(r, n) for n in ("ours_save", "ds_save", "ours_load", "ds_load", "reshard_load"))
@@ -633,9 +634,9 @@ def _lines(rows: list[dict], where: str, profiles: dict, load: tuple) -> list[st
                      f"{r['dump_s']:.2f} s; parameters per rank {'/'.join(f'{x / 1e6:.1f}M' for x in r['params'])}; "
                      f"{r['optimizer']}.")
     if profiles:
-        lines += ["", "Where rank 0's time goes (cProfile, one extra call of each after the timed rounds, cold reads as "
-                  "above; seconds; parts of a line in brackets; 'c10d calls and waits' includes the barriers where "
-                  "a rank waits for slower ones):", ""]
+        lines += ["", "Where rank 0's time goes (cProfile, one extra call of each after the timed rounds, "
+                  "cold reads as above; seconds; parts of a line in brackets; 'c10d calls and waits' includes "
+                  "the barriers where a rank waits for slower ones):", ""]
         lines += [f"- {title}: {_compact(summary)}" for title, summary in profiles.items()]
     lines += ["", f"Machine: {os.cpu_count()} cores shared with other work; 1-minute load average {load[0]:.1f} "
               f"before and {load[1]:.1f} after the run.", ""]

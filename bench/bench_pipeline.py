@@ -33,13 +33,14 @@ import torch.nn.functional as torch_f
 from _publish import publish
 from torch import nn
 
+from shardline.job.pipeline.schedule import one_f_one_b, simulate
 from shardline.plugins.pipeline.engine import PipelineEngine
-from shardline.plugins.pipeline.schedule import one_f_one_b, simulate
 from shardline.plugins.testing import run_ranks
 
 WORLD, D_MODEL, BLOCKS_PER_STAGE, MB_ROWS = 2, 256, 3, 32
 MICROBATCHES = (4, 8)
-WARMUP, BATCHES = 3, 150  # the ratio of two 20-batch medians moved by +-0.05 between runs here, of 60-batch ones by +-0.03
+# the ratio of two 20-batch medians moved by +-0.05 between runs here, of 60-batch ones by +-0.03
+WARMUP, BATCHES = 3, 150
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_pipeline.md"
 
 

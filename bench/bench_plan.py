@@ -1,6 +1,6 @@
 """The step-time model on its development set: Korthikanti et al. 2022, Table 5 (measured iteration times of
 GPT-style 22B-1T models on DGX A100 nodes, full recompute vs Megatron-SP + selective recompute), predicted row by
-row from data-sheet and published-benchmark constants (recipes/planning/catalog.yaml; nothing fitted to these
+row from data-sheet and published-benchmark constants (job/hardware.yaml; nothing fitted to these
 rows), next to Calculon's published 3.65% mean error (Isaev et al., SC'23, with hand-calibrated hardware files).
 
 The rows, their configurations and sources live in tests/recipes/planning/test_steptime.py (the test that bounds
@@ -25,7 +25,7 @@ from _publish import publish
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bench_plan.md"
 DEV_SET = ROOT / "tests" / "recipes" / "planning" / "test_steptime.py"
-A100_BURST_FRACTION = 0.869  # MAMF 271.2 / 312 (catalog.yaml's source), the alternative to the sustained 0.734
+A100_BURST_FRACTION = 0.869  # MAMF 271.2 / 312 (job/hardware.yaml's source), the alternative to the sustained 0.734
 
 
 def _dev_set():
@@ -86,7 +86,7 @@ def main() -> None:
         "gradient buffer by the DP size, at dp 1 too). Not priced: the gradient-clipping rescale (one more read "
         "and write of the gradients, run only when the norm exceeds the clip; the paper gives no norms). "
         "Constants from data sheets, NCCL's own cost model and "
-        "logs and published GEMM/HBM benchmarks (catalog.yaml), none fitted to these rows.",
+        "logs and published GEMM/HBM benchmarks (job/hardware.yaml), none fitted to these rows.",
         "",
         "| model | variant | layout | measured s | predicted s | error | predicted MFU | compute / exposed comm / "
         "bubble % | error with burst GEMM rate | error with free overlap |",

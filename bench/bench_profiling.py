@@ -93,8 +93,8 @@ print(json.dumps({"seconds": t3 - t1, "import_seconds": t1 - t0, "load_seconds":
 def run_side(python: str, program: str, folder: Path, *, timeout: float, extra: tuple = ()) -> dict:
     """Run one side in a fresh process, sampling the RSS of its whole process tree; returns its report."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([python, "-c", program, str(folder), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen([python, "-c", program, str(folder), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     parent = psutil.Process(proc.pid)
     peak, peak_pss, start = 0, 0, time.perf_counter()
     next_pss = start
@@ -284,9 +284,9 @@ def render(rows: list) -> str:
         "= uncompressed JSON MB / CPU seconds (self + workers). Ours reads the files of a big multi-rank set in "
         "forked workers by default (HTA uses a pool too); the '1 process' row reads them one after the other.",
         "",
-        "Small sets: median of several fresh processes per side, the two sides taking turns. 'Above imports' = peak RSS of the tree minus the "
-        "process's peak RSS up to the end of its imports (pandas 3 + pyarrow alone are ~101 MB for ours, "
-        "pandas 2 + HTA's imports ~94 MB): the memory the analysis itself needs.",
+        "Small sets: median of several fresh processes per side, the two sides taking turns. 'Above imports' "
+        "= peak RSS of the tree minus the process's peak RSS up to the end of its imports (pandas 3 + pyarrow "
+        "alone are ~101 MB for ours, pandas 2 + HTA's imports ~94 MB): the memory the analysis itself needs.",
         "",
         "'PSS' = the tree's proportional set size: a page shared by forked processes (both sides fork "
         "workers) counts once in all, where the RSS sum counts it in every process that maps it; on the small "

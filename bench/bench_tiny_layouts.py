@@ -175,17 +175,18 @@ def main() -> str:
         "",
         f"Model: vocab {MODEL['vocab_size']}, seq {MODEL['seq_len']}, {MODEL['n_layer']} layers, {MODEL['n_head']} "
         f"heads, d_model {MODEL['d_model']}; AdamW (lr {MODEL['lr']}, warm-up {MODEL['warmup_steps']}), float32, "
-        f"gradient clipping at {CLIP} (the recipe's) for every layout and the dense reference. Data: the recipe's (standard-library "
-        f"sources, byte-level). Global batch {GLOBAL_BATCH} "
+        f"gradient clipping at {CLIP} (the recipe's) for every layout and the dense reference. Data: the "
+        f"recipe's (standard-library sources, byte-level). Global batch {GLOBAL_BATCH} "
         f"x {MODEL['seq_len']} = {tokens} tokens per step for every layout ({GLOBAL_BATCH}/dp per replica); "
         f"{MICRO} micro-batches (1F1B) where pp > 1. Real Trainer + HybridParallelStrategy on 4 forked gloo ranks, "
         f"1 thread each: **4 ranks share 2 cores**, so a rank waits for a core as well as for its peers; these are "
         f"honest CPU numbers, not a forecast for GPUs.",
         "",
         f"Each layout ran {PASSES} times ({STEPS} steps each, the first {DROP} dropped; passes alternate "
-        f"between the list's order and its reverse); s/step is the median over all passes' {PASSES * (STEPS - DROP)} steps, a step being the "
-        f"slower rank's time between two `on_train_batch_end`. Progress bar, logger and checkpointing off; the "
-        f"module's `self.log(sync_dist=True)` stays. Same computation checked first: every layout's per-step loss "
+        f"between the list's order and its reverse); s/step is the median over all passes' "
+        f"{PASSES * (STEPS - DROP)} steps, a step being the slower rank's time between two "
+        f"`on_train_batch_end`. Progress bar, logger and checkpointing off; the module's "
+        f"`self.log(sync_dist=True)` stays. Same computation checked first: every layout's per-step loss "
         f"(mean over replicas, all {STEPS} steps, every pass) against a dense one-process run of the same model "
         f"on the same global batches (limit rtol 1e-5).",
         "",

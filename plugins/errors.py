@@ -1,20 +1,9 @@
-"""Exception types of the training side. Every message names the offending values."""
+"""Exception types of the training side. Every message names the offending values.
 
+:class:`ShardlineError` and the layout, schedule and contract errors are :mod:`shardline.job.errors`' (the pure
+package below both halves raises them too), re-exported here unchanged."""
 
-class ShardlineError(Exception):
-    """Base of every error shardline.plugins raises on purpose."""
-
-
-class LayoutError(ShardlineError, ValueError):
-    """A parallel layout (degrees, world size, node size, shapes vs degrees) that cannot work."""
-
-
-class ScheduleError(ShardlineError, ValueError):
-    """A pipeline schedule that is malformed or would deadlock."""
-
-
-class ContractError(ShardlineError, TypeError):
-    """A user's module or config does not meet the contract a strategy needs."""
+from shardline.job.errors import ContractError, LayoutError, ScheduleError, ShardlineError
 
 
 class CheckpointError(ShardlineError, ValueError):
@@ -46,3 +35,7 @@ class CollectiveError(ShardlineError, RuntimeError):
         self.culprits = tuple(culprits)
         self.dump_dir = dump_dir
         super().__init__(message)
+
+
+__all__ = ["CheckpointError", "CollectiveError", "ContractError", "LayoutError", "RankFailedError", "ScheduleError",
+           "ShardlineError"]

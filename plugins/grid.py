@@ -1,14 +1,15 @@
 """The process grid: parallel degrees (:class:`ParallelDims`) and the process groups built from them (:class:`Grid`).
 
 Rank order is ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` (Megatron's ``tp-cp-dp-pp``), stated once in
-:mod:`shardline.profiling.layout` (which the profiler reads too)::
+:mod:`shardline.job.placement` (which the profiler reads too)::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 so a TP group is ``tp`` consecutive ranks and stays inside one node (NVLink), while DP, CP and PP groups stride
 across nodes (InfiniBand). A group of axis ``a`` is the set of ranks that share every coordinate but ``a``.
 Combined axes: ``dp_cp`` (ranks sharing tp and pp: ZeRO's partition group when the sequence is sharded),
-``mp`` (ranks sharing cp and dp: the model-parallel group over which a gradient norm is summed) and ``embed`` (the first and last pipeline stage of each (tp, cp, dp) position: tied embeddings).
+``mp`` (ranks sharing cp and dp: the model-parallel group over which a gradient norm is summed) and ``embed``
+(the first and last pipeline stage of each (tp, cp, dp) position: tied embeddings).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from shardline.job import placement
+from shardline.job.annotations import group_desc
 from shardline.plugins.errors import ContractError, LayoutError
-from shardline.profiling import layout as placement
-from shardline.profiling.annotations import group_desc
 
 AXES = placement.AXES
 COMBINED_AXES = ("dp_cp", "mp", "embed")
@@ -302,11 +303,6 @@ class Grid:
             raise LayoutError(f"rank {self.global_rank} belongs to no {axis!r} group")
         return members.index(self.global_rank)
 
-    @property
-    def degrees(self) -> dict[str, int]:
-        """``{"tp", "cp", "dp", "pp"}`` degrees: the mapping the profiler classifies with."""
-        return {axis: getattr(self, axis) for axis in AXES}
-
     def size(self, axis: str) -> int:
         self._check_axis(axis)
         return self.dims.size(axis)
@@ -318,11 +314,6 @@ class Grid:
     @property
     def is_last_stage(self) -> bool:
         return self.coords["pp"] == self.dims.pp - 1
-
-    def stage_rank(self, stage_index: int) -> int:
-        """Global rank of pipeline rank ``stage_index`` in this rank's pipeline (same tp, cp, dp)."""
-        return self.dims.rank_of(tp=self.coords["tp"], cp=self.coords["cp"], dp=self.coords["dp"],
-                                 pp=placement.stage_rank(stage_index, pp=self.dims.pp))
 
     @property
     def mpu(self):

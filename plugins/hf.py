@@ -26,6 +26,9 @@ no config, an unsupported architecture or option, a config the layout cannot tak
 tensor, a damaged file. Under pp > 1 a rank builds and reads only its own stages. Under ZeRO-3 (loading inside
 ``deepspeed.zero.Init``) each rank materialises its TP/PP part, which ZeRO-3 then partitions over the
 data-parallel ranks (tested: dp2, tp2, pp2).
+
+One file: loading and saving are the two directions of the same per-architecture name tables and conversions
+(fused q/k/v, transposed Conv1D, vocabulary padding), which must change together.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardline.job.pipeline.schedule import ScheduleKind
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import ParallelDims, SPMode
-from shardline.plugins.pipeline.schedule import ScheduleKind
 
 #: The schedules a training layout may name (forward-only is evaluation's, not a choice).
 TRAINING_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)

@@ -1,13 +1,17 @@
 """Run a function on N CPU ranks joined in a real gloo process group, from one test process.
 
 ``run_ranks(fn, world_size, *args)`` forks ``world_size`` workers from the calling process (which has already
-imported torch, so a worker starts in ~0.2 s instead of the 20-50 s a fresh interpreter costs), joins them with
+imported torch, so a worker starts without the imports a fresh interpreter pays for), joins them with
 a ``file://`` rendezvous (no ports), runs ``fn(rank, world_size, *args)`` on each with one intra-op thread, and
 returns the results in rank order. A worker's exception is re-raised in the caller as :class:`RankFailedError`
 naming the rank, with the worker's traceback; a worker that hangs past ``timeout`` or dies without a word is
 reported by rank. Every worker is reaped before ``run_ranks`` returns or raises: no orphans.
 
 Results and exceptions travel back pickled, so ``fn`` should return plain values or CPU tensors.
+
+Test hooks the library never reads from the environment are installed here, in each worker before ``fn`` runs:
+with ``SHARDLINE_TEST_HANG_AT`` set (``rank=3,axis=tp,op=all_reduce,seq=30``), the injected hang of
+:mod:`shardline.plugins.faults.collective_record` (processes the worker forks inherit it).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: st
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        _install_test_hooks()
         if backend == "nccl":  # one GPU per rank; the parent must not have initialised CUDA before forking
             torch.cuda.set_device(rank % torch.cuda.device_count())
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -81,6 +86,16 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: st
                 dist.destroy_process_group()
         # Skip atexit handlers and buffered state inherited from the parent (pytest's, torch's).
         os._exit(status)
+
+
+def _install_test_hooks() -> None:
+    """The faults package's injected hang, from ``SHARDLINE_TEST_HANG_AT`` when it is set (ContractError when it
+    does not parse); nothing otherwise (a hook a test installed before forking stays)."""
+    from shardline.plugins.faults import collective_record
+
+    text = os.environ.get(collective_record.TEST_HANG_ENV)
+    if text:
+        collective_record.install_hang(collective_record.InjectedHang.parse(text))
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,

@@ -8,7 +8,7 @@ one attributed object of a trace set every analysis and output reads; also ``cla
 ``stragglers``, ``clock_offsets``, ``collective_bandwidth``, ``CommRule``, ``Category``.
 """
 
-# No `from __future__ import annotations` here: it would shadow the submodule shardline.profiling.annotations.
+# No `from __future__ import annotations` here: it would shadow a submodule named annotations.
 import importlib
 
 _EXPORTS = {

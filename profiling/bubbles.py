@@ -1,4 +1,4 @@
-"""Pipeline bubbles from the engine's annotations (``shardline.profiling.annotations``), else from p2p waits.
+"""Pipeline bubbles from the engine's annotations (``shardline.job.annotations``), else from p2p waits.
 
 Definition (the annotation contract): on one rank, the bubble of a pipeline batch is the part of its
 ``sl:pp:batch`` window covered by no ``F`` / ``B`` / ``W`` action span::
@@ -47,7 +47,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-import shardline.profiling.annotations as contract
+import shardline.job.annotations as contract
 from shardline.profiling import intervals as iv
 from shardline.profiling.classify import Lane, match_names
 from shardline.profiling.errors import TraceWarning

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-import shardline.profiling.annotations as contract
-from shardline.profiling import layout as placement
+import shardline.job.annotations as contract
+from shardline.job import placement
 from shardline.profiling.errors import ClassificationError
 from shardline.profiling.schema import (
     COMM_CATEGORIES,
@@ -332,7 +332,7 @@ def desc_dim(desc: str) -> str:
 
 
 def layout_dim(ranks_text: str, *, size: int, layout: Mapping[str, int]) -> str:
-    """Dimension of a group from its ranks (or only its size) in ``layout``, by :mod:`shardline.profiling.layout`'s
+    """Dimension of a group from its ranks (or only its size) in ``layout``, by :mod:`shardline.job.placement`'s
     rank order (tp fastest, then cp, dp, pp)."""
     axes = [a for a in placement.AXES if int(layout.get(a, 1)) > 1]
     degrees = {a: int(layout.get(a, 1)) for a in placement.AXES}

@@ -20,6 +20,9 @@ terminal below the table, md/html/tensorboard as a section, csv/json/parquet as 
 
 Presentation only: the numbers come from the analyses unchanged. Our errors become one line on stderr and exit
 status 2. A progress bar (tqdm, on stderr) shows when stderr is a terminal or with ``--progress``.
+
+One file: it is the whole ``shardline profile`` command tree (one parser, its four runners and the loading,
+progress and error handling they share), presentation only.
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ def read_rules(path: Path) -> tuple:
 
 
 #: Above this many bytes of trace files the report and merge commands read no op args unless ``--op-args``:
-#: they keep the decode on the native scanner (about 4x faster, and no op-arg columns in memory); the
+#: they keep the decode on the native scanner (faster than msgspec's, and no op-arg columns in memory); the
 #: bandwidth then takes sizes from the kernels' own element counts and says dtype "" (the op args give the
 #: dtype, ``Input Dims`` sizes of older PyTorch, and all-to-all-v split sizes).
 OP_ARGS_MAX_BYTES = 256 << 20

@@ -56,8 +56,8 @@ non-communication labels.
 
 API: ``critical_path(source)`` -> the chain (``CHAIN_COLUMNS``, all steps, kept on the attribution);
 ``critical_path_summary(chain, by=...)`` -> totals per step and ``by`` (default rank, label, dim:
-``SUMMARY_COLUMNS``) with their share of the step's path; ``describe(summary, step)`` -> one line ("step 3, path 12.1 ms: 41% rank 7
-compute, 18% rank 2 tp all-reduce transfer, ...").
+``SUMMARY_COLUMNS``) with their share of the step's path; ``describe(summary, step)`` -> one line ("step 3,
+path 12.1 ms: 41% rank 7 compute, 18% rank 2 tp all-reduce transfer, ...").
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def union(starts, ends) -> IntervalSet:
 
 def distinct(values: np.ndarray, *, scratch: bool = False) -> np.ndarray:
     """The sorted distinct values of an int64 array: ``np.unique`` by one sort (numpy 2's hash-based unique
-    is several times slower on the endpoint arrays here). ``scratch``: ``values`` is the caller's own
+    is slower on these endpoint arrays). ``scratch``: ``values`` is the caller's own
     temporary and may be sorted in place (no copy)."""
     ordered = np.asarray(values, dtype=np.int64)
     if scratch and ordered is values:

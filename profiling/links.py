@@ -1,7 +1,8 @@
 """The link a collective crosses and its limit, for ``bandwidth.collective_bandwidth``.
 
 The links table: each link's limit in GB/s (1e9 B/s) per direction, per GPU, from its data sheet
-(``DEFAULT_LINKS``), and the device rules (``DEVICE_RULES``: a GPU's name -> the intra-node fabric and the NIC of
+(``DEFAULT_LINKS``, read from the one hardware catalog ``shardline.job.hardware`` that the planner's costs read
+too), and the device rules (``DEVICE_RULES``: a GPU's name -> the intra-node fabric and the NIC of
 its reference system); a links file or mapping adds or replaces either (``link_table``).
 
 The link of a call. The group's ranks (``pg_ranks``, the trace's ``pg_config`` for its name, the world for an
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from shardline.job.hardware import hardware
 from shardline.profiling.classify import Lane
 from shardline.profiling.errors import ProfilingError
 from shardline.profiling.schema import P2P_CATEGORIES
@@ -56,58 +58,23 @@ class Link:
     source: str
 
 
-# Per direction, per GPU. Bidirectional data-sheet figures are halved; Gb/s line rates are divided by 8.
-DEFAULT_LINKS: dict[str, Link] = {link.name: link for link in (
-    Link("pcie-gen3", 15.75, "PCI-SIG PCIe 3.0 base spec: 8 GT/s x 16 lanes, 128b/130b -> 15.75 GB/s per "
-                             "direction (Tesla V100 PCIe / T4 data sheets: 32 GB/s bidirectional)"),
-    Link("pcie-gen4", 31.5, "PCI-SIG PCIe 4.0 base spec: 16 GT/s x 16 lanes, 128b/130b -> 31.5 GB/s per "
-                            "direction (A100 PCIe data sheet: 64 GB/s bidirectional)"),
-    Link("pcie-gen5", 64.0, "PCIe 5.0 x16: 64 GB/s per direction (the seed document; H100 PCIe data sheet: "
-                            "128 GB/s bidirectional)"),
-    Link("nvlink2", 150.0, "Tesla V100 SXM2 data sheet: NVLink 2, 300 GB/s bidirectional per GPU"),
-    Link("nvlink3", 300.0, "A100 Tensor Core GPU data sheet: NVLink 3, 600 GB/s bidirectional per GPU (SXM)"),
-    Link("nvlink3-a800", 200.0, "A800 SXM4 data sheet: NVLink 400 GB/s bidirectional per GPU"),
-    Link("nvlink4", 450.0, "H100 Tensor Core GPU data sheet: NVLink 4, 900 GB/s bidirectional per GPU (SXM; "
-                           "H200 SXM, GH200 the same; the seed document)"),
-    Link("nvlink4-h800", 200.0, "H800 SXM5 data sheet: NVLink 400 GB/s bidirectional per GPU"),
-    Link("nvlink5", 900.0, "DGX B200 / GB200 NVL72 data sheets: NVLink 5, 1.8 TB/s bidirectional per GPU"),
-    Link("xgmi", 448.0, "AMD Instinct MI300X data sheet: 7 Infinity Fabric (xGMI) links x 128 GB/s "
-                        "bidirectional = 896 GB/s aggregate -> 448 per direction"),
-    Link("ib-edr", 12.5, "InfiniBand EDR (ConnectX-5): 100 Gb/s per port -> 12.5 GB/s per direction"),
-    Link("ib-hdr", 25.0, "InfiniBand HDR (ConnectX-6 data sheet): 200 Gb/s per port -> 25 GB/s per direction"),
-    Link("ib-ndr", 50.0, "InfiniBand NDR (ConnectX-7 data sheet): 400 Gb/s per port -> 50 GB/s per direction "
-                         "(the seed document)"),
-    Link("ib-xdr", 100.0, "InfiniBand XDR (ConnectX-8 SuperNIC data sheet): 800 Gb/s per port -> 100 GB/s per "
-                          "direction"),
-    Link("roce-400", 50.0, "RoCE v2 on 400 GbE (ConnectX-7 / Pollara 400): 400 Gb/s -> 50 GB/s per direction"),
-)}
+# The one hardware catalog (``shardline.job.hardware``, ``job/hardware.yaml``) holds every number and rule below,
+# cited there; the planner's costs read the same entries. Per direction, per GPU (a NIC: per port).
+_HARDWARE = hardware()
+DEFAULT_LINKS: dict[str, Link] = {name: Link(name, float(spec.gbps), spec.source)
+                                  for name, spec in _HARDWARE.links.items()}
 
 #: Device name (regex, case-insensitive, first match wins) -> (intra-node link, NIC): what the GPU's reference
 #: system (DGX/HGX, MI300X platform) pairs it with; a links file can prepend rules or force either.
-DEVICE_RULES: tuple[tuple[str, str, str], ...] = (
-    (r"GB300|B300", "nvlink5", "ib-xdr"),
-    (r"GB200|B200|B100", "nvlink5", "ib-ndr"),
-    (r"H800", "nvlink4-h800", "ib-ndr"),
-    (r"(H100|H200).*(PCIe|NVL)", "pcie-gen5", "ib-ndr"),
-    (r"H100|H200|H20\b|GH200", "nvlink4", "ib-ndr"),
-    (r"A100.*PCIe|A800.*PCIe", "pcie-gen4", "ib-hdr"),
-    (r"A800", "nvlink3-a800", "ib-hdr"),
-    (r"A100", "nvlink3", "ib-hdr"),  # SXM4 parts, including Meta's A100-PG509-200 board
-    (r"V100.*(SXM|DGXS)", "nvlink2", "ib-edr"),
-    (r"V100|T4\b|P100.*PCIe", "pcie-gen3", "ib-edr"),
-    (r"MI300|MI325", "xgmi", "roce-400"),
-    (r"L40|L4\b|A10\b|A40|A30|RTX 4090|RTX 6000 Ada", "pcie-gen4", "ib-hdr"),
-    (r"RTX 5090|RTX PRO 6000", "pcie-gen5", "ib-ndr"),
-)
+DEVICE_RULES: tuple[tuple[str, str, str], ...] = tuple((rule.match, rule.intra, rule.nic)
+                                                       for rule in _HARDWARE.device_rules)
 #: The NIC of a device no rule names.
-DEFAULT_NIC = "ib-ndr"
+DEFAULT_NIC = _HARDWARE.default_nic
 #: Intra-node link -> the PCIe generation of the GPU's host interface (x16) in the same reference system (V100:
 #: Gen3; A100/A800: Gen4; H100/H200/H800/H20, B200/B300 and MI300X: Gen5); a PCIe part's host link is its own.
-HOST_PCIE = {"nvlink2": "pcie-gen3", "nvlink3": "pcie-gen4", "nvlink3-a800": "pcie-gen4", "nvlink4": "pcie-gen5",
-             "nvlink4-h800": "pcie-gen5", "nvlink5": "pcie-gen5", "xgmi": "pcie-gen5",
-             "pcie-gen3": "pcie-gen3", "pcie-gen4": "pcie-gen4", "pcie-gen5": "pcie-gen5"}
+HOST_PCIE: dict[str, str] = dict(_HARDWARE.host_pcie)
 #: The host link assumed for a device no rule names.
-DEFAULT_HOST_PCIE = "pcie-gen5"
+DEFAULT_HOST_PCIE = _HARDWARE.default_host_pcie
 
 # --- the table ------------------------------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ def merged_trace(source, *, path: str | Path, progress: bool = False) -> Path:
     bandwidth = _bandwidth_args(attribution, source if hasattr(source, "files") and hasattr(source, "metadata")
                                 else None)
     try:
-        # level 1: the text is repetitive, so it already shrinks ~20x; higher levels triple the write time
+        # level 1: the text is repetitive, so it already shrinks well; higher levels cost much more write time
         handle = gzip.open(path, "wt", compresslevel=1) if path.suffix == ".gz" else open(path, "w")
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot write the merged trace ({exc})") from exc

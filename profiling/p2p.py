@@ -23,9 +23,9 @@ covers exactly these ranks (``Process Group Ranks``: Megatron's and torch's pipe
 stage); otherwise it is read from the ring of peers: the first stage is the rank whose first message of a
 step is a send (every other stage first waits for input), and the next stage is where a stage's first send
 goes. Ranks that only pass messages one way around a cycle (ring attention, a ring benchmark) are an exchange,
-not a pipeline, and keep their receives as p2p (with a warning). Where no message records its peer (gloo traced without ``record_shapes``) a group of two ranks is still a
-pipeline (each rank's peer is the other); a larger one cannot be matched and its receives stay p2p, with a
-``TraceWarning`` naming the ranks.
+not a pipeline, and keep their receives as p2p (with a warning). Where no message records its peer (gloo
+traced without ``record_shapes``) a group of two ranks is still a pipeline (each rank's peer is the other); a
+larger one cannot be matched and its receives stay p2p, with a ``TraceWarning`` naming the ranks.
 
 Matching. The k-th send from rank a to rank b meets the k-th receive on b from a (NCCL and gloo deliver in
 order per pair); the times of both are read on one clock with the offsets ``collectives.match_collectives``
@@ -78,8 +78,9 @@ class SplitMethod(str, enum.Enum):
 def p2p_messages(source) -> pd.DataFrame:
     """One row per p2p send or receive per rank (``MESSAGE_COLUMNS``; see the module docstring), in (rank,
     start) order, of the groups that can be a pipeline's (``dim`` pp, world or unknown: the send/recv of ring
-    attention over a cp group or of an ep exchange are not pipeline traffic). ``kind`` is "send" or "recv", ``peer`` the global peer rank (-1 unknown), ``row`` the events-
-    table position of the message's first row (its kernel, or its outermost CPU op)."""
+    attention over a cp group or of an ep exchange are not pipeline traffic). ``kind`` is "send" or "recv",
+    ``peer`` the global peer rank (-1 unknown), ``row`` the events-table position of the message's first row
+    (its kernel, or its outermost CPU op)."""
     from shardline.profiling.attribution import attribute
 
     attribution = attribute(source, caller="p2p_messages")

@@ -3,7 +3,8 @@
 Sections (``report_sections.Section``, each an ``<section id=...>`` with an ``<h2>``): the stacked breakdown per
 rank and step, communication per parallel dimension, collective wait/transfer with stragglers, collective
 bandwidth against the link's limit, the pipeline timeline with bubble vs ideal, the top kernels per category and
-the offload traffic. Tables carry the display strings of ``report_sections.display_tables`` (each ``<table id=...>``), so the numbers are the frames'.
+the offload traffic. Tables carry the display strings of ``report_sections.display_tables`` (each
+``<table id=...>``), so the numbers are the frames'.
 """
 
 from __future__ import annotations

@@ -498,9 +498,10 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
             "step": s["step"].astype(str), "straggler_rank": s["straggler_rank"].astype(str),
             "caused_wait_ms": ms_text(s["caused_wait_ns"]), "times_last": s["times_last"].astype(str)})))
     if len(sec.bubbles) and many:
-        out[Section.PIPELINE].append(("bubbles-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
+        distribution = rank_summary.numeric_distribution(
             sec.bubbles, {"batch_ns": "ns", "bubble_ns": "ns", "bubble_fraction": "%", "ideal_fraction": "%"},
-            by=("method", "stage")))))
+            by=("method", "stage"))
+        out[Section.PIPELINE].append(("bubbles-distribution-table", rank_summary.display(distribution)))
     elif len(sec.bubbles):
         b = sec.bubbles
         out[Section.PIPELINE].append(("bubbles-table", pd.DataFrame({
@@ -541,9 +542,10 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
             "category": k["category"], "name": k["name"], "calls": k["calls"].astype(str),
             "total_ms": ms_text(k["total_ns"]), "share_%": fixed(100 * k["share"], 2)})))
     if len(sec.offload) and many:
-        out[Section.OFFLOAD].append(("offload-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
+        distribution = rank_summary.numeric_distribution(
             sec.offload, {"copies": "", "bytes": "", "busy_ns": "ns", "achieved_gbps": "", "of_limit": "%",
-                          "pageable_copies": "", "exposed_ns": "ns"}, by=("direction",)))))
+                          "pageable_copies": "", "exposed_ns": "ns"}, by=("direction",))
+        out[Section.OFFLOAD].append(("offload-distribution-table", rank_summary.display(distribution)))
     elif len(sec.offload):
         o = sec.offload
         out[Section.OFFLOAD].append(("offload-table", pd.DataFrame({

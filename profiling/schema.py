@@ -121,8 +121,8 @@ STR_COLUMNS = tuple(c for c, t in COLUMNS.items() if t == "category")
 def category_texts(categories) -> list[str]:
     """The categories of a categorical (an Index) as a list of Python str, converted in one call.
 
-    pandas' default string categories are Arrow-backed: iterating them yields one boxed scalar per element
-    (about 1 µs each), while ``tolist`` converts the whole array at C speed.
+    pandas' default string categories are Arrow-backed: iterating them yields one boxed scalar per element,
+    while ``tolist`` converts the whole array at C speed.
     """
     return [v if type(v) is str else str(v) for v in categories.tolist()]
 
@@ -164,7 +164,7 @@ def step_numbers(texts) -> np.ndarray:
 
 def codes_or_end(column: pd.Series) -> np.ndarray:
     """Category codes of a categorical column (read-only), a missing value mapped to one past the last
-    category. From the Categorical itself: ``.cat.codes`` builds a Series per call (~20 µs)."""
+    category. From the Categorical itself: ``.cat.codes`` builds a new Series on every call."""
     codes = column.array.codes
     if (codes < 0).any():
         codes = np.where(codes < 0, len(column.dtype.categories), codes)
@@ -214,9 +214,9 @@ def _cached_text_dtype(texts: tuple) -> pd.CategoricalDtype:
 
 
 def _new_text_dtype(texts) -> pd.CategoricalDtype:
-    """A categorical dtype of these distinct texts. Their distinctness is checked here with a set (a few µs
-    per hundred texts), so pandas' own check (an index hash table per dtype: ~0.1-0.2 ms, half a small file's
-    categorical work) is skipped where pandas offers the way (``_from_fastpath``, pandas 2 and 3)."""
+    """A categorical dtype of these distinct texts. Their distinctness is checked here with a set (cheap), so
+    pandas' own check (an index hash table per dtype: a large share of a small file's categorical work) is
+    skipped where pandas offers the way (``_from_fastpath``, pandas 2 and 3)."""
     texts = list(texts)
     if len(set(texts)) != len(texts):
         raise ValueError(f"categories must be distinct: {len(texts) - len(set(texts))} repeated among {texts[:8]}")
@@ -285,7 +285,7 @@ def conforms(columns: dict, *, op_args: bool = False) -> bool:
 
 def check_events(frame: pd.DataFrame) -> None:
     """Raise ``ValueError`` naming every column whose presence or dtype breaks the schema."""
-    # One look at the dtypes (a column access per column costs ~10 µs: this runs on every load and analysis).
+    # One look at the dtypes (not a column access per column: this runs on every load and analysis).
     dtypes = dict(zip(frame.columns, frame.dtypes))
     problems = [f"column {c!r} appears {n} times" for c, n in Counter(frame.columns).items() if n > 1 and c in COLUMNS]
     problems += [f"missing column {c!r}" for c in COLUMNS if c not in dtypes]

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pandas as pd
 
-import shardline.profiling.annotations as contract
+import shardline.job.annotations as contract
 from shardline.profiling import intervals as iv
 from shardline.profiling.classify import Lane, match_table
 from shardline.profiling.partition import LABELS
@@ -151,7 +151,8 @@ class Rows:
         t = self.tables
         if lanes == Lane.GPU.value:
             return self.lane_gpu & ~t.annotation_cat[self.cat] & ~t.annotation_name[self.name]
-        return self.lane_cpu & ~t.step_marker[self.name] & (t.cpu_op_cat[self.cat] | (self.comm & t.comm_op_cat[self.cat]))
+        return (self.lane_cpu & ~t.step_marker[self.name]
+                & (t.cpu_op_cat[self.cat] | (self.comm & t.comm_op_cat[self.cat])))
 
 
 #: What the work rows' label sets and windows read.

@@ -213,7 +213,8 @@ class Scenario:
         """The communication categories it applies to."""
         if not self.categories:
             return COMM_CATEGORIES
-        return tuple(c for c in COMM_CATEGORIES if c in self.categories or (c in P2P_CATEGORIES and "p2p" in self.categories))
+        return tuple(c for c in COMM_CATEGORIES
+                     if c in self.categories or (c in P2P_CATEGORIES and "p2p" in self.categories))
 
 
 def what_if(source, scenario) -> pd.DataFrame:

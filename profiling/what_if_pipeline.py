@@ -1,10 +1,9 @@
 """The ``pipeline`` scenario of ``what_if``: other micro-batch counts, chunks or schedules for a measured pipeline.
 
 The measured per-stage forward / backward costs and the p2p transfer (see ``what_if``'s docstring) are fed to the
-schedule generators of ``shardline.plugins.pipeline`` -- the one representation of a schedule, pure Python (no
-torch), loaded only when a pipeline scenario runs, so ``shardline.profiling`` itself still imports nothing of
-``plugins`` (DESIGN's dependency direction, with this one on-demand exception) -- and the prediction is the
-measured step plus simulated(new) - simulated(measured).
+schedule generators of ``shardline.job.pipeline`` -- the one representation of a schedule, pure Python below
+both halves, which the training engine executes too -- and the prediction is the measured step plus
+simulated(new) - simulated(measured).
 """
 
 from __future__ import annotations
@@ -14,10 +13,13 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
+from shardline.job.errors import ScheduleError
+from shardline.job.pipeline.schedule import build_schedule, validate
+from shardline.job.pipeline.simulate import split_ops
 from shardline.profiling import intervals as iv
 from shardline.profiling.what_if import _SCHEDULES, Keep, Method, Scenario, ScenarioError, _Context
 
-# --- the pipeline scenario ----------------------------------------------------------------------------------------------------
+# --- the pipeline scenario -------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class _Pipe:
@@ -88,12 +90,6 @@ def _makespan(kind: str, pipe: _Pipe, *, m: int, v: int, scale: float) -> float:
     in order, a compute op costs its stage's F or B, a batch of sends and receives is posted at once and done
     ``transfer`` after both ends of each of its receives were posted (rendezvous, as ``match_p2p`` measures a
     transfer: the receive's time after its send started)."""
-    try:
-        from shardline.plugins.errors import ScheduleError
-        from shardline.plugins.pipeline.schedule import build_schedule, validate
-        from shardline.plugins.pipeline.simulate import split_ops
-    except ImportError as exc:  # a profiler installed without the training side
-        raise ScenarioError(f"pipeline: the schedule layer shardline.plugins.pipeline is needed ({exc})") from None
     p = pipe.p
     try:
         schedule = validate(build_schedule(kind, n_ranks=p, n_microbatches=m, n_chunks=v))

@@ -17,7 +17,8 @@ Validation has two layers, both raising :class:`RecipeError` with the file and e
    (``ParallelDims``: ``tp*pp*cp`` must divide ``devices*num_nodes``), the model shape (``GPTConfig`` or
    ``LlamaConfig``, or ``model.init_from``'s config.json), the model against the layout (heads, KV heads and FFN
    against tp, ...), the pipeline (a layer per stage, micro-batches dividing ``data.batch_size``), the
-   vocabulary (the bytes', or ``init_from``'s tokenizer's), and that ``data.path`` exists. The fit command runs it on the file alone and again on the configuration LightningCLI parsed,
+   vocabulary (the bytes', or ``init_from``'s tokenizer's), and that ``data.path`` exists. The fit command runs
+   it on the file alone and again on the configuration LightningCLI parsed,
    command-line overrides included (jsonargparse's own errors become RecipeError there too).
 """
 
@@ -35,7 +36,8 @@ import yaml
 from shardline.plugins.errors import ShardlineError
 
 SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
-LINKED = {"data.seq_len": "model.seq_len", "data.tokenizer": "model.init_from"}  # fields the fit command sets from another; not recipe fields
+# fields the fit command sets from another; not recipe fields
+LINKED = {"data.seq_len": "model.seq_len", "data.tokenizer": "model.init_from"}
 HYBRID_CLASS = "shardline.plugins.lightning.strategy.HybridParallelStrategy"
 _SIMPLE = (int, float, bool, str, type(None), list, dict)
 # DeepSpeedStrategy arguments that take effect whatever its DeepSpeed config is. Its others only build a default
@@ -230,18 +232,28 @@ _LAYOUT_ARGS = {"tp": None, "pp": None, "cp": None, "sp": None, "gpus_per_node":
                 "offload_params": "zero", "nvme_path": "zero"}
 
 
+def strategy_arguments(strategy: Any) -> dict[str, Any] | None:
+    """HybridParallelStrategy's arguments in a recipe's ``trainer.strategy``, whichever spelling ``shardline fit``
+    accepts: a registered name (``shardline_tp2_zero1``) or a class_path dict (the full path, the
+    ``shardline.plugins`` re-export or the bare class name) with its init_args; None for any other strategy.
+    A name outside the registered family raises ContractError naming it."""
+    from shardline.plugins.lightning.registry import parse_strategy_name
+
+    if isinstance(strategy, str) and strategy.startswith("shardline"):
+        return parse_strategy_name(strategy)
+    if isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
+        return dict(strategy.get("init_args") or {})
+    return None
+
+
 def strategy_layout(strategy: Any):
     """The unbound :class:`~shardline.plugins.layout.Layout` of a shardline strategy given as a registered name
     or class_path dict (the strategy's own value, built the way the strategy builds it); None for any other
     strategy. Bad values raise the Layout's ContractError/LayoutError, naming them."""
     from shardline.plugins.layout import Layout, PipelineSpec, ZeroSpec
-    from shardline.plugins.lightning.registry import parse_strategy_name
 
-    if isinstance(strategy, str) and strategy.startswith("shardline"):
-        args = parse_strategy_name(strategy)
-    elif isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
-        args = strategy.get("init_args") or {}
-    else:
+    args = strategy_arguments(strategy)
+    if args is None:
         return None
     parts: dict[str | None, dict] = {None: {}, "pipeline": {}, "zero": {}}
     for key, part in _LAYOUT_ARGS.items():

@@ -124,7 +124,7 @@ def stage_gpu_tests(dry: bool, out: Path) -> dict:
 
     files = ["tests/recipes/test_gpu_single.py"]
     devices = torch.cuda.device_count()  # NVML's count: pytest's process forks ranks, so no CUDA init here
-    multi = ["tests/recipes/test_gpt_parity.py", "tests/recipes/test_checkpoint_resume.py"]
+    multi = ["tests/recipes/test_gpt_parity.py", "tests/plugins/test_checkpoint_resume.py"]
     result: dict = {"devices": devices}
     if devices >= 2:
         files += multi
@@ -172,7 +172,8 @@ def gemm_shapes(dry: bool) -> list[dict]:
         for tp in (1, 2, 4, 8):
             for name, k, n in (("qkv", d, (heads + 2 * kv) * hd // tp), ("o", heads * hd // tp, d),
                                ("gate_up", d, 2 * ffn // tp), ("down", ffn // tp, d), ("head", d, vocab // tp)):
-                for kind, mkn in (("fwd", (tokens, k, n)), ("bwd_input", (tokens, n, k)), ("bwd_weight", (k, tokens, n))):
+                for kind, mkn in (("fwd", (tokens, k, n)), ("bwd_input", (tokens, n, k)),
+                                  ("bwd_weight", (k, tokens, n))):
                     shapes.append({"model": model, "tp": tp, "op": name, "pass": kind, "mkn": mkn})
     if dry:  # the code path, not the numbers: a few shapes, 64x smaller
         shapes = [dict(s, mkn=tuple(max(1, v // 64) for v in s["mkn"])) for s in shapes[:6]]

@@ -26,13 +26,16 @@ makes it, the folder's entries and the pointer's new text (``latest.tmp``) durab
 (an existing ``NAME`` is first moved aside, and removed once the renames are durable), then moves the ``latest``
 pointer of the parent folder (a rename), and makes both renames durable with one fsync of the parent. A save
 killed at any point leaves the previous checkpoint and the pointer as they were; :func:`resolve` ignores the
-partial folder with a warning. (A system crash before that last fsync, on a filesystem that makes the pointer's
-rename durable before the folder's, leaves ``latest`` naming a folder that is not there: :func:`resolve` then
-warns and takes the newest complete checkpoint, the previous one. So the two renames need no fsync between them.)
+partial folder with a warning, and the next commit in that folder removes it (:func:`remove_leftovers`; so does
+the next fit's start removes the placeholders of asynchronous saves never committed). (A system crash before that
+last fsync, on a filesystem that makes the pointer's rename durable before the folder's, leaves ``latest`` naming
+a folder that is not there: :func:`resolve` then warns and takes the newest complete checkpoint, the previous one.
+So the two renames need no fsync between them.)
 
 CRCs are computed on one thread per process beside the I/O (both CRCs release the GIL): a save's while each large
 tensor is written, a read's chunk by chunk while the next chunk is read; every check is made before a read
-returns, or, for a reader made with ``defer_checks`` (a load), before its :meth:`.reader.CheckpointReader.verify` returns.
+returns, or, for a reader made with ``defer_checks`` (a load), before its
+:meth:`.reader.CheckpointReader.verify` returns.
 
 Format versions: 3 (what a save writes) holds the state files above; 2 and 1 held the same state as
 ``trainer.pt`` and ``rank-00003.pt``, ``torch.save`` pickles, which this shardline never unpickles on its own:
@@ -40,6 +43,9 @@ their tensors read as before, and ``shardline convert --migrate --trust`` (:func
 a checkpoint as version 3 for whoever trusts its author. Version 2 names its CRC in the manifest's ``checksum``
 (``"crc32c"``); 1 holds zlib's CRC-32 everywhere. An older reader refuses a newer checkpoint by its version
 instead of reporting its CRC-32C values as damage.
+
+One file: the on-disk format (file names, manifest, atomic commit, ``latest``) is stated once, beside the one
+code path that writes it and the one that resolves a folder.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ import shutil
 import signal
 import struct
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -239,8 +246,8 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; do not wait
 def start_writeback(fd: int) -> None:
     """Have the kernel start writing ``fd``'s dirty pages to the device now, without waiting: the fsync that
     makes the file durable later then finds them on their way, and the rank's other work (its small files,
-    its record) runs beside the device's. For 2.6 MB written plainly, then 1 ms of other work, write + fsync
-    took 3.3 ms instead of 4.4 ms here. Advice only: where the call is missing or fails, nothing changes."""
+    its record) runs beside the device's, and the fsync waits only for what is still in flight. Advice only:
+    where the call is missing or fails, nothing changes."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
@@ -510,7 +517,7 @@ def write_small(data: bytes, path: Path) -> int:
 
 def _manifest_text(manifest: dict) -> str:
     """The manifest as JSON, one tensor and one file a line: readable, and written by the C encoder (``indent``
-    would make ``json`` use its pure-Python one, ~10x slower on a large manifest)."""
+    would make ``json`` use its pure-Python one, much slower on a large manifest)."""
     def block(mapping: dict) -> str:
         rows = (f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in mapping.items())
         return "{\n" + ",\n".join(rows) + "\n }"
@@ -543,8 +550,8 @@ def build_manifest(records: list[list[tuple]], files: dict[str, dict], meta: dic
     if len(sizes) > 1:
         raise CheckpointError(f"ranks wrote chunk CRCs of different chunk sizes: {sorted(sizes)}")
     extra = {"chunk_crc32": {"bytes": sizes.pop(), "pieces": dict(sorted(chunks.items()))}} if chunks else {}
-    return {"format": FORMAT, "version": VERSION, "checksum": WRITTEN.name, **meta, "files": dict(sorted(files.items())),
-            "tensors": dict(sorted(tensors.items())), **extra}
+    return {"format": FORMAT, "version": VERSION, "checksum": WRITTEN.name, **meta,
+            "files": dict(sorted(files.items())), "tensors": dict(sorted(tensors.items())), **extra}
 
 
 class AtomicSave:
@@ -554,6 +561,7 @@ class AtomicSave:
     def __init__(self, final: Path, token: str):
         self.final = Path(final)
         self.tmp = self.final.parent / f".{self.final.name}.partial-{token}"
+        self.begun = time.time()  # what the commit's clean-up calls older (remove_leftovers)
 
     #: A token's random bytes (written as twice as many hex digits): one non-negative int64 carries it between
     #: ranks, so at most 7.
@@ -571,8 +579,8 @@ class AtomicSave:
     def reserve(self) -> None:
         """Rank 0, for an asynchronous save: an empty folder at :attr:`final` (holding only a :data:`PENDING`
         marker) until the commit replaces it, so the name is taken at once (Lightning versions the next file name
-        and links ``last.ckpt`` to it); :func:`resolve` falls back from one to the newest complete checkpoint
-        beside it. A checkpoint already at that name stays there until the commit replaces it."""
+        and links ``last.ckpt`` to it); :func:`resolve` refuses one, naming the newest complete checkpoint beside
+        it. A checkpoint already at that name stays there until the commit replaces it."""
         if not os.path.lexists(self.final):
             self.final.mkdir()
             (self.final / PENDING).write_text(self.tmp.name + "\n")
@@ -604,6 +612,36 @@ class AtomicSave:
         _fsync(self.final.parent)  # both renames
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        remove_leftovers(self.final.parent, before=self.begun)
+
+
+#: Seconds by which a leftover must predate ``before`` (file times come from the kernel's coarse clock, which can
+#: lag ``time.time()``): a save interrupted just before another began is removed at the commit after that.
+MTIME_SLACK = 2.0
+
+
+def remove_leftovers(folder: Path, *, before: float, partials: bool = True) -> list[str]:
+    """Remove from ``folder`` what interrupted saves left there before the time ``before``: their ``.NAME.partial-*``
+    folders (full-size, never loadable; kept with ``partials=False``) and asynchronous saves' placeholders (which
+    would make Lightning give the next save of that name a ``-v1``). Called by rank 0 after each commit
+    (``before``: that save's start; one run has one save in flight at a time) and, for the placeholders alone, at
+    the start of a fit (``before``: now; a resumed run still warns of the partial folders it skips). Two runs must
+    therefore not share a checkpoint folder. Returns the names removed."""
+    removed, before = [], before - MTIME_SLACK
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        try:
+            stale = path.lstat().st_mtime < before and not path.is_symlink() and path.is_dir()
+        except OSError:
+            continue
+        partial = path.name.startswith(".") and ".partial-" in path.name
+        if stale and ((partial and partials) or is_placeholder(path)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -626,10 +664,12 @@ def resolve(path: str | os.PathLike) -> Path:
     if is_checkpoint(path):
         return path
     if is_placeholder(path):
-        warnings.warn(f"{path} is an asynchronous save that was never committed (the run ended before its "
-                      f"commit); loading the checkpoint directory's latest complete checkpoint instead",
-                      stacklevel=2)
-        return _newest(path.resolve().parent)
+        try:
+            beside = f"the newest complete checkpoint beside it is {_newest(path.resolve().parent, quiet=True)}"
+        except CheckpointError:
+            beside = "there is no complete checkpoint beside it"
+        raise CheckpointError(f"{path}: an incomplete checkpoint (an asynchronous save that was never committed: the "
+                              f"run ended before its commit); {beside}. Name a complete one.")
     if path.is_file():
         raise CheckpointError(f"{path}: a file, not a shardline checkpoint folder (shardline loads only its own "
                               "checkpoints, and never unpickles a file such as a Lightning .ckpt or torch.save)")
@@ -663,10 +703,10 @@ def _complete(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and is_checkpoint(p)]
 
 
-def _newest(root: Path) -> Path:
+def _newest(root: Path, *, quiet: bool = False) -> Path:
     """In a folder of checkpoints: the one its ``latest`` pointer names, else the newest complete one; its
-    partial saves are ignored with a warning."""
-    for partial in sorted(root.glob(".*.partial-*")):
+    partial saves are ignored with a warning (none with ``quiet``)."""
+    for partial in [] if quiet else sorted(root.glob(".*.partial-*")):
         warnings.warn(f"ignoring the partial checkpoint {partial} (a save was interrupted before its manifest "
                       "was committed)", stacklevel=3)
     pointer = root / POINTER
@@ -674,8 +714,9 @@ def _newest(root: Path) -> Path:
         target = confined(root, pointer.read_text(errors="replace").strip(), what=f"the pointer {POINTER!r}")
         if is_checkpoint(target):
             return target
-        warnings.warn(f"{pointer} names {target.name}, which is not a complete checkpoint; using the newest "
-                      "complete one", stacklevel=3)
+        if not quiet:
+            warnings.warn(f"{pointer} names {target.name}, which is not a complete checkpoint; using the newest "
+                          "complete one", stacklevel=3)
     complete = _complete(root)
     if not complete:
         raise CheckpointError(f"{root}: holds no complete checkpoint")
@@ -685,4 +726,4 @@ def _newest(root: Path) -> Path:
 __all__ = ["AtomicSave", "CHUNK", "DATA_STATE", "FORMAT", "KILL_ENV", "LEGACY_TRAINER_FILE", "MANIFEST", "PENDING",
            "PHASES", "POINTER", "READS", "ShardWriter", "TRAINER_FILE", "build_manifest", "confined", "describe_files",
            "dtype_of", "fsync_all", "is_checkpoint", "is_placeholder", "is_state_file", "legacy_name", "phase",
-           "rank_file", "resolve", "write_small"]
+           "rank_file", "remove_leftovers", "resolve", "write_small"]

@@ -1,5 +1,9 @@
 """Reading a checkpoint (:mod:`.files` has the format and the writing side): :class:`CheckpointReader` reads boxes
-of canonical tensors from a committed checkpoint folder, each piece checked against its CRC in the manifest."""
+of canonical tensors from a committed checkpoint folder, each piece checked against its CRC in the manifest.
+
+One file, one class: reading, mapping, read-ahead and the CRC checks (inline or on the CRC thread, deferred to
+:meth:`CheckpointReader.verify`) share the reader's open files, maps and pending checks.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from shardline.plugins.errors import CheckpointError
 #: thread (a mapped read's bytes are the page cache's, which the kernel can drop: they do not count).
 PENDING_BYTES = 256 << 20
 # madvise(MADV_WILLNEED) before a mapped span is read (Linux, macOS; None elsewhere): the kernel reads the span
-# ahead in one go instead of faulting it in page by page (tiny's cold load: 5-14 ms of CRC per rank, now 2-5)
+# ahead in one go instead of faulting it in page by page, which a cold load's CRC pass would otherwise wait on
 _WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
 WILLNEED_MIN = 128 << 10
 
@@ -66,9 +70,8 @@ class CheckpointReader:
 
     ``mapped=True`` (what a load uses; the default is False): a piece read whole (or some rows of it) is returned as
     a view of a private, copy-on-write memory map of its file instead of being read into fresh memory: the kernel's
-    page-cache pages are mapped, not copied, and no anonymous memory is faulted in and zeroed for it (on the bench
-    machine that fault-in cost more than the read itself: reading 1 GiB into fresh memory took 0.57-1.7 s, into
-    memory already touched 0.07 s, through a map 0.15 s). Writing to such a view copies the pages it touches (the
+    page-cache pages are mapped, not copied, and no anonymous memory is faulted in and zeroed for it (that
+    fault-in can cost more than the read itself). Writing to such a view copies the pages it touches (the
     file never changes); the view stays valid after :meth:`close`, and the map goes when the last view does. A
     caller that keeps a value (an optimizer state) must copy it (:func:`~shardline.plugins.layers.tp_comm.owned`
     does: the view's storage is the whole file), or a deleted checkpoint's disk space stays held; ``torch.save`` of

@@ -78,7 +78,7 @@ class _Encoder:
         self.tensors[name] = value.detach().cpu().contiguous()
         return name
 
-    def __call__(self, value: Any, where: str, depth: int = 0) -> Any:  # noqa: C901 - one branch per type
+    def __call__(self, value: Any, where: str, depth: int = 0) -> Any:  # one branch per type
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{where}: nested deeper than {MAX_DEPTH} levels (or contains itself)")
         if value is None or type(value) in (bool, str, int):
@@ -174,7 +174,7 @@ class _Decoder:
             raise self.bad(f"it refers to a tensor {name!r} it does not hold")
         return self.tensors[name]
 
-    def __call__(self, node: Any, depth: int = 0) -> Any:  # noqa: C901 - one branch per tag
+    def __call__(self, node: Any, depth: int = 0) -> Any:  # one branch per tag
         if depth > MAX_DEPTH:
             raise self.bad(f"nested deeper than {MAX_DEPTH} levels")
         if node is None or type(node) in (bool, int, float, str):
@@ -200,7 +200,7 @@ class _Decoder:
             return set(members) if tag == "set" else frozenset(members)
         return self._leaf(tag, body)
 
-    def _leaf(self, tag: str, body: Any) -> Any:  # noqa: C901 - one branch per tag
+    def _leaf(self, tag: str, body: Any) -> Any:  # one branch per tag
         if tag == "float" and body in ("nan", "inf", "-inf"):
             return float(body)
         if tag == "tensor":

@@ -1,9 +1,11 @@
 """Parameter roles: what a parameter is across the tensor-parallel group, declared where a layer creates it.
 
-A role is one typed value per parameter, stored under one attribute (``ROLE_ATTRIBUTE``); nothing else about
-parallelism is stamped on parameters by the layers. The strategy derives every gradient synchronisation from the
-roles at setup (``shardline.plugins.lightning.gradient_sync``), so any module built from shardline's layers is
-correct by construction under every layout:
+A role is one typed value per parameter, stored under one attribute (``ROLE_ATTRIBUTE``); the only other mark
+the layers stamp on a parameter is the key of a weight tied across pipeline stages (``TIE_ATTRIBUTE``, set by
+:func:`tie`). The strategy derives every gradient synchronisation from these marks at setup
+(``HybridParallelStrategy._install_gradient_syncs``, DeepSpeed's gradient-norm flags in
+``shardline.plugins.lightning.deepspeed_compat``, and the tied-weight exchange in the pipeline driver), so any
+module built from shardline's layers is correct by construction under every layout:
 
 - ``SHARDED(dim)``: this rank holds a slice of the dense parameter along ``dim`` (column/row-parallel weights, the
   vocabulary-parallel embedding). Its gradient is already the dense gradient's slice; DeepSpeed's gradient norm

@@ -74,7 +74,8 @@ class RopeScaling:
         extra, missing = sorted(set(fields) - known), sorted(known - set(fields))
         if kind != "llama3" or extra or missing:
             raise ContractError(f"rope_scaling={value!r}: only rope_type='llama3' with exactly the keys "
-                                f"{sorted(known)} is supported (rope_type={kind!r}, unknown {extra}, missing {missing})")
+                                f"{sorted(known)} is supported (rope_type={kind!r}, unknown {extra}, "
+                                f"missing {missing})")
         return cls(rope_type=kind, **fields)
 
 

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from shardline.job.annotations import comm_name
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.layers.sp_ring import ring_attention_impl
 from shardline.plugins.layers.tp_comm import all_gather, group_rank, group_size
-from shardline.profiling.annotations import comm_name
 
 __all__ = [
     "SequenceLayout",

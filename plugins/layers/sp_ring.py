@@ -12,8 +12,8 @@ already travelling (isend to ``r+1`` / irecv from ``r-1``) while step ``t`` comp
 Backward: with ``D_i = dO_i . O_i`` and ``p_ij = exp(s_ij - l_i)`` (the final ``l``), a block contributes
 ``dV_B += p^T dO``, ``dS = p * (dO V_B^T - D)``, ``dQ += scale * dS K_B`` and ``dK_B += scale * dS^T Q``. K/V
 travel around the ring again; each block's dK/dV accumulator follows it one step behind (``r`` adds its part and
-passes it on in the next step's exchange), and after ``n`` hops it arrives home. Per-rank memory: O(local_seq) tensors plus one ``local x local`` score
-block at a time; no rank ever holds the full K/V or the full score matrix.
+passes it on in the next step's exchange), and after ``n`` hops it arrives home. Per-rank memory: O(local_seq)
+tensors plus one ``local x local`` score block at a time; no rank ever holds the full K/V or the full score matrix.
 
 Which part of a visiting block is visible (``causal``): the diagonal block (``src == r``) uses the ordinary causal
 mask (local positions increase with the local index in both layouts). Contiguous: blocks from ``src < r`` are fully
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from shardline.job.annotations import comm_name
 from shardline.plugins.layers.tp_comm import group_rank, group_size
-from shardline.profiling.annotations import comm_name
 
 _KV_TAG, _GRAD_TAG = 11, 12  # distinct tags for the two streams (gloo matches by tag; NCCL by order)
 

@@ -119,7 +119,8 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         # From the configured sizes, not the weight: ZeRO-3 replaces a partitioned weight by an empty placeholder.
-        return (f"in={self.in_features}, out={self.out_features} (local {self.out_features // group_size(self.group)}), "
+        local = self.out_features // group_size(self.group)
+        return (f"in={self.in_features}, out={self.out_features} (local {local}), "
                 f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")
 
 

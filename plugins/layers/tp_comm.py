@@ -19,10 +19,10 @@ the sequence pair acts on ``dim=1`` by default (activations are ``[batch, seq, h
 and in group-rank order: rank ``r`` of a group of size ``n`` holds elements ``[r*L/n, (r+1)*L/n)``.
 
 ``group`` None or of size 1 makes every function the identity (the dense model). ``group`` may also be a
-:class:`~shardline.plugins.grid.StandInGroup` (a description of a group, no communicator: a rank's part of a layout built in one
-process, e.g. on the meta device, to count its bytes); sizes and ranks answer as the real group's would, and a
-collective over it raises ``ContractError``. Every collective runs inside a
-``torch.profiler.record_function`` named by :func:`shardline.profiling.annotations.comm_name`, so the profiler can
+:class:`~shardline.plugins.grid.StandInGroup` (a description of a group, no communicator: a rank's part of a
+layout built in one process, e.g. on the meta device, to count its bytes); sizes and ranks answer as the real
+group's would, and a collective over it raises ``ContractError``. Every collective runs inside a
+``torch.profiler.record_function`` named by :func:`shardline.job.annotations.comm_name`, so the profiler can
 attribute its time. No function here holds a process group: the group is always an argument.
 """
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from shardline.job.annotations import comm_name
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import StandInGroup
-from shardline.profiling.annotations import comm_name
 
 _all_gather_single = dist.all_gather_single
 _reduce_scatter_single = dist.reduce_scatter_single

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from shardline.job.annotations import comm_name
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
 from shardline.plugins.layers.tp_comm import (
@@ -25,7 +26,6 @@ from shardline.plugins.layers.tp_comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
-from shardline.profiling.annotations import comm_name
 
 log = logging.getLogger(__name__)
 _logged_paddings: set[tuple[int, int]] = set()  # (V, n) pairs already reported: log once, not per layer

@@ -18,6 +18,9 @@ boundary draws its DataLoader seed) are not replayed.
 Loading checks everything before it changes anything: the architecture (every tensor this model has, with its
 shape), every piece it reads (CRC), on every rank; any failure raises :class:`CheckpointError` on all ranks,
 naming the file and the tensor, and no weight has been overwritten.
+
+One file: save, the asynchronous settle and load share the collective rounds (:func:`_hello`,
+:func:`_written`, :func:`_committed`, :func:`_agree`) that give every rank the same view of one checkpoint.
 """
 
 from __future__ import annotations
@@ -126,9 +129,9 @@ def _reduce_words(words: list[int], op: str, group=None) -> list[int]:
     """The element-wise ``op`` (``"max"`` or ``"or"``) over the ranks of ``group`` of every rank's int64
     ``words`` (the same length on each), the same result on every rank: a gather to the group's first rank and
     its broadcast of the result. gloo runs an all-reduce of more than a word or two as a ring, 2(N-1) hops one
-    after another, each of which waits for its receiver to be scheduled: on 4 ranks sharing 2 cores 4.7 ms for
-    35 words and 2.7 ms for 4, where the gather and the broadcast take 0.8 ms (a 1-word all-reduce, 0.4 ms,
-    stays one). The root's reduction is over N short rows, so this holds for thousands of ranks too."""
+    after another, each of which waits for its receiver to be scheduled, where the gather and the broadcast
+    are two rounds (a 1-word all-reduce stays one). The root's reduction is over N short rows, so this holds
+    for thousands of ranks too."""
     mine = torch.tensor(words, dtype=torch.int64)
     if len(words) <= 1:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.BOR, group=group)
@@ -204,8 +207,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     and its record of what it wrote (``.records-RRRRR.json``, which rank 0 reads and removes), are durable, a
     1-element ``all_reduce(MAX)`` of "this rank failed" (:func:`_written`); after rank 0's commit, its 1-element
     broadcast of the commit's outcome (:func:`_committed`). The records travel by the shared folder, not by a
-    gather: a small collective takes a fraction of the ~5 ms that pickling and gathering them took on a small
-    checkpoint.
+    gather: a small collective of fixed-size words costs a fraction of pickling and gathering them.
 
     With ``strategy.async_checkpoint`` and while fitting, the call returns once every piece is copied
     (:class:`_Pending`): a thread writes and fsyncs the files while training goes on, and the last two rounds
@@ -565,16 +567,16 @@ def _agree(got: _Read, group=None) -> str | None:
     """The one exchange of a load: None when every rank read the same checkpoint without an error and every
     checkpoint weight has a place on some rank; otherwise the message, the same on every rank.
 
-    One element-wise OR (:func:`_reduce_words`, over ``group``) of ``3 + AGREE_WORDS`` int64: ``key``, ``~key``, the flags and the first words of the
-    coverage mask, ``key`` a digest of the folder and of its weight names. Every rank read the same checkpoint
-    exactly when the two ORs have no bit in common (a rank whose key differs sets a bit in one that another's
-    sets in the other); the flags say whether a rank failed (``_FAILED``) or lacks some of the checkpoint's
-    weights (``_MISSING``: a pipeline stage holds only its own layers), and then the OR of the masks (the same
-    weights on every rank: the same key) says which weights no rank has a place for. A second round only for
-    the failures' messages (``all_gather_object``), or for the rest of the mask of a checkpoint of more than
-    ``63 x AGREE_WORDS`` weights (another OR). The words' gather and broadcast take a fraction of a millisecond
-    where the objects' gather takes two collectives and pickling (several ms on a loaded host); and on a host
-    with more ranks than cores every collective also waits for the slowest rank to be scheduled."""
+    One element-wise OR (:func:`_reduce_words`, over ``group``) of ``3 + AGREE_WORDS`` int64: ``key``,
+    ``~key``, the flags and the first words of the coverage mask, ``key`` a digest of the folder and of its
+    weight names. Every rank read the same checkpoint exactly when the two ORs have no bit in common (a rank
+    whose key differs sets a bit in one that another's sets in the other); the flags say whether a rank failed
+    (``_FAILED``) or lacks some of the checkpoint's weights (``_MISSING``: a pipeline stage holds only its own
+    layers), and then the OR of the masks (the same weights on every rank: the same key) says which weights no
+    rank has a place for. A second round only for the failures' messages (``all_gather_object``), or for the
+    rest of the mask of a checkpoint of more than ``63 x AGREE_WORDS`` weights (another OR). The words' gather
+    and broadcast are cheap where the objects' gather takes two collectives and pickling; and on a host with
+    more ranks than cores every collective also waits for the slowest rank to be scheduled."""
     reader, names = got.reader, {e.name for e in got.mine}
     weights = sorted(n for n in reader.tensors if not n.startswith("optimizer.")) if got.error is None else []
     digest = hashlib.blake2b(repr((got.found, weights)).encode(), digest_size=7).digest()

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardline.job.annotations import comm_name
 from shardline.plugins.errors import ContractError
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.pipeline.backend import StageBackend
-from shardline.profiling.annotations import comm_name
 
 #: DeepSpeed versions whose private state this file was checked against (the package admits the same range).
 TESTED = ((0, 19, 8), (0, 20, 0))
@@ -110,8 +110,9 @@ class TiedAcrossStages:
       when ZeRO-3 partitions it) to the shadow over the ``embed`` group (:meth:`begin_batch`);
     - the shadow accumulates its gradient by plain autograd over the batch's micro-batches; after the last
       stage's final backward it goes to the first stage (:meth:`after_last_backward`);
-    - the first stage adds it to the weight's gradient in its final micro-batch backward, through a tensor hook that runs before ZeRO's gradient hooks (:meth:`final_backward`),
-      so ZeRO reduces the sum of both uses. Summation is linear, so that equals summing per micro-batch.
+    - the first stage adds it to the weight's gradient in its final micro-batch backward, through a tensor
+      hook that runs before ZeRO's gradient hooks (:meth:`final_backward`), so ZeRO reduces the sum of both
+      uses. Summation is linear, so that equals summing per micro-batch.
 
     Both gradients are in the same scale: fp16 loss scaling (a per-engine scale) is refused under pp > 1 by
     the strategy, and bf16/fp32 scale nothing.

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.job import placement
+from shardline.job.pipeline.schedule import ScheduleKind, build_schedule
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.layers.roles import tie_key
 from shardline.plugins.lightning.deepspeed_compat import (
@@ -46,8 +48,6 @@ from shardline.plugins.lightning.deepspeed_compat import (
 from shardline.plugins.models.decoder import LayerPlaceholder
 from shardline.plugins.pipeline.engine import PipelineEngine
 from shardline.plugins.pipeline.partition import build_stages, partition_layers
-from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
-from shardline.profiling import layout as placement
 
 #: ``micro_batches=None`` picks the smallest m dividing the batch with a bubble (p-1)/(v*m+p-1) under this.
 TARGET_BUBBLE = 0.2
@@ -184,7 +184,8 @@ class PipelineDriver:
             grid = self.strategy.grid
             self._engines[key] = PipelineEngine(
                 self.local, schedule=schedule, pp_rank=self.rank, loss_fn=self.module.pipeline_loss,
-                group=grid.group("pp"), meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
+                group=grid.group("pp"),
+                meta_group=None if grid.backend == "gloo" else self.strategy.pipeline_meta_group,
                 backend=self._backend(), annotations=self.strategy.pipeline_annotations)
         return self._engines[key]
 

@@ -31,16 +31,16 @@ from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.faults.watchdog import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    CollectiveWatchdog,
+    collective_timeout_seconds,
+)
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
 from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
-from shardline.plugins.lightning.watchdog import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
-    CollectiveWatchdog,
-    collective_timeout_seconds,
-)
 from shardline.plugins.lightning.zero import derive_config, load_user_config
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     legitimate wait between healthy ranks, such as the slowest rank's sharded checkpoint write, and a third of
     gloo's 30 min) is how long a collective may wait before its rank counts as hung. It governs every process
     group once the grid exists (Lightning's ``timeout`` still governs the rendezvous), and
-    :class:`~shardline.plugins.lightning.watchdog.CollectiveWatchdog` enforces it: when a rank dies or hangs,
+    :class:`~shardline.plugins.faults.watchdog.CollectiveWatchdog` enforces it: when a rank dies or hangs,
     every rank stops within ``collective_timeout + 15 s`` with one
     :class:`~shardline.plugins.errors.CollectiveError` naming the rank(s), the groups and the last collective
     each rank entered and completed; each rank dumps its record to ``collective_dump_dir`` (default: a fresh
@@ -210,6 +210,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def setup(self, trainer) -> None:
         self._check_one_seed()
+        self._remove_checkpoint_leftovers(trainer)
         self._install_gradient_syncs()
         if self.layout.pp > 1:
             from shardline.plugins.lightning.pipeline_driver import PipelineDriver
@@ -223,6 +224,24 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             else:
                 self.pipeline_driver = PipelineDriver(self, self.lightning_module)
         super().setup(trainer)
+
+    def _remove_checkpoint_leftovers(self, trainer) -> None:
+        """Rank 0, before the fit's first save: the placeholders of asynchronous saves never committed in each
+        ``ModelCheckpoint``'s folder, which would make Lightning name this run's save of the same step ``-v1``,
+        removed (:func:`~shardline.plugins.checkpoint.files.remove_leftovers`; partial folders go at the next
+        commit). Saves from this run are all still to come, so every placeholder there now is another run's."""
+        import time
+
+        from shardline.plugins.checkpoint.files import remove_leftovers
+
+        if not self.is_global_zero or trainer is None:
+            return
+        now = time.time()
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            folder = getattr(callback, "dirpath", None)
+            removed = remove_leftovers(folder, before=now, partials=False) if folder else []
+            if removed:
+                log.info("removed what interrupted saves left in %s: %s", folder, ", ".join(removed))
 
     def _check_one_seed(self) -> None:
         """Every rank must be seeded alike: Lightning seeds the DistributedSampler's shuffle with the process's

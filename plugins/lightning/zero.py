@@ -1,4 +1,5 @@
-"""The DeepSpeed config a :class:`~shardline.plugins.lightning.strategy.HybridParallelStrategy` derives from its arguments.
+"""The DeepSpeed config a :class:`~shardline.plugins.lightning.strategy.HybridParallelStrategy` derives from its
+arguments.
 
 ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also parameters, each over the data-parallel group
 (``grid.mpu``'s ``dp_cp`` group). Offload moves optimizer states (stage >= 1) and parameters (stage 3 only) to

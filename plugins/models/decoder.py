@@ -266,8 +266,8 @@ def hosted_layers(n_layers: int, grid, *, chunks: int = 1) -> frozenset[int]:
     driver cuts). All of them without a grid or at pp = 1."""
     if grid is None or grid.dims.pp == 1:
         return frozenset(range(n_layers))
+    from shardline.job import placement
     from shardline.plugins.pipeline.partition import partition_layers
-    from shardline.profiling import layout as placement
 
     pp = grid.dims.pp
     bounds = partition_layers(n_layers, pp * chunks, method="uniform").bounds

@@ -3,7 +3,7 @@
 A typical rank (``grid`` from :class:`~shardline.plugins.grid.Grid`, ``model`` exposing ``pipeline_layers()``)::
 
     from shardline.plugins.pipeline import PipelineEngine, TiedWeight, build_stages, partition_layers
-    from shardline.plugins.pipeline.schedule import interleaved_one_f_one_b
+    from shardline.job.pipeline.schedule import interleaved_one_f_one_b
 
     p, v = grid.size("pp"), 2
     layers = model.pipeline_layers()
@@ -15,7 +15,7 @@ A typical rank (``grid`` from :class:`~shardline.plugins.grid.Grid`, ``model`` e
     TiedWeight(tied_param_or_None, grid.group("embed")).sync_grads()
     optimizer.step()
 
-``shardline.plugins.pipeline.schedule`` is pure Python; the torch-using parts (``PipelineEngine``, partitioning
+``shardline.job.pipeline.schedule`` is pure Python; the torch-using parts (``PipelineEngine``, partitioning
 helpers) are loaded on first attribute access so importing the schedule layer never pulls in torch.
 """
 
@@ -39,7 +39,7 @@ _LAZY = {
     "PartitionMethod": "partition",
     "build_stages": "partition",
     "TiedWeight": "partition",
-    "forward_only": "schedule",
+    "forward_only": "schedule",  # shardline.job.pipeline.schedule's, through the re-exporting module
     "sync_tied_grads": "partition",
 }
 

@@ -19,8 +19,8 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
   batch. :func:`validate` proves this cannot deadlock even if sends block until received (see ``simulate``'s
   module docstring); the proof needs an op's sends never to wait on its receives, so an op that must first
   read an incoming shape header (below) posts its sends before that wait (on NCCL: its sends as one group,
-  then, after the header, its receives as another). On gloo the engine posts to the process group itself and posts each receive as early as
-  its shape allows (up to one beyond the current op's), in program order: see
+  then, after the header, its receives as another). On gloo the engine posts to the process group itself and
+  posts each receive as early as its shape allows (up to one beyond the current op's), in program order: see
   :mod:`~shardline.plugins.pipeline.p2p`, which also says why that keeps the proof and the message matching.
 - Shapes travel: the first activation sent over each edge in a batch goes with a small header (ndim, dtype,
   dims), so the sequence length may change from batch to batch. Later micro-batches of the same batch reuse it
@@ -57,8 +57,10 @@ from torch import nn
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
+from shardline.job.annotations import pp_batch_name
+from shardline.job.pipeline.actions import ActionKind, Schedule
+from shardline.job.pipeline.simulate import validate
 from shardline.plugins.errors import ContractError, LayoutError, ScheduleError
-from shardline.plugins.pipeline.actions import ActionKind, Schedule
 from shardline.plugins.pipeline.backend import AutogradBackend, StageBackend
 from shardline.plugins.pipeline.engine_types import (  # re-exported: the engine's public vocabulary
     Annotations,
@@ -80,8 +82,6 @@ from shardline.plugins.pipeline.p2p import (
     empty_header,
     encode_header,
 )
-from shardline.plugins.pipeline.simulate import validate
-from shardline.profiling.annotations import pp_batch_name
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 _NO_ANNOTATION = nullcontext()

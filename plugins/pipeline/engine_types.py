@@ -29,9 +29,9 @@ class MemoryAccounting(str, enum.Enum):
 class Annotations(str, enum.Enum):
     """When the engine enters its ``record_function`` annotations.
 
-    ``record_function`` is not free without a profiler: its enter and exit are dispatcher calls (about 20 us
-    together here) and autograd work inside one runs slower (about 15 us more for a forward and backward), some
-    1.5 ms per batch of 8 micro-batches, where compute is ~60 ms. ``WHEN_PROFILING`` (the default) enters them
+    ``record_function`` is not free without a profiler: its enter and exit are dispatcher calls and autograd work
+    inside one runs slower, a cost per micro-batch that adds up over a batch (bench_pipeline measures it).
+    ``WHEN_PROFILING`` (the default) enters them
     only while torch's profiler flag is up, the one ``torch.profiler.profile``, ``emit_nvtx`` and ``emit_itt``
     raise and torch's compiled code checks before its own annotations; a profiler records nothing from a
     ``record_function`` entered while it is off anyway. ``ALWAYS`` is for observers that do not raise the flag

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardline.job.annotations import pp_action_name
+from shardline.job.pipeline.actions import Action, ActionKind, Schedule
+from shardline.job.pipeline.simulate import split_ops
 from shardline.plugins.errors import ContractError
-from shardline.plugins.pipeline.actions import Action, ActionKind, Schedule
-from shardline.plugins.pipeline.simulate import split_ops
-from shardline.profiling.annotations import pp_action_name
 
 MAX_DIMS = 8
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardline.job import placement
+from shardline.job.annotations import comm_name
 from shardline.plugins.errors import LayoutError
-from shardline.profiling import layout as placement
-from shardline.profiling.annotations import comm_name
 
 
 class PartitionMethod(str, enum.Enum):

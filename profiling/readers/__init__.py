@@ -32,7 +32,7 @@ class ReadResult:
     ``events``: the schema-conformant rows. A reader that builds them as columns may hand those instead
     (``columns``: the schema's columns in its order and dtypes, numpy arrays and categoricals): the frame is then
     built on first use of ``events``, and ``load`` joins the columns of many files without a frame per file
-    (building one and reading its columns back out costs about a millisecond per file).
+    (building one and reading its columns back out is pandas' per-frame overhead, paid per file).
     """
 
     __slots__ = ("_events", "columns", "metadata", "warnings", "skipped")

@@ -1,6 +1,6 @@
 """A trace file's bytes, and the steps of reading a Kineto trace that run without the GIL.
 
-Kept apart from the Kineto reader (which imports msgspec and builds its decoders: ~5 ms) and light to import,
+Kept apart from the Kineto reader (which imports msgspec and builds its decoders) and light to import,
 so that ``load``'s prefetch thread reads, gunzips and scans the first trace while the main thread is still
 importing the reader. Whether a file is mapped, read ahead or scanned natively is the plan's (``_plan``).
 """

@@ -4,6 +4,9 @@ Split from ``kineto.py`` to keep each file focused: this half knows nothing abou
 a batch of ``Event`` structs into arrays (then dropping the structs) and the arrays into schema rows:
 exact ns times, lanes, message sizes, memcpy host-memory kind, B/E pairing and ``ProfilerStep`` steps; and,
 when asked (``op_args``), the op-args columns (``schema.OP_ARG_COLUMNS``) after the schema's.
+
+One file: every step from a decoded batch to the events frame works on the :class:`Columns` value and private
+helpers that nothing outside the reader uses.
 """
 
 from __future__ import annotations
@@ -218,8 +221,8 @@ class Columns:
     serve B/E pairing (``pid`` is all -1 where the batch has no B/E rows). Categoricals: ``ph``, ``cat``,
     ``name``, ``lane`` and the args texts; every other column is a numpy array.
 
-    A plain class with slots, every field a required keyword: a dataclass of these fields costs ~0.9 ms to
-    build at import, inside a fresh small read (the reader is imported while ``load``'s prefetch thread reads).
+    A plain class with slots, every field a required keyword: a dataclass of these fields is slow to build at
+    import, inside a fresh small read (the reader is imported while ``load``'s prefetch thread reads).
     """
 
     __slots__ = ("ph", "cat", "name", "lane", "device", "stream", "ts", "dur", "bad_time", "correlation",
@@ -436,8 +439,8 @@ def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
     """Concatenate batches, apply the time base, pair B/E, and derive sizes, memory kinds and steps.
 
     Works on the column dict and returns it in the schema's column order and dtypes (``schema.conforms``
-    checks it): a frame per step of the way would cost about a millisecond each, and ``load`` joins the
-    columns of many files without building a frame per file (``ReadResult.columns``).
+    checks it): a frame per step of the way would pay pandas' per-frame overhead each time, and ``load`` joins
+    the columns of many files without building a frame per file (``ReadResult.columns``).
     """
     cols = _concat(batches)
     cols.update(cols.pop("op_args") or {})  # the op-args columns, when asked for, go along with every row

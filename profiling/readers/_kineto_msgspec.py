@@ -2,7 +2,7 @@
 arrays and batches.
 
 Apart from ``kineto`` so that a trace the native scanner reads (every intact small trace where the C extension
-is built) never imports msgspec or builds these decoders: ~10 ms of a ~50 ms fresh-process read of a small
+is built) never imports msgspec or builds these decoders, a large share of a fresh process's read of a small
 set. ``kineto`` imports this module on first use of a msgspec path (``kineto.msgspec_paths``) and re-exports
 its names (``kineto.Event``, ``kineto.OpArgsEvent``).
 """

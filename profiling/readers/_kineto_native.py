@@ -1,7 +1,7 @@
 """Fastest path of the Kineto reader: the native scanner (``_kscan``, C) reads a whole in-memory trace at once.
 
 The ordinary path parses twice (msgspec splits the top level, then decodes every event into a struct) and
-then pulls every field out of every struct in Python: about 3 µs per event, most of a small trace's read
+then pulls every field out of every struct in Python: work per event, most of a small trace's read
 time. ``_kscan.scan`` walks the document once and hands back each event's fields as rows of int64s and of
 text codes, every text interned per field (first-appearance order), so Python only works per *unique* text
 (unescaping, number texts such as ``"pid": "Spans"``) and per column (numpy).

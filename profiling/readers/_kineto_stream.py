@@ -50,7 +50,8 @@ def stream_mapped(path: Path, buffer: mmap.mmap, *, chunk_bytes: int, decode_eve
     """The top-level keys (raw JSON) and column batches of a mapped trace, or None to read it another way
     (an in-memory buffer is cut the same way, unmapped: a forced ``STREAM`` plan on a gzip file).
 
-    ``decode_events(text)`` decodes a chunk (a JSON array) into structs in one call; when it refuses the chunk, ``decode_batch(path, raws, warnings)`` decodes its raw event slices one by one,
+    ``decode_events(text)`` decodes a chunk (a JSON array) into structs in one call; when it refuses the chunk,
+    ``decode_batch(path, raws, warnings)`` decodes its raw event slices one by one,
     salvaging what it can. ``to_columns(structs)`` turns the structs into a column batch.
     """
     noted = len(warnings)
@@ -117,7 +118,7 @@ _MALLOC_TRIM = _load_trim() if sys.platform.startswith("linux") else None
 def trim_heap() -> None:
     """Hand the heap memory freed by a decoded chunk back to the OS (glibc ``malloc_trim``).
 
-    Each chunk allocates and frees ~100 MB of structs and temporary arrays; glibc keeps freed heap pages
+    Each chunk allocates and frees its structs and temporary arrays; glibc keeps freed heap pages
     (its mmap threshold grows after the first big free, so later arrays land on the heap too), and without
     this the process would carry that garbage as resident memory for the rest of the read. No-op elsewhere.
     """

@@ -36,8 +36,8 @@ from pathlib import Path
 
 class _Log:
     """``logging.getLogger("shardline.profiling.readers")``, imported on first use: a process that never imported
-    ``logging`` has configured no handler, so there is nothing to log to, and importing it costs ~1.3 ms of a
-    ~33 ms fresh small read."""
+    ``logging`` has configured no handler, so there is nothing to log to, and importing it is a noticeable
+    share of a fresh small read."""
 
     name = "shardline.profiling.readers"
 
@@ -50,7 +50,7 @@ class _Log:
 log = _Log()
 
 #: A document up to this size (in memory) is read whole by the native scanner: its columns are built
-#: whole (a 31 MB trace peaks 81 MB above the start, 147 MB the msgspec way); bigger ones go in chunks.
+#: whole (its peak memory a few times the document's, below the msgspec way's); bigger ones go in chunks.
 NATIVE_MAX_BYTES = 64 << 20
 #: Plain files at least this big are memory-mapped and streamed (their pages released as they are decoded).
 MAP_MIN_BYTES = 32 << 20
@@ -80,7 +80,7 @@ class PathRefused(Exception):
 class ReadPlan:
     """The decode paths to try, in order, and the settings they run with (an immutable value).
 
-    A plain class, not a dataclass: building a frozen dataclass costs ~0.8 ms at import, and this module is
+    A plain class, not a dataclass: building a frozen dataclass costs time at import, and this module is
     imported inside a fresh small read's critical path (``load`` imports it before its prefetch thread starts).
     """
 

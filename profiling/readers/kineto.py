@@ -177,7 +177,7 @@ class _Decoding:
 
     def stream(self) -> Decoded | None:
         # Imported here, not at the top: it loads ctypes and looks libc up (malloc_trim), which a small trace
-        # read by the native scanner never needs (~3 ms of a ~35 ms fresh-process read).
+        # read by the native scanner never needs (a noticeable share of a fresh process's read).
         from shardline.profiling.readers._kineto_stream import stream_mapped
 
         noted = len(self.warnings)
@@ -195,7 +195,8 @@ class _Decoding:
         if self._split is None:
             top, events_raw = msgspec_paths()._split_top(self.path, self.data, self.warnings)
             if events_raw is None:
-                raise _NotATrace(ReadResult(empty_events(), warnings=self.warnings, skipped=_what_it_is(self.path, top)))
+                raise _NotATrace(ReadResult(empty_events(), warnings=self.warnings,
+                                            skipped=_what_it_is(self.path, top)))
             self._split = {k: v for k, v in top.items() if k != "traceEvents"}, events_raw
         return self._split
 

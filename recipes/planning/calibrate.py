@@ -47,8 +47,9 @@ ring steps, as the model prices them (:mod:`.catalog`)::
 (``collective_gbps``) are fitted per link over all its kinds and groups by least squares on relative
 residuals. With one point (one size of one kind), a fit that gives ``alpha <= 0`` (faster than the ring
 Simple-protocol model: NCCL's LL protocol on small messages) or ``alpha`` over ``LATENCY_LIMIT`` times the
-catalog's (waiting for peers, not the link), the catalog's ``alpha`` is kept and ``B`` alone fitted. This is the ring form (NCCL's busBw convention); the model's all-reduce then takes the cheaper of ring
-and tree as before, and its ``min(NIC share, intra link)`` for groups with several ranks per node is not
+catalog's (waiting for peers, not the link), the catalog's ``alpha`` is kept and ``B`` alone fitted. This is
+the ring form (NCCL's busBw convention); the model's all-reduce then takes the cheaper of ring and tree as
+before, and its ``min(NIC share, intra link)`` for groups with several ranks per node is not
 inverted. Per (kind, group) :class:`CollectiveFit` also reports NCCL's own numbers: ``busbw = bus / t``
 (nccl-tests) and the free ``t = latency + bus / bandwidth`` fit.
 
@@ -59,6 +60,9 @@ that include waiting for peers: a one-rank trace cannot tell waiting from transf
 
 A number that cannot be fitted keeps the catalog's value, with the reason, and :func:`calibrate` warns
 (:class:`CalibrationWarning`); a profile from which nothing can be fitted is a :class:`~.catalog.PlanError`.
+
+One file: the three fits share the op table, the plausibility rules and the :class:`Calibration` they fill,
+and much of its length is the formulas above.
 """
 
 from __future__ import annotations

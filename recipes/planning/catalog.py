@@ -1,6 +1,7 @@
-"""The hardware the step-time model prices (GPUs, links, node types, read from ``catalog.yaml`` where each number
-is cited to its data sheet or published measurement, optionally with a user's YAML merged over it), and what one
-GEMM or one collective costs on it.
+"""The hardware the step-time model prices (GPUs, links, node types, read from the one hardware catalog,
+``shardline.job.hardware`` (``job/hardware.yaml``), where each number is cited to its data sheet or published
+measurement and whose links the profiler's bandwidth limits read too, optionally with a user's YAML merged over
+it), and what one GEMM or one collective costs on it.
 
 A user file has the same sections (``gpus``, ``links``, ``clusters``); an entry whose name exists replaces the
 fields it gives (``gpus: {h100-sxm: {hbm_gbps: 3000}}`` changes one number), a new name must give every field.
@@ -38,14 +39,15 @@ from typing import Any
 
 import yaml
 
+from shardline.job.hardware import LINK_KINDS, PACKAGED_HARDWARE, hardware
 from shardline.recipes.schema import RecipeError
 
-PACKAGED_CATALOG = Path(__file__).with_name("catalog.yaml")
-LINK_KINDS = ("intra", "inter", "host")
+#: The packaged catalog: the one hardware file both halves read (``catalog.sources[0]``).
+PACKAGED_CATALOG = PACKAGED_HARDWARE
 NCCL_BASE_LATENCY_S = 8.4e-6  # NCCL src/graph/tuning.cc baseLat[RING][SIMPLE]
 TREE_EFFICIENCY = 0.92  # NCCL src/graph/tuning.cc: a tree all-reduce's busBw * .92
 CTA_TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS/CUTLASS tensor-core CTA tiles (Ampere/Hopper)
-# A link entry without ``channels`` gets its kind's packaged figure (catalog.yaml: NVLink 24, IB 16, PCIe 2).
+# A link entry without ``channels`` gets its kind's packaged figure (hardware.yaml: NVLink 24, IB 16, PCIe 2).
 DEFAULT_CHANNELS = {"intra": 24, "inter": 16, "host": 2}
 
 
@@ -57,7 +59,7 @@ class PlanError(RecipeError):
 @dataclass(frozen=True)
 class Gpu:
     """One accelerator. Peaks in TFLOP/s (dense), HBM in GB and GB/s; ``matmul_fraction_*`` the measured best
-    GEMM throughput over the peak (see catalog.yaml)."""
+    GEMM throughput over the peak (see job/hardware.yaml)."""
 
     name: str
     bf16_tflops: float
@@ -284,7 +286,7 @@ def cluster(catalog: Catalog, *, gpu: str, gpus_per_node: int, inter_node: str, 
             intra_node: str | None = None, host: str = "pcie-gen5", cpu_mem_gbps: float = 614.4,
             nvme_gbps: float = 56.0, name: str | None = None, cpu_ram_gib: float | None = None) -> Cluster:
     """A cluster of ``gpu`` nodes from catalog names. ``intra_node`` defaults to the GPU's own scale-up link;
-    the defaults of ``host``, ``cpu_mem_gbps`` and ``nvme_gbps`` are the DGX H100's (catalog.yaml);
+    the defaults of ``host``, ``cpu_mem_gbps`` and ``nvme_gbps`` are the DGX H100's (job/hardware.yaml);
     ``cpu_ram_gib`` (one node's CPU RAM) has none: unknown, offload's CPU RAM is then not checked."""
     accel = catalog.gpu(gpu)
     return Cluster(name=name or f"{gpus_per_node}x{gpu}", gpu=accel, gpus_per_node=gpus_per_node,
@@ -295,7 +297,7 @@ def cluster(catalog: Catalog, *, gpu: str, gpus_per_node: int, inter_node: str, 
 
 def load_catalog(path: str | Path | None = None) -> Catalog:
     """The packaged catalog, with the user's YAML at ``path`` merged over it (see the module docstring)."""
-    merged = _read(PACKAGED_CATALOG)
+    merged = _packaged()
     sources = [str(PACKAGED_CATALOG)]
     if path is not None:
         user = _read(Path(path))
@@ -308,6 +310,16 @@ def load_catalog(path: str | Path | None = None) -> Catalog:
             fields["channels"] = DEFAULT_CHANNELS[fields["kind"]]
     _validate(merged, " + ".join(sources))
     return Catalog(gpus=merged["gpus"], links=merged["links"], clusters=merged["clusters"], sources=tuple(sources))
+
+
+def _packaged() -> dict[str, dict[str, dict[str, Any]]]:
+    """The planner's three sections of the one hardware catalog, as fresh mutable entries: every link under
+    every name (an alias too) with the fields of :class:`Link` (its ``source`` is the profiler's)."""
+    hw = hardware()
+    keys = [f.name for f in dataclasses.fields(Link) if f.name != "name"]  # the packaged file's field order
+    links = {name: {key: getattr(spec, key) for key in keys} for name, spec in hw.links.items()}
+    return {"gpus": {name: dict(fields) for name, fields in hw.gpus.items()}, "links": links,
+            "clusters": {name: dict(fields) for name, fields in hw.clusters.items()}}
 
 
 def _read(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
@@ -386,6 +398,7 @@ def _expectation(section: str, key: str, merged) -> str:
 
 
 __all__ = ["CTA_TILES", "Catalog", "Cluster", "DEFAULT_CHANNELS", "Gpu", "GroupLink", "LINK_KINDS", "Link",
-           "NCCL_BASE_LATENCY_S", "PACKAGED_CATALOG", "PlanError", "TREE_EFFICIENCY", "all_gather_s", "all_reduce_s", "all_to_all_s",
+           "NCCL_BASE_LATENCY_S", "PACKAGED_CATALOG", "PlanError", "TREE_EFFICIENCY", "all_gather_s", "all_reduce_s",
+           "all_to_all_s",
            "cluster", "gemm_s", "group_link", "load_catalog", "p2p_s", "quantization", "reduce_scatter_s",
            "ring_all_reduce_s", "tree_all_reduce_s"]

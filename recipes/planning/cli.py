@@ -114,6 +114,7 @@ def _from_recipe(path: str):
     from shardline.recipes.planning.catalog import PlanError
     from shardline.recipes.planning.emit import layout_of
     from shardline.recipes.planning.models import from_mapping
+    from shardline.recipes.schema import strategy_arguments
 
     try:
         recipe = yaml.safe_load(Path(path).read_text())
@@ -125,10 +126,9 @@ def _from_recipe(path: str):
     trainer = recipe.get("trainer") or {}
     gpus = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
     spec = from_mapping(recipe.get("model") or {}, name=Path(path).stem, source=path)
-    strategy = trainer.get("strategy")
-    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    ds = init_args.get("deepspeed_config") if isinstance(init_args, dict) else None  # a path: from the working
-    return spec, lay, gpus, lay.global_batch, ds  # folder, as the fit command reads it
+    init_args = strategy_arguments(trainer.get("strategy")) or {}  # layout_of accepted its spelling
+    ds = init_args.get("deepspeed_config")  # a path: from the working folder, as the fit command reads it
+    return spec, lay, gpus, lay.global_batch, ds
 
 
 def _zero_settings(config, flag: str):

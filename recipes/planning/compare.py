@@ -17,7 +17,7 @@ rank was averaged over. Means are the profiler's (``diff.apportioned_mean``): ea
 its mean rounded to the ns.
 
 Ranks. Global rank ``r`` is mapped to its pipeline rank by the one rank-order rule both halves share
-(``shardline.profiling.layout``: tp fastest, then cp, dp, pp, so ``pp_rank = r // (tp * cp * dp)``), and is set
+(``shardline.job.placement``: tp fastest, then cp, dp, pp, so ``pp_rank = r // (tp * cp * dp)``), and is set
 next to ``predict_stages(...)[pp_rank]``; its TP, CP and DP peers are priced alike. The row ``rank ==
 ALL_RANKS`` (-1, ``pp_rank`` -1) compares the mean over every measured (rank, step) with the mean of those
 ranks' predictions.
@@ -53,9 +53,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from shardline.job.placement import coords_of
 from shardline.profiling.diff import ALL_RANKS, apportioned_mean
 from shardline.profiling.errors import ProfilingError
-from shardline.profiling.layout import coords_of
 from shardline.profiling.partition import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS
 from shardline.profiling.tables import fixed, ms_text, pipe_table
 from shardline.recipes.planning.catalog import Cluster, PlanError

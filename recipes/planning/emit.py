@@ -60,11 +60,12 @@ from typing import Any
 
 import yaml
 
+from shardline.plugins.errors import ContractError
 from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.memory import GIB
 from shardline.recipes.planning.models import ModelSpec
-from shardline.recipes.schema import HYBRID_CLASS
+from shardline.recipes.schema import HYBRID_CLASS, strategy_arguments
 
 #: The twin's limits (see the module docstring).
 TWIN_MAX_RANKS = 8
@@ -273,7 +274,8 @@ def recipe_yaml(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: 
     """``row`` (a :class:`~.search.PlanRow` that fits) as a ``shardline fit`` recipe: the comment block (memory
     per rank by category and the most loaded rank, predicted step, tokens/s/GPU, MFU, the cluster, ``command``),
     then the YAML. ``training``: LanguageModule fields (``lr``, ``warmup_steps``, ``weight_decay``,
-    ``rope_theta``, ...) and trainer fields (:data:`TRAINER_KEYS`); ``notes``: more comment lines. With ``validate`` the recipe is checked as
+    ``rope_theta``, ...) and trainer fields (:data:`TRAINER_KEYS`); ``notes``: more comment lines. With
+    ``validate`` the recipe is checked as
     ``shardline fit`` checks a file (imports Lightning). PlanError naming every reason it cannot be emitted."""
     recipe = recipe_dict(model, row, cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch,
                          training=training, nvme_path=nvme_path, deepspeed_config=deepspeed_config)
@@ -308,9 +310,13 @@ def layout_of(recipe: dict[str, Any]) -> PlanLayout:
     is ``full`` or ``none`` (selective is emitted as none, which it equals). PlanError for another strategy."""
     trainer = recipe.get("trainer") or {}
     strategy = trainer.get("strategy")
-    if not (isinstance(strategy, dict) and strategy.get("class_path") == HYBRID_CLASS):
-        raise PlanError(f"recipe: trainer.strategy={strategy!r} is not {HYBRID_CLASS}")
-    args = strategy.get("init_args") or {}
+    try:  # every spelling shardline fit accepts: a registered name, the class by any of its paths
+        args = strategy_arguments(strategy)
+    except ContractError as error:
+        raise PlanError(f"recipe: trainer.strategy: {error}") from None
+    if args is None:
+        raise PlanError(f"recipe: trainer.strategy={strategy!r} is not {HYBRID_CLASS} (nor one of its registered "
+                        "names, shardline[_tp{t}][_pp{p}][_zero{z}][_offload])")
     tp, pp, cp = args.get("tp", 1), args.get("pp", 1), args.get("cp", 1)
     devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
     bad = [f"trainer.{k}={v!r}" for k, v in (("devices", devices), ("num_nodes", nodes))

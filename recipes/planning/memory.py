@@ -101,6 +101,9 @@ recomputes one block at a time (``activations.recompute``, invisible to the mete
 micro-batch at ``pp = 1`` (gradient accumulation is sequential); GPipe ``m``; 1F1B ``min(p - r, m)``; interleaved
 1F1B the peak, over the rank's schedule, of the bytes of its in-flight (chunk, micro-batch) pairs (Megatron's
 warm-up ``min(2(p - r - 1) + (v - 1)p, vm)`` forwards plus one: interleaving's extra over 1F1B).
+
+One file: every term above is one formula per rank in the notation fixed at the top, and they add up to one
+:class:`MemoryEstimate` per layout.
 """
 
 from __future__ import annotations
@@ -619,7 +622,7 @@ def stage_bytes(model: ModelSpec, layers: range, g: _Shape, layout: PlanLayout) 
 @functools.lru_cache(maxsize=4096)
 def _interleaved_order(p: int, m: int, v: int, r: int) -> tuple[int, np.ndarray, np.ndarray]:
     """``(warmup, forward chunks, backward chunks)`` of pipeline rank ``r`` under Megatron's interleaved 1F1B
-    (:func:`~shardline.plugins.pipeline.schedule.interleaved_one_f_one_b`): its ``m v`` forwards run chunk
+    (:func:`~shardline.job.pipeline.schedule.interleaved_one_f_one_b`): its ``m v`` forwards run chunk
     ``(k // p) % v``, its backwards chunk ``v - 1 - (k // p) % v``; ``warmup`` forwards, then pairs (forward
     ``warmup + k``, backward ``k``), then the remaining backwards."""
     total = m * v

@@ -3,7 +3,8 @@ estimator (:mod:`.memory`) and the step-time model (:mod:`.steptime`), ranked fi
 time (issue 18, section 3).
 
 **What is enumerated.** ``tp`` (a divisor of ``gpus_per_node``: TP stays inside a node), ``cp`` (a divisor of
-``seq / 2`` leaving each CP rank's two chunks at least :data:`MIN_CP_CHUNK` tokens; Ring or Ulysses), ``pp`` (at most one block per virtual stage), ``dp = gpus / (tp cp pp)`` (it must
+``seq / 2`` leaving each CP rank's two chunks at least :data:`MIN_CP_CHUNK` tokens; Ring or Ulysses), ``pp`` (at
+most one block per virtual stage), ``dp = gpus / (tp cp pp)`` (it must
 divide the global batch), the SP mode (``none`` or ``megatron`` when ``tp > 1`` and ``cp = 1``; ``ring`` or
 ``ulysses`` when ``cp > 1``), the schedule (1F1B, and interleaved 1F1B with ``chunks`` in the powers of two and
 the divisors of ``n_layer / pp``, ``micro_batches`` a multiple of ``pp``), the micro-batch size (a divisor of
@@ -32,6 +33,9 @@ catalog; with neither, a row that offloads carries a note that its CPU RAM was n
 
 A fixed field (``layout={"tp": 8}``, or a complete layout) narrows the enumeration to it; a fixed value the rules
 forbid is not dropped: it yields a row that does not fit, or a :class:`~.catalog.PlanError`, naming the numbers.
+
+One file: enumeration, escalation, the fit check and ranking are one search whose rules (above) refer to each
+other and fill one :class:`PlanRow` per layout.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Step-time model: one optimizer step of a layout on a cluster, split the way the profiler splits a measured
-step, from published rates (``catalog.yaml``) and closed forms; nothing is fitted to a training run. The costs
+step, from published rates (``job/hardware.yaml``) and closed forms; nothing is fitted to a training run. The costs
 of one GEMM and one collective (roofline, alpha-beta, the link a group crosses) live in :mod:`.catalog`.
 
 Notation: ``t, c, p, v, m, b`` = tp, cp, pp, chunks, micro-batches, micro-batch size; ``s`` sequence,
@@ -25,7 +25,7 @@ forward and ``2(c-1)`` backward, hidden under attention; Ulysses 4 all-to-alls e
 backward, one per module (each block, the embedding, the head: a collective's latency each), + reduce-scatter
 every micro-batch (1.5x stage 2's volume), hidden under the compute it overlaps
 (``overlap_dp``; a once-per-step reduction also under the rank's cool-down wait). A collective is not free
-when hidden: its NCCL channels hold ``channels`` SMs (catalog.yaml, per link), so the compute beside it runs
+when hidden: its NCCL channels hold ``channels`` SMs (job/hardware.yaml, per link), so the compute beside it runs
 on ``sms - channels`` SMs for the overlap (a backward GEMM beside a TP collective priced on that many SMs,
 waves included; a stage's forward/backward beside ZeRO's traffic ``sms / (sms - channels)`` slower), the
 extra time counted as compute; CP's ring send/receive and offload copies (copy engines) are not charged.
@@ -44,6 +44,9 @@ Output: the busiest stage's step split by the profiler's exclusive labels (``sha
 ``LABELS``, a comm column being its *exposed* time, plus ``OVERLAP_COLUMNS``); pipeline p2p is ``p2p_send``,
 offload ``memcpy_h2d``/``memcpy_d2h``, a CPU optimizer ``idle``. MFU uses Megatron's model FLOPs
 (:func:`model_flops`).
+
+One file: every term above is priced on one ``_Setup`` and booked on one ``_Ledger`` whose parts must sum to
+the step, as the profiler's categories do.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def _llama(name, cluster, gpus, *, seq, batch, lr, warmup, tokens, rope_theta, s
 
 _GPT2 = ("GPT-2 (Radford et al. 2019): context 1024, batch 512; lr, warm-up and 300B tokens from GPT-3 "
          "Table 2.1 / Appendix B ({size})")
-_GPT3 = "GPT-3 (Brown et al. 2020) Table 2.1: {tokens} tokens per batch, lr {lr}; Appendix B: 375M-token warm-up, 300B tokens"
+_GPT3 = ("GPT-3 (Brown et al. 2020) Table 2.1: {tokens} tokens per batch, lr {lr}; Appendix B: 375M-token warm-up, "
+         "300B tokens")
 _LLAMA2 = "Llama 2 (Touvron et al. 2023) §2.2: 4M-token batches, lr {lr}, 2000 warm-up steps, 2T tokens"
 _LLAMA3 = ("Llama 3 (Llama Team 2024) §3.4.1 gives 405B's setup only; assumed here: Llama 2's 4M-token batches "
            "and lr {lr}, 15T tokens (the model card)")

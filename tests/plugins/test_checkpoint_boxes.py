@@ -415,9 +415,10 @@ def test_crc_combine_and_chunked_are_the_crc_of_the_whole(name, a, b, chunk):
 
 def test_a_version_1_checkpoint_of_zlibs_crc32_reads_and_bad_versions_or_checksums_are_refused(tmp_path,
                                                                                                  monkeypatch):
-    """Version 1 (before the ``checksum`` field) holds zlib's CRC-32 everywhere: its pieces, chunks and (trusted)
-    pickled state file read, and damage to it is still found; untrusted, the pickle is refused, naming it. A version-2 manifest without ``checksum``, an unknown checksum
-    and an unknown version are refused, naming the manifest."""
+    """Version 1 (before the ``checksum`` field) holds zlib's CRC-32 everywhere: its pieces, chunks and
+    (trusted) pickled state file read, and damage to it is still found; untrusted, the pickle is refused,
+    naming it. A version-2 manifest without ``checksum``, an unknown checksum and an unknown version are
+    refused, naming the manifest."""
     import io
     import zlib
 
@@ -545,7 +546,8 @@ def test_rows_of_a_large_piece_read_only_their_chunks_each_checked(tmp_path, mon
     spans = json.dumps(json.loads(raw[8:data_start])[key]["data_offsets"], separators=(",", ":")).encode()
     assert raw.count(spans) == 1 and spans.endswith(b"0]")
     (folder / file).write_bytes(bytes(raw).replace(spans, spans[:-2] + b"4]"))  # a damaged header, same length
-    with CheckpointReader(folder, mapped=mapped) as reader, pytest.raises(CheckpointError, match=r"data_offsets .* do not hold"):
+    with (CheckpointReader(folder, mapped=mapped) as reader,
+          pytest.raises(CheckpointError, match=r"data_offsets .* do not hold")):
         reader.read("w", box)
     (folder / file).write_bytes(bytes(raw))
     old = json.loads((folder / files.MANIFEST).read_text())
@@ -676,7 +678,8 @@ def test_set_state_adopts_a_value_read_for_it_alone_and_copies_a_view():
                   placement=Placement(kind="plain", dense=(4, 3), box=((0, 4), (0, 3))))
     own = torch.randn(4, 3)
     access.set_state(entry, "exp_avg", own, step=5)
-    assert optimizer.state[param]["exp_avg"].data_ptr() == own.data_ptr() and float(optimizer.state[param]["step"]) == 5.0
+    assert optimizer.state[param]["exp_avg"].data_ptr() == own.data_ptr() \
+        and float(optimizer.state[param]["step"]) == 5.0
     bigger = torch.randn(10, 3)
     access.set_state(entry, "exp_avg_sq", bigger[2:6], step=5)
     state = optimizer.state[param]["exp_avg_sq"]

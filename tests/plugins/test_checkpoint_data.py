@@ -90,8 +90,8 @@ class _Opaque:
     ({"fn": print}, r"\['fn'\]: a builtins.builtin_function_or_method cannot be stored"),
     ({"a": [np.array(["x"], dtype=object)]}, r"\['a'\]\[0\]: a numpy.ndarray cannot be stored"),
     ({"s": torch.eye(2).to_sparse()}, r"\['s'\]: a torch.Tensor cannot be stored .*sparse"),
-    ({"k": {frozenset({1}): 1, torch.ones(1): 2}}, r"\['k'\] key tensor\(\[1.\]\): a torch.Tensor cannot be stored in a checkpoint as a "
-                                                   r"dict key"),
+    ({"k": {frozenset({1}): 1, torch.ones(1): 2}},
+     r"\['k'\] key tensor\(\[1.\]\): a torch.Tensor cannot be stored in a checkpoint as a dict key"),
 ])
 def test_a_value_that_only_code_can_rebuild_is_refused_at_save_time_by_its_key(value, where):
     with pytest.raises(CheckpointError, match=where):
@@ -269,3 +269,32 @@ def test_a_hugging_face_folder_of_pickled_weights_is_refused_and_its_auto_map_ne
     import sys
 
     assert "pwned_module" not in sys.modules
+
+
+def test_a_commit_removes_what_interrupted_saves_left_before_it_and_nothing_else(tmp_path):
+    import time
+
+    old_partial = tmp_path / ".ck-1.partial-0000aaaa"
+    old_partial.mkdir()
+    (old_partial / "rank-00000-000.safetensors").write_bytes(b"x" * 1000)
+    placeholder = tmp_path / "ck-1"
+    placeholder.mkdir()
+    (placeholder / files.PENDING).write_text(old_partial.name + "\n")
+    past = time.time() - 60
+    for path in (old_partial, placeholder):
+        os.utime(path, (past, past))
+    other = tmp_path / "notes"  # not a save's: kept
+    other.mkdir()
+    os.utime(other, (past, past))
+    target = files.AtomicSave(tmp_path / "ck-2", files.AtomicSave.new_token())
+    newer = tmp_path / ".ck-3.partial-0000bbbb"  # begun after this save: another save's, still being written
+    newer.mkdir()
+    target.create()
+    writer = files.ShardWriter(target.tmp, rank=0)
+    writer.add("w", (1,), ((0, 1),), torch.ones(1))
+    writer.flush()
+    target.commit(files.build_manifest([writer.records], files.describe_files(target.tmp, writer.written),
+                                       {"world_size": 1}), rank=0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".ck-3.partial-0000bbbb", "ck-2", "latest", "notes"], names
+    assert files.remove_leftovers(tmp_path, before=time.time() + 10) == [".ck-3.partial-0000bbbb"]

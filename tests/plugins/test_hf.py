@@ -90,10 +90,10 @@ def _sharded_loss(rank, world, folder, tp, pp, cp, sp):
     if pp == 1:
         with torch.no_grad():
             return model(*model.shard_batch(ids, targets)).item()  # cp: this rank's load-balanced tokens
+    from shardline.job import placement
+    from shardline.job.pipeline.schedule import build_schedule
     from shardline.plugins.pipeline import PipelineEngine
     from shardline.plugins.pipeline.partition import build_stages, partition_layers
-    from shardline.plugins.pipeline.schedule import build_schedule
-    from shardline.profiling import layout as placement
 
     layers = model.pipeline_layers()
     stages = build_stages(layers, partition_layers(layers, pp, method="uniform"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
-FREE_OF_ADAPTERS = ("layers", "pipeline", "models")
+FREE_OF_ADAPTERS = ("layers", "pipeline", "models", "faults")
 FORBIDDEN = {"deepspeed", "pytorch_lightning", "lightning", "lightning_fabric"}
 PUBLIC = ("HybridParallelStrategy", "StepProfiler", "ParallelDims", "Grid", "run_ranks", "ColumnParallelLinear",
           "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "ring_attention",

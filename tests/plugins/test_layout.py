@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardline.job import placement
+from shardline.job.pipeline.schedule import ScheduleKind, build_schedule
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import AXES, ParallelDims
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.pipeline.partition import stages_of_rank as partition_stages
-from shardline.plugins.pipeline.schedule import ScheduleKind, build_schedule
-from shardline.profiling import layout as placement
 from shardline.profiling.classify import layout_dim
 from shardline.recipes.schema import strategy_layout
 

@@ -188,8 +188,8 @@ def _slice_like(dense: torch.Tensor, shard: torch.Tensor, role, *, tp: int, tp_r
 
 
 def _sharded_worker(rank, world, variant, tp, cp, sp, pp, checkpointing):
+    from shardline.job.pipeline.schedule import one_f_one_b
     from shardline.plugins.pipeline import PipelineEngine
-    from shardline.plugins.pipeline.schedule import one_f_one_b
 
     grid = Grid.build(ParallelDims(world, tp=tp, cp=cp, pp=pp, sp=sp))
     cfg = _cfg(variant, activation_checkpointing=checkpointing)

@@ -319,7 +319,7 @@ def _annotations_worker(rank, world):
 
 
 def test_collectives_are_annotated_with_the_shared_comm_names():
-    from shardline.profiling.annotations import COMM_RE, comm_name
+    from shardline.job.annotations import COMM_RE, comm_name
 
     names = run_ranks(_annotations_worker, 2)[0]
     assert all(COMM_RE.match(n) for n in names)  # every sl: name parses with the profiler's own pattern

@@ -24,15 +24,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins.errors import CollectiveError, ContractError
-from shardline.plugins.grid import Grid, ParallelDims
-from shardline.plugins.lightning.collective_diagnosis import (
+from shardline.plugins.faults.collective_diagnosis import (
     RankReport,
     Verdict,
     diagnose,
     is_collective_error,
     local_verdict,
 )
-from shardline.plugins.lightning.collective_record import (
+from shardline.plugins.faults.collective_record import (
     TEST_HANG_ENV,
     CallRecord,
     FlightRecorderRecord,
@@ -43,8 +42,9 @@ from shardline.plugins.lightning.collective_record import (
     group_refs,
     summary,
 )
+from shardline.plugins.faults.watchdog import EXIT_CODE, Timing
+from shardline.plugins.grid import Grid, ParallelDims
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
-from shardline.plugins.lightning.watchdog import EXIT_CODE, Timing
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
 from shardline.recipes.lit_gpt import GPTModule
 

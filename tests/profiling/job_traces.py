@@ -4,7 +4,8 @@
 ``torch.profiler`` (Kineto) would have written on every rank: ``rank{r}.pt.trace.json(.gz)``, one file per rank,
 rank = ``dp_idx * pp * tp + pp_idx * tp + tp_idx`` (TP innermost as in Megatron, but DP outermost: Megatron's
 default order ``tp-cp-ep-dp-pp`` puts PP outermost, so a layout-derived dim of these groups is not Megatron's). It
-returns the ground truth of the timeline it laid out (``write_job``'s docstring lists it), derived from the simulation, never from the profiler.
+returns the ground truth of the timeline it laid out (``write_job``'s docstring lists it), derived from the
+simulation, never from the profiler.
 
 The job (per rank, per step):
 

@@ -119,7 +119,7 @@ def one_f_one_b(p: int, m: int, *, f: int = 100, b: int = 200, t0: int = 0,
     is (p-1)(f+b) and its fraction (p-1)/(m+p-1) -- the textbook result the truth states. Stage s>0 also
     runs a recv kernel over each wait for an activation (it spins there), which must count as bubble.
     """
-    from shardline.profiling.annotations import pp_action_name, pp_batch_name
+    from shardline.job.annotations import pp_action_name, pp_batch_name
 
     done_f = np.zeros((p, m), dtype=np.int64)
     done_b = np.zeros((p, m), dtype=np.int64)

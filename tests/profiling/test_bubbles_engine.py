@@ -11,9 +11,9 @@ import torch
 def _run_profiled(rank, world, folder, m):
     from torch import nn
 
+    from shardline.job.pipeline.schedule import one_f_one_b
     from shardline.plugins.pipeline import PipelineEngine
     from shardline.plugins.pipeline.partition import build_stages, partition_layers
-    from shardline.plugins.pipeline.schedule import one_f_one_b
 
     torch.manual_seed(0)
     layers = nn.ModuleList([nn.Linear(16, 16, dtype=torch.float64) for _ in range(2 * world)])

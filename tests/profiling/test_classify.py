@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.annotations import DIMS
+from shardline.job.annotations import DIMS
 from shardline.profiling.classify import (
     DEFAULT_RULES,
     Category,

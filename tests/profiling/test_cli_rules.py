@@ -27,7 +27,8 @@ def test_rules_file_makes_an_unknown_kernel_communication(tmp_path, capsys, suff
     rules = tmp_path / f"rules.{suffix}"
     entry = {"pattern": r"mystery::fused_ar", "category": "all_reduce", "literals": ["mystery::"]}
     rules.write_text(json.dumps([entry]) if suffix == "json" else
-                     "rules:\n  - pattern: 'mystery::fused_ar'\n    category: all_reduce\n    literals: ['mystery::']\n")
+                     "rules:\n  - pattern: 'mystery::fused_ar'\n    category: all_reduce\n"
+                     "    literals: ['mystery::']\n")
     assert main(["profile", "report", str(trace), "--format", "csv", "--rules", str(rules)]) == 0
     after = _csv(capsys)
     assert after["all_reduce"].sum() == 10_000  # the 10 µs kernel

@@ -116,7 +116,8 @@ def test_1f1b_pipeline_path_by_hand(synth, tmp_path, offsets):
     _check_tiles(chain)
     E = 3 * f + 3 * T + 3 * b + 50
     want = [(0, "compute", 0, f), (1, "p2p transfer", f, f + T), (1, "compute", f + T, 2 * f + T + b),
-            (1, "p2p transfer", 2 * f + T + b, 2 * f + 2 * T + b), (1, "compute", 2 * f + 2 * T + b, 3 * f + 2 * T + 2 * b),
+            (1, "p2p transfer", 2 * f + T + b, 2 * f + 2 * T + b),
+            (1, "compute", 2 * f + 2 * T + b, 3 * f + 2 * T + 2 * b),
             (0, "p2p transfer", 3 * f + 2 * T + 2 * b, 3 * f + 3 * T + 2 * b),
             (0, "compute", 3 * f + 3 * T + 2 * b, 3 * f + 3 * T + 3 * b), (0, "all_reduce transfer", E - 50, E)]
     assert truth["step_end"] == [E, 2 * E]

@@ -72,7 +72,8 @@ def _op(ts="10.125", dur="2.5", name="aten::mm", args='"External id": 7', extra=
 
 
 def _kernel(ts="20.5", args='"stream": 7, "correlation": 5, "device": 0') -> str:
-    return f'{{"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": {ts}, "dur": 1, "args": {{{args}}}}}'
+    return (f'{{"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": {ts}, "dur": 1, '
+            f'"args": {{{args}}}}}')
 
 
 _COMM = ('"Collective name": "allreduce", "Process Group Name": "3", "Process Group Description": "tp", '

@@ -49,7 +49,8 @@ def test_run_directory_mixes_formats(tmp_path, traces_dir):
     _link(traces_dir / "nccl_debug_logs/nvidia_nccl_issue1814_init_complete_64ranks.log", tmp_path / "nccl.log")
     (tmp_path / "README.md").write_text("notes")
     ts = load(tmp_path)
-    assert {p.name: r for p, r in ts.files.items()} == {"a.json.gz": (0,), "b.json.gz": (1,), "nccl.log": (32, 34, 35, 36)}
+    assert {p.name: r for p, r in ts.files.items()} == {"a.json.gz": (0,), "b.json.gz": (1,),
+                                                       "nccl.log": (32, 34, 35, 36)}
     assert ts.ranks == (0, 1)
     assert set(ts.events["source"]) == {"kineto"}
     assert ts.metadata[36]["nccl_comms"][0]["rank"] == 36

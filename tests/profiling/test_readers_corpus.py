@@ -131,7 +131,8 @@ def test_rocm_trace_lanes_and_steps(traces_dir):
     doc = json.load(gzip.open(path, "rt"))
     gpu = [e for e in doc["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_user_annotation")]
     assert int((ev["lane"] == "gpu").sum()) == len(gpu)
-    assert set(ev.loc[ev["lane"] == "gpu", "device"]) == {e["args"].get("device", e["pid"]) for e in gpu}  # pid is the device
+    # pid is the device
+    assert set(ev.loc[ev["lane"] == "gpu", "device"]) == {e["args"].get("device", e["pid"]) for e in gpu}
     steps = {int(e["name"].split("#")[1]) for e in doc["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
     assert set(ev["step"]) - {-1} == steps
 

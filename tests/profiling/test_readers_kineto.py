@@ -61,7 +61,8 @@ def test_absolute_microseconds_beyond_float_precision(tmp_path):
 def test_decimal_text_parser_rounding_and_forms():
     texts = np.array([b"0.0004", b"0.0005", b"-2.5", b"7", b"1e3", b"1.5E-3", b"12.3456789"])
     values, bad = decimal_texts_to_scaled(texts, scale_digits=3)
-    # 0.4 ns -> 0; 0.5 ns -> 1 (half away from zero); -2500; 7000; 1e3 µs = 1_000_000 ns; 1.5 ns -> 2; 12345.6789 -> 12346
+    # 0.4 ns -> 0; 0.5 ns -> 1 (half away from zero); -2500; 7000; 1e3 µs = 1_000_000 ns; 1.5 ns -> 2;
+    # 12345.6789 -> 12346
     assert values.tolist() == [0, 1, -2500, 7000, 1_000_000, 2, 12346]
     assert not bad.any()
 

@@ -377,7 +377,8 @@ def test_trace_viewer_holds_every_slice_of_the_raw_trace(server, browser, logdir
 
 
 # Stock dashboards over the same logdir: each fetches our data (the request named here) and renders offline.
-DASHBOARD_DATA = {"custom_scalars": "/data/plugin/custom_scalars/scalars?", "images": "/data/plugin/images/individualImage?",
+DASHBOARD_DATA = {"custom_scalars": "/data/plugin/custom_scalars/scalars?",
+                  "images": "/data/plugin/images/individualImage?",
                   "text": "/data/plugin/text/text?", "hparams": "/data/plugin/hparams/session_groups"}
 
 

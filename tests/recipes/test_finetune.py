@@ -62,7 +62,8 @@ def test_the_data_module_tokenises_with_the_checkpoints_tokenizer(checkpoint):
     from shardline.recipes.data import corpus_files, read_corpus
 
     corpus = read_corpus(corpus_files(str(TEXT)), max_bytes=data.max_bytes)
-    expected = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(corpus.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    expected = tokenizer.encode(corpus.decode("utf-8", errors="replace"), add_special_tokens=False).ids
     assert tokenize(corpus, checkpoint / "tokenizer.json").tolist() == expected
     assert ids.tolist() == expected[:SEQ]  # windows are cut from the encoded corpus, in order
 
@@ -84,7 +85,8 @@ def _first_batch_loss_by_transformers(checkpoint: Path) -> float:
     """transformers' own loss on the first training batch the fit run sees (seeded sampler, 1 replica)."""
     data = TextDataModule(path=str(TEXT), seq_len=SEQ, batch_size=BATCH, tokenizer=str(checkpoint))
     data.setup("fit")
-    g = torch.Generator().manual_seed(1234)  # DistributedSampler: seed = PL_GLOBAL_SEED (the recipe seed_everything), epoch 0
+    # DistributedSampler: seed = PL_GLOBAL_SEED (the recipe seed_everything), epoch 0
+    g = torch.Generator().manual_seed(1234)
     order = torch.randperm(len(data.train_set), generator=g)[:BATCH]
     ids = torch.stack([data.train_set[int(i)][0] for i in order])
     targets = torch.stack([data.train_set[int(i)][1] for i in order])

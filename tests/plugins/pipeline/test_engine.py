@@ -9,6 +9,15 @@ import torch
 import torch.nn.functional as torch_f
 from torch import nn
 
+from shardline.job.annotations import pp_action_name, pp_batch_name
+from shardline.job.pipeline.schedule import (
+    Schedule,
+    build_schedule,
+    gpipe,
+    one_f_one_b,
+    simulate,
+    validate,
+)
 from shardline.plugins.errors import ContractError, LayoutError, RankFailedError, ScheduleError
 from shardline.plugins.grid import Grid, ParallelDims
 from shardline.plugins.pipeline import MemoryAccounting, PipelineEngine, PipelineHooks
@@ -18,16 +27,7 @@ from shardline.plugins.pipeline.partition import (
     partition_layers,
     stages_of_rank,
 )
-from shardline.plugins.pipeline.schedule import (
-    Schedule,
-    build_schedule,
-    gpipe,
-    one_f_one_b,
-    simulate,
-    validate,
-)
 from shardline.plugins.testing import run_ranks
-from shardline.profiling.annotations import pp_action_name, pp_batch_name
 
 VOCAB, DIM, BATCH = 11, 6, 8
 DT = torch.float64

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from shardline.job.pipeline.actions import Schedule
+from shardline.job.pipeline.simulate import validate
 from shardline.plugins.pipeline import PipelineEngine
-from shardline.plugins.pipeline.actions import Schedule
-from shardline.plugins.pipeline.simulate import validate
 from shardline.plugins.testing import run_ranks
 
 DT = torch.float64

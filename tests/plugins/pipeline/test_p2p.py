@@ -12,9 +12,9 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
-from shardline.plugins.pipeline.actions import ActionKind
+from shardline.job.pipeline.actions import ActionKind
+from shardline.job.pipeline.schedule import interleaved_one_f_one_b, one_f_one_b
 from shardline.plugins.pipeline.p2p import GlooLinks, build_plan, lead_tags
-from shardline.plugins.pipeline.schedule import interleaved_one_f_one_b, one_f_one_b
 
 
 class _Work:

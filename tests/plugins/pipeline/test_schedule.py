@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.plugins.errors import ScheduleError
-from shardline.plugins.pipeline.schedule import (
+from shardline.job.pipeline.schedule import (
     Action,
     ActionKind,
     Schedule,
@@ -21,6 +20,7 @@ from shardline.plugins.pipeline.schedule import (
     simulate,
     validate,
 )
+from shardline.plugins.errors import ScheduleError
 
 # Exact arithmetic on small integers and halves: comparisons below are exact except where a ratio is formed,
 # which gets a 1e-12 relative tolerance (one float division).

@@ -18,6 +18,7 @@ import pytorch_lightning as pl  # imported before forking, so the ranks start wa
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from shardline.job.pipeline.schedule import build_schedule, simulate
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.grid import Grid, ParallelDims
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
@@ -26,7 +27,6 @@ from shardline.plugins.models.llama import Llama
 from shardline.plugins.pipeline import MemoryAccounting, PipelineEngine
 from shardline.plugins.pipeline.memory import SavedTensorMeter
 from shardline.plugins.pipeline.partition import build_stages, partition_layers
-from shardline.plugins.pipeline.schedule import build_schedule, simulate
 from shardline.plugins.testing import adopt_process_group_in_lightning, nvme_offload_available, run_ranks
 from shardline.recipes.lit_lm import LanguageModule
 from shardline.recipes.planning import memory

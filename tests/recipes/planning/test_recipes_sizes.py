@@ -11,6 +11,7 @@ layout are trained once (the others are checked to map onto a trained one).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -105,7 +106,8 @@ def _sections(text: str) -> tuple[dict, list[str]]:
         recipe["trainer"].pop(key, None)
     recipe["model"] = {k: v for k, v in recipe["model"].items() if k in emit.model_fields(
         from_mapping(recipe["model"], name="m", source="-"), seq_len=recipe["model"]["seq_len"])}
-    numbers = [line for line in text.splitlines() if line.startswith(("#   params", "# Predicted", "#   tp=", "#   ZeRO"))]
+    numbers = [line for line in text.splitlines()
+               if line.startswith(("#   params", "# Predicted", "#   tp=", "#   ZeRO"))]
     return recipe, numbers
 
 
@@ -200,6 +202,33 @@ def test_emit_refuses_what_cannot_run():
 def test_layout_of_refuses_other_strategies():
     with pytest.raises(PlanError, match="is not"):
         emit.layout_of({"trainer": {"strategy": "ddp"}})
+    with pytest.raises(PlanError, match=r"trainer.strategy: strategy name 'shardline_tp3': tp=3 not in"):
+        emit.layout_of({"trainer": {"strategy": "shardline_tp3"}})
+
+
+def test_plan_recipe_accepts_every_strategy_spelling_fit_accepts(tmp_path, capsys):
+    """``shardline fit`` takes a registered name or the class by any of its paths (the schema's own test);
+    ``shardline plan --recipe`` reads each as the same layout."""
+    from shardline.recipes.cli import main
+
+    base = {"model": {"architecture": "llama", "vocab_size": 256, "seq_len": 128, "n_layer": 2, "n_head": 4,
+                      "n_kv_head": 2, "d_model": 128, "d_ff": 344},
+            "data": {"batch_size": 16}, "trainer": {"devices": 8, "num_nodes": 1}}
+    args = {"tp": 2, "zero_stage": 2}
+    spellings = ["shardline_tp2_zero2", "shardline_tp2_pp1_zero2",
+                 *({"class_path": path, "init_args": args} for path in (
+                     "shardline.plugins.lightning.strategy.HybridParallelStrategy",
+                     "shardline.plugins.HybridParallelStrategy", "HybridParallelStrategy"))]
+    layouts, plans = [], []
+    for i, strategy in enumerate(spellings):
+        recipe = {**base, "trainer": {**base["trainer"], "strategy": strategy}}
+        layouts.append(emit.layout_of(recipe))
+        path = tmp_path / f"r{i}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        assert main(["plan", "--recipe", str(path), "--gpu", "h100-sxm", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["layouts"][0])
+    assert all(lay == layouts[0] for lay in layouts) and (layouts[0].tp, layouts[0].dp) == (2, 4)
+    assert all(plan == plans[0] for plan in plans)
 
 
 # --- the twins -----------------------------------------------------------------------------------------------------

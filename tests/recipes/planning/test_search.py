@@ -66,8 +66,8 @@ def _brute_force(model, cl, *, gpus, seq_len, global_batch, usable):
             continue
         replica = global_batch // dp
         sps = (["none", "megatron"] if tp > 1 else ["none"]) if cp == 1 else ["ring", "ulysses"]
-        scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v)
-                                                                              for v in range(2, 1 + model.n_layer // pp)]
+        scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
+            ("interleaved", v) for v in range(2, 1 + model.n_layer // pp)]
         for sp, (sched, v), mbs, z, (oo, op), rc in itertools.product(
                 sps, scheds, [b for b in range(1, replica + 1) if replica % b == 0], range(4),
                 [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "none"), ("nvme", "nvme")],
@@ -151,7 +151,7 @@ def test_offload_is_chosen_when_it_beats_recompute():
     assert {("full", "none", "none"), ("none", "cpu", "none")} <= set(levels)
     assert result.best.step_s == min(levels.values())
     assert levels[("none", "cpu", "none")] < levels[("full", "none", "none")]
-    # checked against the DGX H100's 2 TB (catalog.yaml), so no "not checked" note
+    # checked against the DGX H100's 2 TB (job/hardware.yaml), so no "not checked" note
     assert not [n for r in result.fitting for n in r.notes if "CPU RAM" in n]
     unknown = search.plan(model, dataclasses.replace(H100, cpu_ram_gib=None), gpus=64, seq_len=8192,
                           global_batch=256, layout=fixed)

@@ -1,5 +1,6 @@
 """Checkpoints through HybridParallelStrategy on one layout: save at step k, resume, and the next losses equal
-the uninterrupted run's (GPT-2, untied head, pp2 x dp2 x ZeRO-2). Other layouts: test_reshard.py."""
+the uninterrupted run's (GPT-2, untied head, pp2 x dp2 x ZeRO-2). Other layouts:
+tests/plugins/test_reshard.py."""
 
 from __future__ import annotations
 

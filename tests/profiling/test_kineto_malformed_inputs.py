@@ -52,25 +52,25 @@ def _streamed(monkeypatch, chunk=200):
     op(args='"Collective name": null'),
     op(ph="null"),  # same events either way, but only the ordinary path warns
 ], ids=["name", "cat", "pid", "tid", "args.correlation", "args.External id", "args.Collective name", "ph"])
-def test_review_explicit_null_fields(tmp_path, event, read_paths):
+def test_explicit_null_fields(tmp_path, event, read_paths):
     read_paths(_write(tmp_path, [event, op()]))
 
 
 # --- a time written as a JSON string: the ordinary path drops the event (not a number), Arrow parses it
 @pytest.mark.parametrize("event", [op(ts='"10.5"'), op(dur='"5"')], ids=["ts", "dur"])
-def test_review_time_as_string(tmp_path, event, read_paths):
+def test_times_written_as_strings(tmp_path, event, read_paths):
     read_paths(_write(tmp_path, [event, op()]))
 
 
 # --- ts key written with an escape, value null: the explicit-null regex does not see it
 @pytest.mark.parametrize("key", ["t\\u0073", "d\\u0075r"])
-def test_review_escaped_time_key_null(tmp_path, key, read_paths):
+def test_escaped_time_key_with_a_null_value(tmp_path, key, read_paths):
     event = ('{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 2, "' + key + '": null'
              + (', "dur": 1}' if key.startswith("t") else ', "ts": 3}'))
     read_paths(_write(tmp_path, [event, op()]))
 
 
-def test_review_escaped_keys_with_numbers_agree(tmp_path, read_paths):
+def test_escaped_keys_with_numbers_agree(tmp_path, read_paths):
     # Escapes in keys are decoded by both parsers, but a chunk with any \u escape is left to the ordinary path
     # (an escape could spell a key the fast path's literal checks look for).
     event = '{"\\u0070h": "X", "c\\u0061t": "cpu_op", "name": "a", "p\\u0069d": 1, "tid": 2, "t\\u0073": 3.5, "dur": 1}'
@@ -79,12 +79,12 @@ def test_review_escaped_keys_with_numbers_agree(tmp_path, read_paths):
 
 
 # --- a key the ordinary path ignores but the fast path reads (the renamed-key namespace)
-def test_review_literal_tid_text_key(tmp_path, read_paths):
+def test_literal_tid_text_key(tmp_path, read_paths):
     # fast: stream 99 (tid_text read as the tid); ordinary: stream 2 (tid_text is an unknown key)
     read_paths(_write(tmp_path, [op(extra=', "tid_text": "99"'), op()]))
 
 
-def test_review_literal_pid_text_key_breaks_begin_end_pairing(tmp_path, read_paths):
+def test_literal_pid_text_key_in_a_begin_end_pair(tmp_path, read_paths):
     # fast: the B event's pid is 3, so B/E do not pair (dropped + warning); ordinary: pid 1, paired
     events = [op(), '{"ph": "B", "cat": "user_annotation", "name": "r", "pid": 1, "pid_text": "3", "tid": 2, "ts": 1}',
               '{"ph": "E", "cat": "user_annotation", "name": "r", "pid": 1, "tid": 2, "ts": 20}']
@@ -94,12 +94,12 @@ def test_review_literal_pid_text_key_breaks_begin_end_pairing(tmp_path, read_pat
 # --- text tids: the ordinary path converts an all-numeric batch with numpy (int() rules), the fast path
 #     always with _int (last run of digits)
 @pytest.mark.parametrize("tid", ['"-5"', '"1_000"'])
-def test_review_text_tid_numpy_vs_int_rules(tmp_path, tid, read_paths):
+def test_signed_and_underscored_text_tids(tmp_path, tid, read_paths):
     read_paths(_write(tmp_path, [op(tid=tid), op()]))
 
 
 # --- invalid UTF-8 in an event the fast path filters out before validating its texts
-def test_review_invalid_utf8_in_dropped_event(tmp_path, read_paths):
+def test_invalid_utf8_in_a_dropped_event(tmp_path, read_paths):
     meta = '{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "caf\udce9"}}'
     meta_name = '{"ph": "M", "name": "caf\udce9", "pid": 1}'
     read_paths(_write(tmp_path, [meta_name, meta, op()]))
@@ -107,7 +107,7 @@ def test_review_invalid_utf8_in_dropped_event(tmp_path, read_paths):
 
 # --- numbers that both read the same (no difference expected)
 @pytest.mark.parametrize("ts", ["-0", "1E3", "1.0e-3", "100e-5", "1.0005e3", "-5.5", "1.2300000", "0.1e1"])
-def test_review_number_forms_agree(tmp_path, ts, read_paths):
+def test_number_forms_agree(tmp_path, ts, read_paths):
     read_paths(_write(tmp_path, [op(ts=ts), op()]))
 
 
@@ -118,36 +118,36 @@ def test_review_number_forms_agree(tmp_path, ts, read_paths):
     op(extra=', "External id": "5"'),
     op(args='"device": 0, "stream": 7, "x": "id\\": \\"5"'),
 ], ids=["nested args", "other key", "unicode", "top-level External id text", "quote-id in value"])
-def test_review_misc_agree(tmp_path, event, read_paths):
+def test_nested_args_unicode_and_quoted_ids_agree(tmp_path, event, read_paths):
     read_paths(_write(tmp_path, [event, op()]))
 
 
 @pytest.mark.parametrize("sep", [",\r\n", "\t,\t", " ,\n\t", "\r\n,\r\n"])
-def test_review_separators_agree(tmp_path, sep, read_paths):
+def test_separators_agree(tmp_path, sep, read_paths):
     _ = read_paths(_write(tmp_path, [op(), op(ts="11"), op(ts="12")], separator=sep))
 
 
 # --- streamed (memory-mapped) files: the fast path sees a chunk before msgspec has validated the file
 @pytest.mark.parametrize("sep", [",\x0c", "\x0b,"], ids=["formfeed", "vtab"])
-def test_review_streamed_non_json_whitespace_separator(tmp_path, monkeypatch, sep, read_paths):
+def test_streamed_non_json_whitespace_separator(tmp_path, monkeypatch, sep, read_paths):
     _streamed(monkeypatch)
     read_paths(_write(tmp_path, [op(ts=str(i)) for i in range(20)], separator=sep))
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
-def test_review_streamed_nan_in_unread_field(tmp_path, monkeypatch, value, read_paths):
+def test_streamed_nan_in_an_unread_field(tmp_path, monkeypatch, value, read_paths):
     _streamed(monkeypatch)
     events = [op(ts=str(i)) for i in range(20)]
     events[12] = op(ts="12", args=f'"weird": {value}')
     read_paths(_write(tmp_path, events))
 
 
-def test_review_streamed_single_event_chunks(tmp_path, monkeypatch, read_paths):
+def test_streamed_single_event_chunks(tmp_path, monkeypatch, read_paths):
     _streamed(monkeypatch, chunk=1)
     _ = read_paths(_write(tmp_path, [op(ts=str(i)) for i in range(10)], separator=","))
 
 
-def test_review_gz_in_memory(tmp_path, read_paths):
+def test_gzipped_file_read_in_memory(tmp_path, read_paths):
     import gzip
     path = _write(tmp_path, [op(ts=str(i)) for i in range(10)])
     gz = tmp_path / "rank0.json.gz"
@@ -155,7 +155,7 @@ def test_review_gz_in_memory(tmp_path, read_paths):
     _ = read_paths(gz)
 
 
-def test_review_streamed_missing_comma_between_events(tmp_path, monkeypatch, read_paths):
+def test_streamed_missing_comma_between_events(tmp_path, monkeypatch, read_paths):
     # invalid JSON (two events without a comma): Arrow reads a sequence of objects, msgspec refuses
     _streamed(monkeypatch)
     events = [op(ts=str(i)) for i in range(20)]
@@ -164,7 +164,7 @@ def test_review_streamed_missing_comma_between_events(tmp_path, monkeypatch, rea
     read_paths(_write(tmp_path, events, separator=","))
 
 
-def test_review_bom_and_bare_array_agree(tmp_path, monkeypatch, read_paths):
+def test_bom_and_bare_array_agree(tmp_path, monkeypatch, read_paths):
     path = _write(tmp_path, [op(), op(ts="11")])
     bom = tmp_path / "bom_rank0.json"
     bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
@@ -179,7 +179,7 @@ def test_review_bom_and_bare_array_agree(tmp_path, monkeypatch, read_paths):
 
 # --- a bounded fuzz over event shapes, leaving out the difference classes confirmed above (explicit nulls,
 #     time strings, *_text keys, signed/underscored text ids); anything it finds is a new class.
-def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch, read_paths):
+def test_fuzzed_event_shapes(tmp_path_factory, monkeypatch, read_paths):
     import json
 
     from hypothesis import HealthCheck, given, settings
@@ -192,14 +192,16 @@ def test_review_fuzz_event_shapes(tmp_path_factory, monkeypatch, read_paths):
     texts = st.one_of(st.sampled_from(["", "X", "B", "stream 7", "0x1f", "5555", "Spans", "id\":\"", "},{", "a}, {b"]),
                       st.text(max_size=6))
     scalar = st.one_of(ints, texts, st.booleans(), st.floats(allow_nan=False, allow_infinity=False))
-    value = st.one_of(scalar, st.lists(ints, max_size=2), st.dictionaries(st.sampled_from(["a", "id"]), ints, max_size=2))
+    value = st.one_of(scalar, st.lists(ints, max_size=2),
+                      st.dictionaries(st.sampled_from(["a", "id"]), ints, max_size=2))
     arg_keys = st.sampled_from(["correlation", "External id", "external id", "device", "stream", "bytes",
                                 "Collective name", "Process Group Name", "Process Group Ranks", "Group size",
                                 "In msg nelems", "dtype", "Seq", "Src Rank", "Dst Rank", "other id", "x"])
     event = st.fixed_dictionaries(
         {"ph": st.one_of(st.sampled_from(["X", "X", "B", "E", "i", "M"]), ints)},
         optional={"cat": st.one_of(st.sampled_from(["cpu_op", "kernel", "Trace", "python_function", "Kernel"]), ints),
-                  "name": st.one_of(texts, ints), "pid": st.one_of(ints, texts.filter(lambda t: not t.startswith(("-", "+")) and "_" not in t)),
+                  "name": st.one_of(texts, ints),
+                  "pid": st.one_of(ints, texts.filter(lambda t: not t.startswith(("-", "+")) and "_" not in t)),
                   "tid": st.one_of(ints, texts.filter(lambda t: not t.startswith(("-", "+")) and "_" not in t)),
                   "ts": digits, "dur": digits,
                   "args": st.one_of(st.dictionaries(arg_keys, value, max_size=4), st.sampled_from([[], "x", 1]))})

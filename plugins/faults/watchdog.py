@@ -24,6 +24,10 @@ main thread that took the verdict is the caller's again: nothing ends it.
 Every group's backend timeout is set to ``collective_timeout + slack``, so the watchdog notices a hang (at
 ``collective_timeout``) and has the verdict ready before any rank's collective gives up. See :class:`Timing`
 for the bound this gives: every rank is gone within ``collective_timeout + 15 s`` of the failure.
+
+Every torch private used here goes through :mod:`.torch_compat`. The injected-hang test hook
+(:class:`~.collective_record.InjectedHang`) applies only where the test harness installed it
+(:func:`~.collective_record.install_hang`); nothing here reads the environment for it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardline.plugins.errors import CollectiveError, ContractError
-from shardline.plugins.lightning.collective_diagnosis import (
+
+from . import torch_compat
+from .collective_diagnosis import (
     RankReport,
     Verdict,
     diagnose,
@@ -52,14 +58,13 @@ from shardline.plugins.lightning.collective_diagnosis import (
     local_verdict,
     short_reason,
 )
-from shardline.plugins.lightning.collective_record import (
-    TEST_HANG_ENV,
+from .collective_record import (
     CallRecord,
     FlightRecorderRecord,
     HangObserver,
-    InjectedHang,
     Interposer,
     group_refs,
+    installed_hang,
 )
 
 log = logging.getLogger(__name__)
@@ -125,9 +130,10 @@ class CollectiveWatchdog:
     def __init__(self, grid, *, timeout: float, dump_dir: str | Path | None = None, record: str = "auto"):
         if record not in ("auto", "flight_recorder", "calls"):
             raise ContractError(f"record={record!r} must be 'auto', 'flight_recorder' or 'calls'")
+        torch_compat.check_version()
         self.grid, self.rank, self.world = grid, dist.get_rank(), dist.get_world_size()
         self.timing = Timing(collective_timeout_seconds(timeout))
-        base = dist.distributed_c10d._get_default_store()
+        base = torch_compat.default_store()
         self.generation = (base.add("shardline/watchdog/starts", 1) - 1) // self.world
         self._store = dist.PrefixStore(f"shardline/watchdog/{self.generation}/", base)
         if dump_dir is None:  # one fresh folder per run, the same on every rank (rank 0 names it)
@@ -168,17 +174,18 @@ class CollectiveWatchdog:
     # --- setup ------------------------------------------------------------------------------------------------
 
     def _choose_record(self, choice: str):
+        if choice == "flight_recorder":
+            torch_compat.require_flight_recorder()
         fr = FlightRecorderRecord(self._refs)
-        world_name = dist.distributed_c10d._get_default_group().group_name
+        world_name = torch_compat.default_group().group_name
         if choice == "flight_recorder" or (choice == "auto" and fr.sees(world_name)):
             return fr
         return CallRecord(self._refs)
 
     def _injected_hang(self) -> HangObserver | None:
-        text = os.environ.get(TEST_HANG_ENV)
-        if not text:
+        hang = installed_hang()
+        if hang is None:
             return None
-        hang = InjectedHang.parse(text)
         group = self.grid.group(hang.axis)
         if hang.rank != self.rank or group is None:
             return None
@@ -187,11 +194,11 @@ class CollectiveWatchdog:
     def _apply_timeouts(self) -> None:
         """Every group this rank is in gives up ``slack`` after the watchdog noticed (groups made later too)."""
         limit = datetime.timedelta(seconds=self.timing.timeout + self.timing.slack)
-        for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        for pg, name in torch_compat.process_groups():
             if name not in self._timed:
                 self._timed.add(name)
                 try:
-                    dist.distributed_c10d._set_pg_timeout(limit, pg)
+                    torch_compat.set_group_timeout(pg, limit)
                 except (ValueError, RuntimeError, AssertionError) as exc:
                     log.debug("collective timeout not set on group %s: %s", name, exc)
 
@@ -373,7 +380,7 @@ class CollectiveWatchdog:
         self._verdict_event.set()
         if self.grid.backend == "nccl":  # NCCL can abort a blocked communicator; gloo cannot (it times out)
             try:
-                dist.distributed_c10d._abort_process_group()
+                torch_compat.abort_groups()
             except Exception as exc:  # noqa: BLE001 - best effort: the exit guard still ends the process
                 log.debug("abort of the NCCL groups failed: %s", exc)
 

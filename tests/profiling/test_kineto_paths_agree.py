@@ -132,7 +132,7 @@ def test_streamed_big_file_reads_every_chunk_fast(tmp_path, monkeypatch, traces_
         assert len(events_frame) > 4000
 
 
-def test_pretty_chunk_bigger_than_an_arrow_block(tmp_path, traces_dir, read_paths):
+def test_pretty_printed_document_over_8_mib_read_whole(tmp_path, traces_dir, read_paths):
     # Arrow cuts its input into 4 MB blocks; pretty-printed events span lines, so the cut must not fall
     # inside an event (one chunk of ~9 MB here, read in memory).
     seed = json.loads(gzip.decompress(

@@ -8,10 +8,10 @@ Two sources, one summary shape (:meth:`summaries`, plain JSON):
   also gives "started"). On gloo an entry is marked ``retired`` the moment its work finishes, but the status's
   completed count can stay one op behind for as long as the process issues nothing more (a rank that stopped
   right after a collective): "completed" is the newer of the two, and an op that looks in flight for a second
-  is confirmed by a full dump. Reading ``pg_status`` costs ~0.2 ms, so it is polled every watchdog tick. Op
-  names and the per-group collective sequence number come from the entries, whose full dump costs ~30 us per
-  entry (60 ms for the default 2000): they are re-read at most at a rate that keeps that under 1 % of a core,
-  and always at a failure. What gloo's recorder does not give: point-to-point ops (no entries; they advance
+  is confirmed by a full dump. Reading ``pg_status`` is cheap, so it is polled every watchdog tick. Op
+  names and the per-group collective sequence number come from the entries, whose full dump costs time per
+  entry: they are re-read at most at a rate that keeps that under 1 % of a core, and always at a failure.
+  What gloo's recorder does not give: point-to-point ops (no entries; they advance
   the op id but not the collective sequence number), and which op failed (a failed op is retired like a
   finished one) - the op the main thread was in when its collective raised is the newest entry, marked by
   :meth:`mark_failed`. A destroyed group's entries stay in the ring buffer, so each group name is read from
@@ -22,8 +22,11 @@ Two sources, one summary shape (:meth:`summaries`, plain JSON):
 
 A summary names its group by layout axis and index (``"tp group 1: ranks 2,3"``), see :func:`group_refs`.
 
-The test hook :data:`TEST_HANG_ENV` (:class:`InjectedHang`) is an :class:`Interposer` observer too: the one way
-the tests make a rank hang at a chosen collective.
+The test hook (:class:`InjectedHang`) is an :class:`Interposer` observer too: the one way the tests make a rank
+hang at a chosen collective. Nothing here reads it from the environment: the test harness installs it
+(:func:`install_hang`; ``shardline.plugins.testing``'s workers do so from :data:`TEST_HANG_ENV`).
+
+Every torch private read here goes through :mod:`.torch_compat`.
 """
 
 from __future__ import annotations
@@ -31,17 +34,17 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from shardline.plugins.errors import ContractError
 from shardline.plugins.grid import AXES, COMBINED_AXES
+
+from . import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "broadcast", "barrier", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter")
 _RECENT = 16  # op names kept per group, for naming another rank's op by its sequence number
 #: Test hook: ``rank=3,axis=tp,op=all_reduce,seq=30`` makes global rank 3 sleep, instead of entering, the first
-#: ``all_reduce`` on its tp group whose sequence number would be >= 30. For tests of this module only.
+#: ``all_reduce`` on its tp group whose sequence number would be >= 30. For tests of this module only. The
+#: variable the test harness (``shardline.plugins.testing``) reads it from; library code never reads it.
 TEST_HANG_ENV = "SHARDLINE_TEST_HANG_AT"
 
 
@@ -92,14 +96,14 @@ def group_refs(grid, *, known: dict | None = None) -> dict:
             refs[pg] = ref
             taken.add(ref.name)
 
-    world = dist.distributed_c10d._get_default_group()
+    world = torch_compat.default_group()
     add(world, GroupRef("world", 0, tuple(range(dist.get_world_size())), world.group_name))
     for axis in AXES + COMBINED_AXES:
         pg = grid.group(axis)
         if pg is not None:
             ranks = grid.ranks(axis)
             add(pg, GroupRef(axis, grid.dims.group_ranks(axis).index(ranks), tuple(ranks), pg.group_name))
-    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+    for pg, name in torch_compat.process_groups():
         if pg not in refs and name not in taken:
             desc = getattr(pg, "group_desc", "")
             desc = desc if desc and desc != "undefined" else f"c10d group {name}"  # new_group's default desc
@@ -137,16 +141,17 @@ class FlightRecorderRecord:
 
     @staticmethod
     def _dump(entries: bool) -> dict:
-        raw = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=entries, includeStackTraces=False,
-                                                        onlyActive=False)
-        return pickle.loads(raw)
+        return torch_compat.dump_flight_recorder(entries=entries)
 
     def set_refs(self, refs: dict) -> None:
         with self._lock:
             self._by_name = {ref.name: ref for ref in refs.values()}
 
     def sees(self, name: str) -> bool:
-        """Whether the recorder has recorded a collective of group ``name`` (false when it is off)."""
+        """Whether the recorder has recorded a collective of group ``name`` (false when it is off, or when this
+        torch cannot dump it)."""
+        if not torch_compat.flight_recorder_available():
+            return False
         self.refresh()
         return name in self._status
 
@@ -343,7 +348,7 @@ class CallRecord:
     def __init__(self, refs: dict):
         self._lock = threading.Lock()
         self._refs = dict(refs)
-        self._world = dist.distributed_c10d._get_default_group()
+        self._world = torch_compat.default_group()
         self._seq: dict[str, int] = {}
         self._state: dict[str, dict] = {}  # label -> entered/completed/failed (op, seq), entered_at
         self._recent: dict[str, dict[int, str]] = {}
@@ -420,7 +425,8 @@ class CallRecord:
 
 @dataclass(frozen=True)
 class InjectedHang:
-    """The test hook of :data:`TEST_HANG_ENV` (see there); sleeps with the GIL released, so heartbeats go on."""
+    """The test hook of :data:`TEST_HANG_ENV` (see there); sleeps with the GIL released, so heartbeats go on.
+    A watchdog started in a process where one is installed (:func:`install_hang`) applies it."""
 
     rank: int
     axis: str
@@ -441,16 +447,36 @@ class InjectedHang:
         return hang
 
 
+#: The installed test hook (None: no hang, in every real run). Set by the test harness, never from here.
+_installed_hang: InjectedHang | None = None
+
+
+def install_hang(hang: InjectedHang | None) -> None:
+    """Test harness only: make every watchdog started in this process (and in processes forked from it after
+    this call) apply ``hang``; None removes it. ``shardline.plugins.testing``'s workers install the hook of
+    :data:`TEST_HANG_ENV` when it is set; a test may also install one itself before it forks its ranks."""
+    global _installed_hang
+    if hang is not None and not isinstance(hang, InjectedHang):
+        raise ContractError(f"install_hang({hang!r}): expected an InjectedHang or None")
+    _installed_hang = hang
+
+
+def installed_hang() -> InjectedHang | None:
+    """The hook :func:`install_hang` installed in this process, or None."""
+    return _installed_hang
+
+
 class HangObserver:
     """The :class:`InjectedHang` as an :class:`Interposer` observer."""
 
     def __init__(self, hang: InjectedHang, group, label: str):
         self.hang, self.group, self.label, self.fired = hang, group, label, None
+        self._sequence = torch_compat.sequence_number_reader(group)
 
     def before(self, op, group):
         if self.fired is None and op == self.hang.op and group is self.group and \
-                self.group._get_sequence_number_for_group() + 1 >= self.hang.seq:
-            seq = self.group._get_sequence_number_for_group() + 1
+                self._sequence() + 1 >= self.hang.seq:
+            seq = self._sequence() + 1
             self.fired = {"at_monotonic": time.monotonic(), "op": op, "seq": seq, "group": self.label}
             log.warning("shardline test hook %s: rank %d sleeps instead of entering %s #%d on %s",
                         TEST_HANG_ENV, self.hang.rank, op, seq, self.label)

@@ -2,7 +2,7 @@
 
 Pure Python (no torch, no numpy, no plugins), so the profiler imports it on a laptop without torch and the
 training side (``shardline.plugins.grid``, the pipeline schedules and driver) imports it as its own rule. Like
-:mod:`shardline.profiling.annotations`, it is a contract both halves read, written down once.
+:mod:`shardline.job.annotations`, it is a contract both halves read, written down once.
 
 Rank order is ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` (Megatron's ``tp-cp-dp-pp``)::
 

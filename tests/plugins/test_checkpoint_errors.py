@@ -1,5 +1,6 @@
 """Bad checkpoints are refused before any weight is overwritten, with our error naming the file and the tensor:
-another architecture, another shape, weights the model has no place for, a missing, truncated or damaged shard, a manifest that does not match."""
+another architecture, another shape, weights the model has no place for, a missing, truncated or damaged shard, a
+manifest that does not match."""
 
 from __future__ import annotations
 
