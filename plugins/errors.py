@@ -11,6 +11,10 @@ class CheckpointError(ShardlineError, ValueError):
     names the file, the tensor and the numbers."""
 
 
+class NonFiniteLossError(ShardlineError, FloatingPointError):
+    """A training loss became NaN or infinite; names the step, the batch and the ranks with their losses."""
+
+
 class RankFailedError(ShardlineError, RuntimeError):
     """A worker rank raised, hung or died; carries the rank and its traceback text."""
 
@@ -37,5 +41,5 @@ class CollectiveError(ShardlineError, RuntimeError):
         super().__init__(message)
 
 
-__all__ = ["CheckpointError", "CollectiveError", "ContractError", "LayoutError", "RankFailedError", "ScheduleError",
-           "ShardlineError"]
+__all__ = ["CheckpointError", "CollectiveError", "ContractError", "LayoutError", "NonFiniteLossError",
+           "RankFailedError", "ScheduleError", "ShardlineError"]

@@ -23,9 +23,11 @@ hosts it, at dp = cp = 0), which converts it to Hugging Face's layout and writes
 
 Bad input raises :class:`CheckpointError` naming the folder, file, tensor and numbers, before any weight is used:
 no config, an unsupported architecture or option, a config the layout cannot take, a missing, extra or misshapen
-tensor, a damaged file. Under pp > 1 a rank builds and reads only its own stages. Under ZeRO-3 (loading inside
-``deepspeed.zero.Init``) each rank materialises its TP/PP part, which ZeRO-3 then partitions over the
-data-parallel ranks (tested: dp2, tp2, pp2).
+tensor, a damaged file, a quantized checkpoint (``quantization_config``, or a weight stored as an integer, boolean
+or 8-bit float: :data:`WEIGHT_DTYPES` only). A weight holding NaN or infinite values loads with a RuntimeWarning
+naming the file and tensor (once per tensor and rank). Under pp > 1 a rank builds and reads only its own stages.
+Under ZeRO-3 (loading inside ``deepspeed.zero.Init``) each rank materialises its TP/PP part, which ZeRO-3 then
+partitions over the data-parallel ranks (tested: dp2, tp2, pp2).
 
 One file: loading and saving are the two directions of the same per-architecture name tables and conversions
 (fused q/k/v, transposed Conv1D, vocabulary padding), which must change together.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +56,12 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
 #: Tensors a Hugging Face checkpoint may hold that are not weights (old GPT-2 files keep attention masks).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+#: The safetensors dtypes a weight may be stored in. An integer, boolean or 8-bit float tensor is a quantized
+#: checkpoint's (its values mean nothing without scales kept elsewhere): cast to float it would load as wrong
+#: weights without a word, so it is refused.
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+#: Elements checked for NaN/inf at a time (bounds the temporary a slice's check allocates).
+FINITE_CHUNK = 1 << 24
 
 
 # --- the tables ------------------------------------------------------------------------------------------------
@@ -126,6 +135,11 @@ def read_config(folder: str | os.PathLike) -> tuple[str, dict, object]:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: not readable JSON ({error})") from None
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise CheckpointError(f"{path}: quantization_config (quant_method={method!r}): quantized checkpoints are "
+                              "not supported; use the model's float16, bfloat16 or float32 weights")
     archs = hf.get("architectures") or []
     supported = [a for a in archs if a in ARCHITECTURES]
     if not supported:
@@ -277,6 +291,12 @@ def _read(files: _Files, source: Source, dense_shape: tuple[int, ...], shard: tu
     vocabulary may be up to ``padding`` rows shorter: shardline's zero rows)."""
     sl = files.slice(source.name)
     shape = tuple(sl.get_shape())
+    stored = sl.get_dtype()
+    if stored not in WEIGHT_DTYPES:
+        raise CheckpointError(f"{files.where[source.name]}: tensor {source.name!r} {list(shape)} is stored as "
+                              f"{stored}, not a float dtype ({', '.join(WEIGHT_DTYPES)}): a quantized checkpoint's "
+                              "weights, which are not supported (cast to float they would be wrong weights); use "
+                              "the model's float16, bfloat16 or float32 weights")
     dim, start, stop = shard
     if dim is None:
         dim, start, stop = 0, 0, dense_shape[0]
@@ -356,7 +376,7 @@ def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | 
     if extra:
         raise CheckpointError(f"{folder}: checkpoint tensors shardline has no place for: {extra}")
     device = torch.device(device or "cpu")
-    values = {}
+    values, warned = {}, set()
     for name, param in params.items():
         source = table[name]
         role = role_of(param)
@@ -372,9 +392,24 @@ def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | 
             raise CheckpointError(f"{files.where[source.name]}: tensor {source.name!r} gives {list(tensor.shape)} "
                                   f"for {name}, which needs {list(param.shape)} on this rank")
         values[name] = tensor.to(dtype=dtype, device=device)
+        if source.name not in warned and _warn_nonfinite(values[name], files.where[source.name], source.name):
+            warned.add(source.name)
     _materialise(model, values)
     model.hf_config = {**hf, "architectures": [arch]}
     return model
+
+
+def _warn_nonfinite(tensor: torch.Tensor, file: Path, name: str) -> bool:
+    """Warn (RuntimeWarning naming the file and tensor) when this rank's slice of a checkpoint tensor, as loaded,
+    holds NaN or infinite values (stored so, or beyond the load dtype's range); True when it warned. Checked
+    :data:`FINITE_CHUNK` elements at a time."""
+    flat = tensor.detach().reshape(-1)
+    bad = sum(int((~torch.isfinite(flat[i:i + FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), FINITE_CHUNK))
+    if bad:
+        warnings.warn(f"{file}: tensor {name!r} holds {bad} NaN or infinite values of {flat.numel()} in this rank's "
+                      f"part {list(tensor.shape)} (as {tensor.dtype}); training from it gives a non-finite loss",
+                      RuntimeWarning, stacklevel=3)
+    return bool(bad)
 
 
 def _materialise(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:

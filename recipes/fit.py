@@ -8,8 +8,11 @@ Everything after ``fit`` belongs to LightningCLI (``shardline fit --help`` is Li
 recipe field is overridden the usual LightningCLI way. Validation (see :mod:`shardline.recipes.schema`): each
 ``--config`` file is checked as written before LightningCLI sees it, then the parsed configuration (file plus
 overrides) is checked again before anything is instantiated; jsonargparse's own parse errors (a bad override
-type, an unknown flag) are re-raised as :class:`RecipeError` too. The command prints a RecipeError as one line
-and exits with status 2.
+type, an unknown flag) are re-raised as :class:`RecipeError` too, and so is an error raised while LightningCLI
+builds the objects (jsonargparse would wrap it in a 60-line message quoting every value). The command prints a
+RecipeError as one bounded line and exits with status 2, before any worker starts; another error of shardline's
+(a non-finite loss, a dead rank) is printed as its own message, without a traceback, with status 1. The
+configuration about to be launched is also held against this machine's memory (``check_recipe(machine=True)``).
 
 Workers: with ``accelerator=cpu, devices=N`` Lightning starts ranks 1..N-1 by running this process's command
 line again (``sys.argv``, via ``python -m <module>`` or the script path) with ``LOCAL_RANK`` set. That is the
@@ -21,13 +24,27 @@ parses and validates the same recipe. Calling :func:`run_fit` in-process with ar
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from shardline.recipes.schema import RecipeError, check_recipe, load_recipe
+from shardline.recipes.schema import (
+    RecipeError,
+    as_int,
+    check_recipe,
+    clip,
+    load_recipe,
+    short_repr,
+    strategy_arguments,
+    strategy_layout,
+)
 
 RECIPES_DIR = Path(__file__).resolve().parent
 HELP_FLAGS = frozenset({"-h", "--help", "--print_config", "--print-config"})
+#: The longest error line the command prints (a recipe error lists at most 20 problems of at most 400 characters).
+MAX_ERROR_CHARS = 10_000
 
 
 def add_commands(subparsers) -> None:
@@ -44,11 +61,18 @@ def add_commands(subparsers) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    """Status 2 and one line for a bad recipe or override (before anything is launched); status 1 and the error's
+    own text, without a traceback, for any other error of shardline's (a non-finite loss, a dead rank)."""
+    from shardline.plugins.errors import ShardlineError
+
     try:
         run_fit(args.lightning_args)
     except RecipeError as error:
-        print(f"shardline fit: error: {error}", file=sys.stderr)
+        print(f"shardline fit: error: {clip(error, MAX_ERROR_CHARS)}", file=sys.stderr)
         return 2
+    except ShardlineError as error:
+        print(f"shardline fit: error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -116,10 +140,12 @@ _FIT_CLI = None
 
 def _define_fit_cli():
     from jsonargparse import ArgumentError
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
     from pytorch_lightning.cli import LightningCLI
     from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     import shardline.plugins  # noqa: F401 - registers the strategy names (shardline_tp2_zero1, ...)
+    from shardline.plugins.errors import ShardlineError
     from shardline.recipes.data import TextDataModule
     from shardline.recipes.lit_lm import LanguageModule
 
@@ -142,11 +168,26 @@ def _define_fit_cli():
             try:
                 self.config = parser.parse_args(args)
             except ArgumentError as error:
-                raise RecipeError(f"recipe {self.source} with overrides {self.user_argv}: {error}") from None
+                raise RecipeError(f"recipe {self.source} with overrides {short_repr(self.user_argv)}: "
+                                  f"{clip(error, 1000)}") from None
+
+        def instantiate_classes(self) -> None:
+            # The checks ran; what still fails while the objects are built is the configuration's too: one line
+            # (jsonargparse wraps a constructor's error in a ValueError of 60 lines, the value printed whole).
+            try:
+                super().instantiate_classes()
+            except (ShardlineError, ValueError, TypeError, MisconfigurationException) as error:
+                raise RecipeError(f"recipe {self.source} with overrides {short_repr(self.user_argv)}: cannot be "
+                                  f"built: {_constructor_reason(error)}") from None
 
         def before_instantiate_classes(self) -> None:
             config = self.config.get(self.subcommand) if self.subcommand else self.config
-            check_recipe(config.as_dict(), source=f"{self.source} with overrides {self.user_argv}")
+            source = f"{self.source} with overrides {short_repr(self.user_argv)}"
+            recipe = config.as_dict()
+            check_recipe(recipe, source=source)
+            problems = machine_problems(recipe)
+            if problems:
+                raise RecipeError(f"recipe {source}: " + "; ".join(problems))
 
         def before_fit(self) -> None:
             launcher = self.trainer.strategy.launcher
@@ -160,3 +201,138 @@ def _define_fit_cli():
                     "run it as `shardline fit ...` or `python -m shardline.recipes.cli fit ...`")
 
     return FitCLI
+
+
+def _constructor_reason(error: BaseException) -> str:
+    """The reason in a constructor's error, one line: jsonargparse's union message lists each member's error
+    (``  - ...``) among the type's name and the whole value; the one that is not "Expected a <type>" is it."""
+    text = str(error)
+    reasons = [line.strip()[2:] for line in text.splitlines()
+               if line.startswith("  - ") and not line.strip()[2:].startswith("Expected a ")]
+    reason = "; ".join(reasons) if reasons else text.splitlines()[0] if text else ""
+    return clip(f"{type(error).__name__}: {reason}" if not reasons else reason, 1000)
+
+
+def machine_problems(recipe: dict[str, Any]) -> list[str]:
+    """:func:`memory_problems` of a recipe that passed :func:`~shardline.recipes.schema.check_recipe`, on this
+    machine; nothing for a strategy other than shardline's (its memory per rank is not modelled here)."""
+    from shardline.recipes.lit_lm import LanguageModule, model_config
+
+    trainer = recipe.get("trainer") or {}
+    layout = strategy_layout(trainer.get("strategy"))
+    devices, nodes = (as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
+    if layout is None or not isinstance(devices, int) or not isinstance(nodes, int):
+        return []
+    model = {**{name: p.default for name, p in inspect.signature(LanguageModule.__init__).parameters.items()
+                if p.default is not p.empty}, **(recipe.get("model") or {})}
+    _, config = model_config(model)
+    return memory_problems(config, layout.for_world(devices * nodes), strategy_arguments(trainer.get("strategy")),
+                           trainer=trainer, optimizer=model.get("optimizer"))
+
+
+# --- this machine's memory --------------------------------------------------------------------------------------
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM this machine can still give (MemAvailable: free plus reclaimable cache); None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gpu_memory() -> int | None:
+    """The smallest visible GPU's memory in bytes; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
+def model_state_bytes(params: int, dims, args: dict[str, Any], *, precision: Any, optimizer: Any) -> dict[str, float]:
+    """A lower bound of one rank's model states in bytes, split by where they live: ``{"device", "cpu"}`` (NVMe
+    parts left out). Closed form after Rajbhandari et al. 2020 (Table 1): ``Ψ_r = Ψ/(tp*pp)`` parameters per
+    rank (the mean; the most loaded rank holds at least that), ``E`` bytes each for weights and gradients (2 in
+    16-bit precision, 4 in float32, 8 in float64), ``K`` for the optimizer (AdamW's two float32 moments, 8, plus
+    a float32 master copy, 4, when weights are 16-bit; SGD only the master); ZeRO stage 1 divides the optimizer
+    states by ``N = dp*cp``, stage 2 the gradients too, stage 3 the weights too; ``offload_optimizer='cpu'`` puts
+    the optimizer states in CPU RAM, ``offload_params='cpu'`` the weights."""
+    text = str(precision)
+    e = 2 if "16" in text else 8 if "64" in text else 4
+    k = (8 if optimizer != "sgd" else 0) + (4 if e == 2 else 0)
+    per, n = params / (dims.tp * dims.pp), dims.dp * dims.cp
+    stage = args.get("zero_stage", 1)
+    parts = {"params": e * per / (n if stage == 3 else 1), "grads": e * per / (n if stage >= 2 else 1),
+             "optimizer": k * per / (n if stage >= 1 else 1)}
+    where = {"params": args.get("offload_params") or "none", "grads": "none",
+             "optimizer": args.get("offload_optimizer") or "none"}
+    return {"device": sum(v for key, v in parts.items() if where[key] == "none"),
+            "cpu": sum(v for key, v in parts.items() if where[key] == "cpu")}
+
+
+def _parameter_count(config) -> int | None:
+    """The model's parameters (closed form, the planner's :class:`~shardline.recipes.planning.models.ModelSpec`)."""
+    from shardline.recipes.planning.models import ModelSpec
+
+    llama = hasattr(config, "n_kv_head")
+    try:
+        return ModelSpec(name="recipe", architecture="llama" if llama else "gpt2", vocab_size=config.vocab_size,
+                         seq_len=config.seq_len, n_layer=config.n_layer, n_head=config.n_head,
+                         d_model=config.d_model, d_ff=config.d_ff, n_kv_head=getattr(config, "n_kv_head", None),
+                         head_dim=getattr(config, "head_dim", None) if llama else None,
+                         tie_embeddings=bool(config.tie_embeddings),
+                         qkv_bias=bool(getattr(config, "qkv_bias", False))).params()
+    except RecipeError:
+        return None
+
+
+def memory_problems(config, dims, args: dict[str, Any], *, trainer: dict[str, Any], optimizer: Any) -> list[str]:
+    """The model's least memory (:func:`model_state_bytes`) against this machine: the ranks of one node together
+    against its available RAM (all of it on the CPU accelerator, the offloaded part on GPUs), and one rank's
+    device part against the smallest GPU's memory when the run is on GPUs and this machine has them. Activations
+    are not counted: a refusal here is certain, passing it is not a promise. Only the launching process checks
+    (a worker, ``LOCAL_RANK`` > 0, would see the RAM its siblings already took, and put a CUDA context on GPU 0);
+    an accelerator other than cpu, gpu, cuda or auto is not judged."""
+    accelerator = str(trainer.get("accelerator") or "auto").lower()
+    params = _parameter_count(config)
+    if params is None or os.environ.get("LOCAL_RANK", "0") != "0" or accelerator not in ("cpu", "gpu", "cuda",
+                                                                                           "auto"):
+        return []
+    states = model_state_bytes(params, dims, args, precision=trainer.get("precision"), optimizer=optimizer)
+    gpu = _gpu_memory() if accelerator != "cpu" else None
+    on_gpu = accelerator in ("gpu", "cuda") or gpu is not None  # GPUs named but absent here: not this RAM's part
+    ranks = min(dims.world_size, as_int(trainer.get("devices", 1)))
+    ram_need = ranks * (states["cpu"] + (0 if on_gpu else states["device"]))
+    shape = ", ".join(f"{k}={getattr(config, k)}" for k in ("n_layer", "d_model", "d_ff", "vocab_size"))
+    what = (f"model ({shape}): {params:,} parameters, whose weights, gradients and optimizer states need at least "
+            f"{{need}} ({dims.tp * dims.pp} model-parallel parts, ZeRO-{args.get('zero_stage', 1)} over dp*cp="
+            f"{dims.dp * dims.cp}, precision {trainer.get('precision', '32-true')})")
+    problems = []
+    ram = available_ram()
+    if ram is not None and ram_need > ram:
+        problems.append(what.format(need=f"{_bytes(ram_need)} of RAM for the {ranks} ranks on this node") +
+                        f"; this machine has {_bytes(ram)} available")
+    if gpu is not None and states["device"] > gpu:
+        problems.append(what.format(need=f"{_bytes(states['device'])} per GPU") +
+                        f"; this machine's GPUs have {_bytes(gpu)} each")
+    return problems

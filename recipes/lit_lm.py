@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Literal
 
 import pytorch_lightning as pl
@@ -38,6 +39,38 @@ log = logging.getLogger(__name__)
 #: Recipe fields that set the model's shape; with ``init_from`` the checkpoint's config.json sets them instead.
 SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "rope_theta",
                 "rms_norm_eps", "qkv_bias", "tie_embeddings")
+OPTIMIZERS = ("adamw", "cpu_adam", "sgd")
+
+
+def training_problems(fields: dict) -> list[str]:
+    """What no model config checks in the module's fields: every float finite (``lr: .inf`` would train to NaN
+    without a word), ``lr > 0``, ``weight_decay >= 0``, ``warmup_steps >= 0`` and a known optimizer. Each
+    problem names the field (without a section prefix); values are quoted short."""
+    problems = []
+    for name in ("lr", "weight_decay", "rope_theta", "rms_norm_eps", "dropout"):
+        value = fields.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{name}={value!r} must be a finite number")
+    lr, decay, warmup = fields.get("lr"), fields.get("weight_decay"), fields.get("warmup_steps")
+    if _real(lr) and math.isfinite(lr) and lr <= 0:
+        problems.append(f"lr={lr!r} must be > 0")
+    if _real(decay) and decay < 0:
+        problems.append(f"weight_decay={decay!r} must be >= 0")
+    if _real(warmup) and warmup < 0:
+        problems.append(f"warmup_steps={warmup!r} must be >= 0")
+    optimizer = fields.get("optimizer", "adamw")
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+        problems.append(f"optimizer={_short(optimizer)} must be one of {list(OPTIMIZERS)}")
+    return problems
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def model_config(fields: dict):
@@ -81,6 +114,9 @@ class LanguageModule(pl.LightningModule):
                  seed: int = 0, optimizer: str = "adamw"):
         super().__init__()
         self.save_hyperparameters()
+        problems = training_problems(dict(self.hparams))
+        if problems:
+            raise ContractError(f"{type(self).__name__}: " + "; ".join(problems))
         self.model_class, self.config = model_config(dict(self.hparams))
         setattr(self, self.MODEL_ATTRIBUTE, None)
         if init_from:
@@ -165,8 +201,8 @@ class LanguageModule(pl.LightningModule):
 
             optimizer = DeepSpeedCPUAdam(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95),
                                          weight_decay=self.hparams.weight_decay, adamw_mode=True)
-        else:
-            raise ContractError(f"optimizer={self.hparams.optimizer!r} must be 'adamw', 'cpu_adam' or 'sgd'")
+        else:  # refused at construction too (training_problems)
+            raise ContractError(f"optimizer={self.hparams.optimizer!r} must be one of {list(OPTIMIZERS)}")
         warmup = max(1, self.hparams.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

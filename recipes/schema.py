@@ -19,13 +19,24 @@ Validation has two layers, both raising :class:`RecipeError` with the file and e
    against tp, ...), the pipeline (a layer per stage, micro-batches dividing ``data.batch_size``), the
    vocabulary (the bytes', or ``init_from``'s tokenizer's), and that ``data.path`` exists. The fit command runs
    it on the file alone and again on the configuration LightningCLI parsed,
-   command-line overrides included (jsonargparse's own errors become RecipeError there too).
+   command-line overrides included (jsonargparse's own errors become RecipeError there too). It also builds
+   the shardline strategy from its arguments (its own validation: ZeRO stage, offload, collective timeout,
+   ``nonfinite_loss``, ...), refuses fp16 with pp > 1 and checks the model's training fields (a finite
+   ``lr > 0``, ...). The fit command then holds the configuration it launches against this machine's memory
+   (:func:`shardline.recipes.fit.machine_problems`).
+
+Every message is one line and bounded: a value is quoted short (:func:`short_repr`), a problem clipped, at most
+:data:`MAX_PROBLEMS` listed. The file itself is bounded before anything is built from it: UTF-8, at most
+:data:`MAX_BYTES` bytes, nested at most :data:`MAX_DEPTH` levels, and at most :data:`MAX_NODES` values once its
+YAML aliases are expanded (a 300-byte alias bomb would otherwise expand to gigabytes); a recursive alias is refused.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import re
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -49,29 +60,150 @@ DEEPSPEED_ARGS_KEPT = frozenset({
     "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"})
 
 
+#: Bounds on a recipe file (a real one is a few KB, a few hundred values, nested 5 or 6 levels).
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 64
+MAX_NODES = 100_000
+#: Bounds on an error message: problems listed, characters per problem.
+MAX_PROBLEMS = 20
+MAX_PROBLEM_CHARS = 400
+
+
 class RecipeError(ShardlineError, ValueError):
     """A recipe (file or command-line override) that cannot work; names the file and every bad field."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 6, 8, 8, 6
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` bounded (reprlib: long strings, containers and numbers elided with ``...``), for messages."""
+    return _REPR.repr(value)
+
+
+def clip(text: str, limit: int = MAX_PROBLEM_CHARS) -> str:
+    """``text`` on one line (newlines and their indentation folded into one space), at most ``limit``
+    characters: a longer text keeps its beginning and end around `` ... ``."""
+    text = re.sub(r"\s*\n\s*", " ", str(text)).strip()
+    if len(text) <= limit:
+        return text
+    head = (limit - 5) * 2 // 3
+    return f"{text[:head]} ... {text[len(text) - (limit - 5 - head):]}"
+
+
 def _fail(source: str, problems: list[str]) -> None:
     if problems:
-        raise RecipeError(f"recipe {source}: " + "; ".join(problems))
+        shown = [clip(p) for p in problems[:MAX_PROBLEMS]]
+        if len(problems) > MAX_PROBLEMS:
+            shown.append(f"and {len(problems) - MAX_PROBLEMS} more problems")
+        raise RecipeError(f"recipe {source}: " + "; ".join(shown))
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing nesting deeper than :data:`MAX_DEPTH` (it composes recursively: a 100k-deep
+    file would end in a RecursionError)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many values the node graph holds once every alias is expanded (memoised per node, so linear in the
+    file); ValueError for a recursive alias, which would expand forever."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ValueError(f"a recursive alias at line {node.start_mark.line + 1}")
+        open_nodes.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        else:
+            total = 1
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def _yaml_problem(error: yaml.YAMLError, text: str) -> str:
+    """One line for a PyYAML error: where (line, column) and what."""
+    if isinstance(error, yaml.reader.ReaderError):
+        line = text.count("\n", 0, error.position) + 1
+        column = error.position - (text.rfind("\n", 0, error.position) + 1) + 1
+        char = error.character
+        what = f"character #x{char:04x}: {error.reason}" if isinstance(char, int) else f"{error.reason}"
+        return f" at line {line}, column {column}: {what}"
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    what = " ".join(p for p in (getattr(error, "context", None), getattr(error, "problem", None)) if p)
+    return f"{where}: {clip(what or error, 200)}"
+
+
+def read_recipe_file(path: str | Path) -> Any:
+    """The YAML value of the recipe file at ``path``, read within the bounds of the module docstring;
+    RecipeError naming the file (and the line) otherwise. Aliases are expanded into shared objects."""
+    source = str(path)
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_BYTES + 1)
+    except OSError as error:
+        raise RecipeError(f"recipe {source}: cannot be read ({error.strerror or error})") from None
+    if len(data) > MAX_BYTES:
+        raise RecipeError(f"recipe {source}: larger than {MAX_BYTES} bytes, which no recipe is")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise RecipeError(f"recipe {source}: not UTF-8 text: byte 0x{data[error.start]:02x} at line {line}, "
+                          f"column {column}") from None
+    loader = None
+    try:
+        loader = _BoundedLoader(text)  # its reader refuses unprintable characters here
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node)
+        if size > MAX_NODES:
+            raise RecipeError(f"recipe {source}: its YAML aliases expand it to {size} values, more than the "
+                              f"{MAX_NODES} a recipe may hold (an alias repeats a value; here they multiply)")
+        return loader.construct_document(node)
+    except yaml.YAMLError as error:
+        raise RecipeError(f"recipe {source}: not valid YAML{_yaml_problem(error, text)}") from None
+    except ValueError as error:  # a recursive alias (RecipeError is a ValueError too: kept as it is)
+        if isinstance(error, RecipeError):
+            raise
+        raise RecipeError(f"recipe {source}: not valid for a recipe: {error}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
     """The recipe at ``path`` as a dict, after both validation layers (see the module docstring)."""
-    path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise RecipeError(f"recipe {source}: cannot be read ({error.strerror})") from None
-    try:
-        recipe = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"recipe {source}: not valid YAML{where}: {getattr(error, 'problem', error)}") from None
+    recipe = read_recipe_file(path)
     if recipe is None:
         recipe = {}
     if not isinstance(recipe, dict):
@@ -153,10 +285,10 @@ def _field_problems(prefix: str, values: Any, fields: dict[str, Any], *, what: s
     if values is None:
         return []
     if not isinstance(values, dict):
-        return [f"{prefix} must be a mapping of {what} arguments, got {type(values).__name__} {values!r}"]
+        return [f"{prefix} must be a mapping of {what} arguments, got {type(values).__name__} {short_repr(values)}"]
     problems = []
     for key, value in values.items():
-        name = f"{prefix}.{key}"
+        name = f"{prefix}.{key if isinstance(key, str) and len(key) <= 80 else short_repr(key)}"
         if name in LINKED:
             problems.append(f"{name} is not a recipe field: it follows {LINKED[name]}")
         elif key not in fields:
@@ -164,7 +296,8 @@ def _field_problems(prefix: str, values: Any, fields: dict[str, Any], *, what: s
             hint = f" (did you mean {prefix}.{near[0]}?)" if near else ""
             problems.append(f"{name} is not a {what} argument{hint}")
         elif not _type_ok(value, fields[key]):
-            problems.append(f"{name}={value!r} is a {type(value).__name__}, expected {_describe(fields[key])}")
+            problems.append(f"{name}={short_repr(value)} is a {type(value).__name__}, expected "
+                            f"{_describe(fields[key])}")
     return problems
 
 
@@ -175,10 +308,11 @@ def structure_problems(recipe: dict[str, Any]) -> list[str]:
         if key not in SECTIONS:
             near = difflib.get_close_matches(str(key), SECTIONS, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
-            problems.append(f"{key!r} is not a recipe section; sections are {SECTIONS}{hint}")
+            problems.append(f"{short_repr(key)} is not a recipe section; sections are {SECTIONS}{hint}")
     for key, annotation in (("seed_everything", int | bool), ("ckpt_path", str | None)):
         if key in recipe and not _type_ok(recipe[key], annotation):
-            problems.append(f"{key}={recipe[key]!r} is a {type(recipe[key]).__name__}, expected {annotation}")
+            problems.append(f"{key}={short_repr(recipe[key])} is a {type(recipe[key]).__name__}, "
+                            f"expected {annotation}")
     fields = section_fields()
     problems += _field_problems("model", recipe.get("model"), fields["model"], what="LanguageModule")
     problems += _field_problems("data", recipe.get("data"), fields["data"], what="TextDataModule")
@@ -191,9 +325,9 @@ def structure_problems(recipe: dict[str, Any]) -> list[str]:
 
 
 def _strategy_problems(strategy: dict[str, Any], fields: dict[str, Any]) -> list[str]:
-    extra = sorted(set(strategy) - {"class_path", "init_args"})
+    extra = sorted((key for key in strategy if key not in ("class_path", "init_args")), key=str)
     if extra:
-        return [f"trainer.strategy has keys {extra}; a strategy is class_path plus init_args"]
+        return [f"trainer.strategy has keys {short_repr(extra)}; a strategy is class_path plus init_args"]
     if _is_hybrid(strategy.get("class_path")):
         init_args = strategy.get("init_args") or {}
         ignored = ignored_deepspeed_args(init_args)
@@ -287,34 +421,40 @@ def _pipeline_problems(strategy: Any, n_layer: Any, data: dict[str, Any]) -> lis
     return problems
 
 
-def _as_int(value: Any) -> Any:
+def as_int(value: Any) -> Any:
     """``"4"`` (how the command line may deliver ``--trainer.devices 4``) as 4; anything else unchanged."""
     return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
 def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
-    """Cross-field checks (layout vs world, model shape, model vs layout, vocabulary); RecipeError naming
-    ``source`` and the fields. Reuses ParallelDims and the model configs, whose messages name every value."""
+    """Cross-field checks (layout vs world, the strategy's own arguments, precision vs pp, model shape and
+    training fields, model vs layout, vocabulary); RecipeError naming ``source`` and the fields. Reuses
+    ParallelDims, the strategy and the model configs, whose messages name every value. Nothing here depends on
+    the machine it runs on (the planner checks recipes for other machines); the fit command adds that
+    (:func:`shardline.recipes.fit.machine_problems`)."""
     from shardline.plugins.errors import ContractError, LayoutError, ShardlineError
-    from shardline.recipes.data import VOCAB_SIZE, TextDataModule, tokenizer_class, tokenizer_file
-    from shardline.recipes.lit_lm import LanguageModule, model_config
+    from shardline.recipes.data import TextDataModule
+    from shardline.recipes.lit_lm import LanguageModule, model_config, training_problems
 
     trainer = recipe.get("trainer") or {}
     model = _with_defaults(LanguageModule, recipe.get("model"))
     problems, dims, config, model_class = [], None, None, None
+    strategy = trainer.get("strategy")
     try:
-        layout = strategy_layout(trainer.get("strategy"))
+        layout = strategy_layout(strategy)
     except (ContractError, LayoutError) as error:
         layout, problems = None, [f"trainer.strategy: {error}"]
-    strategy = trainer.get("strategy")
+    if layout is not None:
+        problems += _strategy_build_problems(strategy) + _precision_problems(trainer.get("precision"), layout.pp)
     if isinstance(strategy, dict) and _is_hybrid(strategy.get("class_path")):
         problems += [f"trainer.strategy.init_args.{key} has no effect under HybridParallelStrategy (ZeRO comes "
                      "from zero_stage and offload_*; other DeepSpeed options go in deepspeed_config)"
                      for key in ignored_deepspeed_args(strategy.get("init_args") or {}, only_changed=True)]
     data_path = (recipe.get("data") or {}).get("path")
     if isinstance(data_path, str) and not Path(data_path).expanduser().exists():
-        problems.append(f"data.path={data_path!r} does not exist (relative paths are from the working folder)")
-    devices, nodes = (_as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
+        problems.append(f"data.path={short_repr(data_path)} does not exist (relative paths are from the working "
+                        "folder)")
+    devices, nodes = (as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
     if layout is not None and isinstance(devices, int) and isinstance(nodes, int):
         try:
             dims = layout.for_world(devices * nodes)
@@ -322,29 +462,65 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
             degrees = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "sp": layout.sp.value}
             problems.append(f"trainer.devices={devices} x trainer.num_nodes={nodes} with trainer.strategy "
                             f"{degrees}: {error}")
+    problems += [f"model.{problem}" for problem in training_problems(model)]
     init_from = model.get("init_from")
     try:
         model_class, config = model_config(model)
     except ShardlineError as error:
         problems.append(f"model{'.init_from' if init_from else ''}: {error}")
     n_layer = config.n_layer if config is not None else model.get("n_layer")
-    problems += _pipeline_problems(trainer.get("strategy"), n_layer,
-                                   _with_defaults(TextDataModule, recipe.get("data")))
+    problems += _pipeline_problems(strategy, n_layer, _with_defaults(TextDataModule, recipe.get("data")))
     if config is not None:
-        tokenizer = tokenizer_file(init_from) if init_from else None
-        vocab, what = VOCAB_SIZE, "the byte vocabulary"
-        if tokenizer is not None:
-            try:
-                vocab = tokenizer_class(tokenizer).from_file(str(tokenizer)).get_vocab_size()
-                what = f"the tokenizer {tokenizer}"
-            except RecipeError:
-                raise
-            except Exception as error:  # the tokenizers library raises a bare Exception for a bad file
-                problems.append(f"model.init_from: {tokenizer} is not a readable tokenizer.json ({error})")
-                vocab = 0
-        if config.vocab_size < vocab:
-            field = "model.init_from's vocab_size" if init_from else "model.vocab_size"
-            problems.append(f"{field}={config.vocab_size} is below {what} ({vocab})")
+        problems += _vocab_problems(config, init_from)
     if config is not None and dims is not None:
         problems += [f"model vs trainer.strategy: {p}" for p in model_class.layout_problems(config, dims)]
     _fail(source, problems)
+
+
+def _vocab_problems(config, init_from: Any) -> list[str]:
+    """The model's vocabulary must hold the tokenizer's (the bytes', or ``init_from``'s tokenizer.json's)."""
+    from shardline.recipes.data import VOCAB_SIZE, tokenizer_class, tokenizer_file
+
+    tokenizer = tokenizer_file(init_from) if init_from else None
+    vocab, what = VOCAB_SIZE, "the byte vocabulary"
+    if tokenizer is not None:
+        try:
+            vocab = tokenizer_class(tokenizer).from_file(str(tokenizer)).get_vocab_size()
+            what = f"the tokenizer {tokenizer}"
+        except RecipeError:
+            raise
+        except Exception as error:  # the tokenizers library raises a bare Exception for a bad file
+            return [f"model.init_from: {tokenizer} is not a readable tokenizer.json ({error})"]
+    if config.vocab_size < vocab:
+        field = "model.init_from's vocab_size" if init_from else "model.vocab_size"
+        return [f"{field}={config.vocab_size} is below {what} ({vocab})"]
+    return []
+
+
+def _strategy_build_problems(strategy: Any) -> list[str]:
+    """HybridParallelStrategy built from the recipe's arguments for it (its own, not Lightning's), so that its
+    own validation (ZeRO stage and offload, deepspeed_config, collective_timeout, pipeline_annotations,
+    async_checkpoint, nonfinite_loss, ...) speaks now, in the launching process, with the field named, instead of
+    inside jsonargparse (a 60-line traceback) or on every rank. Building it allocates nothing."""
+    from shardline.plugins.errors import ShardlineError
+    from shardline.plugins.lightning.strategy import HybridParallelStrategy
+
+    args = strategy_arguments(strategy)
+    if args is None:
+        return []
+    own = set(inspect.signature(HybridParallelStrategy.__init__).parameters) - {"self", "lightning_kwargs"}
+    try:
+        HybridParallelStrategy(**{key: value for key, value in args.items() if key in own})
+    except ShardlineError as error:
+        return [f"trainer.strategy: {error}"]
+    except (TypeError, ValueError, AttributeError) as error:  # a value no check anticipated: still one line
+        return [f"trainer.strategy: {type(error).__name__}: {error}"]
+    return []
+
+
+def _precision_problems(precision: Any, pp: int) -> list[str]:
+    """fp16 with pp > 1: the strategy refuses it at setup, on every rank, after the launch; say it now."""
+    if isinstance(pp, int) and pp > 1 and str(precision).startswith("16"):
+        return [f"trainer.precision={short_repr(precision)} with trainer.strategy pp={pp}: fp16 loss scaling would "
+                "apply twice on every stage but the last; use precision='bf16-mixed'"]
+    return []

@@ -22,7 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import enum
 import logging
+import math
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -30,7 +34,7 @@ import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
-from shardline.plugins.errors import ContractError, LayoutError
+from shardline.plugins.errors import ContractError, LayoutError, NonFiniteLossError
 from shardline.plugins.faults.watchdog import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     CollectiveWatchdog,
@@ -45,6 +49,13 @@ from shardline.plugins.lightning.zero import derive_config, load_user_config
 
 log = logging.getLogger(__name__)
 
+
+class NonFiniteLoss(str, enum.Enum):
+    """What a training step whose loss is NaN or infinite on any rank does (``nonfinite_loss``)."""
+
+    RAISE = "raise"  # stop the run: NonFiniteLossError on every rank, naming the step and the ranks
+    SKIP = "skip"  # warn, and leave out that batch's backward and optimizer step on every rank
+    OFF = "off"  # no check (and no collective): the loss goes to backward whatever it is
 
 
 class HybridParallelStrategy(DeepSpeedStrategy):
@@ -73,6 +84,16 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     ...)`` use ``save_last="link"``, or the ``last.ckpt`` save right after a top-k one waits); a run that fails
     leaves a pending save uncommitted (teardown runs no collective), and its placeholder loads the latest
     complete checkpoint beside it, with a warning.
+
+    ``nonfinite_loss`` (default ``"raise"``): after every ``training_step`` each rank puts its loss (the
+    tensor the step returned, or its ``"loss"``) into one all-reduce of ``world_size`` float64 values, so every
+    rank sees every rank's loss and all decide alike, pipeline stages included. When any is NaN or infinite:
+    ``"raise"`` stops the run on every rank with one :class:`NonFiniteLossError` naming the global step, the
+    batch and the ranks with their losses (never training on with NaN weights); ``"skip"`` warns with the same
+    facts and leaves out that batch's backward and optimizer step on every rank (weights and optimizer state
+    unchanged; the step still counts, so the learning-rate schedule advances); it needs ``pp = 1`` (the
+    pipeline runs the backwards inside ``training_step``, before the batch loss is known) and automatic
+    optimization. ``"off"``: no check and no collective (a host sync per step saved).
     """
 
     strategy_name = "shardline"
@@ -83,7 +104,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
                  chunks: int = 1, activation_checkpointing: bool = False, pipeline_annotations: str = "when_profiling",
                  deepspeed_config: dict | str | None = None, gpus_per_node: int | None = None,
                  collective_timeout: float | datetime.timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-                 collective_dump_dir: str | None = None, async_checkpoint: bool = False, **lightning_kwargs: Any):
+                 collective_dump_dir: str | None = None, async_checkpoint: bool = False,
+                 nonfinite_loss: str | NonFiniteLoss = "raise", **lightning_kwargs: Any):
         # The one layout value, validated now (the world size still unknown) and bound once at setup.
         self.layout = Layout(tp=tp, pp=pp, cp=cp, sp=sp, gpus_per_node=gpus_per_node,
                              pipeline=PipelineSpec(schedule=schedule, chunks=chunks, micro_batches=micro_batches),
@@ -97,6 +119,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             raise ContractError(f"pipeline_annotations={pipeline_annotations!r} must be one of "
                                 f"{[a.value for a in Annotations]}") from None
         self.activation_checkpointing = activation_checkpointing
+        self.nonfinite_loss = _nonfinite_mode(nonfinite_loss, pp=self.layout.pp)
+        self._skip_step = False  # nonfinite_loss='skip': this batch's loss is non-finite somewhere
         zero = self.layout.zero
         config = derive_config(zero_stage=zero.stage, offload_optimizer=zero.offload_optimizer,
                                offload_params=zero.offload_params, nvme_path=zero.nvme_path,
@@ -454,10 +478,60 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             self.pending_rng_state = None
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
+        self._skip_step = False
         if self.pipeline_driver is None:
-            return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
-            return self._user_step("training_step", *args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        else:
+            with self.precision_plugin.train_step_context():
+                out = self._user_step("training_step", *args, **kwargs)
+        if self.nonfinite_loss is not NonFiniteLoss.OFF:
+            self._check_loss(out, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
+        return out
+
+    # --- non-finite losses (nonfinite_loss) --------------------------------------------------------------------
+
+    def _check_loss(self, output: Any, batch_idx: Any) -> None:
+        """One all-reduce of every rank's loss (0 where a rank has none); raise or mark the step skipped on every
+        rank alike when any is NaN or infinite (see the class docstring)."""
+        import torch.distributed as dist
+
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        device = loss.device if loss is not None else self.root_device
+        values = torch.zeros(world, dtype=torch.float64, device=device)
+        if loss is not None:
+            values[dist.get_rank() if world > 1 else 0] = loss.double().sum()
+        if world > 1:
+            dist.all_reduce(values)
+        bad = [(rank, value) for rank, value in enumerate(values.tolist()) if not math.isfinite(value)]
+        if not bad:
+            return
+        trainer = self.lightning_module.trainer
+        listed = ", ".join(f"rank {rank}: {value}" for rank, value in bad[:8])
+        more = f" and {len(bad) - 8} more ranks" if len(bad) > 8 else ""
+        where = (f"non-finite training loss at global step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                 f"batch {batch_idx}): {listed}{more}")
+        if self.nonfinite_loss is NonFiniteLoss.RAISE:
+            raise NonFiniteLossError(f"{where}; stopped before its optimizer step (lower the learning rate, check "
+                                     "the data and the weights; nonfinite_loss='skip' leaves such steps out)")
+        if not self.lightning_module.automatic_optimization:
+            raise ContractError(f"{where}: nonfinite_loss='skip' needs automatic optimization (this module steps "
+                                "its optimizers itself, inside training_step)")
+        warnings.warn(f"{where}; skipped: no backward and no optimizer step for this batch (nonfinite_loss='skip')",
+                      RuntimeWarning, stacklevel=2)
+        self._skip_step = True
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        """Lightning's, except for a batch ``nonfinite_loss='skip'`` leaves out: its closure (the step, which
+        marks it) runs, its backward and optimizer step do not (:meth:`backward` sees the mark)."""
+        if self.nonfinite_loss is not NonFiniteLoss.SKIP:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = closure()
+        if self._skip_step:
+            self._skip_step = False
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
         if args:
@@ -512,6 +586,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         # With pp > 1 the pipeline engine already ran every micro-batch's backward inside training_step: only
         # the hooks that follow a backward run (on_after_backward, for callbacks and the module).
+        if self._skip_step:  # nonfinite_loss='skip' leaves this batch out (pp = 1 only)
+            return closure_loss
         if self.pipeline_driver is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -530,6 +606,19 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         return record
 
 
+def _nonfinite_mode(value: Any, *, pp: int) -> NonFiniteLoss:
+    """``nonfinite_loss`` as a :class:`NonFiniteLoss`; ContractError naming it when unknown, or 'skip' with pp > 1."""
+    try:
+        mode = NonFiniteLoss(value)
+    except (ValueError, TypeError):
+        raise ContractError(f"nonfinite_loss={value!r} must be one of {[m.value for m in NonFiniteLoss]}") from None
+    if mode is NonFiniteLoss.SKIP and pp > 1:
+        raise ContractError(f"nonfinite_loss='skip' with pp={pp}: the pipeline runs every micro-batch's backward "
+                            "inside training_step, before the batch loss is known, so a step cannot be left out; "
+                            "use 'raise'")
+    return mode
+
+
 def _map_sequence_tensors(value: Any, fn, path: str = "batch") -> Any:
     """``value`` with every tensor of two or more dims (in nested dicts, lists, tuples) replaced by
     ``fn(tensor, path)``; ``path`` names where it sits (``batch[0]['ids']``)."""
@@ -542,5 +631,5 @@ def _map_sequence_tensors(value: Any, fn, path: str = "batch") -> Any:
     return value
 
 
-__all__ = ["HybridParallelStrategy", "Offload"]
+__all__ = ["HybridParallelStrategy", "NonFiniteLoss", "NonFiniteLossError", "Offload"]
 

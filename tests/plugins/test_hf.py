@@ -218,3 +218,59 @@ def test_bad_folders_are_refused_naming_the_file_and_tensor(folders, tmp_path):
     # A layout the model cannot take, refused from the config before any tensor is read (a stand-in grid).
     with pytest.raises(CheckpointError, match="n_head=4 is not divisible by tp=8"):
         from_pretrained(folders["llama-gqa2"], grid=Grid.stand_in(ParallelDims(8, tp=8), rank=0))
+
+
+def _with_tensor(folders, tmp_path, name: str, change) -> tuple:
+    """A copy of the llama-gqa2 folder whose tensor ``name`` is ``change(tensor)``; (folder, the file holding it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "changed"
+    shutil.copytree(folders["llama-gqa2"], folder)
+    file = folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(file))
+    tensors[name] = change(tensors[name])
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return folder, file
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn])
+def test_integer_and_8bit_weights_are_refused_not_cast(folders, tmp_path, dtype):
+    # Before: an int32 weight was cast to float (0/1 values: near-zero weights) and trained on without a word.
+    name = "model.layers.1.mlp.up_proj.weight"
+    folder, file = _with_tensor(folders, tmp_path, name, lambda t: t.to(dtype))
+    stored = {torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+              torch.float8_e4m3fn: "F8_E4M3"}[dtype]
+    with pytest.raises(CheckpointError) as info:
+        from_pretrained(folder)
+    assert str(info.value) == (
+        f"{file}: tensor '{name}' [48, 32] is stored as {stored}, not a float dtype (F16, BF16, F32, F64): a "
+        "quantized checkpoint's weights, which are not supported (cast to float they would be wrong weights); use "
+        "the model's float16, bfloat16 or float32 weights")
+
+
+def test_a_quantization_config_is_refused(folders, tmp_path):
+    folder, _ = _with_tensor(folders, tmp_path, "model.norm.weight", lambda t: t)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(CheckpointError, match=r"config.json: quantization_config \(quant_method='gptq'\): quantized "
+                                              r"checkpoints are not supported"):
+        from_pretrained(folder)
+
+
+def test_non_finite_weights_warn_once_naming_the_tensor(folders, tmp_path):
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def poison(t):
+        t = t.clone()
+        t[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        return t
+
+    folder, file = _with_tensor(folders, tmp_path, name, poison)
+    with pytest.warns(RuntimeWarning) as caught:
+        model = from_pretrained(folder)
+    messages = [str(w.message) for w in caught if "NaN or infinite" in str(w.message)]
+    assert messages == [f"{file}: tensor '{name}' holds 3 NaN or infinite values of 1024 in this rank's part "
+                        "[32, 32] (as torch.float32); training from it gives a non-finite loss"]
+    assert torch.isnan(dict(model.named_parameters())["blocks.0.qkv.q_weight"]).any()  # loaded as stored, warned
