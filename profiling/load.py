@@ -37,7 +37,7 @@ from shardline.profiling.errors import (
     TraceFormatError,
     TraceWarning,
 )
-from shardline.profiling.readers import Format, ReadResult, sniff
+from shardline.profiling.readers import Damage, Format, ReadResult, sniff
 from shardline.profiling.schema import (
     COLUMNS,
     OP_ARG_COLUMNS,
@@ -379,6 +379,11 @@ def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, op_ar
     if op_args and fmt is not Format.KINETO:  # no op args in these formats: the columns, empty
         result.events = conform(result.events, op_args=True)
     if fmt not in _MULTI_RANK and result.skipped is None and -1 in result.metadata:
+        damage = next((note for note in result.warnings if isinstance(note, Damage)), None)
+        if damage is not None:  # the rank went with the damaged part: the damage is the cause to report
+            raise TraceFormatError(f"{file}: {damage.cause}; no rank in what is left nor in the file name" + (
+                f": load(path, rank=N) reads the {result.n_events} events before the damage" if result.n_events
+                else ", and no event"))
         raise MissingRankError(f"{file}: the rank is not recorded (no distributedInfo.rank, no rank in the file "
                                "name); pass load(path, rank=N), or rank={file: N, ...} for a folder")
     return result

@@ -104,6 +104,32 @@ def _not_found(what: str):
     return _respond(json.dumps({"error": f"not found: {what}"}), "application/json", code=404)
 
 
+def _bad_request(message: str):
+    return _respond(json.dumps({"error": message}), "application/json", code=400)
+
+
+def _expect(value, kind: type, what: str):
+    """``value`` when it is a ``kind``; else a ``TypeError`` naming what it is."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} is {_JSON_NAMES.get(type(value), type(value).__name__)}, not {_JSON_NAMES[kind]}")
+    return value
+
+
+_JSON_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _manifest_problem(exc: BaseException) -> str:
+    """One line on why a manifest was not read."""
+    if isinstance(exc, RecursionError):
+        return "JSON nested too deep to decode"
+    if isinstance(exc, KeyError):
+        return f"no {exc} key"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not JSON ({exc})"
+    return str(exc) if isinstance(exc, TypeError) else f"{type(exc).__name__}: {exc}"
+
+
 class ShardlinePlugin(base_plugin.TBPlugin):
     """The plugin object TensorBoard holds (one per server)."""
 
@@ -117,6 +143,7 @@ class ShardlinePlugin(base_plugin.TBPlugin):
                       "(the wheel must include shardline/profiling/tb_static/*)", STATIC_DIR)
         viewer = viewer_dir()
         self._viewer = _listed(viewer, VIEWER_FILES) if viewer else {}
+        self._warned: set = set()  # (manifest, mtime) already warned about
 
     # --- TensorBoard's interface ---------------------------------------------------------------------------------
 
@@ -147,37 +174,58 @@ class ShardlinePlugin(base_plugin.TBPlugin):
 
     def listing(self) -> dict[str, dict]:
         """run -> window name -> {"data": Path, "first_step": int, "traces": [(label, kind, Path)]}, keeping
-        only entries that resolve to regular files inside their run folder."""
+        only entries that resolve to regular files inside their run folder. A run whose manifest cannot be
+        read or is not the shape ``write_tensorboard`` writes is left out, with a warning logged (once per
+        version of the file): the other runs are served."""
         runs: dict[str, dict] = {}
         for run, folder in self._manifests().items():
-            run_dir = folder.parent.parent.resolve()
             try:
-                manifest = json.loads((folder / MANIFEST).read_text())
-                windows = manifest["windows"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("shardline plugin: skipping %s: unreadable manifest (%s)", folder / MANIFEST, exc)
-                continue
-            entries = {}
-            for window in windows:
-                data = self._inside(run_dir, Path("plugins", PLUGIN_NAME, str(window.get("data", ""))))
-                if data is None:
-                    continue
-                traces = []
-                for trace in window.get("traces", []):
-                    path = self._inside(run_dir, Path(str(trace.get("path", ""))))
-                    if path is not None:
-                        traces.append((str(trace.get("label", path.name)), str(trace.get("kind", "raw")), path))
-                entries[str(window.get("name"))] = {"data": data, "first_step": window.get("first_step"),
-                                                    "traces": traces}
-            runs[run] = entries
+                runs[run] = self._run_entries(folder)
+            except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+                self._warn_once(folder / MANIFEST, _manifest_problem(exc))
         return runs
+
+    def _run_entries(self, folder: Path) -> dict[str, dict]:
+        """The windows one manifest lists (see ``listing``); raises where the manifest is malformed."""
+        run_dir = folder.parent.parent.resolve()
+        manifest = _expect(json.loads((folder / MANIFEST).read_text()), dict, "the manifest")
+        windows = _expect(manifest["windows"], list, "windows")
+        entries = {}
+        for window in windows:
+            _expect(window, dict, "a window")
+            data = self._inside(run_dir, Path("plugins", PLUGIN_NAME, str(window.get("data", ""))))
+            if data is None:
+                continue
+            traces = []
+            for trace in _expect(window.get("traces", []), list, "a window's traces"):
+                _expect(trace, dict, "a trace")
+                path = self._inside(run_dir, Path(str(trace.get("path", ""))))
+                if path is not None:
+                    traces.append((str(trace.get("label", path.name)), str(trace.get("kind", "raw")), path))
+            first_step = window.get("first_step")
+            if first_step is not None:
+                _expect(first_step, int, "a window's first_step")
+            entries[str(window.get("name"))] = {"data": data, "first_step": first_step, "traces": traces}
+        return entries
+
+    def _warn_once(self, manifest: Path, problem: str) -> None:
+        try:
+            version = manifest.stat().st_mtime_ns
+        except OSError:
+            version = None
+        if (manifest, version) not in self._warned:
+            self._warned.add((manifest, version))
+            log.warning("shardline plugin: skipping the run of %s: %s", manifest, problem)
 
     @staticmethod
     def _inside(run_dir: Path, relative: Path) -> Path | None:
         if relative.is_absolute():
             return None
-        path = (run_dir / relative).resolve()
-        if not path.is_relative_to(run_dir) or not path.is_file():
+        try:
+            path = (run_dir / relative).resolve()
+            if not path.is_relative_to(run_dir) or not path.is_file():
+                return None
+        except (OSError, ValueError):  # a NUL in the name, a loop of links: nothing to serve
             return None
         return path
 
@@ -219,19 +267,26 @@ class ShardlinePlugin(base_plugin.TBPlugin):
     @wrappers.Request.application
     def _serve_window(self, request):
         window, what = self._window(request)
-        if window is None:
+        try:
+            return _respond(window["data"].read_bytes(), "application/json") if window else _not_found(what)
+        except OSError:  # gone since it was listed
             return _not_found(what)
-        return _respond(window["data"].read_bytes(), "application/json")
 
     @wrappers.Request.application
     def _serve_trace(self, request):
-        window, what = self._window(request)
         index = request.args.get("index", "")
-        if window is None or not index.isdigit() or int(index) >= len(window["traces"]):
+        # ASCII digits only: str.isdigit() also takes "²" or "٣", which int() refuses or reads differently.
+        if not (index.isascii() and index.isdigit()):
+            return _bad_request(f"index={index!r}: expected a trace's index, a whole number in ASCII digits")
+        window, what = self._window(request)
+        if window is None or int(index) >= len(window["traces"]):
             return _not_found(f"{what} index={index!r}")
         _, _, path = window["traces"][int(index)]
         # Streamed: a trace can be hundreds of MB. A gzip file goes out as is; the browser inflates it.
-        handle = path.open("rb")
+        try:
+            handle = path.open("rb")
+        except OSError:  # gone since it was listed
+            return _not_found(f"{what} index={index!r}")
         return _respond(wrap_file(request.environ, handle), "application/json", length=path.stat().st_size,
                         encoding="gzip" if path.suffix == ".gz" else None)
 

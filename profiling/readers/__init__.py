@@ -72,6 +72,30 @@ class ReadResult:
                 + (f", skipped={self.skipped!r})" if self.skipped else ")"))
 
 
+class Damage(str):
+    """A reader's warning that a file's JSON is cut short or corrupt from some point on, so the events after
+    it are lost; ``cause`` says which in a few words (``load`` names it where the loss leaves no rank)."""
+
+    def __new__(cls, text: str, cause: str = "") -> Damage:
+        note = super().__new__(cls, text)
+        note.cause = cause or text
+        return note
+
+    def __getnewargs__(self) -> tuple[str, str]:  # pickled with its cause (a reader worker's result)
+        return str(self), self.cause
+
+
+def truncation(text) -> str | None:
+    """``"truncated JSON (...)"`` where a JSON document's ``text`` stops with brackets left open (it does not end
+    with one that closes, and opens more than it closes), else None: told from its bytes, never from a
+    decoder's error text (trailing bytes after a whole document, or damage inside it, are not truncation)."""
+    if bytes(text[-64:]).rstrip(b" \t\r\n")[-1:] in (b"}", b"]"):
+        return None
+    if text.count(b"{") + text.count(b"[") <= text.count(b"}") + text.count(b"]"):
+        return None
+    return f"truncated JSON (it ends at byte {len(text)}, before the document closes)"
+
+
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _NCCL_LINE = re.compile(rb"NCCL (INFO|WARN)|NCCL version")
 _TEXT_SUFFIXES = (".log", ".txt", ".out", ".err")

@@ -8,8 +8,10 @@ importing the reader. Whether a file is mapped, read ahead or scanned natively i
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import mmap
+import sys
 import zlib
 from pathlib import Path
 from typing import NamedTuple
@@ -35,40 +37,123 @@ def native_scan(data) -> dict | None:
 
 
 def read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped in memory when gzip; a corrupt or truncated gzip is our error."""
+    """The file's bytes, gunzipped in memory when gzip. Our error, one line naming the file: a damaged,
+    truncated or oversized gzip (``_plan.gzip_limit``), and a ``.gz`` that is neither gzip nor JSON."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
     if data[:2] != b"\x1f\x8b":
+        check_not_mislabelled(path, data)
         return data
+    limit = _plan.gzip_limit(len(data))
     try:
-        return gunzip(data)
-    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
-        raise TraceFormatError(f"{path}: corrupt or truncated gzip ({exc})") from exc
+        return gunzip(data, limit=limit)
+    except InflatedTooLarge:
+        raise TraceFormatError(f"{path}: refused as a decompression bomb: {len(data)} gzip bytes inflate to more "
+                               f"than {limit} ({_limit_reason(len(data), limit)})") from None
+    except EOFError:
+        raise TraceFormatError(f"{path}: truncated gzip: its {len(data)} bytes end before the end of the "
+                               "compressed stream (the file was cut short)") from None
+    except (gzip.BadGzipFile, zlib.error, OSError) as exc:
+        raise TraceFormatError(f"{path}: corrupt gzip ({exc})") from None
 
 
-def gunzip(data: bytes) -> bytes:
-    """``gzip.decompress(data)``, mostly in one zlib call without the GIL.
+def _limit_reason(compressed: int, limit: int) -> str:
+    """Which limit of ``_plan.gzip_limit`` refused the file, and how to raise it."""
+    ratio, cap = _plan.gzip_settings()
+    if limit == cap and cap < max(_plan.GZIP_FREE_BYTES, ratio * compressed):
+        return "the cap; SHARDLINE_GZIP_MAX_BYTES raises it"
+    return f"{ratio}x its size, where real traces compress 5-30x; SHARDLINE_GZIP_MAX_RATIO raises it"
 
-    ``gzip.decompress`` parses the header in Python and inflates into a buffer grown block by block, taking
+
+#: Leading bytes of formats a ``.gz`` trace is sometimes mistaken for.
+_OTHER_MAGIC = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"PK\x03\x04", "zip"),
+                (b"\x04\x22\x4d\x18", "lz4"))
+
+
+def check_not_mislabelled(path: Path, data) -> None:
+    """Raise our error for a file named ``.gz`` whose bytes are neither gzip nor JSON (a plain JSON trace
+    under a ``.gz`` name is read as JSON); an empty one is left to the reader to say so."""
+    if not path.name.lower().endswith(".gz"):
+        return
+    head = bytes(data[:64])
+    text = head.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+    if not text or text[:1] in (b"{", b"["):
+        return
+    kind = next((name for magic, name in _OTHER_MAGIC if head.startswith(magic)), None)
+    if kind is None and len(head) > 1 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0:
+        kind = "zlib"
+    what = f"{kind}-compressed" if kind else "not JSON either"
+    raise TraceFormatError(f"{path}: not gzip: named .gz but starts with {head[:8]!r}, not the gzip magic "
+                           f"b'\\x1f\\x8b' ({what})")
+
+
+class InflatedTooLarge(ValueError):
+    """A gzip inflates past the limit ``gunzip`` was given."""
+
+
+#: Bytes inflated per step where a gzip's members are counted (``_check_members``).
+_PIECE = 8 << 20
+
+
+def gunzip(data: bytes, *, limit: int | None = None) -> bytes:
+    """``gzip.decompress(data)``, refusing (:class:`InflatedTooLarge`) a gzip that inflates to more than
+    ``limit`` bytes (``_plan.gzip_limit`` of the data's size when None) while holding at most that many.
+
+    A whole single member whose size trailer is within the limit is inflated in one zlib call without the GIL
+    (``gzip.decompress`` parses the header in Python and inflates into a buffer grown block by block, taking
     the GIL back between blocks: in a thread next to busy Python code each of those waits up to the switch
-    interval. Here the first call reads the header (and at most one byte); ``flush`` then inflates the rest
-    into a buffer sized from the size trailer, in one go. Anything but one whole member (several members,
-    damage, a truncated stream) is handed to ``gzip.decompress``, whose result and errors are the reference.
+    interval), stopped one byte past the trailer's size, so a trailer that lies costs at most that. Anything
+    else (several members, damage, a truncated stream, a trailer that lies or is past the limit) is first
+    inflated and counted a piece at a time, nothing kept (``_check_members``: the errors of
+    ``gzip.decompress``, or the refusal), and only then by ``gzip.decompress``, whose result is the reference.
     """
-    if len(data) < 18:
-        return gzip.decompress(data)
-    size = min(int.from_bytes(data[-4:], "little"), _plan.GZIP_MAX_RATIO * len(data))
-    try:
-        inflate = zlib.decompressobj(wbits=31)  # 31: a gzip member, checked against its CRC and size
-        head = inflate.decompress(data, 1)
-        out = head + inflate.flush(max(size - len(head), 1))
-    except zlib.error:
-        return gzip.decompress(data)
-    if not inflate.eof or inflate.unused_data.lstrip(b"\x00"):
-        return gzip.decompress(data)
-    return out
+    if limit is None:
+        limit = _plan.gzip_limit(len(data))
+    if len(data) >= 18:
+        size = int.from_bytes(data[-4:], "little")
+        if size <= limit:
+            inflate = zlib.decompressobj(wbits=31)  # 31: a gzip member, checked against its CRC and size
+            try:
+                out = inflate.decompress(data, size + 1)
+            except zlib.error:
+                out = None
+            if out is not None and inflate.eof and not inflate.unused_data.lstrip(b"\x00"):
+                return out
+            del out
+    _check_members(data, limit)
+    return gzip.decompress(data)
+
+
+def _check_members(data: bytes, limit: int) -> None:
+    """Raise what ``gzip.decompress(data)`` raises (its own header parser, then the same checks in the same
+    order), or :class:`InflatedTooLarge` once more than ``limit`` bytes came out; memory: one piece."""
+    total = 0
+    rest = data
+    while True:
+        head = io.BytesIO(rest)
+        if gzip._read_gzip_header(head) is None:  # the reference's own parser: its errors, its leniency
+            return
+        inflate = zlib.decompressobj(wbits=-zlib.MAX_WBITS)
+        pending, crc, size = memoryview(rest)[head.tell():], 0, 0
+        while not inflate.eof:
+            piece = inflate.decompress(pending, min(_PIECE, limit + 1 - total - size))
+            size += len(piece)
+            if total + size > limit:
+                raise InflatedTooLarge(f"more than {limit} bytes")
+            pending = inflate.unconsumed_tail
+            if not piece and not pending:
+                break  # the input ended before the member did
+            crc = zlib.crc32(piece, crc)
+        if not inflate.eof or len(inflate.unused_data) < 8:
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        if crc != int.from_bytes(inflate.unused_data[:4], "little"):
+            raise gzip.BadGzipFile("CRC check failed")
+        if size & 0xFFFFFFFF != int.from_bytes(inflate.unused_data[4:8], "little"):
+            raise gzip.BadGzipFile("Incorrect length of data produced")
+        total += size
+        rest = inflate.unused_data[8:].lstrip(b"\x00")
 
 
 def trace_buffer(path: Path, *, mapped: bool | None = None) -> bytes | mmap.mmap:
@@ -80,10 +165,13 @@ def trace_buffer(path: Path, *, mapped: bool | None = None) -> bytes | mmap.mmap
     if mapped:
         try:
             with open(path, "rb") as handle:
-                if handle.read(2) != b"\x1f\x8b":
-                    return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                buffer = None if handle.read(2) == b"\x1f\x8b" else \
+                    mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
             raise TraceFormatError(f"{path}: cannot read file ({exc})") from exc
+        if buffer is not None:
+            check_not_mislabelled(path, buffer)
+            return buffer
     return read_bytes(path)
 
 
@@ -109,6 +197,13 @@ def prefetch(path: Path, *, mapped: bool | None = None, op_args: bool = False) -
     chosen = _plan.plan(path, data=data, op_args=op_args)
     first = chosen.paths[0] if chosen.paths else None
     return Prefetched(data, native_scan(data) if first is _plan.DecodePath.NATIVE else None, chosen)
+
+
+def too_deep(path: Path) -> TraceFormatError:
+    """The error for a document nested past what the JSON decoders take (they recurse per level, up to the
+    interpreter's recursion limit): a trace's events nest a few levels."""
+    return TraceFormatError(f"{path}: JSON nested too deep to decode (arrays or objects more than about "
+                            f"{sys.getrecursionlimit()} levels deep; a trace nests a few)")
 
 
 def utf8_repaired(data) -> bytes | None:

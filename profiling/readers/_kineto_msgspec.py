@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import _buffers
+from shardline.profiling.readers import Damage, _buffers, truncation
 
 
 class _Args(msgspec.Struct, gc=False):
@@ -79,7 +79,8 @@ _BASE_IN_TAIL = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d{1,19})\s*[,}]')
 
 
 def _split_top(path: Path, data: bytes, warnings: list[str]) -> tuple[dict, msgspec.Raw | bytes | None]:
-    """Top-level keys as raw slices, and the raw ``traceEvents`` array (None when the file has none)."""
+    """Top-level keys as raw slices, and the raw ``traceEvents`` array (None when the file has none). A
+    document that is no JSON for its bare ``NaN``/``Infinity`` literals alone is read with them as null."""
     if not bytes(data[:65536]).strip() and not bytes(data).strip():
         raise TraceFormatError(f"{path}: empty file")
     try:
@@ -90,16 +91,44 @@ def _split_top(path: Path, data: bytes, warnings: list[str]) -> tuple[dict, msgs
             return {}, data
         raise TraceFormatError(f"{path}: top level is neither a JSON object nor an array") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        return _split_damaged(path, data, exc, warnings)
+        repaired = non_finite_as_null(path, data, warnings)
+        if repaired is None:
+            return _split_damaged(path, data, exc, warnings)
+        return _split_top(path, repaired, warnings)
     return top, top.get("traceEvents")
+
+
+#: A JSON string (skipped whole: a literal inside one is text), or a bare non-finite literal (group 1).
+_STRING_OR_NON_FINITE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|(-?Infinity|NaN)')
+
+
+def non_finite_as_null(path: Path, data, warnings: list[str]) -> bytes | None:
+    """``data`` with each bare ``NaN``, ``Infinity`` and ``-Infinity`` outside strings written ``null`` (some
+    writers emit them; JSON has no such literal, and msgspec refuses them), counted in one warning per file;
+    None when it has none. A null time drops its event (counted), a null in a field no column reads is
+    ignored, as for any null. Run only on a document (or chunk) that failed to decode: a regex pass over it."""
+    if data.find(b"NaN") < 0 and data.find(b"Infinity") < 0:
+        return None
+    spans = [match.span(1) for match in _STRING_OR_NON_FINITE.finditer(data) if match.lastindex]
+    if not spans:
+        return None
+    parts, at = [], 0
+    for start, end in spans:
+        parts += (data[at:start], b"null")
+        at = end
+    parts.append(data[at:])
+    _add_count(warnings, f"{path}: read ", len(spans), " bare NaN/Infinity literals (not JSON) as null")
+    return b"".join(parts)
 
 
 def _split_damaged(path: Path, data, exc: Exception, warnings: list[str]) -> tuple[dict, bytes]:
     """For a file that is not valid JSON: the metadata before ``traceEvents`` and the events array text."""
     data = bytes(data)  # a damaged file takes the slow, copying path
+    cut = truncation(data)
+    cause = cut or f"invalid JSON ({exc})"
     key = data.find(b'"traceEvents"')
     if key < 0:
-        raise TraceFormatError(f"{path}: invalid JSON ({exc}) and no traceEvents array to salvage") from exc
+        raise TraceFormatError(f"{path}: {cause}, and no traceEvents array to salvage") from exc
     top: dict = {}
     head = data[:key].rstrip().rstrip(b",").rstrip()
     try:
@@ -108,8 +137,10 @@ def _split_damaged(path: Path, data, exc: Exception, warnings: list[str]) -> tup
         top = {}
     bracket = data.find(b"[", key)
     if bracket < 0:
-        raise TraceFormatError(f"{path}: invalid JSON ({exc}); traceEvents has no array") from exc
-    warnings.append(f"{path}: invalid JSON ({exc}); reading the events before the damage")
+        raise TraceFormatError(f"{path}: {cause}; traceEvents has no array") from exc
+    what = f"invalid JSON ({exc}); reading the events before the damage" if cut is None else \
+        f"invalid JSON, {cut.replace(' JSON', '', 1)}; reading the events before the cut"
+    warnings.append(Damage(f"{path}: {what}", cause))
     # Current Kineto writes baseTimeNanoseconds after the events: recover it from an intact tail.
     tail = _BASE_IN_TAIL.search(data[-4096:])
     if tail and "baseTimeNanoseconds" not in top:
@@ -121,13 +152,17 @@ def _split_damaged(path: Path, data, exc: Exception, warnings: list[str]) -> tup
 
 
 def _event_slices(path: Path, array: bytes | msgspec.Raw, warnings: list[str]) -> list:
-    """The events array split into one raw slice per event; a damaged array keeps its readable prefix."""
+    """The events array split into one raw slice per event (bare ``NaN``/``Infinity`` read as null: a bare
+    array's are first met here); a damaged array keeps its readable prefix."""
     try:
         return _DECODE_RAWS.decode(array)
     except msgspec.ValidationError as exc:
         raise TraceFormatError(f"{path}: traceEvents is not an array ({exc})") from exc
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         array = bytes(array)
+        repaired = non_finite_as_null(path, array, warnings)
+        if repaired is not None:
+            return _event_slices(path, repaired, warnings)
         return _prefix_slices(path, array, exc, warnings)
 
 
@@ -157,11 +192,14 @@ def _prefix_slices(path: Path, array: bytes, exc: Exception, warnings: list[str]
         probe = _boundary_before(array, mid + 1, good_end)
         if probe is None:
             probe = _boundary_after(array, mid + 1, bad)
+    # The first note of the damage says what it is: here, where the array is the whole document (a bare array).
+    note = str if any(isinstance(w, Damage) for w in warnings) else \
+        lambda text: Damage(text, truncation(array) or f"invalid JSON ({exc})")
     if not good:
-        warnings.append(f"{path}: no complete event could be read ({exc})")
+        warnings.append(note(f"{path}: no complete event could be read ({exc})"))
         return []
-    warnings.append(f"{path}: kept the {len(good)} complete events before byte {good_end + 1} of traceEvents "
-                    f"({exc})")
+    warnings.append(note(f"{path}: kept the {len(good)} complete events before byte {good_end + 1} of traceEvents "
+                         f"({exc})"))
     return good
 
 

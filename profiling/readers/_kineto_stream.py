@@ -98,6 +98,8 @@ class PageReleaser:
         if self.map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         end = len(self.map) if upto is None else np.frombuffer(upto, dtype=np.uint8).ctypes.data - self.base
+        if not 0 <= end <= len(self.map):
+            return  # a slice of another buffer (a repaired copy of the document): nothing of the map to drop
         end -= end % mmap.PAGESIZE
         if end > self.done:
             self.map.madvise(mmap.MADV_DONTNEED, 0, end)
@@ -134,7 +136,7 @@ def _bracketed(events_text: memoryview) -> bytearray:
     return text
 
 
-def _decode_chunk(path: Path, text: bytearray, decode_events: Callable, decode_batch: Callable,
+def _decode_chunk(path: Path, text: bytearray | bytes, decode_events: Callable, decode_batch: Callable,
                   warnings: list[str]) -> list:
     try:
         return decode_events(text)
@@ -143,7 +145,12 @@ def _decode_chunk(path: Path, text: bytearray, decode_events: Callable, decode_b
     try:
         raws = _DECODE_RAWS.decode(text)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise Fallback(str(exc)) from exc
+        from shardline.profiling.readers._kineto_msgspec import non_finite_as_null
+
+        repaired = non_finite_as_null(path, text, warnings)  # bare NaN/Infinity: read as null, as whole reads do
+        if repaired is None:
+            raise Fallback(str(exc)) from exc
+        return _decode_chunk(path, repaired, decode_events, decode_batch, warnings)
     return decode_batch(path, raws, warnings)
 
 
@@ -166,15 +173,34 @@ def _bounds(buffer) -> tuple[dict, int, int]:
     while close >= 0:
         rest = tail[close + 1:].strip()
         if rest == b"}":
-            return top, bracket + 1, tail_from + close
+            return top, bracket + 1, _array_end(buffer, bracket, tail_from + close, top)
         if rest.startswith(b","):
             try:
                 top.update(_DECODE_TOP.decode(b"{" + rest[1:]))
-                return top, bracket + 1, tail_from + close
+                return top, bracket + 1, _array_end(buffer, bracket, tail_from + close, top)
             except (msgspec.DecodeError, UnicodeDecodeError):
                 pass
         close = tail.rfind(b"]", 0, close)
     raise Fallback("no end of the events array")
+
+
+def _array_end(buffer, bracket: int, close: int, top: dict) -> int:
+    """The events array's ``]``: ``close`` when only whitespace lies between it and the last event's ``}``;
+    else, where that gap opens with a ``]``, the array ended there and ``close`` closed a later key's array
+    (``"INFO": [...]``, which Kineto writes after the events): its keys are read into ``top`` too, so
+    none (``baseTimeNanoseconds``...) is lost. Anything else is left to ``_last_brace`` to refuse."""
+    end = buffer.rfind(b"}", bracket, close)
+    gap = bytes(buffer[end + 1:close]).lstrip() if end >= 0 else b""
+    if not gap.startswith(b"]"):
+        return close
+    rest = bytes(buffer[end + 1:]).lstrip()[1:].lstrip()
+    if not rest.startswith(b","):
+        raise Fallback("no end of the events array")
+    try:
+        top.update(_DECODE_TOP.decode(b"{" + rest[1:]))
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise Fallback("unreadable metadata after the events array") from exc
+    return end + 1 + bytes(buffer[end + 1:close]).index(b"]")
 
 
 def _chunks(buffer, start: int, close: int, chunk: int):
@@ -192,8 +218,9 @@ def _last_brace(buffer, start: int, close: int) -> int:
     end = buffer.rfind(b"}", start, close)
     if end < 0:
         raise Fallback("events array without an object")
-    trailing = bytes(buffer[end + 1:close])
-    # An element after the last object (not the array's end, then other keys): the whole-array read judges it.
-    if trailing.strip() and b"]" not in trailing:
+    # Anything between the last object and the close: an element that is no object, or the array's end then
+    # other keys (``_bounds`` took a later ``]`` for the close: a key's array value, as in ``"x": [1]}``, whose
+    # keys, and the metadata before them, would be lost). The whole-document read judges it.
+    if bytes(buffer[end + 1:close]).strip():
         raise Fallback("the events array does not end with an object")
     return end + 1

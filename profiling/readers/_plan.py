@@ -21,6 +21,10 @@ the tests and the benchmark know which path produced what. Environment variables
 made, never at import: ``SHARDLINE_KINETO_NATIVE=0`` leaves the scanner out. A read that keeps the op args
 (``op_args=True``: the ``schema.OP_ARG_COLUMNS``) leaves it out too: the scanner reads the schema's fields only.
 
+How far a gzip may inflate is here too (``gzip_limit``: a ratio to its compressed size above a floor, and an
+absolute cap, ``SHARDLINE_GZIP_MAX_RATIO`` / ``SHARDLINE_GZIP_MAX_BYTES``, read when a file is read): past it,
+the read is refused as a decompression bomb before the inflated bytes are held (``_buffers.gunzip``).
+
 Light to import (no msgspec, no Arrow): ``load``'s prefetch thread plans before the reader is imported.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import os
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -60,8 +65,13 @@ ONE_CALL_MAX_BYTES = 4 << 20
 CHUNK_BYTES = 24 << 20
 #: Events decoded per msgspec batch: big enough to amortise the per-batch cost, small enough to bound memory.
 BATCH_EVENTS = 200_000
-#: The output buffer a gzip's size trailer may ask for, at most, per compressed byte.
+#: A gzip may inflate to at most this many bytes per compressed byte (``SHARDLINE_GZIP_MAX_RATIO``), beyond
+#: ``GZIP_FREE_BYTES``: the real traces of the corpus compress 5-30x, deflate's ceiling is ~1032x (a bomb).
 GZIP_MAX_RATIO = 256
+#: Inflated sizes up to this pass whatever the ratio (a small file of repeated events harms nothing).
+GZIP_FREE_BYTES = 64 << 20
+#: No gzip inflates past this (``SHARDLINE_GZIP_MAX_BYTES``): the inflated document is held in memory whole.
+GZIP_MAX_BYTES = 16 << 30
 
 _OFF = ("0", "false", "no", "off")
 
@@ -166,6 +176,37 @@ def native_on() -> bool:
 def arrow_on() -> bool:
     """pyarrow is installed and ``SHARDLINE_KINETO_ARROW`` does not switch it off (read now)."""
     return arrow_installed() and _switch("SHARDLINE_KINETO_ARROW")
+
+
+def gzip_limit(compressed: int) -> int:
+    """The most bytes a gzip of ``compressed`` bytes may inflate to: ``GZIP_MAX_RATIO`` per compressed byte
+    (at least ``GZIP_FREE_BYTES``), never past ``GZIP_MAX_BYTES``; each overridden by its environment
+    variable, read now (``gzip_settings``)."""
+    ratio, cap = gzip_settings()
+    return min(cap, max(GZIP_FREE_BYTES, ratio * compressed))
+
+
+def gzip_settings() -> tuple[int, int]:
+    """``(ratio, cap)``: ``SHARDLINE_GZIP_MAX_RATIO`` and ``SHARDLINE_GZIP_MAX_BYTES`` (read now), else the
+    defaults; a bad value is our error, naming it."""
+    return (_env_size("SHARDLINE_GZIP_MAX_RATIO", GZIP_MAX_RATIO),
+            _env_size("SHARDLINE_GZIP_MAX_BYTES", GZIP_MAX_BYTES))
+
+
+_SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+
+
+def _env_size(name: str, default: int) -> int:
+    """A whole number from the environment, with an optional binary unit (``16G``, ``512MiB``)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    match = _SIZE.fullmatch(text) if text.isascii() else None
+    if match is None:
+        from shardline.profiling.errors import ProfilingError
+
+        raise ProfilingError(f"{name}={text!r}: not a whole number with an optional K/M/G/T unit (e.g. 16G)")
+    return int(match.group(1)) << (10 * " KMGT".index(match.group(2).upper() or " "))
 
 
 def plan(path: Path, *, data=None, force: DecodePath | str | None = None, op_args: bool = False) -> ReadPlan:

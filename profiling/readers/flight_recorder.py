@@ -20,7 +20,7 @@ import pandas as pd
 
 from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult
-from shardline.profiling.readers._buffers import read_bytes
+from shardline.profiling.readers._buffers import read_bytes, too_deep
 from shardline.profiling.readers._kineto_columns import DTYPE_BYTES
 from shardline.profiling.readers.kineto import rank_from_name
 from shardline.profiling.schema import conform, empty_events
@@ -33,6 +33,8 @@ def read_flight_recorder(path: Path, *, rank: int | None = None) -> ReadResult:
         dump = msgspec.json.decode(read_bytes(path))
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise TraceFormatError(f"{path}: invalid flight-recorder JSON ({exc})") from exc
+    except RecursionError:
+        raise too_deep(path) from None
     if not isinstance(dump, dict) or not isinstance(dump.get("entries", []), list):
         raise TraceFormatError(f"{path}: flight-recorder dump without an entries list")
     own = dump.get("rank")

@@ -16,6 +16,10 @@ native C scanner, a memory-mapped stream of chunks, msgspec in one call, Arrow c
 with salvage (damage keeps the events before it, with a warning). Which path reads a trace, and what each
 hands on when it cannot read it exactly, is the plan's (``_plan.plan``, which logs its choice at debug level).
 
+Not JSON but written by some tools: a bare ``NaN``, ``Infinity`` or ``-Infinity`` is read as null (one warning
+counts them): a null time drops its event (counted), a null in a field no column reads is ignored. A document
+nested past the decoders' recursion limit is our error, as are gzip bombs (``_plan.gzip_limit``).
+
 ``op_args=True`` also keeps the args the schema's columns drop (shapes, a collective's element counts, dtype
 and splits: ``schema.OP_ARG_COLUMNS``, after the schema's columns): the events are then decoded into
 ``OpArgsEvent`` (the same fields and those args as raw JSON) by the msgspec paths, never the native scanner.
@@ -87,7 +91,10 @@ def read_kineto(path: Path, *, rank: int | None = None, keep_python: bool = Fals
     if chosen is None or force is not None:
         chosen = _plan.plan(path, data=data, force=force, op_args=op_args)
     warnings: list[str] = []
-    decoded = _Decoding(path, data, chosen, keep_python=keep_python, warnings=warnings).run(scanned)
+    try:
+        decoded = _Decoding(path, data, chosen, keep_python=keep_python, warnings=warnings).run(scanned)
+    except RecursionError:  # msgspec's decoders (and skips) recurse per level, up to the interpreter's limit
+        raise _buffers.too_deep(path) from None
     del data
     if isinstance(decoded, ReadResult):
         decoded.events = conform(decoded.events, op_args=op_args)

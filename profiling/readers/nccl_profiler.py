@@ -20,7 +20,7 @@ import pandas as pd
 
 from shardline.profiling.errors import TraceFormatError
 from shardline.profiling.readers import ReadResult
-from shardline.profiling.readers._buffers import read_bytes
+from shardline.profiling.readers._buffers import read_bytes, too_deep
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
 from shardline.profiling.schema import conform, empty_events
 
@@ -61,6 +61,8 @@ def read_nccl_profiler(path: Path, *, rank: int | None = None) -> ReadResult:
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise TraceFormatError(f"{path}: unreadable NCCL profiler dump even after quoting bare tokens ({exc})") \
             from exc
+    except RecursionError:
+        raise too_deep(path) from None
     warnings = [f"{path}: NCCL profiler-plugin output is not strict JSON; bare enum/hex tokens were quoted"]
     begins: dict = {}
     rows = []

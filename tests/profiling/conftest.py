@@ -102,8 +102,10 @@ def _pairs(pairs):
     return dict(pairs)
 
 
-def _no_constants(text):
-    raise NotModelled(f"{text} is not JSON")
+def _null_constant(text):
+    # The reader's rule (``readers/kineto.py``): a bare NaN, Infinity or -Infinity, which JSON lacks and some
+    # writers emit, is read as null.
+    return None
 
 
 def _text(value) -> str:
@@ -251,7 +253,7 @@ def reference_read(path: Path, *, keep_python: bool = False) -> dict:
     try:
         # Invalid UTF-8 is kept as surrogates, so that it is refused only in a text the reader reads.
         text = data.decode("utf-8", errors="surrogateescape")
-        top = json.loads(text, parse_float=Decimal, parse_int=_IntText, parse_constant=_no_constants,
+        top = json.loads(text, parse_float=Decimal, parse_int=_IntText, parse_constant=_null_constant,
                          object_pairs_hook=_pairs)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise NotModelled(str(exc)) from None

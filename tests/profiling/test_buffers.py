@@ -53,7 +53,7 @@ def test_gunzip_edge_cases():
 def test_damaged_gzip_file_is_our_error(tmp_path):
     path = tmp_path / "rank0.json.gz"
     path.write_bytes(gzip.compress(b'{"traceEvents": []}')[:-5])
-    with pytest.raises(TraceFormatError, match=r"rank0\.json\.gz: corrupt or truncated gzip"):
+    with pytest.raises(TraceFormatError, match=r"rank0\.json\.gz: truncated gzip"):
         _buffers.read_bytes(path)
 
 

@@ -1,12 +1,16 @@
 """Fuzz: mutated real traces (truncation, byte flips, deletions, on the text and on the gzip bytes) either load
 into a schema-valid table, with only TraceWarnings, or raise our ProfilingError naming the file. Nothing else
-escapes, and nothing hangs (bounded inputs, bounded examples)."""
+escapes, and nothing hangs (bounded inputs, bounded examples). Hostile structure too (issue 46 §4): nesting
+past the decoders' recursion limit, bare NaN/Infinity, gzip bombs against a small inflate cap, with the memory
+traced while reading bounded."""
 
 from __future__ import annotations
 
 import gzip
 import os
+import re
 import tempfile
+import tracemalloc
 import warnings
 from pathlib import Path
 
@@ -109,3 +113,59 @@ def test_mutated_nsys_export_never_escapes(data):
         pytest.skip(f"trace corpus not found at {CORPUS}")
     seed = source.read_bytes()
     _check("run.sqlite", _apply(seed, data.draw(mutations(len(seed)))))
+
+
+# --- hostile structure: what a mutation of bytes rarely builds ----------------------------------------------
+
+#: A JSON number after a key: where a nest or a non-finite literal takes a value's place.
+_VALUE = re.compile(rb": (-?[0-9][0-9.eE+-]*)")
+#: Nothing here needs more than this (seeds of 12 kB, nests of 400 kB; 3 MiB measured): a 16 MiB bomb inflated
+#: whole, or far past the 1 MiB cap, would show.
+_HOSTILE_PEAK = 8 << 20
+
+
+@st.composite
+def hostile_edits(draw, seed: bytes):
+    """Values replaced by a nest of arrays (some past any recursion limit) or a bare NaN/Infinity, nests
+    dropped anywhere, and zero bytes appended (a bomb once gzipped)."""
+    values = [m.span(1) for m in _VALUE.finditer(seed)]
+    value = st.sampled_from(values) if values else st.just((0, 0))
+    depth = st.sampled_from([2, 150, 300, 5000, 200_000])
+    literal = st.sampled_from([b"NaN", b"Infinity", b"-Infinity"])
+    return draw(st.lists(st.one_of(
+        st.tuples(st.just("nest"), value, depth),
+        st.tuples(st.just("literal"), value, literal),
+        st.tuples(st.just("nest_anywhere"), st.integers(0, len(seed)), depth),
+    ), min_size=1, max_size=3)), draw(st.sampled_from([0, 0, 1 << 20, 16 << 20]))
+
+
+def _hostile(seed: bytes, edits) -> bytes:
+    out = seed
+    for kind, where, what in sorted(edits, key=lambda e: -(e[1][0] if isinstance(e[1], tuple) else e[1])):
+        if kind == "nest_anywhere":
+            out = out[:where] + b"[" * what + b"]" * what + out[where:]
+            continue
+        start, end = where
+        out = out[:start] + (b"[" * what + b"]" * what if kind == "nest" else what) + out[end:]
+    return out
+
+
+@pytest.mark.parametrize("target", ["rank0.json", "rank1.json.gz"])
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_hostile_structure_never_escapes_and_stays_bounded(target, data):
+    seed = _seed_bytes(target)
+    edits, zeros = data.draw(hostile_edits(seed))
+    payload = _hostile(seed, edits)
+    if target.endswith(".gz"):
+        payload = gzip.compress(payload + b"\0" * zeros, compresslevel=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SHARDLINE_GZIP_MAX_BYTES", "1M")
+        tracemalloc.start()
+        try:
+            _check(target, payload)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < _HOSTILE_PEAK + 4 * len(payload), peak
