@@ -228,9 +228,25 @@ def to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
         writer.flush()
         hf.finish_folder(staging, writer, decoder.hf_config, dtype or first)
         os.replace(staging, out)
+    except _write_errors() as error:
+        raise _not_written(out, error) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Converted(out=out, checkpoint=folder, tensors=len(weights), nbytes=nbytes, not_written=left_out)
+
+
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: the OS's error, safetensors' (``SafetensorError``: "No space left on device"
+    inside) and torch.save's (a RuntimeError from its zip writer)."""
+    from safetensors import SafetensorError
+
+    return OSError, SafetensorError, RuntimeError
+
+
+def _not_written(out: Path, error: BaseException) -> CheckpointError:
+    said = " ".join(str(error).split())[:300]
+    return CheckpointError(f"{out}: could not be written ({type(error).__name__}: {said}); nothing was written "
+                           "(a full disk or an unwritable folder?)")
 
 
 def _dense(reader: CheckpointReader, name: str, placement: Placement, dtype) -> torch.Tensor:
@@ -275,6 +291,8 @@ def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtyp
     try:
         torch.save(result, staged)
         os.replace(staged, out)
+    except _write_errors() as error:
+        raise _not_written(out, error) from None
     finally:
         staged.unlink(missing_ok=True)
     return Converted(out=out, checkpoint=folder, tensors=len(values), nbytes=nbytes)

@@ -58,6 +58,11 @@ def _fill(handle, view) -> int:
     return got
 
 
+def _count(value) -> bool:
+    """A whole number >= 0 (not a bool), as the manifest's sizes, shapes and CRCs are."""
+    return type(value) is int and value >= 0
+
+
 def _identity(stat: os.stat_result) -> tuple[int, int]:
     """What tells an open file from the same file written to since: its size and modification time (the reader
     stats its own handle, whose device and inode cannot change)."""
@@ -145,6 +150,7 @@ class CheckpointReader:
         self._headers: dict[str, tuple[int, dict]] = {}
         self._paths: dict[str, Path] = {}
         self._boxes: dict[str, list[tuple[str, str, Box, int]]] = {}
+        self._checked_tensors: dict[str, tuple[tuple[int, ...], str]] = {}
         self._by_box: dict[str, dict[Box, tuple[str, str, int]]] = {}  # read_flat's, per tensor
         self._verified: set[tuple[str, str]] = set()
         self._verified_chunks: set[tuple[str, str, int]] = set()
@@ -223,18 +229,53 @@ class CheckpointReader:
         return data
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name]["shape"])
+        return self._tensor(name)[0]
+
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype name (``"F32"``) tensor ``name`` was saved in."""
+        return self._tensor(name)[1]
+
+    def _tensor(self, name: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, dtype name)`` of tensor ``name``, its manifest entry checked once (a misshapen one is a
+        CheckpointError naming it, never a KeyError or TypeError from deep inside a read)."""
+        made = self._checked_tensors.get(name)
+        if made is not None:
+            return made
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.folder}: no tensor {name!r} in the checkpoint")
+        entry = self.tensors[name]
+
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(f"{self.folder / MANIFEST}: tensor {name!r}: {what}")
+
+        if not isinstance(entry, dict):
+            raise bad(f"its entry is a {type(entry).__name__}, not {{'shape', 'dtype', 'pieces'}}")
+        shape, dtype, pieces = entry.get("shape"), entry.get("dtype"), entry.get("pieces")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            raise bad(f"shape {str(shape)[:80]} is not a list of whole numbers >= 0")
+        if not isinstance(dtype, str) or dtype not in _NAMES:
+            raise bad(f"dtype {str(dtype)[:40]!r} is not one of {sorted(_NAMES)}")
+        if not isinstance(pieces, list):
+            raise bad(f"pieces {str(pieces)[:80]} is not a list")
+        for piece in pieces:
+            ok = isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str) \
+                and isinstance(piece[1], str) and _count(piece[3]) and isinstance(piece[2], list) \
+                and len(piece[2]) == len(shape) and all(
+                    isinstance(ab, list) and len(ab) == 2 and _count(ab[0]) and _count(ab[1]) and ab[0] <= ab[1] <= n
+                    for ab, n in zip(piece[2], shape, strict=False))
+            if not ok:
+                raise bad(f"piece {str(piece)[:120]} is not [file, key, box inside {shape}, crc]")
+        made = self._checked_tensors[name] = (tuple(shape), dtype)
+        return made
 
     def read(self, name: str, box: Box | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``box`` (default: all) of canonical tensor ``name``, in the dtype it was saved in; or, with
         ``out`` (a tensor of the box's shape, any dtype), written into ``out`` and ``out`` returned. Pieces read
         straight into ``out`` (or into the result) wherever their place there is contiguous: a load in the saving
         layout, or whole rows of the tensor, costs no copy."""
-        if name not in self.tensors:
-            raise CheckpointError(f"{self.folder}: no tensor {name!r} in the checkpoint")
-        entry = self.tensors[name]
-        box = full(entry["shape"]) if box is None else tuple(map(tuple, box))
-        shape, dtype = tuple(b - a for a, b in box), _NAMES[entry["dtype"]]
+        whole, dtype_name = self._tensor(name)
+        box = full(whole) if box is None else tuple(map(tuple, box))
+        shape, dtype = tuple(b - a for a, b in box), _NAMES[dtype_name]
         if out is not None and tuple(out.shape) != shape:
             raise CheckpointError(f"{self.folder}: tensor {name!r} box {box}: out= has shape {list(out.shape)}, "
                                   f"not {list(shape)}")
@@ -305,6 +346,7 @@ class CheckpointReader:
         """``name``'s pieces from the manifest, their boxes as tuples (made once per tensor)."""
         made = self._boxes.get(name)
         if made is None:
+            self._tensor(name)  # the entry checked
             made = self._boxes[name] = [(file, key, tuple(map(tuple, box)), value)
                                         for file, key, box, value in self.tensors[name]["pieces"]]
         return made
@@ -460,10 +502,11 @@ class CheckpointReader:
         dtype = _NAMES.get(info.get("dtype")) if type(info) is dict else None
         if dtype is None:
             raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}) is not in the file's header")
-        shape, offsets = tuple(info["shape"]), info["data_offsets"]
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int for d in shape) else None
         if shape != tuple([hi - lo for lo, hi in box]):
-            raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}) has shape {list(shape)}, "
-                                  f"the manifest says box {box}")
+            raise CheckpointError(f"{self._path(file)}: tensor {name!r} (entry {key!r}) has shape "
+                                  f"{str(info.get('shape'))[:80]}, the manifest says box {box}")
         nbytes = math.prod(shape) * dtype.itemsize if min(shape, default=0) >= 0 else 0  # volume(box)
         if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
                 and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes):

@@ -244,7 +244,7 @@ def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, st
         flat = reader.read_flat(name, [sub.box for sub in subs])
         if flat is not None:
             return flat
-    out = torch.empty(stop - start, dtype=dtype_of(reader.tensors[name]["dtype"]))
+    out = torch.empty(stop - start, dtype=dtype_of(reader.dtype_name(name)))
     offset = 0
     for sub in subs:
         n = volume(sub.box)

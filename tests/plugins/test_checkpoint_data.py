@@ -11,11 +11,14 @@ import os
 import pathlib
 import pickle
 import random
+import shutil
 import struct
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardline.plugins.checkpoint import files, state
 from shardline.plugins.checkpoint.reader import CheckpointReader
@@ -298,3 +301,108 @@ def test_a_commit_removes_what_interrupted_saves_left_before_it_and_nothing_else
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [".ck-3.partial-0000bbbb", "ck-2", "latest", "notes"], names
     assert files.remove_leftovers(tmp_path, before=time.time() + 10) == [".ck-3.partial-0000bbbb"]
+
+
+# --- fuzzing: a damaged or hostile checkpoint gives CheckpointError, never another exception ------------------
+
+_ODD = [None, 0, -1, 1 << 62, 1.5, "x", "../x", "/etc/passwd", [], {}, [[0, 1]], [1, 2, 3], {"a": 1}, True, "F32",
+        "I32", "\u00b2", [[0, 1 << 40]], [-1, 2]]
+
+
+def _mutate(value, rng, depth=0):
+    """One random change somewhere inside ``value`` (a replaced, removed or nested-changed item)."""
+    if isinstance(value, dict) and value:
+        key = rng.choice(sorted(value, key=str))
+        roll = rng.random()
+        if roll < 0.3 or depth > 6:
+            value[key] = rng.choice(_ODD)
+        elif roll < 0.45:
+            del value[key]
+        else:
+            _mutate(value[key], rng, depth + 1)
+    elif isinstance(value, list) and value:
+        index = rng.randrange(len(value))
+        roll = rng.random()
+        if roll < 0.3 or depth > 6:
+            value[index] = rng.choice(_ODD)
+        elif roll < 0.4:
+            del value[index]
+        else:
+            _mutate(value[index], rng, depth + 1)
+
+
+def _read_all(folder: pathlib.Path) -> None:
+    with CheckpointReader(folder) as reader:
+        for name in sorted(reader.tensors)[:4]:
+            reader.read(name)
+            shape = reader.shape(name)
+            reader.read(name, tuple((min(1, n), n) for n in shape))
+        if reader.has_state(files.TRAINER_FILE):
+            reader.state_file(files.TRAINER_FILE)
+
+
+@pytest.fixture(scope="module")
+def _fuzz_base(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("fuzz")
+    target = files.AtomicSave(root / "ck", files.AtomicSave.new_token())
+    target.create()
+    writer = files.ShardWriter(target.tmp, rank=0)
+    for rows in ((0, 2), (2, 4)):
+        writer.add("w", (4, 3), (rows, (0, 3)), torch.arange(6.0).reshape(2, 3))
+    writer.add("b", (3,), ((0, 3),), torch.ones(3, dtype=torch.bfloat16))
+    writer.flush()
+    data = state.encode({"epoch": 1, "loops": {"x": [1, 2.5, None]}, "rng": torch.arange(4, dtype=torch.uint8)})
+    crc = files.write_small(data, target.tmp / files.TRAINER_FILE)
+    target.commit(files.build_manifest([writer.records], files.describe_files(
+        target.tmp, writer.written + [files.TRAINER_FILE], {files.TRAINER_FILE: crc}), {"world_size": 1}), rank=0)
+    _read_all(root / "ck")  # the undamaged checkpoint reads
+    return root / "ck"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), changes=st.integers(1, 3), target=st.sampled_from(["manifest", "state",
+                                                                                              "shard"]))
+def test_fuzzed_checkpoints_give_only_checkpoint_errors_in_bounded_memory(_fuzz_base, tmp_path_factory, seed,
+                                                                           changes, target):
+    """Random changes to the manifest's values, to the state file's typed JSON (its CRC made to match, as an
+    attacker would) or to a shard file's header bytes: reading is a clean read or a CheckpointError, and never
+    allocates more than a few MB whatever a length field claims."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(seed)
+    folder = tmp_path_factory.mktemp("case") / "ck"
+    shutil.copytree(_fuzz_base, folder)
+    manifest = json.loads((folder / files.MANIFEST).read_text())
+    if target == "manifest":
+        for _ in range(changes):
+            _mutate(manifest, rng)
+    elif target == "state":
+        raw = (folder / files.TRAINER_FILE).read_bytes()
+        found = state.header(raw, "t")
+        value = json.loads(found["__metadata__"]["value"])
+        for _ in range(changes):
+            _mutate(value, rng)
+        found["__metadata__"]["value"] = json.dumps(value)
+        head = json.dumps(found).encode()
+        head += b" " * (-len(head) % 8)
+        offset = 8 + struct.unpack("<Q", raw[:8])[0]
+        raw = struct.pack("<Q", len(head)) + head + raw[offset:]
+        (folder / files.TRAINER_FILE).write_bytes(raw)
+        manifest["files"][files.TRAINER_FILE] = {"size": len(raw), "crc32": files.WRITTEN.of(raw)}
+    else:
+        shard = next(folder.glob("rank-*-000.safetensors"))
+        raw = bytearray(shard.read_bytes())
+        for _ in range(changes):
+            raw[rng.randrange(min(len(raw), 160))] = rng.randrange(256)
+        shard.write_bytes(bytes(raw))
+    (folder / files.MANIFEST).write_text(json.dumps(manifest))
+    tracemalloc.start()
+    try:
+        _read_all(folder)
+    except CheckpointError as error:
+        assert "\n" not in str(error) and len(str(error)) < 2000, str(error)[:300]
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak

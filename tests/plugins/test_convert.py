@@ -396,6 +396,29 @@ def test_a_malicious_trainer_pt_is_refused_and_migrating_needs_trust(runs, tmp_p
     assert "already format version 3, which holds no pickle: nothing to migrate" in capsys.readouterr().err
 
 
+def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(runs, tmp_path, capsys, monkeypatch):
+    """What safetensors and torch.save raise when the disk fills (their own exception types, the OS error inside)
+    becomes one line naming OUT, and neither the output nor a partial of it is left."""
+    import safetensors.torch
+
+    def full_disk_safetensors(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                          "message: \"No space left on device\" })")
+
+    def full_disk_torch_save(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 214")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_safetensors)
+    monkeypatch.setattr(torch, "save", full_disk_torch_save)
+    ckpt = str(runs["llama"] / "checkpoints")
+    for target, out, said in (("hf", tmp_path / "hf", "SafetensorError: Error while serializing"),
+                              ("state_dict", tmp_path / "m.ckpt", "RuntimeError: [enforce fail at inline_container")):
+        assert main(["convert", ckpt, str(out), "--to", target]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{out}: could not be written ({said}" in err[0] and "nothing was written" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 # --- bad input --------------------------------------------------------------------------------------------------
 
 def _edited(runs, tmp_path, edit) -> Path:
