@@ -152,7 +152,7 @@ def dump_flight_recorder(*, entries: bool) -> dict:
     if dump is None:
         require_flight_recorder()
     raw = dump(includeCollectives=entries, includeStackTraces=False, onlyActive=False)
-    return pickle.loads(raw)
+    return pickle.loads(raw)  # torch's own bytes, made in this process just now: never a file a user hands us
 
 
 # --- the test hook ----------------------------------------------------------------------------------------------

@@ -311,24 +311,16 @@ _ODD = [None, 0, -1, 1 << 62, 1.5, "x", "../x", "/etc/passwd", [], {}, [[0, 1]],
 
 def _mutate(value, rng, depth=0):
     """One random change somewhere inside ``value`` (a replaced, removed or nested-changed item)."""
-    if isinstance(value, dict) and value:
-        key = rng.choice(sorted(value, key=str))
-        roll = rng.random()
-        if roll < 0.3 or depth > 6:
-            value[key] = rng.choice(_ODD)
-        elif roll < 0.45:
-            del value[key]
-        else:
-            _mutate(value[key], rng, depth + 1)
-    elif isinstance(value, list) and value:
-        index = rng.randrange(len(value))
-        roll = rng.random()
-        if roll < 0.3 or depth > 6:
-            value[index] = rng.choice(_ODD)
-        elif roll < 0.4:
-            del value[index]
-        else:
-            _mutate(value[index], rng, depth + 1)
+    if not isinstance(value, dict | list) or not value:
+        return
+    slot = rng.choice(sorted(value, key=str)) if isinstance(value, dict) else rng.randrange(len(value))
+    roll = rng.random()
+    if roll < 0.3 or depth > 6:
+        value[slot] = rng.choice(_ODD)
+    elif roll < 0.45:
+        del value[slot]
+    else:
+        _mutate(value[slot], rng, depth + 1)
 
 
 def _read_all(folder: pathlib.Path) -> None:
