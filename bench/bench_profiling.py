@@ -55,7 +55,7 @@ OURS = r"""
 import json, resource, sys, time, warnings
 t0 = time.perf_counter()
 from shardline.profiling import breakdown, load
-from shardline.profiling.errors import TraceWarning
+from shardline.profiling.base.errors import TraceWarning
 t1 = time.perf_counter()
 import_rss_mb = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) / 1024
 warnings.simplefilter("ignore", TraceWarning)

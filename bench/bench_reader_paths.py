@@ -129,7 +129,7 @@ def _verdicts(rows: list[str]) -> list[str]:
 
 def _corpus() -> list[Path]:
     sys.path.insert(0, str(HERE.parent.parent))
-    from shardline.profiling.load import _discover
+    from shardline.profiling.table.load import _discover
 
     return [path for path, fmt in _discover(TRACES) if "kineto" in str(fmt).lower()]
 

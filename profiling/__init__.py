@@ -6,32 +6,49 @@ Public entry points (loaded on first use, so ``import shardline.profiling`` stay
 one attributed object of a trace set every analysis and output reads; also ``classify_events``, ``comm_by_dim``,
 ``pipeline_bubbles``, ``match_p2p`` / ``p2p_messages`` (pipelines from send/recv alone), ``match_collectives``,
 ``stragglers``, ``clock_offsets``, ``collective_bandwidth``, ``CommRule``, ``Category``.
+
+The sub-packages are floors, each importing only those below it (tests/test_dependency_direction.py):
+
+- ``base``: errors, the events schema, interval sets;
+- ``readers``: one reader per trace format (Kineto, NCCL_DEBUG logs, NCCL profiler, Nsight, flight recorder);
+- ``table``: ``load`` (the events table of a trace set), classification (``kinds``, ``names``, ``dims``,
+  ``linking``, ``classify``), the partition's labels, and the per-rank survey (``survey``: one per trace set);
+- ``matching``: across ranks -- collectives and clock offsets, p2p messages and their matching, bandwidth and
+  links, the pipelines each rank's bubble is measured from;
+- ``attribution``: ``Attribution`` = survey + matching + partition + idle causes, the breakdown, and ``scale``
+  (the same per rank on executors);
+- ``analyses``: critical path, what-if, diff, findings, coverage, kernels, traffic, bubbles, rank summaries,
+  each reading the attribution;
+- ``present``: the report's sections and their display, HTML / Markdown, TensorBoard, the merged trace, the CLI.
 """
 
 # No `from __future__ import annotations` here: it would shadow a submodule named annotations.
 import importlib
 
+# The lazy entry points: name -> the module (relative to this package) that defines it, imported on first use so
+# that `import shardline.profiling` loads no pandas (tests/test_dependency_direction.py reads these as imports).
+
 _EXPORTS = {
-    "load": "shardline.profiling.load",
-    "TraceSet": "shardline.profiling.load",
-    "breakdown": "shardline.profiling.attribution",
-    "attribute": "shardline.profiling.attribution",
-    "Attribution": "shardline.profiling.attribution",
-    "classify_events": "shardline.profiling.classify",
-    "CommRule": "shardline.profiling.classify",
-    "Category": "shardline.profiling.classify",
-    "comm_by_dim": "shardline.profiling.attribution",
-    "pipeline_bubbles": "shardline.profiling.bubbles",
-    "match_p2p": "shardline.profiling.p2p",
-    "p2p_messages": "shardline.profiling.p2p",
-    "match_collectives": "shardline.profiling.collectives",
-    "stragglers": "shardline.profiling.collectives",
-    "clock_offsets": "shardline.profiling.collectives",
-    "collective_bandwidth": "shardline.profiling.bandwidth",
-    "merged_trace": "shardline.profiling.merge",
-    "diff_breakdowns": "shardline.profiling.diff",
-    "report_sections": "shardline.profiling.report_sections",
-    "write_tensorboard": "shardline.profiling.tensorboard",
+    "load": ".table.load",
+    "TraceSet": ".table.load",
+    "breakdown": ".attribution.core",
+    "attribute": ".attribution.core",
+    "Attribution": ".attribution.core",
+    "classify_events": ".table.classify",
+    "CommRule": ".table.classify",
+    "Category": ".table.classify",
+    "comm_by_dim": ".attribution.core",
+    "pipeline_bubbles": ".analyses.bubbles",
+    "match_p2p": ".matching.p2p",
+    "p2p_messages": ".matching.messages",
+    "match_collectives": ".matching.collectives",
+    "stragglers": ".matching.collectives",
+    "clock_offsets": ".matching.collectives",
+    "collective_bandwidth": ".matching.bandwidth",
+    "merged_trace": ".present.merge",
+    "diff_breakdowns": ".analyses.diff",
+    "report_sections": ".present.report_sections",
+    "write_tensorboard": ".present.tensorboard",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -41,4 +58,4 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shardline.profiling' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(module, __name__), name)

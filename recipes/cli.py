@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # (module, function): function(subparsers) adds one or more subcommands, each setting ``func(args) -> int``.
 PROVIDERS: tuple[tuple[str, str], ...] = (
-    ("shardline.profiling.cli", "add_commands"),
+    ("shardline.profiling.present.cli", "add_commands"),
     ("shardline.recipes.fit", "add_commands"),
     ("shardline.recipes.convert", "add_commands"),
     ("shardline.recipes.planning.cli", "add_commands"),

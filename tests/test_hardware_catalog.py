@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from shardline.job import hardware as hw
-from shardline.profiling import links as profiler_links
+from shardline.profiling.matching import links as profiler_links
 from shardline.recipes.planning import catalog as planner_catalog
 
 REPO = Path(__file__).resolve().parents[1]

@@ -157,10 +157,10 @@ class StepProfiler(pl.Callback):
         trainer.strategy.barrier("shardline-step-profiler")  # every rank's traces are on disk
         if trainer.global_rank != 0 or not self.trace_dirs:
             return
-        from shardline.profiling.attribution import attribute
-        from shardline.profiling.errors import TraceWarning
-        from shardline.profiling.load import load
-        from shardline.profiling.tensorboard import write_tensorboard
+        from shardline.profiling.attribution.core import attribute
+        from shardline.profiling.base.errors import TraceWarning
+        from shardline.profiling.present.tensorboard import write_tensorboard
+        from shardline.profiling.table.load import load
 
         describe = getattr(trainer.strategy, "describe", None)
         layout = describe() if callable(describe) else None
@@ -175,7 +175,7 @@ class StepProfiler(pl.Callback):
                 attribution = attribute(traceset)
                 table = attribution.breakdown
                 self._write_html(traceset, attribution, name=folder.name)
-                from shardline.profiling.report_sections import report_sections
+                from shardline.profiling.present.report_sections import report_sections
 
                 self.findings.append(report_sections(attribution).findings)
             self.tables.append(table)
@@ -189,7 +189,7 @@ class StepProfiler(pl.Callback):
         """Per rank over all profiled steps: mean step ms, its three largest parts; then the overhead line."""
         import pandas as pd
 
-        from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
+        from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS
 
         table = pd.concat(self.tables, ignore_index=True)
         means = table.groupby("rank")[["step_ns", *EXCLUSIVE_COLUMNS]].mean()
@@ -216,8 +216,8 @@ class StepProfiler(pl.Callback):
         return "\n".join(lines)
 
     def _write_html(self, traceset, attribution, *, name: str) -> None:
-        from shardline.profiling.report_html import render_html
-        from shardline.profiling.report_sections import report_sections
+        from shardline.profiling.present.report_html import render_html
+        from shardline.profiling.present.report_sections import report_sections
 
         text = render_html(report_sections(attribution), events=attribution,
                            title=f"shardline step profile: {name}",
@@ -225,7 +225,7 @@ class StepProfiler(pl.Callback):
         (self.root / f"report_{name}.html").write_text(text)
 
     def _write_report(self) -> None:
-        from shardline.profiling.cli import render_table
+        from shardline.profiling.present.cli import render_table
 
         text = io.StringIO()
         text.write("# shardline step profile\n\n```\n" + self.summary + "\n```\n")

@@ -16,11 +16,11 @@ import zlib
 from pathlib import Path
 from typing import NamedTuple
 
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import _plan
+from ..base.errors import TraceFormatError
+from . import _plan
 
 try:
-    from shardline.profiling.readers import _kscan
+    from . import _kscan
 except ImportError:  # built without a C compiler: the other paths read every trace
     _kscan = None
 

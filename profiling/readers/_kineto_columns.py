@@ -21,9 +21,7 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from shardline.profiling.readers._numtext import decimal_texts_to_scaled
-from shardline.profiling.readers._plan import DecodePath
-from shardline.profiling.schema import (
+from ..base.schema import (
     COLUMNS,
     JSON_ARG_COLUMNS,
     OP_ARG_COLUMNS,
@@ -33,6 +31,8 @@ from shardline.profiling.schema import (
     step_numbers,
     text_dtype,
 )
+from ._numtext import decimal_texts_to_scaled
+from ._plan import DecodePath
 
 #: Kineto categories of activity recorded on a GPU stream (current and 2021 legacy spellings).
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "Kernel", "Memcpy",
@@ -340,7 +340,7 @@ def _arrow_times_ns(raws: list) -> np.ndarray | None:
     """The texts joined into one Arrow string array (offsets from their lengths: no object per text) and
     cast to decimal(38, 3); the unscaled integers are the ns. None when Arrow is not installed, or
     when any text is not a plain number with at most 3 decimals whose ns fit int64."""
-    from shardline.profiling.readers import _kineto_arrow
+    from . import _kineto_arrow
 
     if not raws or not _kineto_arrow.available():
         return None

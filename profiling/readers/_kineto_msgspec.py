@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import Damage, _buffers, truncation
+from ..base.errors import TraceFormatError
+from . import Damage, _buffers, truncation
 
 
 class _Args(msgspec.Struct, gc=False):

@@ -20,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.readers import _buffers
-from shardline.profiling.readers._kineto_columns import (
+from ..base.schema import text_dtype
+from . import _buffers
+from ._kineto_columns import (
     _PHASES,
     _TEXT_ARGS,
     DROP_CATS,
@@ -35,8 +36,7 @@ from shardline.profiling.readers._kineto_columns import (
     empty_texts,
     sorted_texts,
 )
-from shardline.profiling.readers._plan import DecodePath
-from shardline.profiling.schema import text_dtype
+from ._plan import DecodePath
 
 # Column order of the scanner's rows (``_kscan.c``: the I_* and T_* enums).
 _I64 = ("pid", "tid", "ts", "dur", "correlation", "external_id", "external_id_legacy", "device", "stream",

@@ -23,8 +23,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from shardline.profiling.readers._kineto_columns import Decoded
-from shardline.profiling.readers._plan import DecodePath
+from ._kineto_columns import Decoded
+from ._plan import DecodePath
 
 _BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # JSON whitespace only
 _DECODE_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -145,7 +145,7 @@ def _decode_chunk(path: Path, text: bytearray | bytes, decode_events: Callable, 
     try:
         raws = _DECODE_RAWS.decode(text)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        from shardline.profiling.readers._kineto_msgspec import non_finite_as_null
+        from ._kineto_msgspec import non_finite_as_null  # lazy: msgspec's paths load only for a repair
 
         repaired = non_finite_as_null(path, text, warnings)  # bare NaN/Infinity: read as null, as whole reads do
         if repaired is None:

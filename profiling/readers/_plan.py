@@ -38,6 +38,8 @@ import sys
 from enum import Enum
 from pathlib import Path
 
+from ..base.errors import ProfilingError
+
 
 class _Log:
     """``logging.getLogger("shardline.profiling.readers")``, imported on first use: a process that never imported
@@ -203,7 +205,6 @@ def _env_size(name: str, default: int) -> int:
         return default
     match = _SIZE.fullmatch(text) if text.isascii() else None
     if match is None:
-        from shardline.profiling.errors import ProfilingError
 
         raise ProfilingError(f"{name}={text!r}: not a whole number with an optional K/M/G/T unit (e.g. 16G)")
     return int(match.group(1)) << (10 * " KMGT".index(match.group(2).upper() or " "))

@@ -18,12 +18,12 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult
-from shardline.profiling.readers._buffers import read_bytes, too_deep
-from shardline.profiling.readers._kineto_columns import DTYPE_BYTES
-from shardline.profiling.readers.kineto import rank_from_name
-from shardline.profiling.schema import conform, empty_events
+from ..base.errors import TraceFormatError
+from ..base.schema import conform, empty_events
+from . import ReadResult
+from ._buffers import read_bytes, too_deep
+from ._kineto_columns import DTYPE_BYTES
+from .kineto import rank_from_name
 
 
 def read_flight_recorder(path: Path, *, rank: int | None = None) -> ReadResult:

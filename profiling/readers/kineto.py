@@ -35,11 +35,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from shardline.profiling.readers import ReadResult, _buffers, _kineto_native, _plan
-from shardline.profiling.readers._buffers import Prefetched
-from shardline.profiling.readers._kineto_columns import Decoded, columns_from_events, finish_frame
-from shardline.profiling.readers._plan import DecodePath
-from shardline.profiling.schema import conform, conforms, empty_events
+from ..base.schema import conform, conforms, empty_events
+from . import ReadResult, _buffers, _kineto_native, _plan
+from ._buffers import Prefetched
+from ._kineto_columns import Decoded, columns_from_events, finish_frame
+from ._plan import DecodePath
 
 _META_KEYS = ("distributedInfo", "baseTimeNanoseconds", "deviceProperties", "schemaVersion", "traceName",
               "displayTimeUnit", "cupti_version", "cuda_runtime_version", "cuda_driver_version", "record_shapes")
@@ -49,7 +49,7 @@ _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)(?![\d])", re.
 def msgspec_paths():
     """The msgspec paths' module (``_kineto_msgspec``), imported on first use: a trace the native scanner reads
     never needs it."""
-    from shardline.profiling.readers import _kineto_msgspec
+    from . import _kineto_msgspec
 
     return _kineto_msgspec
 
@@ -185,7 +185,7 @@ class _Decoding:
     def stream(self) -> Decoded | None:
         # Imported here, not at the top: it loads ctypes and looks libc up (malloc_trim), which a small trace
         # read by the native scanner never needs (a noticeable share of a fresh process's read).
-        from shardline.profiling.readers._kineto_stream import stream_mapped
+        from ._kineto_stream import stream_mapped
 
         noted = len(self.warnings)
         with _gc_paused():
@@ -228,7 +228,7 @@ class _Decoding:
         raws = msgspec_paths()._event_slices(self.path, events_raw, self.warnings)
         if raws and not all(memoryview(raw)[:1] == b"{" for raw in raws[:16]):
             return ReadResult(empty_events(), warnings=self.warnings, skipped=_what_it_is(self.path, {}))
-        from shardline.profiling.readers._kineto_stream import PageReleaser
+        from ._kineto_stream import PageReleaser  # lazy: as in ``stream`` (ctypes, libc)
 
         pages = PageReleaser(self.data)
         pages.release()  # the slicing pass touched every page; decoding re-touches them one batch at a time

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult
-from shardline.profiling.schema import conform, empty_events
+from ..base.errors import TraceFormatError
+from ..base.schema import conform, empty_events
+from . import ReadResult
 
 #: ncclDataType_t -> bytes (int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16, fp8 x2).
 NCCL_DTYPE_BYTES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}

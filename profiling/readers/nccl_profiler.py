@@ -18,11 +18,11 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult
-from shardline.profiling.readers._buffers import read_bytes, too_deep
-from shardline.profiling.readers._numtext import decimal_texts_to_scaled
-from shardline.profiling.schema import conform, empty_events
+from ..base.errors import TraceFormatError
+from ..base.schema import conform, empty_events
+from . import ReadResult
+from ._buffers import read_bytes, too_deep
+from ._numtext import decimal_texts_to_scaled
 
 _DTYPE_BYTES = {"ncclInt8": 1, "ncclUint8": 1, "ncclInt32": 4, "ncclUint32": 4, "ncclInt64": 8, "ncclUint64": 8,
                 "ncclFloat16": 2, "ncclFloat32": 4, "ncclFloat64": 8, "ncclBfloat16": 2, "ncclFloat8e4m3": 1,

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.readers import ReadResult
-from shardline.profiling.readers._kineto_columns import assign_steps
-from shardline.profiling.schema import conform, empty_events
+from ..base.errors import TraceFormatError
+from ..base.schema import conform, empty_events
+from . import ReadResult
+from ._kineto_columns import assign_steps
 
 _COPY_KIND = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA", 8: "DtoD", 9: "HtoH",
               10: "PtoP", 11: "HtoD", 12: "DtoH", 13: "DtoD"}

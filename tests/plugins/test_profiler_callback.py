@@ -22,9 +22,10 @@ from shardline.plugins.errors import ContractError
 from shardline.plugins.lightning.profiler_callback import REPORT_NAME, TRACE_DIR, StepProfiler
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.testing import adopt_process_group_in_lightning, run_ranks
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
-from shardline.profiling.load import load
+from shardline.profiling.analyses.bubbles import pipeline_bubbles
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.matching.pipelines import BubbleMethod
+from shardline.profiling.table.load import load
 from shardline.recipes.lit_gpt import GPTModule
 
 STEPS, BATCH, SEQ, VOCAB = 7, 4, 16, 64
@@ -45,7 +46,7 @@ def _count_calls(module, name: str, counts: dict) -> None:
 
 
 def _fit(rank, world, save_dir, strategy_kwargs, model_overrides):
-    import shardline.profiling.attribution as attribution
+    import shardline.profiling.attribution.core as attribution
 
     adopt_process_group_in_lightning()
     computed: dict[str, int] = {}  # the breakdown computation and its per-rank partition, counted here
@@ -141,8 +142,8 @@ def test_summary_is_printed_with_overhead_and_report_written(profiled_run):
     html = (Path(rank0["log_dir"]) / TRACE_DIR / "report_window0.html").read_text()
     assert '<section id="breakdown">' in html and '<section id="findings">' in html
     # The summary carries the window's top findings, as the profiling core ranks them for those traces.
-    from shardline.profiling.findings import findings
-    from shardline.profiling.load import load
+    from shardline.profiling.present.report_sections import findings
+    from shardline.profiling.table.load import load
 
     (folder,) = rank0["trace_dirs"]
     want = [f"finding (window0) {int(r.rank)}: {r.text}" for r in findings(load(folder)).head(3).itertuples()]
@@ -201,7 +202,7 @@ def test_exported_under_its_contract_name():
 def test_tensorboard_plugin_lists_the_window_with_the_traces_in_place(profiled_run):
     from tensorboard.plugins.base_plugin import TBContext
 
-    from shardline.profiling.tb_plugin import ShardlinePlugin, TraceKind
+    from shardline.profiling.present.tb_plugin import ShardlinePlugin, TraceKind
 
     rank0 = profiled_run[0]
     (folder,) = rank0["trace_dirs"]

@@ -52,8 +52,8 @@ def pages():
 def dlrm_report(traces_dir):
     """Eight real ranks (param's DLRM: Tesla V100-SXM2, NCCL all-reduce / all-to-all, pinned and pageable copies)
     and their report sections, ``(traceset, sections)``, loaded once for every report test."""
-    from shardline.profiling.load import load
-    from shardline.profiling.report_sections import report_sections
+    from shardline.profiling.present.report_sections import report_sections
+    from shardline.profiling.table.load import load
 
     ts = load(traces_dir / "param" / "dlrm_kineto")
     return ts, report_sections(ts)

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling import intervals as iv
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown, comm_by_dim, partition
-from shardline.profiling.errors import AttributionError, TraceWarning
-from shardline.profiling.schema import conform
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown, comm_by_dim, partition
+from shardline.profiling.base import intervals as iv
+from shardline.profiling.base.errors import AttributionError, TraceWarning
+from shardline.profiling.base.schema import conform
 
 
 def _row(table: pd.DataFrame, rank: int = 0) -> pd.Series:
@@ -232,7 +232,7 @@ def test_breakdown_memory_stays_below_the_table_size(synth):
         tracemalloc.stop()
     assert (result[list(EXCLUSIVE_COLUMNS)].sum(axis=1) == result["step_ns"]).all()
     assert peak < 1.5 * size, (peak, size)
-    from shardline.profiling.attribution import attribute
+    from shardline.profiling.attribution.core import attribute
 
     attribution = attribute(table)
     for rank in attribution.working:

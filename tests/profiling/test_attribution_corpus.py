@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS, attribute, breakdown
-from shardline.profiling.collectives import clock_offsets, match_collectives
-from shardline.profiling.errors import MissingRankError, ProfilingError, TraceWarning
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS, attribute, breakdown
+from shardline.profiling.base.errors import MissingRankError, ProfilingError, TraceWarning
+from shardline.profiling.matching.collectives import clock_offsets, match_collectives
 
 # The same setting as tests/conftest.py (needed at collection time, to parametrize by file).
 _CORPUS = Path(os.environ.get("SHARDLINE_TRACES", Path(__file__).resolve().parents[2].parent / "shared" / "traces"))
@@ -21,7 +21,7 @@ _FILES = sorted(p for p in _CORPUS.rglob("*") if p.is_file() and p.suffix != ".m
 
 @pytest.mark.parametrize("relative", [str(p.relative_to(_CORPUS)) for p in _FILES])
 def test_sum_invariant_on_corpus_trace(traces_dir, relative):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     path = traces_dir / relative
     try:
@@ -52,7 +52,7 @@ def test_sum_invariant_on_corpus_trace(traces_dir, relative):
 
 def test_file_round_trip_multi_rank_with_clock_skew(synth, tmp_path):
     """Four ranks run the hand-laid ZeRO/TP/offload step at the same true time, each clock skewed."""
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     skew = [0, 3_217, -41_000, 1_000_000]
     rows = []
@@ -73,8 +73,8 @@ def test_file_round_trip_multi_rank_with_clock_skew(synth, tmp_path):
 
 
 def test_file_round_trip_1f1b(synth, tmp_path):
-    from shardline.profiling.bubbles import pipeline_bubbles
-    from shardline.profiling.load import load
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.table.load import load
 
     rows, truth = synth.one_f_one_b(4, 6, f=1_500, b=2_750, t0=10_000_000)
     synth.write_kineto(rows, tmp_path)
@@ -92,7 +92,7 @@ def test_real_cpu_only_gloo_trace_against_the_raw_json(traces_dir):
     import json
     from decimal import Decimal
 
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     path = traces_dir / "hta" / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
     doc = json.loads(gzip.open(path).read(), parse_float=Decimal)

@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 
 from shardline.profiling import collective_bandwidth, load
-from shardline.profiling.bandwidth import (
+from shardline.profiling.base.errors import ProfilingError
+from shardline.profiling.matching.bandwidth import (
     LATENCY_BOUND_BYTES,
     LinkTableError,
     bandwidth_summary,
     busbw_factor,
     link_table,
 )
-from shardline.profiling.collectives import ClockAlignment
-from shardline.profiling.errors import ProfilingError
+from shardline.profiling.matching.collectives import ClockAlignment
 
 CORPUS = Path(os.environ.get("SHARDLINE_TRACES", Path(__file__).resolve().parents[2].parent / "shared" / "traces"))
 DLRM = CORPUS / "param" / "dlrm_kineto"

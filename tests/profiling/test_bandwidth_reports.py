@@ -13,19 +13,14 @@ import pandas as pd
 import pytest
 
 from shardline.profiling import collective_bandwidth
-from shardline.profiling.bandwidth import bandwidth_summary, link_table
-from shardline.profiling.merge import merged_trace
-from shardline.profiling.report_html import render_html
-from shardline.profiling.report_md import render_markdown
-from shardline.profiling.report_sections import (
-    HOST_LINK_COLUMNS,
-    TITLES,
-    Section,
-    bandwidth_text,
-    offload_title,
-    section_title,
-)
-from shardline.profiling.tables import fixed
+from shardline.profiling.analyses.traffic import HOST_LINK_COLUMNS
+from shardline.profiling.attribution.tables import fixed
+from shardline.profiling.matching.bandwidth import bandwidth_summary, link_table
+from shardline.profiling.present.display import bandwidth_text
+from shardline.profiling.present.merge import merged_trace
+from shardline.profiling.present.report_html import render_html
+from shardline.profiling.present.report_md import render_markdown
+from shardline.profiling.present.report_sections import TITLES, Section, offload_title, section_title
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +87,7 @@ def test_terminal_shows_the_summary(dlrm):
 def test_tensorboard_shows_the_summary(dlrm, tmp_path, pages):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from shardline.profiling.tensorboard import BANDWIDTH_TAG, write_tensorboard
+    from shardline.profiling.present.tensorboard import BANDWIDTH_TAG, write_tensorboard
 
     ts, _sec, _rows, summary = dlrm
     logdir = write_tensorboard(ts, logdir=tmp_path / "tb")
@@ -159,7 +154,7 @@ def test_unknown_device_assumes_gen5_and_says_so():
 
 
 def test_terminal_text_without_the_other_sections(dlrm):
-    from shardline.profiling.report_sections import bandwidth_terminal
+    from shardline.profiling.present.display import bandwidth_terminal
 
     ts, sec, _rows, _summary = dlrm
     assert bandwidth_terminal(ts) == bandwidth_text(sec)

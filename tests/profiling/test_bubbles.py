@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
+from shardline.profiling.analyses.bubbles import pipeline_bubbles
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.matching.pipelines import BubbleMethod
 
 
 def _raster_phases(rows, stage: int, makespan: int) -> dict[str, int]:

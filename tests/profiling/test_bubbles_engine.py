@@ -30,9 +30,10 @@ def _run_profiled(rank, world, folder, m):
 
 def test_real_engine_trace_gives_annotated_bubbles_that_sum(tmp_path):
     from shardline.plugins.testing import run_ranks
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
-    from shardline.profiling.load import load
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+    from shardline.profiling.matching.pipelines import BubbleMethod
+    from shardline.profiling.table.load import load
 
     world, m = 2, 3
     assert run_ranks(_run_profiled, world, tmp_path, m, timeout=90) == [0, 1]

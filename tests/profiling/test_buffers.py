@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.errors import TraceFormatError
+from shardline.profiling.base.errors import TraceFormatError
 from shardline.profiling.readers import _buffers
 
 

@@ -11,20 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.job.annotations import DIMS
-from shardline.profiling.classify import (
-    DEFAULT_RULES,
-    Category,
-    CommRule,
-    classify_events,
-    desc_dim,
-    launch_rows,
-    launching_op,
-    layout_dim,
-    name_categories,
-    name_category,
-)
-from shardline.profiling.errors import ClassificationError
-from shardline.profiling.schema import CATEGORIES, COMM_CATEGORIES, conform
+from shardline.profiling.base.errors import ClassificationError
+from shardline.profiling.base.schema import CATEGORIES, COMM_CATEGORIES, conform
+from shardline.profiling.table.classify import classify_events
+from shardline.profiling.table.dims import desc_dim, layout_dim
+from shardline.profiling.table.kinds import Category
+from shardline.profiling.table.linking import launch_rows, launching_op
+from shardline.profiling.table.names import DEFAULT_RULES, CommRule, name_categories, name_category
 
 
 def _classify(rows, **kw) -> pd.DataFrame:
@@ -204,7 +197,7 @@ _WORDY = st.one_of(_NAMES, st.text(alphabet="alre_dcugths\nİNCL2p", max_size=40
 def test_comm_word_table_equals_the_pattern_searched_per_name(names):
     # The table is built by str.find scans of the joined names, one per spelling of the pattern's words
     # (classify._COMM_WORDS): it must say exactly what COMM_WORD_RE, searched in each name alone, says.
-    from shardline.profiling.classify import COMM_WORD_RE, comm_word_table
+    from shardline.profiling.table.names import COMM_WORD_RE, comm_word_table
 
     want = [COMM_WORD_RE.search(name.lower()) is not None if len(name.lower()) == len(name)
             else re.search(COMM_WORD_RE.pattern, name, re.IGNORECASE) is not None for name in names]
@@ -249,7 +242,7 @@ def test_dims_in_the_table_and_bad_layout():
 
 
 def test_real_traces_generic_kernels_are_named_by_their_ops(traces_dir):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     dlrm = load(traces_dir / "param" / "dlrm_kineto").events
     gpu = dlrm[dlrm["lane"] == "gpu"]
@@ -273,7 +266,7 @@ def test_bad_tables_are_our_error():
 def test_classification_does_not_depend_on_row_order(traces_dir):
     import numpy as np
 
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     events = load(traces_dir / "param" / "dlrm_kineto", classify=False).events
     events = events[events["rank"].isin([0, 1])]

@@ -8,8 +8,8 @@ import json
 import pandas as pd
 import pytest
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.cli import main
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.present.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_missing_path_is_one_error_line_and_status_2(tmp_path, capsys):
 
 
 def test_real_trace_csv_matches_breakdown(traces_dir, capsys):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     path = traces_dir / "tracelens" / "b200" / "eager_trace.json.gz"
     assert main(["profile", "report", str(path), "--format", "csv"]) == 0
@@ -106,7 +106,7 @@ def test_reports_diff_and_merge_run_without_torch(trace_folder, tmp_path):
     import sys
 
     code = ("import sys; sys.modules['torch'] = None; sys.modules['shardline.plugins'] = None\n"
-            "from shardline.profiling.cli import main\n"
+            "from shardline.profiling.present.cli import main\n"
             f"folder, out = {str(trace_folder)!r}, {str(tmp_path)!r}\n"
             "assert main(['profile', 'report', folder, '-o', out + '/r.html']) == 0\n"
             "assert main(['profile', 'diff', folder, folder, '-o', out + '/d.md', '--format', 'md']) == 0\n"
@@ -120,8 +120,8 @@ def test_reports_diff_and_merge_run_without_torch(trace_folder, tmp_path):
 def test_large_sets_keep_the_fast_decoder_unless_op_args_is_given(tmp_path, capsys, monkeypatch):
     """Above ``OP_ARGS_MAX_BYTES`` the report reads no op args (and nothing re-reads the files for them): a
     note says so; ``--op-args`` reads them anyway."""
-    import shardline.profiling.cli as cli
-    from shardline.profiling.load import read_op_args
+    import shardline.profiling.present.cli as cli
+    from shardline.profiling.table.load import read_op_args
 
     folder = tmp_path / "t"
     folder.mkdir()

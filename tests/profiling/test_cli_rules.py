@@ -8,8 +8,8 @@ import json
 import pandas as pd
 import pytest
 
-from shardline.profiling.classify import DEFAULT_RULES, CommRule
-from shardline.profiling.cli import main, read_rules
+from shardline.profiling.present.cli import main, read_rules
+from shardline.profiling.table.names import DEFAULT_RULES, CommRule
 
 from .test_comm_coverage import MYSTERY, write_trace
 
@@ -64,6 +64,17 @@ def test_bad_rules_files_are_one_error_line_and_status_2(tmp_path, capsys, text,
     err = capsys.readouterr().err
     assert err.startswith("shardline profile report: error: --rules") and message in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("opening, closing", [("[", "]"), ('{"a": ', "}")])
+def test_a_rules_file_nested_a_million_deep_is_one_error_line(tmp_path, capsys, opening, closing):
+    trace = write_trace(tmp_path / "t.pt.trace.json.gz")
+    rules = tmp_path / "deep.json"
+    rules.write_text(opening * 10**6 + closing * 10**6)
+    assert main(["profile", "report", str(trace), "--rules", str(rules)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardline profile report: error: --rules {rules}: nested too deep")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
 def test_missing_rules_file_is_status_2(tmp_path, capsys):

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from shardline.profiling.collectives import (
+from shardline.profiling.base.errors import AttributionError, TraceWarning
+from shardline.profiling.matching.collectives import (
     ClockAlignment,
     clock_offsets,
     match_collectives,
     stragglers,
     wait_transfer,
 )
-from shardline.profiling.errors import AttributionError, TraceWarning
 
 
 def _arrivals(seed: int, n_coll: int, world: int) -> np.ndarray:
@@ -106,7 +106,7 @@ def _raw_all_to_all(folder):
 
 
 def test_dlrm_all_to_all_ranks_1_and_3_mostly_wait_and_straggler_is_named(traces_dir):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     folder = traces_dir / "param" / "dlrm_kineto"
     matched = match_collectives(load(folder))
@@ -135,7 +135,7 @@ def test_dlrm_all_to_all_ranks_1_and_3_mostly_wait_and_straggler_is_named(traces
 def test_cpu_gloo_calls_use_the_outermost_op_per_thread():
     import pandas as pd
 
-    from shardline.profiling.schema import conform
+    from shardline.profiling.base.schema import conform
 
     rows = []
     for rank, arrive in ((0, 100), (1, 160)):  # rank 1 arrives 60 ns late; both finish at 300

@@ -14,9 +14,9 @@ import json
 import pandas as pd
 import pytest
 
-from shardline.profiling.classify import DEFAULT_RULES, name_categories, name_category
-from shardline.profiling.cli import main
-from shardline.profiling.schema import conform
+from shardline.profiling.base.schema import conform
+from shardline.profiling.present.cli import main
+from shardline.profiling.table.names import DEFAULT_RULES, name_categories, name_category
 
 # (name, category, source)
 NAMES = [
@@ -143,7 +143,7 @@ def _cpu(name, start, dur, *, cat="cpu_op", stream=1, corr=-1, ext=-1, **kw):
 
 
 def _classify(rows, **kw):
-    from shardline.profiling.classify import classify_events
+    from shardline.profiling.table.classify import classify_events
 
     return classify_events(conform(pd.DataFrame(rows)), **kw)
 
@@ -189,14 +189,14 @@ def test_generic_library_kernels_take_the_collective_of_their_op():
 
 
 def test_comm_words_are_found_in_any_case_and_at_the_right_name():
-    from shardline.profiling.classify import comm_word_table
+    from shardline.profiling.table.names import comm_word_table
 
     names = ["İstanbul_gemm", "My_AllGather_x", "gemm", "NCCL_thing", "", "x_Recv"]
     assert comm_word_table(names).tolist() == [False, True, False, True, False, True]
 
 
 def test_default_rules_are_data():
-    from shardline.profiling.classify import CommRule
+    from shardline.profiling.table.names import CommRule
 
     assert all(isinstance(r, CommRule) for r in DEFAULT_RULES)
     assert len({r.pattern for r in DEFAULT_RULES}) == len(DEFAULT_RULES)
@@ -240,8 +240,8 @@ def trace(tmp_path):
 
 
 def test_comm_coverage_names_both_findings(trace):
-    from shardline.profiling.load import load
-    from shardline.profiling.report_sections import Finding, comm_coverage
+    from shardline.profiling.analyses.coverage import Finding, comm_coverage
+    from shardline.profiling.table.load import load
 
     cov = comm_coverage(load(trace))
     assert cov[["finding", "name", "category", "ranks", "count"]].values.tolist() == [
@@ -252,7 +252,7 @@ def test_comm_coverage_names_both_findings(trace):
 
 
 def test_comm_coverage_is_empty_when_everything_is_covered():
-    from shardline.profiling.report_sections import comm_coverage
+    from shardline.profiling.analyses.coverage import comm_coverage
 
     rows = [_cpu("nccl:all_reduce", 100, 60, cat="user_annotation"),
             _cpu("cudaLaunchKernel", 110, 5, cat="cuda_runtime", corr=3),

@@ -1,4 +1,4 @@
-"""The critical path across ranks (``shardline.profiling.critical_path``) on traces whose path is known by
+"""The critical path across ranks (``shardline.profiling.analyses.critical_path``) on traces whose path is known by
 construction: a straggler before an all-reduce, a 1F1B pipeline traced with only send/recv, a ZeRO-3-like
 step, a gloo (CPU) run, the walk's edge rules (a wait hidden under compute, a jump into a wait, waits for two
 ranks at once, ranks waiting for each other, an annotation bubble, one rank); and the real 8-rank DLRM set.
@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling.critical_path import (
+from shardline.profiling.analyses.critical_path import (
     BUSY_LABELS,
     CHAIN_COLUMNS,
     PATH_LABELS,
@@ -23,11 +23,11 @@ from shardline.profiling.critical_path import (
     critical_path_summary,
     describe,
 )
-from shardline.profiling.errors import AttributionError
+from shardline.profiling.base.errors import AttributionError
 
 
 def _load(synth, rows, tmp_path):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     synth.write_kineto(rows, tmp_path)
     return load(tmp_path)
@@ -242,7 +242,7 @@ def test_ranks_waiting_for_each_other_end_the_walk_with_the_wait_on_the_path(syn
 def test_one_rank_path_is_its_own_timeline_and_is_kept(synth):
     """One rank, no step annotations: the step is the one window [first start, last end) with step -1; its
     all-reduce is an instance of one member (no wait), the gap before it idle on the path."""
-    from shardline.profiling.attribution import attribute
+    from shardline.profiling.attribution.core import attribute
 
     rows = [synth.gpu_event(0, "compute", 0, 400),
             synth.gpu_event(0, "all_reduce", 500, 300, pg_name="0", pg_desc="mesh_tp", pg_ranks="[0, 1]", pg_size=2,
@@ -264,7 +264,7 @@ def test_annotated_bubble_without_matched_receives_stays_on_the_path(synth):
     stage 0 (the lowest rank) and never leaves it: its compute m·(f+b), the rest bubble, (p-1)·(f+b)."""
     import warnings
 
-    from shardline.profiling.errors import TraceWarning
+    from shardline.profiling.base.errors import TraceWarning
 
     p, m, f, b = 3, 2, 100, 200
     rows, truth = synth.one_f_one_b(p, m, f=f, b=b)
@@ -295,9 +295,9 @@ def test_dlrm_path_runs_through_rank_7(traces_dir):
     rank 7 at its step start, the walk reaches it through a collective's wait, and rank 7 holds the largest
     share of the path. (Its compute on the path is not most of the path's compute: the ranks the walk passes
     later, 4 and 5, run theirs after rank 7's waits are over.)"""
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.collectives import clock_offsets, match_collectives
-    from shardline.profiling.load import load
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.matching.collectives import clock_offsets, match_collectives
+    from shardline.profiling.table.load import load
 
     folder = traces_dir / "param" / "dlrm_kineto"
     firsts = {int(p.name.split("_")[0][len("worker"):]): _first_gpu_start_us(p)
@@ -331,10 +331,10 @@ def test_every_output_shows_the_path(synth, tmp_path):
     import gzip
     import json
 
-    from shardline.profiling.cli import ReportFormat, _render_report
-    from shardline.profiling.merge import merged_trace
-    from shardline.profiling.report_md import render_markdown
-    from shardline.profiling.report_sections import report_sections
+    from shardline.profiling.present.cli import ReportFormat, _render_report
+    from shardline.profiling.present.merge import merged_trace
+    from shardline.profiling.present.report_md import render_markdown
+    from shardline.profiling.present.report_sections import report_sections
 
     offsets = [0, 300, -200, 50]
     rows, truth = synth.straggler_all_reduce(4, straggler=2, compute=1000, extra=600, transfer=200, offsets=offsets)
@@ -357,7 +357,7 @@ def test_every_output_shows_the_path(synth, tmp_path):
     assert round((float(compute["ts"]) - base) * 1000) == offsets[2] - min(offsets)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from shardline.profiling.tensorboard import WHY_TAG, write_tensorboard
+    from shardline.profiling.present.tensorboard import WHY_TAG, write_tensorboard
 
     acc = EventAccumulator(str(write_tensorboard(traceset, logdir=tmp_path / "tb")), size_guidance={"tensors": 0})
     acc.Reload()

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.cli import main
-from shardline.profiling.diff import ALL_RANKS, apportioned_mean, diff_breakdowns, explain
-from shardline.profiling.errors import AttributionError
+from shardline.profiling.analyses.diff import ALL_RANKS, apportioned_mean, diff_breakdowns, explain
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.base.errors import AttributionError
+from shardline.profiling.present.cli import main
 
 
 def _sums_exactly(table: pd.DataFrame) -> None:
@@ -114,7 +114,7 @@ def test_cli_diff_on_corpus_traces(traces_dir, capsys):
     assert main(["profile", "diff", str(base), str(test), "--format", "csv"]) == 0
     table = pd.read_csv(io.StringIO(capsys.readouterr().out))
     _sums_exactly(table)
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     want = diff_breakdowns(breakdown(load(base)), breakdown(load(test))).table
     assert table["delta_ns"].tolist() == want["delta_ns"].tolist()

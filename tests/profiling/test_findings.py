@@ -1,5 +1,5 @@
-"""Findings (``shardline.profiling.findings``): each rule on a synthetic trace that triggers it, with the numbers
-worked out from how the trace was laid out, and on one that must not trigger it; the ranking; the reports.
+"""Findings (``shardline.profiling.analyses.findings``): each rule on a synthetic trace that triggers it, with the
+numbers worked out from how the trace was laid out, and on one that must not trigger it; the ranking; the reports.
 """
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardline.profiling.findings import DEFAULT_RULES, FINDING_COLUMNS, FindingRule, findings
+from shardline.profiling.analyses.findings import DEFAULT_RULES, FINDING_COLUMNS, FindingRule
+from shardline.profiling.present.report_sections import findings
 
 
 def _rules(name):
@@ -62,7 +63,7 @@ def test_pageable_copies_are_found_and_pinned_ones_are_not(synth):
 
 def _straggler_found(synth, folder, *, compute: int, extra: int):
     """The straggler rule on ``straggler_all_reduce`` (4 ranks, rank 2 late by ``extra``), written as Kineto."""
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=compute, extra=extra, transfer=200)
     synth.write_kineto(rows, folder)
@@ -105,8 +106,8 @@ def test_host_bound_idle_is_found_and_absent_without_late_launches(synth):
 # --- pipelines ----------------------------------------------------------------------------------------------------
 
 def test_pipeline_bubble_suggests_more_micro_batches(synth, tmp_path):
-    from shardline.profiling.bubbles import pipeline_bubbles
-    from shardline.profiling.load import load
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.table.load import load
 
     rows, _ = synth.spinning_pipeline(4, 4, steps=1, f=20_000, b=40_000)
     synth.write_kineto(rows, tmp_path / "p4")
@@ -125,7 +126,7 @@ def test_pipeline_bubble_suggests_more_micro_batches(synth, tmp_path):
 # --- tp across nodes ----------------------------------------------------------------------------------------------
 
 def test_tp_group_across_nodes_is_found_and_one_within_a_node_is_not(synth, tmp_path):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     def write(folder, group):
         rows = []
@@ -154,7 +155,7 @@ def test_an_unknown_communication_kernel_is_a_diagnostic_finding(synth, tmp_path
     import importlib.util
     from pathlib import Path
 
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     spec = importlib.util.spec_from_file_location("coverage_case", Path(__file__).with_name("test_comm_coverage.py"))
     case = importlib.util.module_from_spec(spec)
@@ -172,8 +173,8 @@ def test_an_unknown_communication_kernel_is_a_diagnostic_finding(synth, tmp_path
 # --- ranking, rules as data, the reports -------------------------------------------------------------------------
 
 def test_findings_are_ranked_by_saving_and_rules_are_data(synth, tmp_path):
-    from shardline.profiling.errors import ProfilingError
-    from shardline.profiling.load import load
+    from shardline.profiling.base.errors import ProfilingError
+    from shardline.profiling.table.load import load
 
     rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=1000, extra=600, transfer=200)
     synth.write_kineto(rows, tmp_path)
@@ -190,10 +191,10 @@ def test_findings_are_ranked_by_saving_and_rules_are_data(synth, tmp_path):
 
 
 def test_findings_lead_every_report(synth, tmp_path):
-    from shardline.profiling.cli import ReportFormat, _render_report
-    from shardline.profiling.load import load
-    from shardline.profiling.report_md import render_markdown
-    from shardline.profiling.report_sections import report_sections
+    from shardline.profiling.present.cli import ReportFormat, _render_report
+    from shardline.profiling.present.report_md import render_markdown
+    from shardline.profiling.present.report_sections import report_sections
+    from shardline.profiling.table.load import load
 
     rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=1000, extra=600, transfer=200)
     synth.write_kineto(rows, tmp_path)
@@ -212,9 +213,9 @@ def test_readme_findings_block_is_this_report(traces_dir):
     import re
     from pathlib import Path
 
-    from shardline.profiling.cli import ReportFormat, _render_report
-    from shardline.profiling.load import load
-    from shardline.profiling.what_if import what_if
+    from shardline.profiling.analyses.what_if import what_if
+    from shardline.profiling.present.cli import ReportFormat, _render_report
+    from shardline.profiling.table.load import load
 
     traceset = load(traces_dir / "param" / "dlrm_kineto")
     terminal = _render_report(traceset, fmt=ReportFormat.TABLE, source="dlrm", progress=False).splitlines()

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.errors import ProfilingError, TraceWarning
-from shardline.profiling.load import load
-from shardline.profiling.schema import check_events
+from shardline.profiling.base.errors import ProfilingError, TraceWarning
+from shardline.profiling.base.schema import check_events
+from shardline.profiling.table.load import load
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = Path(os.environ.get("SHARDLINE_TRACES", REPO.parent / "shared" / "traces"))

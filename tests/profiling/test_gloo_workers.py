@@ -120,8 +120,8 @@ def _raw(folder, rank, prefix):
 def test_each_ddp_all_reduce_is_one_call_the_workers_run(folders):
     """One call per collective (DDP's bucket all-reduces and its buffer broadcasts), not two, lasting what the
     worker's gloo:* run lasted, and matched over the four ranks of the world group."""
-    from shardline.profiling.collectives import comm_calls, match_collectives
-    from shardline.profiling.load import load
+    from shardline.profiling.matching.collectives import comm_calls, match_collectives
+    from shardline.profiling.table.load import load
 
     ddp, _, _ = folders
     traces = load(ddp)
@@ -148,9 +148,9 @@ def test_each_ddp_all_reduce_is_one_call_the_workers_run(folders):
 def test_calls_on_several_anonymous_groups_are_counted_once_and_named_in_a_warning(folders):
     """Per rank 2 x (3 + 1) calls, not twice that; and since gloo records no group, matching them by order in one
     group mixes the tp and dp pairs' calls: a TraceWarning names the rank's groups from its pg_config."""
-    from shardline.profiling.collectives import comm_calls, match_collectives
-    from shardline.profiling.errors import TraceWarning
-    from shardline.profiling.load import load
+    from shardline.profiling.base.errors import TraceWarning
+    from shardline.profiling.matching.collectives import comm_calls, match_collectives
+    from shardline.profiling.table.load import load
 
     _, groups, _ = folders
     traces = load(groups)
@@ -167,9 +167,9 @@ def test_reduce_scatters_sends_and_async_calls_count_once_each(folders):
     """Every collective posted (every c10d op but the sends and receives) is one call: gloo's all-reduce runs that
     carry out a reduce-scatter are reduce-scatter calls -- the list form's further runs are not calls of their own
     -- and a receive whose gloo:recv outlasts its op is one receive in the bandwidth table, not two."""
-    from shardline.profiling.bandwidth import collective_bandwidth
-    from shardline.profiling.collectives import comm_calls, match_collectives
-    from shardline.profiling.load import load
+    from shardline.profiling.matching.bandwidth import collective_bandwidth
+    from shardline.profiling.matching.collectives import comm_calls, match_collectives
+    from shardline.profiling.table.load import load
 
     *_, mixed = folders
     traces = load(mixed)
@@ -185,7 +185,7 @@ def test_reduce_scatters_sends_and_async_calls_count_once_each(folders):
         assert mine["category"].value_counts().to_dict() == {"all_reduce": 3, "reduce_scatter": 2, "all_gather": 1}
         # the list reduce_scatter's WORLD all-reduce runs are all in the raw trace, one of them is its call
         assert len(_raw(mixed, rank, "gloo:all_reduce")) == 3 + 1 + WORLD
-    from shardline.profiling.errors import TraceWarning
+    from shardline.profiling.base.errors import TraceWarning
 
     with pytest.warns(TraceWarning, match="carry no process group"):  # the tp/dp groups made before are listed
         matched = match_collectives(traces)
@@ -199,7 +199,7 @@ def test_an_nccl_call_is_no_gloo_runs_post():
     """A GPU rank with an NCCL group and a gloo side group: the NCCL op (it launched the all-gather kernel) is a
     complete call, so the gloo run on its worker thread pairs with the gloo group's own post, not with the older
     NCCL op, and takes none of the NCCL group's fields."""
-    from shardline.profiling.classify import classify_events
+    from shardline.profiling.table.classify import classify_events
 
     rows = [dict(lane="cpu", stream=1, name="c10d::_allgather_base_", cat="cpu_op", start_ns=10, dur_ns=20),
             dict(lane="cpu", stream=1, name="record_param_comms", cat="cpu_op", start_ns=11, dur_ns=5,
@@ -210,7 +210,7 @@ def test_an_nccl_call_is_no_gloo_runs_post():
                  cat="kernel", start_ns=40, dur_ns=100, correlation=5),
             dict(lane="cpu", stream=1, name="c10d::allgather_", cat="cpu_op", start_ns=50, dur_ns=3),
             dict(lane="cpu", stream=21, name="gloo:all_gather", cat="user_annotation", start_ns=55, dur_ns=30)]
-    from shardline.profiling.schema import conform
+    from shardline.profiling.base.schema import conform
 
     events = classify_events(conform(pd.DataFrame([dict(rank=0, source="kineto", **r) for r in rows])))
     run = events[events["name"] == "gloo:all_gather"].iloc[0]
@@ -220,14 +220,14 @@ def test_an_nccl_call_is_no_gloo_runs_post():
 
 
 def test_a_group_without_description_is_named_by_its_number():
-    from shardline.profiling.collectives import _group_label
+    from shardline.profiling.matching.collectives import _group_label
 
     assert _group_label({"pg_name": "3", "pg_desc": "undefined", "ranks": [0, 1]}) == "group 3"
     assert _group_label({"pg_name": "1", "pg_desc": "TENSOR_MODEL_PARALLEL_GROUP"}) == "TENSOR_MODEL_PARALLEL_GROUP"
 
 
 def _cpu(rows):
-    from shardline.profiling.schema import conform
+    from shardline.profiling.base.schema import conform
 
     return conform(pd.DataFrame([dict(rank=0, lane="cpu", source="kineto", **r) for r in rows]))
 
@@ -237,8 +237,8 @@ def test_worker_spans_take_their_posts_group_in_queue_order_by_thread():
     order A0, B0, A1, B1; group A's worker is still busy with A0 when B0 is posted, so B0 runs first (at 25,
     before A1's post), and A1 runs after B0 started. Each run takes its own post's group and seq, and the posts
     drop out of the calls."""
-    from shardline.profiling.classify import classify_events
-    from shardline.profiling.collectives import _cpu_calls
+    from shardline.profiling.matching.collectives import _cpu_calls
+    from shardline.profiling.table.classify import classify_events
 
     def post(start, group, seq):
         return [dict(stream=1, name="c10d::allreduce_", cat="cpu_op", start_ns=start, dur_ns=5),
@@ -262,8 +262,8 @@ def test_worker_spans_take_their_posts_group_in_queue_order_by_thread():
 def test_an_inline_span_inside_its_op_stays_one_call():
     """gloo's span nested in its op on the same thread (as a send runs, or an older torch recorded all) is not
     a worker run: the op is the call, as before."""
-    from shardline.profiling.classify import classify_events
-    from shardline.profiling.collectives import _cpu_calls
+    from shardline.profiling.matching.collectives import _cpu_calls
+    from shardline.profiling.table.classify import classify_events
 
     rows = [dict(stream=1, name="c10d::allreduce_", cat="cpu_op", start_ns=10, dur_ns=100),
             dict(stream=1, name="gloo:all_reduce", cat="user_annotation", start_ns=12, dur_ns=90)]
@@ -277,7 +277,7 @@ def test_terminal_report_shows_the_warning_and_a_straggler_without_nan(folders, 
     """``shardline profile report`` in the terminal: the analyses' warnings go to stderr (the table format used to
     drop them), and no finding says "nan" (the straggler's peers have no compute: their collectives ran on gloo's
     worker threads)."""
-    from shardline.profiling.cli import main
+    from shardline.profiling.present.cli import main
 
     _, groups, _ = folders
     assert main(["profile", "report", str(groups)]) == 0

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from shardline.profiling.errors import ProfilingError, TraceFormatError, TraceWarning
-from shardline.profiling.load import load
+from shardline.profiling.base.errors import ProfilingError, TraceFormatError, TraceWarning
 from shardline.profiling.readers import _plan, kineto
 from shardline.profiling.readers._plan import DecodePath, PathRefused, native_built
+from shardline.profiling.table.load import load
 
 BASE = 1_700_000_000_000_000_000
 DEEP = 10**6
@@ -311,7 +311,7 @@ def test_bare_array_with_nan_reads_every_event(tmp_path, read_paths):
 
 @pytest.fixture
 def plugin_logdir(tmp_path):
-    from shardline.profiling.tb_plugin import PLUGIN_NAME
+    from shardline.profiling.present.tb_plugin import PLUGIN_NAME
 
     def run(name: str, manifest: str, files=()):
         folder = tmp_path / name / "plugins" / PLUGIN_NAME
@@ -339,7 +339,7 @@ def _client(logdir: Path):
     from tensorboard.plugins import base_plugin
     from werkzeug.test import Client
 
-    from shardline.profiling.tb_plugin import ShardlinePlugin
+    from shardline.profiling.present.tb_plugin import ShardlinePlugin
 
     apps = ShardlinePlugin(base_plugin.TBContext(logdir=str(logdir))).get_plugin_apps()
 
@@ -352,7 +352,7 @@ def _client(logdir: Path):
 
 def test_plugin_skips_a_malformed_run_and_serves_the_others(plugin_logdir, caplog):
     get = _client(plugin_logdir)
-    with caplog.at_level(logging.WARNING, logger="shardline.profiling.tb_plugin"):
+    with caplog.at_level(logging.WARNING, logger="shardline.profiling.present.tb_plugin"):
         status, body = get("/runs")
         assert status == 200
         assert set(json.loads(body)["runs"]) == {"good", "nul_path"}  # nul_path: its window is not a file
@@ -379,7 +379,7 @@ def test_plugin_answers_a_malformed_index_with_400(plugin_logdir, index):
 # --- the command line: the same one line, status 2 ------------------------------------------------------------
 
 def test_cli_prints_one_line(tmp_path, deep_files, monkeypatch, capsys):
-    from shardline.profiling.cli import main
+    from shardline.profiling.present.cli import main
 
     monkeypatch.setenv("SHARDLINE_GZIP_MAX_BYTES", "2M")
     bomb = _bomb(tmp_path / "rank0.json.gz", 8 << 20)

@@ -1,4 +1,4 @@
-"""Idle, decomposed (``shardline.profiling.idle``): each cause against hand-laid ground truth, the exact sum
+"""Idle, decomposed (``shardline.profiling.attribution.idle``): each cause against hand-laid ground truth, the exact sum
 to the breakdown's ``idle`` on every corpus trace, and the launch statistics against hand-computed values."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardline.profiling.attribution import attribute, breakdown
-from shardline.profiling.errors import MissingRankError, ProfilingError, TraceWarning
-from shardline.profiling.idle import IDLE_CAUSES, idle_breakdown, idle_causes, idle_sets, launch_stats
+from shardline.profiling.analyses.idle import idle_breakdown, launch_stats
+from shardline.profiling.attribution.core import attribute, breakdown
+from shardline.profiling.attribution.idle import IDLE_CAUSES, idle_causes, idle_sets
+from shardline.profiling.base.errors import MissingRankError, ProfilingError, TraceWarning
 
 _CORPUS = Path(os.environ.get("SHARDLINE_TRACES", Path(__file__).resolve().parents[2].parent / "shared" / "traces"))
 _FILES = sorted(p for p in _CORPUS.rglob("*") if p.is_file() and p.suffix != ".md") if _CORPUS.is_dir() else []
@@ -131,7 +132,7 @@ def test_real_event_sync_trace_by_hand(traces_dir):
     gap's next work was launched after the gap began: [2811,2859) 48 and [2870,2900) 30 host-bound;
     [2901,2935): sync from the item's start 2912, 23, host-bound 11; [2937,3037): sync until item returns at
     2957, 20, then host-bound 80. cudaEventSynchronize 3047-3081 waits under the spin kernel (busy)."""
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TraceWarning)
@@ -176,7 +177,7 @@ def test_launch_stats_by_hand(synth):
 
 @pytest.mark.parametrize("relative", [str(p.relative_to(_CORPUS)) for p in _FILES])
 def test_causes_sum_to_the_breakdown_idle_on_corpus_trace(traces_dir, relative):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TraceWarning)
@@ -205,7 +206,8 @@ def test_causes_sum_to_the_breakdown_idle_on_corpus_trace(traces_dir, relative):
 def test_the_breakdown_and_the_reports_carry_the_causes(synth):
     """``breakdown`` has the cause columns (summing to ``idle``), and the report's idle section shows them and
     the launch statistics, as exact ms."""
-    from shardline.profiling.report_sections import Section, display_tables, report_sections
+    from shardline.profiling.present.display import display_tables
+    from shardline.profiling.present.report_sections import Section, report_sections
 
     rows, truth = synth.idle_causes_steps(t0=T0)
     frame = synth.to_frame(rows)

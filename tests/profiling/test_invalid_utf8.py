@@ -16,7 +16,7 @@ import warnings
 import msgspec
 import pytest
 
-from shardline.profiling.errors import TraceWarning
+from shardline.profiling.base.errors import TraceWarning
 from shardline.profiling.readers import _buffers, _kineto_native, _plan, kineto
 from shardline.profiling.readers import _kineto_stream as stream
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardline.profiling.errors import TraceWarning
+from shardline.profiling.base.errors import TraceWarning
 
 _SPEC = importlib.util.spec_from_file_location("shardline_tests_job_traces", Path(__file__).with_name("job_traces.py"))
 job_traces = importlib.util.module_from_spec(_SPEC)
@@ -70,8 +70,8 @@ def test_every_rank_loads_as_written(job):
 
 def test_breakdown_sees_compute_tp_p2p_and_the_bubble(job):
     from shardline.profiling import attribute, breakdown
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS
-    from shardline.profiling.bubbles import BubbleMethod, rank_pipelines
+    from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS
+    from shardline.profiling.matching.pipelines import BubbleMethod, rank_pipelines
 
     _, truth, traceset, _ = job
     table = breakdown(traceset)
@@ -86,7 +86,7 @@ def test_breakdown_sees_compute_tp_p2p_and_the_bubble(job):
 
 
 def test_collectives_match_across_every_group_member_by_seq(job):
-    from shardline.profiling.collectives import match_collectives
+    from shardline.profiling.matching.collectives import match_collectives
 
     _, truth, traceset, _ = job
     matched = match_collectives(traceset)
@@ -139,7 +139,7 @@ def test_bubble_is_the_receive_wait_on_one_clock(tmp_path):
 def test_clock_offsets_recovered_on_every_rank(job):
     # Exactly, to the ns, on every rank: also those that share no group with rank 0 (aligned through the ranks
     # they do share one with), with absolute ns times (~1.7e18: a float would round them to 256 ns).
-    from shardline.profiling.collectives import match_collectives
+    from shardline.profiling.matching.collectives import match_collectives
 
     _, truth, traceset, _ = job
     got = match_collectives(traceset).groupby("rank")["offset_ns"].first()
@@ -168,8 +168,8 @@ def test_the_straggler_of_a_pipelined_job_is_its_slow_rank_not_the_first_stage(t
     """The job's slow rank (15% slower compute) is named on every step; the grad-norm all-reduce over
     MODEL_PARALLEL_GROUP (tp x pp: every stage), where the last stage waits out the first stage's cool-down, is
     left out of the count as a group across stages, by its ranks or (no pipeline ranks traced) by its dim."""
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.collectives import match_collectives, pipeline_stages, stragglers
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.matching.collectives import match_collectives, pipeline_stages, stragglers
 
     truth = job_traces.write_job(tmp_path, seed=seed, **layout)
     tp, pp, dp = layout["tp"], layout["pp"], layout["dp"]
@@ -210,8 +210,8 @@ def test_no_straggler_predicts_the_same_job_without_its_slow_rank(tmp_path, monk
     does other work in the same span: compared with every rank, the cut was 0 on a pipelined job). Within 1.5%
     of the true step (measured: 0.2-1.1%); the finding names the slowdown against the stage's other ranks."""
     from shardline.profiling import load
-    from shardline.profiling.findings import findings
-    from shardline.profiling.what_if import what_if
+    from shardline.profiling.analyses.what_if import what_if
+    from shardline.profiling.present.report_sections import findings
 
     def steps(folder):
         table = what_if(load(folder), "no_straggler")
@@ -240,8 +240,8 @@ def test_a_cpu_only_view_matches_each_call_in_its_own_group(job):
     by the outermost op, ``c10d::allreduce_`` and friends, which carry no group; each takes the group, seq and
     dim of the ``record_param_comms`` inside it, so every instance is one call per member of one real group
     (before, every group's calls fell into one anonymous group matched by order)."""
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.collectives import match_collectives
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.matching.collectives import match_collectives
 
     folder, truth, traceset, _ = job
     events = traceset.events
@@ -267,8 +267,8 @@ def test_an_outer_op_takes_only_the_record_of_its_own_collective():
     no group."""
     import pandas as pd
 
-    from shardline.profiling.classify import classify_events
-    from shardline.profiling.schema import conform
+    from shardline.profiling.base.schema import conform
+    from shardline.profiling.table.classify import classify_events
 
     def op(name, start, dur, **args):
         return {"rank": 0, "lane": "cpu", "device": -1, "stream": 11, "name": name, "cat": "cpu_op",
@@ -288,8 +288,8 @@ def test_an_outer_op_takes_only_the_record_of_its_own_collective():
 
 def test_a_job_of_one_stage_has_no_group_across_stages_and_its_finding_says_so(tmp_path):
     """pp=1: Megatron's MODEL_PARALLEL_GROUP is the tp group (dim mp) and crosses nothing; every group counts."""
-    from shardline.profiling.collectives import match_collectives, stragglers
-    from shardline.profiling.findings import findings
+    from shardline.profiling.matching.collectives import match_collectives, stragglers
+    from shardline.profiling.present.report_sections import findings
 
     truth = job_traces.write_job(tmp_path, seed=3, tp=2, pp=1, dp=4)
     traceset, _ = _load(tmp_path)
@@ -307,8 +307,8 @@ def test_the_pipelined_straggler_without_group_descriptions_or_with_a_world_grou
     whose pipeline ranks are not known: the world group crosses stages by its dim."""
     import pandas as pd
 
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.collectives import match_collectives, pipeline_stages, stragglers
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.matching.collectives import match_collectives, pipeline_stages, stragglers
 
     truth = job_traces.write_job(tmp_path, seed=4, tp=1, pp=4, dp=2)
     traceset, _ = _load(tmp_path)

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.load import _discover
 from shardline.profiling.readers import _buffers, _kineto_native, kineto
 from shardline.profiling.readers._plan import DecodePath
+from shardline.profiling.table.load import _discover
 
 _kscan = _buffers._kscan
 needs_scanner = pytest.mark.skipif(_kscan is None, reason="the native scanner was not built (no C compiler)")

@@ -14,17 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pandas.api.types import union_categoricals
 
-import shardline.profiling.load as load_module
-from shardline.profiling.errors import (
+import shardline.profiling.table.load as load_module
+from shardline.profiling.base.errors import (
     MissingRankError,
     MixedJobsError,
     ProfilingError,
     TraceFormatError,
     TraceWarning,
 )
-from shardline.profiling.load import load, union_texts
+from shardline.profiling.base.schema import check_events, text_dtype
 from shardline.profiling.readers import _buffers, _plan, kineto
-from shardline.profiling.schema import check_events, text_dtype
+from shardline.profiling.table.load import load, union_texts
 
 _EVENT = '{{"ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 1, "tid": 1, "ts": {ts}, "dur": 1.5}}'
 
@@ -215,9 +215,9 @@ def test_damaged_middle_keeps_base_time_from_the_tail(tmp_path):
 
 
 def test_public_spelling_is_callable_after_submodule_import(tmp_path):
-    # Importing shardline.profiling.load binds the submodule on the package; the public call must still work.
+    # Importing shardline.profiling.table.load binds the submodule on the package; the public call must still work.
     import shardline.profiling as profiling_pkg
-    import shardline.profiling.load  # noqa: F401
+    import shardline.profiling.table.load  # noqa: F401
 
     path = tmp_path / "rank0.json"
     path.write_text(_trace(2))

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.errors import TraceFormatError
-from shardline.profiling.load import load
-from shardline.profiling.merge import category_segments, merged_trace, us_text
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.base.errors import TraceFormatError
+from shardline.profiling.present.merge import category_segments, merged_trace, us_text
+from shardline.profiling.table.load import load
 
 # Absolute ns clocks with non-zero ns digits: a float µs timestamp would lose them.
 T0 = 1_700_000_000_123_456_789
@@ -137,7 +137,7 @@ def test_corpus_traces_merge_and_reread(traces_dir, tmp_path, corpus_path):
 
 
 def test_dlrm_merges_rereads_and_flows_join_the_eight_ranks(traces_dir, tmp_path):
-    from shardline.profiling.collectives import match_collectives
+    from shardline.profiling.matching.collectives import match_collectives
 
     ts = load(traces_dir / "param" / "dlrm_kineto")
     path = merged_trace(ts, path=tmp_path / "m.json.gz")

@@ -15,10 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling.errors import TraceWarning
-from shardline.profiling.load import load, read_op_args
-from shardline.profiling.readers import _plan, kineto
-from shardline.profiling.schema import (
+from shardline.profiling.base.errors import TraceWarning
+from shardline.profiling.base.schema import (
     COLUMNS,
     JSON_ARG_COLUMNS,
     OP_ARG_COLUMNS,
@@ -27,6 +25,8 @@ from shardline.profiling.schema import (
     has_op_args,
     json_values,
 )
+from shardline.profiling.readers import _plan, kineto
+from shardline.profiling.table.load import load, read_op_args
 
 #: Each op-args column, by the Kineto arg it keeps.
 ARG_OF = {"input_dims": "Input Dims", "input_types": "Input type", "concrete_inputs": "Concrete Inputs",

@@ -1,5 +1,5 @@
 """Pipelines traced with nothing but send/recv: matching receives with sends across ranks, the stage order, the
-bubble/transfer split of spinning receive kernels, and one rank's estimate (``shardline.profiling.p2p``).
+bubble/transfer split of spinning receive kernels, and one rank's estimate (``shardline.profiling.matching.p2p``).
 
 Ground truth comes from ``synthetic_traces.spinning_pipeline``: a 1F1B/GPipe timeline laid out by its own
 event loop (no code of the analysis), written as Kineto files with NCCL ``SendRecv`` kernels whose args name
@@ -17,7 +17,7 @@ H100 = "NVIDIA H100 80GB HBM3"  # NVLink 4: 900 GB/s bidirectional, 450 GB/s per
 
 
 def _load(synth, tmp_path, **kwargs):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     rows, truth = synth.spinning_pipeline(**kwargs)
     synth.write_kineto(rows, tmp_path, device_name=H100)
@@ -32,9 +32,10 @@ def _load(synth, tmp_path, **kwargs):
     {"p": 4, "m": 2},  # m <= p-1: stage 0 runs both forwards first, as under GPipe; the last stage alternates
 ])
 def test_spinning_receives_split_into_bubble_and_transfer(synth, tmp_path, variant):
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
-    from shardline.profiling.p2p import match_p2p
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+    from shardline.profiling.matching.p2p import match_p2p
+    from shardline.profiling.matching.pipelines import BubbleMethod
 
     traceset, truth = _load(synth, tmp_path, **variant)
     table = breakdown(traceset).sort_values(["step", "rank"])
@@ -76,10 +77,11 @@ def test_spinning_receives_split_into_bubble_and_transfer(synth, tmp_path, varia
 def test_one_rank_trace_gives_the_size_and_bandwidth_estimate(synth, tmp_path):
     """Only rank 2's file: the sender is not in the set, so each receive's transfer is its size over NVLink 4's
     450 GB/s per direction, which is how the generator moved it."""
-    from shardline.profiling.attribution import breakdown
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
-    from shardline.profiling.load import load
-    from shardline.profiling.p2p import match_p2p
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.attribution.core import breakdown
+    from shardline.profiling.matching.p2p import match_p2p
+    from shardline.profiling.matching.pipelines import BubbleMethod
+    from shardline.profiling.table.load import load
 
     rows, truth = synth.spinning_pipeline(4, 8, gbps=450.0)
     synth.write_kineto(rows, tmp_path, device_name=H100)
@@ -95,8 +97,8 @@ def test_one_rank_trace_gives_the_size_and_bandwidth_estimate(synth, tmp_path):
 
 
 def test_receives_without_peers_on_more_than_two_ranks_stay_p2p_with_a_warning(synth):
-    from shardline.profiling.attribution import breakdown
-    from shardline.profiling.errors import TraceWarning
+    from shardline.profiling.attribution.core import breakdown
+    from shardline.profiling.base.errors import TraceWarning
 
     rows, _ = synth.spinning_pipeline(3, 2, steps=1)
     for row in rows:
@@ -108,8 +110,8 @@ def test_receives_without_peers_on_more_than_two_ranks_stay_p2p_with_a_warning(s
 
 
 def test_uneven_pairs_are_matched_in_order_with_a_warning(synth):
-    from shardline.profiling.errors import TraceWarning
-    from shardline.profiling.p2p import match_p2p
+    from shardline.profiling.base.errors import TraceWarning
+    from shardline.profiling.matching.p2p import match_p2p
 
     rows, truth = synth.spinning_pipeline(2, 4, steps=1)
     sends = [i for i, r in enumerate(rows) if r.get("category") == "p2p_send" and r["rank"] == 0]
@@ -123,7 +125,7 @@ def test_uneven_pairs_are_matched_in_order_with_a_warning(synth):
 def test_gloo_messages_join_the_op_and_its_transport_span():
     """A CPU rank's message is the c10d op plus the gloo span that starts in it, even past the op's end (an
     irecv's lifetime); a transport span outside any op is a message of its own and takes nothing in."""
-    from shardline.profiling.p2p import _cpu_messages
+    from shardline.profiling.matching.messages import _cpu_messages
 
     rows = pd.DataFrame([
         ("cpu_op", 1, "p2p_recv", 100, 10, 1, 64, "[0, 1]"),           # c10d::recv_ posts ...
@@ -141,9 +143,9 @@ def test_gloo_messages_join_the_op_and_its_transport_span():
 
 def test_send_recv_of_a_context_parallel_ring_is_not_a_pipeline(synth, tmp_path):
     """Ring attention's K/V exchange is send/recv too; over a cp group its waits are not pipeline bubble."""
-    from shardline.profiling.attribution import breakdown
-    from shardline.profiling.load import load
-    from shardline.profiling.p2p import p2p_messages
+    from shardline.profiling.attribution.core import breakdown
+    from shardline.profiling.matching.messages import p2p_messages
+    from shardline.profiling.table.load import load
 
     rows, _ = synth.spinning_pipeline(4, 2, steps=1)
     for row in rows:
@@ -157,8 +159,8 @@ def test_send_recv_of_a_context_parallel_ring_is_not_a_pipeline(synth, tmp_path)
 
 
 def test_report_shows_the_measured_third_party_bubble(synth, tmp_path):
-    from shardline.profiling.report_md import render_markdown
-    from shardline.profiling.report_sections import report_sections
+    from shardline.profiling.present.report_md import render_markdown
+    from shardline.profiling.present.report_sections import report_sections
 
     traceset, truth = _load(synth, tmp_path, p=4, m=8)
     text = render_markdown(report_sections(traceset))
@@ -172,7 +174,7 @@ def test_readme_table_is_this_trace(synth, tmp_path):
     import re
     from pathlib import Path
 
-    from shardline.profiling.bubbles import pipeline_bubbles
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
 
     traceset, truth = _load(synth, tmp_path, p=4, m=8, steps=1, f=20_000, b=40_000)
     got = pipeline_bubbles(traceset).sort_values("rank")
@@ -192,8 +194,8 @@ def test_megatron_nvtx_phase_ranges_set_the_phases(synth):
     """An Nsight-shaped rank set of Megatron-core: its ``...forward_backward_pipelining_without_interleaving.
     {warmup,steady,cooldown}`` NVTX ranges, moved onto the GPU through the launches inside them, bound the
     phases; each receive's wait falls in the phase of the action it feeds (the generator's truth)."""
-    from shardline.profiling.bubbles import pipeline_bubbles
-    from shardline.profiling.pipeline_adapters import megatron_phases
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.matching.pipeline_adapters import megatron_phases
 
     rows, truth = synth.spinning_pipeline(4, 6, megatron_nvtx=True, f=3_000, b=6_000)
     frame = synth.to_frame(rows)
@@ -218,10 +220,10 @@ def test_megatron_nvtx_phase_ranges_set_the_phases(synth):
 def test_a_one_way_p2p_ring_is_not_a_pipeline(traces_dir):
     """The NCCL profiler plugin's dump of a 4-GPU p2p ring (real, see PROVENANCE.md): each rank sends to the next
     and receives from the previous, never back -- an exchange, not a pipeline. Its receives stay p2p."""
-    from shardline.profiling.attribution import breakdown
-    from shardline.profiling.errors import TraceWarning
-    from shardline.profiling.load import load
-    from shardline.profiling.p2p import match_p2p, pipelines_of
+    from shardline.profiling.attribution.core import breakdown
+    from shardline.profiling.base.errors import TraceWarning
+    from shardline.profiling.matching.p2p import match_p2p, pipelines_of
+    from shardline.profiling.table.load import load
 
     with pytest.warns(TraceWarning):
         traceset = load(traces_dir / "nccl_profiler_plugin" / "example_profiler_p2p_ring_4gpu.txt")

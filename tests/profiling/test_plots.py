@@ -7,8 +7,8 @@ import io
 import matplotlib.image as mpimg
 import numpy as np
 
-from shardline.profiling.attribution import breakdown, comm_by_dim
-from shardline.profiling.plots import (
+from shardline.profiling.attribution.core import breakdown, comm_by_dim
+from shardline.profiling.present.plots import (
     COLOURS,
     breakdown_figure,
     comm_by_dim_figure,
@@ -66,7 +66,7 @@ def test_pipeline_timeline_figure_colours_and_empty_state(synth):
 def test_empty_inputs_give_a_figure_not_an_error(synth):
     import warnings
 
-    from shardline.profiling.attribution import empty_breakdown
+    from shardline.profiling.attribution.core import empty_breakdown
 
     rows, _ = synth.zero_tp_offload()
     zero = breakdown(synth.to_frame(rows)).head(1)
@@ -79,7 +79,7 @@ def test_empty_inputs_give_a_figure_not_an_error(synth):
 
 
 def test_comm_by_dim_figure_on_a_real_trace(traces_dir):
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     ts = load(traces_dir / "param" / "dlrm_kineto")
     cbd = comm_by_dim(ts)

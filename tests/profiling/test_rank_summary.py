@@ -1,4 +1,4 @@
-"""Many-rank distributions (``shardline.profiling.rank_summary``) against values computed by hand."""
+"""Many-rank distributions (``shardline.profiling.analyses.rank_summary``) against values computed by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 def _breakdown(values: dict[int, list[int]], *, column: str = "all_reduce") -> pd.DataFrame:
     """A breakdown-shaped table: rank r has one row per step with ``column`` = values[r][k], step time 1 ms
     more than it, the rest zero."""
-    from shardline.profiling.attribution import empty_breakdown
+    from shardline.profiling.attribution.core import empty_breakdown
 
     rows = []
     for rank, per_step in values.items():
@@ -24,7 +24,7 @@ def _breakdown(values: dict[int, list[int]], *, column: str = "all_reduce") -> p
 
 
 def test_category_distribution_is_the_quantiles_of_per_rank_means():
-    from shardline.profiling.rank_summary import category_distribution
+    from shardline.profiling.analyses.rank_summary import category_distribution
 
     # 40 ranks; rank r's all_reduce steps are (r, 3r) µs -> mean 2r µs; rank 39 the worst, then 38, 37.
     table = _breakdown({r: [1000 * r, 3000 * r] for r in range(40)})
@@ -43,7 +43,7 @@ def test_category_distribution_is_the_quantiles_of_per_rank_means():
 
 
 def test_collective_distribution_groups_and_names_who_waited():
-    from shardline.profiling.rank_summary import collective_distribution
+    from shardline.profiling.analyses.rank_summary import collective_distribution
 
     matched = pd.DataFrame({
         "rank": [0, 1, 2, 0, 1, 2, 0, 1],
@@ -65,7 +65,11 @@ def test_collective_distribution_groups_and_names_who_waited():
 
 @pytest.mark.parametrize("fmt, marker", [("text", "Per category"), ("md", "| column |"), ("html", "<table")])
 def test_render_every_format(fmt, marker):
-    from shardline.profiling.rank_summary import category_distribution, collective_distribution, render
+    from shardline.profiling.analyses.rank_summary import (
+        category_distribution,
+        collective_distribution,
+        render,
+    )
 
     table = _breakdown({r: [1000 * r] for r in range(5)})
     matched = pd.DataFrame({"rank": [0, 1], "group": ["g|1", "g|1"], "category": ["all_reduce"] * 2,
@@ -79,8 +83,12 @@ def test_render_every_format(fmt, marker):
 
 
 def test_bad_tables_are_our_errors():
-    from shardline.profiling.errors import ProfilingError
-    from shardline.profiling.rank_summary import category_distribution, collective_distribution, render
+    from shardline.profiling.analyses.rank_summary import (
+        category_distribution,
+        collective_distribution,
+        render,
+    )
+    from shardline.profiling.base.errors import ProfilingError
 
     with pytest.raises(ProfilingError, match="no column"):
         category_distribution(pd.DataFrame({"rank": [0]}))
@@ -95,12 +103,12 @@ def test_reports_of_many_ranks_show_distributions_in_every_format(jobs, tmp_path
     # over the ranks instead of a row per rank and step; csv keeps every rank's rows. One set of report
     # sections renders all three (as the CLI does per format).
     from shardline.profiling import load
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.cli import _per_rank_or_distribution, main
-    from shardline.profiling.rank_summary import MANY_RANKS
-    from shardline.profiling.report_html import render_html
-    from shardline.profiling.report_md import render_markdown
-    from shardline.profiling.report_sections import report_sections
+    from shardline.profiling.analyses.rank_summary import MANY_RANKS
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.present.cli import _per_rank_or_distribution, main
+    from shardline.profiling.present.report_html import render_html
+    from shardline.profiling.present.report_md import render_markdown
+    from shardline.profiling.present.report_sections import report_sections
 
     folder = tmp_path / "job"
     truth = jobs.write_job(folder, tp=2, pp=4, dp=5, steps=1, micro_batches=2, layers_per_stage=1)
@@ -119,7 +127,7 @@ def test_reports_of_many_ranks_show_distributions_in_every_format(jobs, tmp_path
     page = render_html(sections, events=attribution)
     assert "breakdown-distribution-table" in page and "collective-distribution-table" in page
     assert "breakdown-table" not in page.replace("breakdown-distribution-table", "")
-    from shardline.profiling import plots
+    from shardline.profiling.present import plots
 
     png = plots.breakdown_figure(attribution.breakdown)  # the ranks sorted by step time, not a bar per row
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 10 * plots._DPI

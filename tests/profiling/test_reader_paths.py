@@ -15,9 +15,9 @@ import logging
 
 import pytest
 
-from shardline.profiling.load import _discover
 from shardline.profiling.readers import _plan, kineto
 from shardline.profiling.readers._plan import DecodePath, PathRefused
+from shardline.profiling.table.load import _discover
 
 #: Corpus traces a path must refuse, and why (every other trace it must read): none today.
 REFUSED: dict = {}

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from shardline.profiling.errors import MissingRankError, TraceWarning
-from shardline.profiling.load import TraceSet, load
-from shardline.profiling.schema import check_events
+from shardline.profiling.base.errors import MissingRankError, TraceWarning
+from shardline.profiling.base.schema import check_events
+from shardline.profiling.table.load import TraceSet, load
 
 REPO = Path(__file__).resolve().parents[2]
 _ROW = re.compile(r"^\| ([^|]+?) \| (\d+) \|")

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 
-from shardline.profiling.errors import TraceWarning
-from shardline.profiling.load import load
+from shardline.profiling.base.errors import TraceWarning
 from shardline.profiling.readers.nccl_profiler import quote_bare_tokens
+from shardline.profiling.table.load import load
 
 
 def _quiet_load(path, **kw):

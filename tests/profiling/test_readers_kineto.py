@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.profiling.errors import MissingRankError
-from shardline.profiling.load import load
+from shardline.profiling.base.errors import MissingRankError
+from shardline.profiling.base.schema import check_events
 from shardline.profiling.readers import _buffers, _plan
 from shardline.profiling.readers._numtext import decimal_texts_to_scaled
-from shardline.profiling.schema import check_events
+from shardline.profiling.table.load import load
 
 BASE = 1_700_000_000_000_000_000
 

@@ -15,12 +15,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.cli import main
-from shardline.profiling.collectives import match_collectives, wait_transfer
-from shardline.profiling.load import load
-from shardline.profiling.report_html import render_html
-from shardline.profiling.report_sections import Section, report_sections
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.matching.collectives import match_collectives, wait_transfer
+from shardline.profiling.present.cli import main
+from shardline.profiling.present.report_html import render_html
+from shardline.profiling.present.report_sections import Section, report_sections
+from shardline.profiling.table.load import load
 
 MS = Decimal(1_000_000)
 
@@ -88,7 +88,7 @@ def test_markdown_has_the_same_tables(synth_run, capsys, pages):
     html_doc = pages.parse_html(render_html(report_sections(ts), events=ts.events))
     md_tables = pages.md_tables(text)
     assert md_tables == list(html_doc.tables.values())
-    from shardline.profiling.report_sections import TITLES
+    from shardline.profiling.present.report_sections import TITLES
 
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [TITLES[s] for s in Section]
     position = list(html_doc.tables).index("breakdown-table")  # the findings table may come first

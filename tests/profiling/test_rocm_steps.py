@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, attribute, breakdown
-from shardline.profiling.errors import TraceWarning
-from shardline.profiling.load import load
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, attribute, breakdown
+from shardline.profiling.base.errors import TraceWarning
+from shardline.profiling.table.load import load
 
 BASE_NS = 1_700_000_000_000_000_000
 STEPS = (1, 2, 3)

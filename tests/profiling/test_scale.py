@@ -1,4 +1,5 @@
-"""Per-rank analysis on executors (``shardline.profiling.scale``): the same results as the single-table path.
+"""Per-rank analysis on executors (``shardline.profiling.attribution.scale``): the same results as the
+single-table path.
 
 The reference is the single-table path on the same files: ``breakdown(load(path))``, ``match_collectives``,
 ``comm_calls`` and ``bubbles.rank_pipelines`` of the whole trace set. The scale path reads each file in a
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling.errors import TraceWarning
+from shardline.profiling.base.errors import TraceWarning
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -31,7 +32,7 @@ def _reference(path):
 
 
 def _analyze(path, **options):
-    from shardline.profiling.scale import analyze
+    from shardline.profiling.attribution.scale import analyze
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TraceWarning)
@@ -40,10 +41,10 @@ def _analyze(path, **options):
 
 def _same_cross_rank(ts, result) -> None:
     """match_collectives / comm_calls / the pipelines of the compact attribution equal the whole table's."""
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.bubbles import rank_pipelines
-    from shardline.profiling.collectives import comm_calls, match_collectives
-    from shardline.profiling.errors import AttributionError
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.base.errors import AttributionError
+    from shardline.profiling.matching.collectives import comm_calls, match_collectives
+    from shardline.profiling.matching.pipelines import rank_pipelines
 
     pd.testing.assert_frame_equal(comm_calls(ts), comm_calls(result.attribution))
     try:
@@ -81,7 +82,7 @@ def test_the_corpus_dlrm_set_gives_the_single_table_results(traces_dir):
 def test_a_send_recv_pipeline_is_measured_across_ranks_then_each_rank_again(synth, tmp_path, variant):
     # The bubble of a pipeline traced with send/recv alone needs its peers: the driver matches the compact
     # rows, then the workers partition those ranks again with the bubble it measured.
-    from shardline.profiling.bubbles import BubbleMethod, rank_pipelines
+    from shardline.profiling.matching.pipelines import BubbleMethod, rank_pipelines
 
     rows, _ = synth.spinning_pipeline(**variant)
     synth.write_kineto(rows, tmp_path, device_name=H100)
@@ -96,7 +97,7 @@ def test_a_send_recv_pipeline_is_measured_across_ranks_then_each_rank_again(synt
 def test_a_generated_32_rank_job_gives_the_single_table_results(jobs, tmp_path):
     # tp2 x pp4 x dp4, Megatron order: TP all-reduces, 1F1B send/recv, DP reduce-scatter/all-gather, skewed
     # clocks, a straggler (tests/profiling/job_traces.py). Its pipeline bubbles need the second map.
-    from shardline.profiling.bubbles import BubbleMethod, rank_pipelines
+    from shardline.profiling.matching.pipelines import BubbleMethod, rank_pipelines
 
     jobs.write_job(tmp_path, tp=2, pp=4, dp=4, steps=1, micro_batches=4)
     ts, want = _reference(tmp_path)
@@ -110,7 +111,7 @@ def test_a_generated_32_rank_job_gives_the_single_table_results(jobs, tmp_path):
 def test_the_second_map_reads_the_kept_table_not_the_trace(synth, tmp_path, monkeypatch):
     # On the driver's host the first map keeps each pipeline rank's loaded table; the second map, which needs
     # the driver's bubble, starts from it: every trace is decoded once (workers=1 runs the map in this process).
-    import shardline.profiling.load as load_module
+    import shardline.profiling.table.load as load_module
 
     rows, _ = synth.spinning_pipeline(p=4, m=4)
     synth.write_kineto(rows, tmp_path, device_name=H100)
@@ -142,7 +143,7 @@ def _rank_file(src, dst, *, rank=None, world=None):
 
 
 def test_bad_files_are_named_and_the_others_analysed(traces_dir, tmp_path):
-    from shardline.profiling.errors import MixedJobsError
+    from shardline.profiling.base.errors import MixedJobsError
 
     source = sorted((traces_dir / "param" / "dlrm_kineto").iterdir())
     folder = tmp_path / "run"
@@ -150,7 +151,7 @@ def test_bad_files_are_named_and_the_others_analysed(traces_dir, tmp_path):
     for file in source[:3]:
         shutil.copy(file, folder / file.name)
     (folder / "rank7.pt.trace.json").write_bytes(b"\x00\x01 not json at all")  # unreadable
-    from shardline.profiling.scale import analyze
+    from shardline.profiling.attribution.scale import analyze
 
     with pytest.warns(TraceWarning) as caught:
         result = analyze(folder, executor="local", workers=2)
@@ -168,7 +169,7 @@ def test_bad_files_are_named_and_the_others_analysed(traces_dir, tmp_path):
 def test_an_unknown_executor_and_a_missing_engine_are_our_errors(traces_dir, monkeypatch):
     import sys
 
-    from shardline.profiling.scale import ExecutorError, analyze
+    from shardline.profiling.attribution.scale import ExecutorError, analyze
 
     with pytest.raises(ExecutorError, match="executor='spark'"):
         analyze(traces_dir / "param" / "dlrm_kineto", executor="spark")
@@ -178,7 +179,7 @@ def test_an_unknown_executor_and_a_missing_engine_are_our_errors(traces_dir, mon
 
 
 def test_the_report_command_runs_the_scale_path(traces_dir, tmp_path, capsys):
-    from shardline.profiling.cli import main
+    from shardline.profiling.present.cli import main
 
     path = traces_dir / "param" / "dlrm_kineto"
     _, want = _reference(path)
@@ -228,8 +229,8 @@ def test_dask_gives_the_single_table_results(traces_dir, synth, tmp_path):
 
 def test_an_unreachable_cluster_is_named(traces_dir, monkeypatch):
     pytest.importorskip("distributed")
-    from shardline.profiling import scale
-    from shardline.profiling.scale import ExecutorError, analyze
+    from shardline.profiling.attribution import scale
+    from shardline.profiling.attribution.scale import ExecutorError, analyze
 
     monkeypatch.setattr(scale, "CONNECT_TIMEOUT_S", 2)
 

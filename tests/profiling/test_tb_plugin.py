@@ -25,17 +25,17 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.load import load
-from shardline.profiling.tb_plugin import INSTALL_HINT, viewer_dir
-from shardline.profiling.tensorboard import PLUGIN_NAME, write_tensorboard
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.present.tb_plugin import INSTALL_HINT, viewer_dir
+from shardline.profiling.present.tensorboard import PLUGIN_NAME, write_tensorboard
+from shardline.profiling.table.load import load
 
 SERVER_START_S = 90
 PREFIX = f"/data/plugin/{PLUGIN_NAME}"
 # Without the entry point installed (pyproject not yet applied), TensorBoard's program API loads the plugin;
 # "{plugins}" is get_plugins (built-in + entry points) or get_static_plugins (built-in only).
 _LAUNCH = ("import sys; from tensorboard import default, program; "
-           "from shardline.profiling.tb_plugin import ShardlineLoader; "
+           "from shardline.profiling.present.tb_plugin import ShardlineLoader; "
            "tb = program.TensorBoard(plugins=default.{plugins}() + [ShardlineLoader()]); "
            "tb.configure(argv=[None, *sys.argv[1:]]); sys.exit(tb.main())")
 

@@ -17,9 +17,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-from shardline.profiling.load import load
-from shardline.profiling.tensorboard import PLUGIN_NAME, TensorBoardError, write_tensorboard
+from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+from shardline.profiling.present.tensorboard import PLUGIN_NAME, TensorBoardError, write_tensorboard
+from shardline.profiling.table.load import load
 
 SIZE_GUIDANCE = {"scalars": 0, "images": 0, "tensors": 0}  # 0 = keep everything
 
@@ -167,6 +167,7 @@ def test_not_a_traceset_is_named(tmp_path):
 
 
 def test_module_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None; import shardline.profiling.tensorboard as t; "
-            "import shardline.profiling.tb_plugin; assert 'torch' not in [m for m in sys.modules if sys.modules[m]]")
+    code = ("import sys; sys.modules['torch'] = None; import shardline.profiling.present.tensorboard as t; "
+            "import shardline.profiling.present.tb_plugin; "
+            "assert 'torch' not in [m for m in sys.modules if sys.modules[m]]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -66,7 +66,7 @@ def _run_all(rank, world, folders, m):
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     from shardline.plugins.testing import run_ranks
-    from shardline.profiling.load import load
+    from shardline.profiling.table.load import load
 
     folders = [tmp_path_factory.mktemp(schedule) for schedule in SCHEDULES]
     assert run_ranks(_run_all, WORLD, folders, M, timeout=180) == [0, 1]
@@ -75,8 +75,9 @@ def traces(tmp_path_factory):
 
 @pytest.mark.parametrize(("schedule", "name"), [("gpipe", "gpipe"), ("interleaved", "1f1b")])
 def test_real_torch_pipelining_trace_gives_measured_bubbles(traces, schedule, name):
-    from shardline.profiling.attribution import EXCLUSIVE_COLUMNS, breakdown
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.attribution.core import EXCLUSIVE_COLUMNS, breakdown
+    from shardline.profiling.matching.pipelines import BubbleMethod
 
     traceset = traces[schedule]
     table = breakdown(traceset)
@@ -106,8 +107,9 @@ def test_real_torch_pipelining_trace_gives_measured_bubbles(traces, schedule, na
 def test_real_two_stages_per_rank(traces, schedule, name, ideal):
     """ScheduleInterleaved1F1B with stages r and r+p, ScheduleDualPipeV with r and 2p-1-r (whose overlapped
     ``PP:(aFi;bBj)OVERLAP_F_B`` spans carry a forward and a backward): v=2, every micro-batch seen."""
-    from shardline.profiling.attribution import breakdown
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.attribution.core import breakdown
+    from shardline.profiling.matching.pipelines import BubbleMethod
 
     traceset = traces[schedule]
     bubbles = pipeline_bubbles(traceset).set_index("rank")
@@ -124,10 +126,11 @@ def test_real_two_stages_per_rank(traces, schedule, name, ideal):
 def test_schedule_1f1b_records_no_spans_and_is_measured_from_its_send_recv(traces):
     """Schedule1F1B records no span: its gloo send/recv rows alone give the pipeline (two ranks, no peer
     recorded: each one's peer is the other, the first stage opens with a send) and the bubble."""
-    from shardline.profiling.attribution import attribute, breakdown
-    from shardline.profiling.bubbles import BubbleMethod, pipeline_bubbles
-    from shardline.profiling.p2p import match_p2p, pipelines_of
-    from shardline.profiling.partition import partition_columns
+    from shardline.profiling.analyses.bubbles import pipeline_bubbles
+    from shardline.profiling.attribution.core import attribute, breakdown
+    from shardline.profiling.matching.p2p import match_p2p, pipelines_of
+    from shardline.profiling.matching.pipelines import BubbleMethod
+    from shardline.profiling.table.partition import partition_columns
 
     traceset = traces["1f1b"]
     bubbles = pipeline_bubbles(traceset).set_index("rank")
@@ -168,8 +171,8 @@ def test_runtime_names_exact_ground_truth():
     ends at 150 (F0 waits 100..150) and at 480 (F1 waits 400..480) -- that prefetched receive overlaps B0's
     compute and is not B0's wait; RECV_B1's completes at 540, before B1 starts (no wait); the blocking send op
     nested in B0 is p2p, not compute, and the async ``gloo:send`` lifetime is never subtracted."""
-    from shardline.profiling.bubbles import _batch_row
-    from shardline.profiling.pipeline_adapters import torch_pipelining_rows
+    from shardline.profiling.analyses.bubbles import _batch_row
+    from shardline.profiling.matching.pipeline_adapters import torch_pipelining_rows
 
     events = _frame([
         ("PP:1RECV_F0", "user_annotation", "compute", 90, 10),
@@ -204,7 +207,7 @@ def test_runtime_names_exact_ground_truth():
 def test_single_stage_names_exact_ground_truth_and_batch_split():
     """GPipe's ``Forward i`` / ``Backward i`` include their receive; two batches split where micro-batch 0
     repeats; the stage comes from ``stage_default`` (the names carry none)."""
-    from shardline.profiling.pipeline_adapters import torch_pipelining_rows
+    from shardline.profiling.matching.pipeline_adapters import torch_pipelining_rows
 
     rows = []
     for t0 in (0, 1000):
@@ -225,7 +228,7 @@ def test_single_stage_names_exact_ground_truth_and_batch_split():
 
 
 def test_trace_without_third_party_names_is_unchanged():
-    from shardline.profiling.pipeline_adapters import has_torch_pipelining, torch_pipelining_rows
+    from shardline.profiling.matching.pipeline_adapters import has_torch_pipelining, torch_pipelining_rows
 
     events = _frame([("aten::mm", "cpu_op", "compute", 0, 10), ("Forwarding", "user_annotation", "compute", 0, 5)])
     assert not has_torch_pipelining(events)

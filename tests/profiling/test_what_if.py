@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling.cli import main
-from shardline.profiling.load import load
-from shardline.profiling.what_if import Keep, Method, Scenario, ScenarioError, ScenarioKind, what_if
+from shardline.profiling.analyses.what_if import Keep, Method, Scenario, ScenarioError, ScenarioKind, what_if
+from shardline.profiling.present.cli import main
+from shardline.profiling.table.load import load
 
 
 def _step(table: pd.DataFrame, scenario: str, step: int = 0) -> pd.Series:

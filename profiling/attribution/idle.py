@@ -1,0 +1,341 @@
+"""Idle, decomposed: why each idle ns of the breakdown was idle, and how late the host launched GPU work.
+
+The idle set of a rank is what the breakdown's ``idle`` column totals: the time covered by none of the
+partition's labels (``attribution.RankAttribution.label_sets``), here over the hull of the rank's attributed
+windows and its work, so that a window's share of it is exactly that window's ``idle``. It splits into
+:data:`IDLE_CAUSES`, disjoint sets whose per-window totals sum to the window's ``idle`` in integer ns
+(asserted), and hence, with the other exclusive columns, to the step.
+
+GPU ranks. The idle set is a sequence of gaps ``[a, b)`` (its maximal intervals: no stream of the rank runs
+anything). Each gap is judged by the *next work*: the first GPU work row of the rank (kernel, copy, memset,
+communication; not a ``sync`` marker) starting at or after ``b``, the one with the earliest launch among
+those starting together. Its launch call is the CPU row of the rank with the same ``correlation`` whose name
+is a launch API (:data:`LAUNCH_PATTERN`: ``cudaLaunchKernel``, ``cuLaunchKernelEx``, ``hipLaunchKernel``,
+``cudaMemcpyAsync``, ``cudaMemsetAsync``, ``cudaGraphLaunch``, ... with any ``_vNNNN`` suffix; the earliest
+such row of an id). A gap is
+
+- *host-late* when that launch call started after the gap began (``launch start > a``): when the GPU ran dry,
+  the work that ran next had not even been asked for. All of ``[a, b)`` is the host's, not only the part after
+  the launch started: ``[a, launch)`` is the host not yet calling, and ``[launch, b)`` is the launch's own
+  latency (the call and the submission), which is exposed only because nothing was queued behind the last
+  work; both disappear together when the host runs far enough ahead (earlier launches, fewer launches, CUDA
+  graphs), and the counterfactual "had it been launched before the GPU ran dry" removes the whole gap;
+- *queued* when the launch started at or before ``a``: the work was already on its stream. It is
+  *dependency* when a cross-stream wait was enqueued in front of it -- a ``cudaStreamWaitEvent`` /
+  ``hipStreamWaitEvent`` / ``cuStreamWaitEvent`` call or a ``Stream Wait Event`` row (:data:`WAIT_PATTERN`)
+  started after the launch of the previous work on the same stream and no later than this launch (a
+  ``Stream Wait Event`` row names its stream and counts for that stream only; a runtime call names none and
+  counts for any stream, unless a ``Stream Wait Event`` row with its correlation id names it); otherwise it
+  is launch latency or GPU-side scheduling and goes to other;
+- *unknown* when the next work has no launch call in the trace (no correlation ids, no runtime rows) or
+  there is no next work (idle at the end of the rank's work).
+
+Host state. ``S``: the union, over all CPU threads of the rank, of the spans in which the host was blocked in
+a synchronisation (:data:`SYNC_PATTERN`): ``cuda/hip{Stream,Device,Event}Synchronize``,
+``cu{Stream,Ctx,Event}Synchronize``, the blocking ``cudaMemcpy`` / ``hipMemcpy`` / ``hipMemcpyWithStream``,
+Kineto's ``cuda_sync`` rows ``Stream Sync`` / ``Event Sync`` / ``Context Sync`` (except those whose
+correlation id is a non-blocking ``cuda/hip{Event,Stream}Query``, which Kineto also reports as ``Event Sync``),
+and a blocking ``.item()`` (``aten::item``, ``aten::_local_scalar_dense``). ``D``: the spans of data loading
+(:data:`DATALOADER_PATTERN`): torch's ``enumerate(DataLoader)#<Iter>.__next__`` and Lightning's fetch spans
+``[_TrainingEpochLoop].train_dataloader_next``, ``[_EvaluationLoop].val_next`` / ``test_next``,
+``[_PredictionLoop].predict_next`` (also the 1.x loop names without the underscore).
+
+Precedence, per idle ns (the first that applies)::
+
+    idle_dependency  in a queued gap with a cross-stream wait in front of its next work
+    idle_sync        in a host-late or unknown gap, while the host was in S
+    idle_dataloader  in a host-late or unknown gap, while the host was in D (and not in S)
+    idle_host_bound  in a host-late gap (the host was doing anything else: Python, CPU ops, launch calls)
+    idle_other       the rest: queued gaps without a wait, unknown gaps outside S and D
+
+Launch evidence comes first because it says whether the host could have mattered at all: in a queued gap
+the GPU held the work and the host's state is irrelevant. Inside host-side gaps the host's state is read per
+ns, innermost first: a synchronisation is a leaf call (often inside a data-loading span, e.g. a loader that
+calls ``.item()``), data loading an outer span, and host-bound the remainder. So ``idle_sync`` is the GPU idle
+while the host waited (a ``.item()`` returning after its copy, a synchronise that drained the queue), not the
+Python the host ran after it returned, which is host-bound.
+
+CPU ranks (lanes ``cpu``): no launches, so no gaps to judge: ``idle_dataloader`` = idle ∩ D (the main thread
+waiting for a loader's worker processes shows as idle inside ``__next__``) and ``idle_other`` the rest; the
+other columns are 0.
+
+Launch statistics (:func:`launch_stats`, per rank with work, over all its work rows): ``launches`` counts the
+GPU work rows with a launch call, and ``launch_delay_*`` describe ``work start - launch call start`` (median,
+90th percentile by linear interpolation, max; NaN / -1 without launches). ``kernels`` counts the GPU work
+rows of a compute or communication category (not copies, memsets or sync markers) and ``short_kernels`` those
+shorter than :data:`SHORT_KERNEL_NS` (10 µs); ``short_kernel_share`` = time(∪ short kernels) / ``busy_ns``,
+time(∪ GPU work): the fraction of the GPU's busy time in which a short kernel runs (NaN without GPU work).
+GPU-lane ``sync`` markers (``Stream Wait Event`` rows) are neither launches nor busy time.
+
+Integration: :func:`idle_causes` gives the columns of one rank aligned with its ``attributed_windows`` (the
+rows of ``partition_columns``) and, given the partition's ``idle`` column, asserts the sum against it;
+:func:`idle_sets` the cause interval sets themselves (for timelines); ``analyses.idle.idle_breakdown`` and
+``analyses.idle.launch_stats`` the tables for a trace set. Everything is numpy over the rank's rows (per-category name
+tables, sorted searches, interval-set arithmetic), no Python loop per event.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from ..base import intervals as iv
+from ..base.schema import COMM_CATEGORIES, codes_or_end, per_category_table
+from ..table.kinds import Lane
+from ..table.partition import LABELS
+from ..table.rows import in_table, rank_selections
+
+__all__ = ["DATALOADER_PATTERN", "IDLE_CAUSES", "LAUNCH_PATTERN", "LAUNCH_STATS_COLUMNS", "SHORT_KERNEL_NS",
+           "SYNC_PATTERN", "WAIT_PATTERN", "idle_causes", "idle_sets", "rank_launch_stats"]
+
+#: The idle columns, summing to ``idle`` per (rank, step); precedence in the module docstring.
+IDLE_CAUSES = ("idle_host_bound", "idle_sync", "idle_dataloader", "idle_dependency", "idle_other")
+#: A kernel shorter than this is short (launch overhead dominates it).
+SHORT_KERNEL_NS = 10_000
+
+_V = r"(?:_v\d+)?"
+#: Runtime / driver calls that put work on a GPU stream (the launch of the row with their correlation id).
+LAUNCH_PATTERN = rf"^(?:cuda|cu|hip)\w*(?:Launch|Memcpy|Memset)\w*?{_V}$"
+#: Host calls and spans blocked until the GPU caught up.
+SYNC_PATTERN = (rf"^(?:(?:cuda|hip)(?:Stream|Device|Event|Thread)Synchronize|cu(?:Stream|Ctx|Event)Synchronize|"
+                rf"cudaMemcpy|hipMemcpy|hipMemcpyWithStream){_V}$|^(?:Stream Sync|Event Sync|Context Sync)$|"
+                r"^aten::(?:item|_local_scalar_dense)\b")
+#: Non-blocking queries Kineto also reports as ``Event Sync`` rows (same correlation id).
+_QUERY_PATTERN = rf"^(?:cuda|hip|cu)(?:Event|Stream)Query{_V}$"
+#: A stream told to wait for an event recorded on another stream.
+WAIT_PATTERN = rf"^(?:(?:cuda|hip|cu)StreamWaitEvent{_V}|Stream Wait Event)$"
+_WAIT_ROW_PATTERN = r"^Stream Wait Event$"  # the kind that names the waiting stream
+#: Data-loading spans: torch's DataLoader iterator, Lightning's fetch spans (2.x ``_Loop`` and 1.x names).
+DATALOADER_PATTERN = (r"^enumerate\(DataLoader\)#\w+\.__next__$|"
+                      r"^\[_?\w*Loop\]\.(?:train_dataloader|val|test|predict)_next$")
+
+LAUNCH_STATS_COLUMNS = ("rank", "lanes", "launches", "launch_delay_median_ns", "launch_delay_p90_ns",
+                        "launch_delay_max_ns", "kernels", "short_kernels", "short_kernel_ns", "busy_ns",
+                        "short_kernel_share")
+_KERNEL_CATEGORIES = ("compute", *COMM_CATEGORIES)
+_PARTITION_LABELS = tuple(label for label in LABELS if label != "idle")
+_NONE = np.iinfo(np.int64).max  # "no launch" in a launch-start array
+
+
+class _Table:
+    """The columns and per-category name tables the decomposition reads, for the whole events table (built
+    once per attribution and kept on it)."""
+
+    def __init__(self, events: pd.DataFrame) -> None:
+        self.start = events["start_ns"].to_numpy()
+        self.dur = events["dur_ns"].to_numpy()
+        self.stream = events["stream"].to_numpy()
+        self.correlation = events["correlation"].to_numpy()
+        self.name = codes_or_end(events["name"])
+        self.lane = codes_or_end(events["lane"])
+        self.category = codes_or_end(events["category"])
+        self.cpu = in_table(events["lane"], (Lane.CPU.value,))
+        self.kernel = in_table(events["category"], _KERNEL_CATEGORIES)
+        self.sync_category = in_table(events["category"], ("sync",))
+        # One byte per name category: which of the patterns it matches (bit flags). Only the names that can
+        # match one (their first characters say so) meet the patterns: a trace holds few of them.
+        self.flags = per_category_table(events["name"], ("idle.flags",), _name_flags)
+        self.selections = dict(rank_selections(events))
+
+
+_LAUNCH, _SYNC, _QUERY, _WAIT, _WAIT_ROW, _DATALOADER = (1 << bit for bit in range(6))
+#: Every pattern above starts with one of these (a cheap filter before the regular expressions).
+_PREFIXES = ("cu", "hip", "Stream ", "Event ", "Context ", "aten::item", "aten::_local_scalar_dense",
+             "enumerate(DataLoader)", "[")
+
+
+_FLAG_PATTERNS = [re.compile(p).match for p in (LAUNCH_PATTERN, SYNC_PATTERN, _QUERY_PATTERN, WAIT_PATTERN,
+                                                _WAIT_ROW_PATTERN, DATALOADER_PATTERN)]  # in bit order
+
+
+def _name_flags(texts) -> np.ndarray:
+    """Bit flags of each name (and a trailing 0 for a missing one): which of the patterns it matches."""
+    flags = np.zeros(len(texts) + 1, dtype=np.uint8)
+    for position, text in enumerate(texts):  # one iteration per distinct name
+        if text.startswith(_PREFIXES):
+            flags[position] = sum(1 << bit for bit, match in enumerate(_FLAG_PATTERNS) if match(text))
+    return flags
+
+
+def _table(attribution) -> _Table:
+    return attribution.cached("idle.table", lambda: _Table(attribution.events))
+
+
+def _host(attribution, rank) -> _Host:
+    table = _table(attribution)
+    return attribution.cached(("idle.host", rank.rank), lambda: _Host(table, table.selections[rank.rank]))
+
+
+class _Host:
+    """What one rank's rows say about its host: the launch start of each correlation id, the sync and data-
+    loading sets, the stream-wait markers."""
+
+    def __init__(self, table: _Table, selection) -> None:
+        flags = table.flags[table.name[selection]]
+        start, end = table.start[selection], table.start[selection] + table.dur[selection]
+        corr, cpu = table.correlation[selection], table.cpu[table.lane[selection]]
+        launch = cpu & ((flags & _LAUNCH) > 0) & (corr >= 0)
+        ids, starts = corr[launch], start[launch]
+        order = np.lexsort((starts, ids))  # by id, then start: the first row of an id is its earliest
+        ids, starts = ids[order], starts[order]
+        first = np.flatnonzero(np.diff(ids, prepend=ids[:1] - 1))
+        self.ids, self.launch_start = ids[first], starts[first]
+        sync = np.flatnonzero((flags & _SYNC) > 0)
+        queries = corr[((flags & _QUERY) > 0) & (corr >= 0)]
+        sync = sync[~((corr[sync] >= 0) & np.isin(corr[sync], queries))]  # a query's "Event Sync" waited for nothing
+        self.sync = iv.union(start[sync], end[sync])
+        loading = (flags & _DATALOADER) > 0
+        self.dataloader = iv.union(start[loading], end[loading])
+        rows = (flags & _WAIT_ROW) > 0  # "Stream Wait Event": names the stream that waits
+        calls = np.flatnonzero(((flags & _WAIT) > 0) & ~rows)
+        named = corr[rows & (corr >= 0)]
+        calls = calls[~((corr[calls] >= 0) & np.isin(corr[calls], named))]  # its row names the stream
+        self.wait_any = np.sort(start[calls])
+        self.wait_stream, self.wait_start = _sorted_by_stream(table.stream[selection][rows], start[rows])
+
+    def launches(self, correlation: np.ndarray) -> np.ndarray:
+        """Launch-call start of each correlation id, ``_NONE`` where the rank has no launch call for it."""
+        out = np.full(len(correlation), _NONE, dtype=np.int64)
+        if not len(self.ids):
+            return out
+        slot = np.minimum(np.searchsorted(self.ids, correlation), len(self.ids) - 1)
+        hit = (correlation >= 0) & (self.ids[slot] == correlation)
+        out[hit] = self.launch_start[slot[hit]]
+        return out
+
+    def waits_between(self, stream: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Per query: is there a stream-wait marker for ``stream`` (or for any stream) started in ``(lo, hi]``."""
+        found = _count_in(self.wait_any, lo, hi) > 0
+        for s in np.intersect1d(np.unique(stream), self.wait_stream):  # a handful of streams
+            mine = stream == s
+            lo_at, hi_at = np.searchsorted(self.wait_stream, s, "left"), np.searchsorted(self.wait_stream, s, "right")
+            found[mine] |= _count_in(self.wait_start[lo_at:hi_at], lo[mine], hi[mine]) > 0
+        return found
+
+
+def _sorted_by_stream(stream: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.lexsort((start, stream))
+    return stream[order], start[order]
+
+
+def _count_in(sorted_points: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """How many of ``sorted_points`` lie in ``(lo, hi]``, per query."""
+    return np.searchsorted(sorted_points, hi, "right") - np.searchsorted(sorted_points, lo, "right")
+
+
+def idle_sets(attribution, rank) -> dict[str, iv.IntervalSet]:
+    """The idle set of ``rank`` (key ``idle``) and its cause sets (keys :data:`IDLE_CAUSES`), disjoint, their
+    union the idle set; over the hull of the rank's attributed windows and work (see the module docstring).
+    Computed once per rank and kept on the attribution."""
+    return attribution.cached(("idle.sets", rank.rank), lambda: _idle_sets(attribution, rank))
+
+
+def _idle_sets(attribution, rank, *, other: bool = True) -> dict[str, iv.IntervalSet]:
+    table = _table(attribution)
+    work = rank.work_positions
+    if not len(work) and not len(rank.window_bounds[0]):
+        return {"idle": iv.EMPTY, **{cause: iv.EMPTY for cause in IDLE_CAUSES}}
+    idle = rank.idle_set  # the partition's own idle segments, over the hull of the windows and the work
+    host = _host(attribution, rank)
+    sets = {cause: iv.EMPTY for cause in IDLE_CAUSES}
+    if rank.lanes == Lane.GPU.value:
+        sets.update(_gpu_causes(idle, table, work, host))
+    else:
+        sets["idle_dataloader"] = iv.intersect(idle, host.dataloader)
+    if other:  # the rest of the idle set (idle_causes takes its total as the difference instead)
+        sets["idle_other"] = iv.subtract(idle, iv.merge(*(sets[c] for c in IDLE_CAUSES if c != "idle_other")))
+    return {"idle": idle, **sets}
+
+
+def _gpu_causes(idle: iv.IntervalSet, table: _Table, work: np.ndarray, host: _Host) -> dict[str, iv.IntervalSet]:
+    """The cause sets of a GPU rank's idle gaps but ``idle_other`` (the rest, taken by the caller)."""
+    gap_start, gap_end = idle
+    if not len(host.ids):  # no launch call in the trace: every gap is unknown (judged by the host state alone)
+        sync = iv.intersect(idle, host.sync)
+        return {"idle_dependency": iv.EMPTY, "idle_sync": sync,
+                "idle_dataloader": iv.subtract(iv.intersect(idle, host.dataloader), sync), "idle_host_bound": iv.EMPTY}
+    candidates = work[~table.sync_category[table.category[work]]]
+    start = table.start[candidates]
+    launch = host.launches(table.correlation[candidates])
+    order = np.lexsort((launch, start))  # by start; among equal starts the earliest launch first
+    start, launch, candidates = start[order], launch[order], candidates[order]
+    nxt = np.searchsorted(start, gap_end, "left")
+    has_next = nxt < len(start)
+    nxt = np.minimum(nxt, max(len(start) - 1, 0))
+    next_launch = launch[nxt] if len(start) else np.full(len(gap_end), _NONE, dtype=np.int64)
+    known = has_next & (next_launch != _NONE)
+    late = known & (next_launch > gap_start)
+    queued = np.flatnonzero(known & ~late)
+    dependency = np.zeros(len(gap_start), dtype=bool)
+    if len(queued):
+        stream = table.stream[candidates]
+        previous = _previous_launch_on_stream(stream, launch)
+        k = nxt[queued]
+        dependency[queued] = host.waits_between(stream[k], previous[k], launch[k])
+    host_side = (gap_start[late | ~known], gap_end[late | ~known])
+    sync = iv.intersect(host_side, host.sync) if len(host.sync[0]) else iv.EMPTY
+    loading = (iv.subtract(iv.intersect(host_side, host.dataloader), sync) if len(host.dataloader[0])
+               else iv.EMPTY)
+    late_gaps = (gap_start[late], gap_end[late])
+    blocked = iv.merge(sync, loading)
+    return {"idle_dependency": (gap_start[dependency], gap_end[dependency]), "idle_sync": sync,
+            "idle_dataloader": loading,
+            "idle_host_bound": iv.subtract(late_gaps, blocked) if len(blocked[0]) else late_gaps}
+
+
+def _previous_launch_on_stream(stream: np.ndarray, launch: np.ndarray) -> np.ndarray:
+    """Per row: the launch start of the previous launched row on its stream (launch order), else int64 min."""
+    out = np.full(len(stream), np.iinfo(np.int64).min, dtype=np.int64)
+    known = np.flatnonzero(launch != _NONE)
+    order = known[np.lexsort((launch[known], stream[known]))]
+    same = stream[order][1:] == stream[order][:-1]
+    out[order[1:][same]] = launch[order][:-1][same]
+    return out
+
+
+def idle_causes(attribution, rank, *,
+                idle: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Per attributed window of ``rank`` (the rows of ``rank.partition_columns()``, in that order): the ns of
+    each cause of :data:`IDLE_CAUSES` (int64). Their sum is the window's idle, checked against ``idle`` (the
+    partition's ``idle`` column of this rank) when given: ``AssertionError`` if not equal."""
+    _, lo, hi = rank.window_bounds  # the arrays of ``attributed_windows``, without building its frame
+    sets = _idle_sets(attribution, rank, other=False)  # not kept: the breakdown needs only the totals
+    zero = np.zeros(len(lo), dtype=np.int64)
+    out = {cause: iv.window_totals(sets[cause], lo=lo, hi=hi) if len(sets[cause][0]) else zero
+           for cause in IDLE_CAUSES if cause != "idle_other"}
+    measured = iv.window_totals(sets["idle"], lo=lo, hi=hi)
+    # The causes are disjoint subsets of the idle set (by construction), so the rest of it is other.
+    out["idle_other"] = measured - np.sum(list(out.values()), axis=0, dtype=np.int64)
+    total = measured if idle is None else np.asarray(idle, dtype=np.int64)
+    parts = np.sum([out[cause] for cause in IDLE_CAUSES], axis=0, dtype=np.int64)
+    if not np.array_equal(parts, total) or (out["idle_other"] < 0).any():
+        raise AssertionError(f"rank {rank.rank}: idle causes {parts.tolist()[:5]} do not sum to idle "
+                             f"{total.tolist()[:5]}")
+    return out
+
+
+def rank_launch_stats(attribution, rank) -> tuple:
+    """One row of ``analyses.idle.launch_stats`` (``LAUNCH_STATS_COLUMNS``): ``rank``'s launch delays and
+    short kernels."""
+    if rank.lanes != Lane.GPU.value:
+        return rank.rank, rank.lanes, 0, np.nan, np.nan, -1, 0, 0, 0, 0, np.nan
+    table = _table(attribution)
+    work = rank.work_positions
+    work = work[~table.sync_category[table.category[work]]]  # sync markers: neither launched nor busy
+    start, end = table.start[work], table.start[work] + table.dur[work]
+    launch = _host(attribution, rank).launches(table.correlation[work])
+    launched = launch != _NONE
+    delay = start[launched] - launch[launched]
+    if len(delay):
+        median, p90 = np.percentile(delay, [50, 90])
+        longest = int(delay.max())
+    else:
+        median, p90, longest = np.nan, np.nan, -1
+    kernel = table.kernel[table.category[work]]
+    short = kernel & (end - start < SHORT_KERNEL_NS)
+    busy = iv.total(iv.union(start, end))
+    short_ns = iv.total(iv.union(start[short], end[short]))
+    return (rank.rank, rank.lanes, int(launched.sum()), float(median), float(p90), longest, int(kernel.sum()),
+            int(short.sum()), short_ns, busy, short_ns / busy if busy else np.nan)

@@ -1,0 +1,20 @@
+"""Markdown report: the same tables as the HTML report (``report_sections.display_tables``), no figures."""
+
+from __future__ import annotations
+
+from ..attribution.tables import pipe_table
+from .display import display_tables
+from .report_sections import ReportSections, Section, section_title
+
+
+def render_markdown(sec: ReportSections, *, title: str = "shardline profile report") -> str:
+    """Every section with its tables (or its note when it has none), in ``Section`` order."""
+    tables = display_tables(sec)
+    out = [f"# {title}", ""]
+    for section in Section:
+        out += [f"## {section_title(sec, section)}", ""]
+        if section in sec.notes:
+            out += [f"_{sec.notes[section]}_", ""]
+        for _table_id, table in tables[section]:
+            out += [pipe_table(table), ""]
+    return "\n".join(out)
