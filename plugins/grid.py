@@ -14,25 +14,16 @@ Combined axes: ``dp_cp`` (ranks sharing tp and pp: ZeRO's partition group when t
 
 from __future__ import annotations
 
-import enum
 import itertools
 from dataclasses import dataclass, field
 
 from shardline.job import placement
 from shardline.job.annotations import group_desc
+from shardline.job.layout import SPMode
 from shardline.plugins.errors import ContractError, LayoutError
 
 AXES = placement.AXES
 COMBINED_AXES = ("dp_cp", "mp", "embed")
-
-
-class SPMode(str, enum.Enum):
-    """How the sequence dimension is parallelised."""
-
-    NONE = "none"
-    MEGATRON = "megatron"  # sequence sharded over the TP group between the TP regions
-    RING = "ring"  # context parallel over cp: ring attention
-    ULYSSES = "ulysses"  # context parallel over cp: all-to-all to head sharding
 
 
 @dataclass(frozen=True)

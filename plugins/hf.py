@@ -8,7 +8,9 @@ and ``GPT2LMHeadModel`` (:class:`~.models.gpt.GPT`).
 Loading builds the model for ``grid``'s layout on the meta device (nothing random is drawn, nothing is
 allocated), then gives each parameter this rank's slice only, read lazily from the safetensors file
 (``safe_open(...).get_slice``): a rank never holds more of a checkpoint tensor than it keeps. Every name,
-fused tensor and padding lives in one table per architecture (:func:`_llama_table`, :func:`_gpt2_table`):
+fused tensor and padding lives in one table per architecture (its family's
+:meth:`~shardline.job.family.Family.hf_table`, beside its ``config.json`` mapping, in :mod:`shardline.job.gpt` and
+:mod:`shardline.job.llama`):
 
 - Llama family: one tensor each; q/k/v stay separate (their per-head shards are plain row slices, also when
   ``tp > n_kv_heads``); the vocabulary is zero-padded to a multiple of tp on load and cut back on save;
@@ -45,14 +47,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardline.plugins.errors import CheckpointError
+from shardline.job.families import FAMILIES, HF_ARCHITECTURES, config_from_hf, family_of_config
+from shardline.job.family import Source
+from shardline.plugins.errors import CheckpointError, ContractError
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.layers.tp_comm import group_rank, group_size
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-                 "GPT2LMHeadModel": "gpt2"}
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "GPT2LMHeadModel": "gpt2"}
+#: Hugging Face ``architectures`` -> family, and -> ``model_type``: the families' own (:mod:`shardline.job.families`).
+ARCHITECTURES = HF_ARCHITECTURES
 #: Tensors a Hugging Face checkpoint may hold that are not weights (old GPT-2 files keep attention masks).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -66,66 +68,17 @@ FINITE_CHUNK = 1 << 24
 
 # --- the tables ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Source:
-    """Where one shardline parameter comes from: ``name`` in the checkpoint and how it is laid out there.
-
-    ``kind``: ``plain`` (same layout), ``vocab`` (rows are the vocabulary: shardline's may be zero-padded),
-    ``conv1d`` (GPT-2's transposed weight), ``gpt2_qkv`` (GPT-2's ``c_attn``: transposed, q|k|v column blocks),
-    ``gpt2_qkv_bias`` (its bias)."""
-
-    name: str
-    kind: str = "plain"
-
-
-def _llama_table(config, hf: dict) -> dict[str, Source]:
-    table = {"embedding.wte.weight": Source("model.embed_tokens.weight", "vocab"),
-             "head.ln_f.weight": Source("model.norm.weight")}
-    # tied: a model built per rank holds a copy of the embedding as the last stage's head.weight
-    table["head.weight"] = Source("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight", "vocab")
-    for i in range(config.n_layer):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        table.update({
-            ours + "attn_norm.weight": Source(theirs + "input_layernorm.weight"),
-            ours + "mlp_norm.weight": Source(theirs + "post_attention_layernorm.weight"),
-            ours + "o_proj.weight": Source(theirs + "self_attn.o_proj.weight"),
-            ours + "gate_up.gate_weight": Source(theirs + "mlp.gate_proj.weight"),
-            ours + "gate_up.up_weight": Source(theirs + "mlp.up_proj.weight"),
-            ours + "down.weight": Source(theirs + "mlp.down_proj.weight")})
-        for x in "qkv":
-            table[ours + f"qkv.{x}_weight"] = Source(theirs + f"self_attn.{x}_proj.weight")
-            if config.qkv_bias:
-                table[ours + f"qkv.{x}_bias"] = Source(theirs + f"self_attn.{x}_proj.bias")
-    return table
-
-
-def _gpt2_table(config, hf: dict) -> dict[str, Source]:
-    table = {"embedding.wte.weight": Source("transformer.wte.weight", "vocab"),
-             "embedding.wpe": Source("transformer.wpe.weight"),
-             "head.ln_f.weight": Source("transformer.ln_f.weight"),
-             "head.ln_f.bias": Source("transformer.ln_f.bias"),
-             # tied: the last stage's copy, per rank; untied: its own tensor
-             "head.weight": Source("transformer.wte.weight" if config.tie_embeddings else "lm_head.weight", "vocab")}
-    for i in range(config.n_layer):
-        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        table.update({
-            ours + "ln1.weight": Source(theirs + "ln_1.weight"), ours + "ln1.bias": Source(theirs + "ln_1.bias"),
-            ours + "ln2.weight": Source(theirs + "ln_2.weight"), ours + "ln2.bias": Source(theirs + "ln_2.bias"),
-            ours + "qkv.weight": Source(theirs + "attn.c_attn.weight", "gpt2_qkv"),
-            ours + "qkv.bias": Source(theirs + "attn.c_attn.bias", "gpt2_qkv_bias"),
-            ours + "proj.weight": Source(theirs + "attn.c_proj.weight", "conv1d"),
-            ours + "proj.bias": Source(theirs + "attn.c_proj.bias"),
-            ours + "fc1.weight": Source(theirs + "mlp.c_fc.weight", "conv1d"),
-            ours + "fc1.bias": Source(theirs + "mlp.c_fc.bias"),
-            ours + "fc2.weight": Source(theirs + "mlp.c_proj.weight", "conv1d"),
-            ours + "fc2.bias": Source(theirs + "mlp.c_proj.bias")})
-    return table
+def _table(arch: str, config, hf: dict | None = None) -> dict[str, Source]:
+    """Every shardline parameter name of ``config``'s model -> its Hugging Face source (the family's table,
+    :meth:`shardline.job.family.Family.hf_table`)."""
+    return FAMILIES[ARCHITECTURES[arch]].hf_table(config)
 
 
 # --- configs ---------------------------------------------------------------------------------------------------
 
 def read_config(folder: str | os.PathLike) -> tuple[str, dict, object]:
-    """``(architecture, config.json as a dict, shardline config)`` of a Hugging Face folder."""
+    """``(architecture, config.json as a dict, shardline config)`` of a Hugging Face folder (the family's mapping,
+    :meth:`shardline.job.family.Family.config_from_hf`)."""
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file():
@@ -140,100 +93,17 @@ def read_config(folder: str | os.PathLike) -> tuple[str, dict, object]:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise CheckpointError(f"{path}: quantization_config (quant_method={method!r}): quantized checkpoints are "
                               "not supported; use the model's float16, bfloat16 or float32 weights")
-    archs = hf.get("architectures") or []
-    supported = [a for a in archs if a in ARCHITECTURES]
-    if not supported:
-        raise CheckpointError(f"{path}: architectures={archs} is not supported (supported: {sorted(ARCHITECTURES)})")
-    arch = supported[0]
-    maker = _llama_config if ARCHITECTURES[arch] == "llama" else _gpt2_config
-    return arch, hf, maker(arch, hf, path)
-
-
-def _need(hf: dict, key: str, path: Path):
-    if key not in hf:
-        raise CheckpointError(f"{path}: {key!r} is missing")
-    return hf[key]
-
-
-def _rope(hf: dict, path: Path) -> tuple[float, dict | None]:
-    """``(theta, llama3 scaling or None)`` from transformers 5's ``rope_parameters`` or the older
-    ``rope_theta``/``rope_scaling`` pair."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta, scaling = params["rope_theta"], dict(params)
-        scaling.pop("rope_theta")
-    else:
-        theta, scaling = hf.get("rope_theta", 10000.0), dict(hf.get("rope_scaling") or {})
-    kind = scaling.pop("rope_type", scaling.pop("type", "default")) if scaling else "default"
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise CheckpointError(f"{path}: rope type {kind!r} is not supported (only the default and 'llama3')")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys if k in scaling}}
-
-
-def _llama_config(arch: str, hf: dict, path: Path):
-    from shardline.plugins.errors import ContractError
-    from shardline.plugins.models.llama import LlamaConfig
-
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{path}: hidden_act={act!r} is not supported (the Llama family uses 'silu')")
-    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
-        raise CheckpointError(f"{path}: attention_bias=True (a bias on o_proj too) is not supported")
-    if hf.get("mlp_bias"):
-        raise CheckpointError(f"{path}: mlp_bias=True is not supported")
-    seq_len = _need(hf, "max_position_embeddings", path)
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
-    if isinstance(window, int) and window < seq_len:
-        raise CheckpointError(f"{path}: sliding_window={window} < max_position_embeddings={seq_len}: windowed "
-                              "attention is not implemented")
-    theta, scaling = _rope(hf, path)
-    n_head = _need(hf, "num_attention_heads", path)
     try:
-        return LlamaConfig(
-            vocab_size=_need(hf, "vocab_size", path), seq_len=seq_len, n_layer=_need(hf, "num_hidden_layers", path),
-            n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
-            d_model=_need(hf, "hidden_size", path), d_ff=_need(hf, "intermediate_size", path),
-            head_dim=hf.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM")
+        arch, config = config_from_hf(hf)
     except ContractError as error:
         raise CheckpointError(f"{path}: {error}") from None
-
-
-def _gpt2_config(arch: str, hf: dict, path: Path):
-    from shardline.plugins.errors import ContractError
-    from shardline.plugins.models.gpt import GPTConfig
-
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise CheckpointError(f"{path}: activation_function={act!r} is not supported (GPT-2's tanh GELU only)")
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-        raise CheckpointError(f"{path}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-    try:
-        return GPTConfig(vocab_size=_need(hf, "vocab_size", path), seq_len=_need(hf, "n_positions", path),
-                         n_layer=_need(hf, "n_layer", path), n_head=_need(hf, "n_head", path),
-                         d_model=_need(hf, "n_embd", path), d_ff=hf.get("n_inner"),
-                         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
-    except ContractError as error:
-        raise CheckpointError(f"{path}: {error}") from None
+    return arch, hf, config
 
 
 def _model_class(arch: str):
-    if ARCHITECTURES[arch] == "llama":
-        from shardline.plugins.models.llama import Llama
+    from shardline.plugins.models import model_class
 
-        return Llama
-    from shardline.plugins.models.gpt import GPT
-
-    return GPT
-
-
-def _table(arch: str, config, hf: dict) -> dict[str, Source]:
-    return (_llama_table if ARCHITECTURES[arch] == "llama" else _gpt2_table)(config, hf)
+    return model_class(ARCHITECTURES[arch])
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
@@ -435,29 +305,7 @@ def _hf_config_of(model) -> tuple[str, dict]:
     if getattr(model, "hf_config", None):
         hf = dict(model.hf_config)
         return hf["architectures"][0], hf
-    from shardline.plugins.models.llama import LlamaConfig
-
-    if isinstance(config, LlamaConfig):
-        arch = "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
-        hf = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": config.vocab_size,
-              "max_position_embeddings": config.seq_len, "num_hidden_layers": config.n_layer,
-              "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
-              "hidden_size": config.d_model, "intermediate_size": config.d_ff, "head_dim": config.head_dim,
-              "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_embeddings,
-              "hidden_act": "silu", "rope_theta": config.rope_theta}
-        if config.rope_scaling is not None:
-            s = config.rope_scaling
-            hf["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                                  "high_freq_factor": s.high_freq_factor,
-                                  "original_max_position_embeddings": s.original_max_position_embeddings}
-        if arch == "Qwen2ForCausalLM":
-            hf["use_sliding_window"] = False
-        return arch, hf
-    hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
-          "n_positions": config.seq_len, "n_layer": config.n_layer, "n_head": config.n_head,
-          "n_embd": config.d_model, "n_inner": config.d_ff, "layer_norm_epsilon": config.layer_norm_eps,
-          "activation_function": "gelu_new", "tie_word_embeddings": config.tie_embeddings}
-    return "GPT2LMHeadModel", hf
+    return family_of_config(config).config_to_hf(config)
 
 
 def _to_hf(source: Source, dense: torch.Tensor, *, vocab: int, n_head: int) -> torch.Tensor:

@@ -81,23 +81,13 @@ def model_config(fields: dict):
 
         arch, _, config = hf.read_config(fields["init_from"])
         return hf._model_class(arch), config
+    from shardline.job.families import FAMILIES
+    from shardline.plugins.models import model_class
+
     architecture = fields.get("architecture", "gpt2")
-    shape = dict(vocab_size=fields["vocab_size"], seq_len=fields["seq_len"], n_layer=fields["n_layer"],
-                 n_head=fields["n_head"], d_model=fields["d_model"], dropout=fields.get("dropout", 0.0),
-                 tie_embeddings=fields.get("tie_embeddings", True))
-    if architecture == "gpt2":
-        from shardline.plugins.models.gpt import GPT, GPTConfig
-
-        return GPT, GPTConfig(**shape, d_ff=fields.get("d_ff"))
-    if architecture == "llama":
-        from shardline.plugins.models.llama import Llama, LlamaConfig
-
-        d_model = fields["d_model"]
-        d_ff = fields.get("d_ff") or (4 * d_model if isinstance(d_model, int) else d_model)
-        return Llama, LlamaConfig(**shape, d_ff=d_ff, n_kv_head=fields.get("n_kv_head"),
-                                  rope_theta=fields.get("rope_theta", 10000.0),
-                                  rms_norm_eps=fields.get("rms_norm_eps", 1e-6), qkv_bias=fields.get("qkv_bias", False))
-    raise ContractError(f"model.architecture={architecture!r} must be 'gpt2' or 'llama'")
+    if architecture not in FAMILIES:
+        raise ContractError(f"model.architecture={architecture!r} must be {' or '.join(map(repr, FAMILIES))}")
+    return model_class(architecture), FAMILIES[architecture].config_from_fields(fields)
 
 
 class LanguageModule(pl.LightningModule):

@@ -360,18 +360,12 @@ def _is_hybrid(class_path: Any) -> bool:
 
 # --- layer 2: fields together ------------------------------------------------------------------------------------
 
-#: HybridParallelStrategy's arguments that make up its Layout, and the Layout part each goes to.
-_LAYOUT_ARGS = {"tp": None, "pp": None, "cp": None, "sp": None, "gpus_per_node": None, "schedule": "pipeline",
-                "chunks": "pipeline", "micro_batches": "pipeline", "zero_stage": "zero", "offload_optimizer": "zero",
-                "offload_params": "zero", "nvme_path": "zero"}
-
-
 def strategy_arguments(strategy: Any) -> dict[str, Any] | None:
     """HybridParallelStrategy's arguments in a recipe's ``trainer.strategy``, whichever spelling ``shardline fit``
     accepts: a registered name (``shardline_tp2_zero1``) or a class_path dict (the full path, the
     ``shardline.plugins`` re-export or the bare class name) with its init_args; None for any other strategy.
     A name outside the registered family raises ContractError naming it."""
-    from shardline.plugins.lightning.registry import parse_strategy_name
+    from shardline.job.layout import parse_strategy_name
 
     if isinstance(strategy, str) and strategy.startswith("shardline"):
         return parse_strategy_name(strategy)
@@ -384,16 +378,10 @@ def strategy_layout(strategy: Any):
     """The unbound :class:`~shardline.plugins.layout.Layout` of a shardline strategy given as a registered name
     or class_path dict (the strategy's own value, built the way the strategy builds it); None for any other
     strategy. Bad values raise the Layout's ContractError/LayoutError, naming them."""
-    from shardline.plugins.layout import Layout, PipelineSpec, ZeroSpec
+    from shardline.plugins.layout import Layout
 
     args = strategy_arguments(strategy)
-    if args is None:
-        return None
-    parts: dict[str | None, dict] = {None: {}, "pipeline": {}, "zero": {}}
-    for key, part in _LAYOUT_ARGS.items():
-        if key in args:
-            parts[part][{"zero_stage": "stage"}.get(key, key)] = args[key]
-    return Layout(**parts[None], pipeline=PipelineSpec(**parts["pipeline"]), zero=ZeroSpec(**parts["zero"]))
+    return None if args is None else Layout.from_strategy_args(args)
 
 
 def _with_defaults(cls: type, section: Any) -> dict[str, Any]:

@@ -46,8 +46,7 @@ class Entry:
 def _decoders(module: nn.Module, modules=None, *, tables: bool = True) -> list[tuple[str, nn.Module, dict | None]]:
     """``(prefix, model, table)`` for every shardline decoder model inside ``module`` (``modules``: its
     ``named_modules()``, where the caller has them); ``tables=False``: ``None`` for the table (which costs a
-    build of the model's name table)."""
-    from shardline.plugins import hf
+    build of the model's name table, its family's :meth:`~shardline.job.family.Family.hf_table`)."""
     from shardline.plugins.models.decoder import DecoderLM
 
     found = []
@@ -55,8 +54,7 @@ def _decoders(module: nn.Module, modules=None, *, tables: bool = True) -> list[t
         if isinstance(sub, DecoderLM):
             table = None
             if tables:
-                arch, hf_config = hf._hf_config_of(sub)
-                table = hf._table(arch, sub.config, hf_config)
+                table = sub.family.hf_table(sub.config)
             found.append((prefix + "." if prefix else "", sub, table))
     return found
 

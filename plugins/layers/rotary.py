@@ -24,59 +24,13 @@ Angles are computed in float64 whatever the activation dtype, then ``cos``/``sin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from shardline.job.llama import RopeScaling  # the Llama family's config value, torch-free
 from shardline.plugins.errors import ContractError
 
 __all__ = ["RopeScaling", "rotary_frequencies", "Rotary", "apply_rotary"]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """The Llama-3 frequency scaling (the only ``rope_type`` supported); validated at construction."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
-
-    def __post_init__(self):
-        problems = []
-        if self.rope_type != "llama3":
-            problems.append(f"rope_type={self.rope_type!r} is not supported (only 'llama3')")
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                problems.append(f"{name}={value!r} must be a positive number")
-        m = self.original_max_position_embeddings
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            problems.append(f"original_max_position_embeddings={m!r} must be an integer >= 1")
-        if not problems and not self.high_freq_factor > self.low_freq_factor:
-            problems.append(f"high_freq_factor={self.high_freq_factor} must exceed "
-                            f"low_freq_factor={self.low_freq_factor}")
-        if problems:
-            raise ContractError("invalid rope_scaling: " + "; ".join(problems))
-
-    @classmethod
-    def from_value(cls, value) -> RopeScaling | None:
-        """None, a RopeScaling, or a Hugging Face style dict (``rope_type`` or the older ``type`` key)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ContractError(f"rope_scaling={value!r} must be None, a RopeScaling or a dict")
-        fields = dict(value)
-        kind = fields.pop("rope_type", None) or fields.pop("type", None)
-        fields.pop("type", None)
-        known = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-        extra, missing = sorted(set(fields) - known), sorted(known - set(fields))
-        if kind != "llama3" or extra or missing:
-            raise ContractError(f"rope_scaling={value!r}: only rope_type='llama3' with exactly the keys "
-                                f"{sorted(known)} is supported (rope_type={kind!r}, unknown {extra}, "
-                                f"missing {missing})")
-        return cls(rope_type=kind, **fields)
 
 
 def rotary_frequencies(head_dim: int, *, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.job.family import head_partition_problems
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
 from shardline.plugins.layers.tp_comm import (
@@ -48,19 +49,6 @@ from shardline.plugins.layers.tp_comm import (
 )
 
 __all__ = ["FusedColumnParallelLinear", "head_partition_problems"]
-
-
-def head_partition_problems(heads: int, head_dim: int, *, tp: int, what: str) -> list[str]:
-    """Why ``heads`` heads of ``head_dim`` cannot be spread over ``tp`` ranks (empty when they can)."""
-    if heads % tp == 0:
-        return []
-    if tp % heads:
-        return [f"{what}={heads} and tp={tp}: neither divides the other"]
-    rep = tp // heads
-    if head_dim % rep:
-        return [f"{what}={heads} < tp={tp} replicates each head on tp/{what}={rep} ranks, which needs head_dim="
-                f"{head_dim} divisible by {rep}"]
-    return []
 
 
 class FusedColumnParallelLinear(nn.Module):

@@ -53,6 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardline.job.family import Family
+from shardline.job.family import decoder_layout_problems as layout_problems
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.grid import ParallelDims, SPMode
 from shardline.plugins.layers.roles import tie
@@ -95,25 +97,6 @@ class SPContext:
 
 
 DENSE = SPContext(tp_group=None, cp_group=None, tp=1, cp=1, tp_rank=0, cp_rank=0, mode=SPMode.NONE)
-
-
-def layout_problems(dims: ParallelDims, *, n_head: int, seq_len: int, n_layer: int) -> list[str]:
-    """What any decoder of ``n_head`` heads, ``seq_len`` tokens and ``n_layer`` blocks needs from a layout (the
-    sequence, attention and pipeline rules; a family adds its own widths)."""
-    tp, cp = dims.tp, dims.cp
-    problems = []
-    if n_layer + 2 < dims.pp:
-        problems.append(f"n_layer={n_layer} gives {n_layer + 2} pipeline layers (embedding, blocks, head), fewer "
-                        f"than pp={dims.pp} stages")
-    if cp > 1 and dims.sp not in (SPMode.RING, SPMode.ULYSSES):
-        problems.append(f"cp={cp} needs sp='ring' or 'ulysses' (sp={dims.sp.value!r})")
-    if dims.sp is SPMode.ULYSSES and n_head % tp == 0 and (n_head // tp) % cp:
-        problems.append(f"ulysses: heads per TP rank n_head/tp={n_head // tp} is not divisible by cp={cp}")
-    if cp > 1 and seq_len % (2 * cp):
-        problems.append(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
-    if dims.sp is SPMode.MEGATRON and (seq_len // cp) % tp:
-        problems.append(f"megatron-SP: seq_len/cp={seq_len // cp} is not divisible by tp={tp}")
-    return problems
 
 
 def layout_context(grid, problems: list[str], *, model: str) -> SPContext:
@@ -299,6 +282,8 @@ class DecoderLM(nn.Module):
     weights layout-independent when a rank skips layers.
     """
 
+    #: The family's torch-free room (:mod:`shardline.job.families`): its config type, name and layout rules.
+    family: type[Family]
     config_type: type = object
     model_name = "decoder"
 
@@ -363,7 +348,8 @@ class DecoderLM(nn.Module):
 
     @classmethod
     def layout_problems(cls, config, dims: ParallelDims) -> list[str]:
-        raise NotImplementedError
+        """Every reason ``dims`` cannot take ``config``: the family's rules (:mod:`shardline.job.family`)."""
+        return cls.family.layout_problems(config, dims)
 
     @classmethod
     def check_layout(cls, config, dims: ParallelDims) -> None:

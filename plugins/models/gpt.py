@@ -7,17 +7,18 @@ pipeline contract (:meth:`GPT.pipeline_layers`), tied embeddings, the global-mea
 rules are the skeleton's, documented there once. Specific to the GPT: the learned positions ``embedding.wpe`` are
 indexed by each hidden row's global position (the CP rank's BALANCED tokens, under Megatron-SP its TP chunk), and
 are ``SEQUENCE_REPLICATED`` under Megatron-SP, like the LayerNorms and the row-parallel biases.
+
+The config (re-exported here), the layout rules, the Hugging Face names and the parameter counts are the
+family's, torch-free, in :mod:`shardline.job.gpt`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardline.plugins.errors import ContractError
+from shardline.job.gpt import GPT2, GPTConfig
 from shardline.plugins.layers.roles import LayerNorm, ParamRole, declare
 from shardline.plugins.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from shardline.plugins.models.decoder import (
@@ -28,57 +29,10 @@ from shardline.plugins.models.decoder import (
     SPContext,
     TokenEmbedding,
     layout_context,
-    layout_problems,
 )
 
 __all__ = ["GPTConfig", "GPT", "GPTEmbedding", "Block", "GPTHead"]
 __all__ += ["IGNORE_INDEX", "SPContext"]  # re-exported from the skeleton for existing importers
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape and options of a GPT; validated at construction (ContractError naming every bad field).
-
-    ``d_ff`` defaults to ``4 * d_model``. ``activation_checkpointing`` makes every block recompute its
-    activations in backward (``torch.utils.checkpoint``, non-reentrant; inside the block, so pipeline stages
-    built from :meth:`GPT.pipeline_layers` get it too). ``init_std`` is the std of the token and position
-    embeddings (linear layers use the ``nn.Linear`` rule ``U(-1/sqrt(in), 1/sqrt(in))``).
-    """
-
-    vocab_size: int
-    seq_len: int
-    n_layer: int
-    n_head: int
-    d_model: int
-    d_ff: int | None = None
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    layer_norm_eps: float = 1e-5
-    activation_checkpointing: bool = False
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 4 * self.d_model if isinstance(self.d_model, int) else None)
-        problems = []
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(f"{name}={value!r} must be an integer >= 1")
-        if not problems and self.d_model % self.n_head:
-            problems.append(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
-        if not isinstance(self.init_std, (int, float)) or self.init_std <= 0:
-            problems.append(f"init_std={self.init_std!r} must be a positive number")
-        if not isinstance(self.layer_norm_eps, (int, float)) or self.layer_norm_eps <= 0:
-            problems.append(f"layer_norm_eps={self.layer_norm_eps!r} must be a positive number")
-        if problems:
-            raise ContractError("invalid GPTConfig: " + "; ".join(problems))
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
 
 
 def _layer_norm(config: GPTConfig, ctx: SPContext, dtype, device) -> nn.LayerNorm:
@@ -157,15 +111,9 @@ class GPT(DecoderLM):
     two models built with the same seed compute the same function at any layout. ``dtype``/``device`` as usual.
     """
 
+    family = GPT2
     config_type = GPTConfig
-    model_name = "GPT"
-
-    @classmethod
-    def layout_problems(cls, config: GPTConfig, dims) -> list[str]:
-        problems = [f"{what}={value} is not divisible by tp={dims.tp}"
-                    for what, value in (("n_head", config.n_head), ("d_ff", config.d_ff)) if value % dims.tp]
-        return problems + layout_problems(dims, n_head=config.n_head, seq_len=config.seq_len,
-                                          n_layer=config.n_layer)
+    model_name = GPT2.model_name
 
     def make_embedding(self, config: GPTConfig, *, generator, ctx, dtype, device) -> nn.Module:
         return GPTEmbedding(config, ctx=ctx, generator=generator, dtype=dtype, device=device)

@@ -23,93 +23,31 @@ the rotation happens after the sequence all-gather, on the CP rank's whole local
 Initialisation is layout-independent (every weight drawn full from the seeded generator, then sliced): linear
 weights by the ``nn.Linear`` rule ``U(-1/sqrt(in), 1/sqrt(in))``, q/k/v biases likewise, embeddings
 ``N(0, init_std^2)``, norms one.
+
+The config (re-exported here), the layout rules, the Hugging Face names and the parameter counts are the
+family's, torch-free, in :mod:`shardline.job.llama`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.nn.functional as F
 from torch import nn
 
-from shardline.plugins.errors import ContractError
-from shardline.plugins.grid import ParallelDims
+from shardline.job.llama import LlamaConfig, LlamaFamily, RopeScaling
 from shardline.plugins.layers.norms import RMSNorm
-from shardline.plugins.layers.rotary import RopeScaling, Rotary, apply_rotary
+from shardline.plugins.layers.rotary import Rotary, apply_rotary
 from shardline.plugins.layers.tensor_parallel import RowParallelLinear
-from shardline.plugins.layers.tp_fused import FusedColumnParallelLinear, head_partition_problems
+from shardline.plugins.layers.tp_fused import FusedColumnParallelLinear
 from shardline.plugins.models.decoder import (
     DecoderBlock,
     DecoderHead,
     DecoderLM,
     SPContext,
     TokenEmbedding,
-    layout_problems,
     token_positions,
 )
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "RopeScaling"]
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape and options of a Llama-family model; validated at construction (ContractError naming every bad field).
-
-    ``n_kv_head`` defaults to ``n_head`` (no grouping) and must divide it; ``head_dim`` defaults to
-    ``d_model // n_head``; ``seq_len`` is the longest sequence the model accepts (Hugging Face's
-    ``max_position_embeddings``). ``rope_scaling``: None, a :class:`RopeScaling`, or Hugging Face's dict
-    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` (stored as a RopeScaling). ``qkv_bias``: Qwen2's biases on q/k/v.
-    ``activation_checkpointing`` recomputes every block in backward.
-    """
-
-    vocab_size: int
-    seq_len: int
-    n_layer: int
-    n_head: int
-    d_model: int
-    d_ff: int
-    n_kv_head: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | dict | None = None
-    rms_norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
-    dropout: float = 0.0
-    activation_checkpointing: bool = False
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        set_ = object.__setattr__
-        if self.n_kv_head is None:
-            set_(self, "n_kv_head", self.n_head)
-        if self.head_dim is None and isinstance(self.d_model, int) and isinstance(self.n_head, int) \
-                and self.n_head > 0:
-            set_(self, "head_dim", self.d_model // self.n_head)
-        problems, valid = [], set()
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(f"{name}={value!r} must be an integer >= 1")
-            else:
-                valid.add(name)
-        if {"n_head", "n_kv_head"} <= valid and self.n_head % self.n_kv_head:
-            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
-        if "head_dim" in valid and self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even (rotary pairs)")
-        for name, value in (("rope_theta", self.rope_theta), ("rms_norm_eps", self.rms_norm_eps),
-                            ("init_std", self.init_std)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                problems.append(f"{name}={value!r} must be a positive number")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
-        try:
-            set_(self, "rope_scaling", RopeScaling.from_value(self.rope_scaling))
-        except ContractError as exc:
-            problems.append(str(exc))
-        if problems:
-            raise ContractError("invalid LlamaConfig: " + "; ".join(problems))
 
 
 class LlamaBlock(DecoderBlock):
@@ -163,23 +101,9 @@ class Llama(DecoderLM):
     rank's vocab-sharded logits. :meth:`check_layout` refuses a layout from its ``ParallelDims`` alone.
     """
 
+    family = LlamaFamily
     config_type = LlamaConfig
-    model_name = "Llama"
-
-    @classmethod
-    def layout_problems(cls, config: LlamaConfig, dims: ParallelDims) -> list[str]:
-        tp = dims.tp
-        problems = []
-        if config.n_head % tp:
-            problems.append(f"n_head={config.n_head} is not divisible by tp={tp}")
-        problems += head_partition_problems(config.n_kv_head, config.head_dim, tp=tp, what="n_kv_head")
-        if config.d_ff % tp:
-            problems.append(f"d_ff={config.d_ff} is not divisible by tp={tp}")
-        if config.vocab_size < tp:
-            problems.append(f"vocab_size={config.vocab_size} is smaller than tp={tp} (a rank would hold only "
-                            f"padding rows)")
-        return problems + layout_problems(dims, n_head=config.n_head, seq_len=config.seq_len,
-                                          n_layer=config.n_layer)
+    model_name = LlamaFamily.model_name
 
     def prepare(self, config: LlamaConfig, *, ctx: SPContext) -> None:
         self._rotary = Rotary(config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling)

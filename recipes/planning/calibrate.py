@@ -79,10 +79,10 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from shardline.profiling.classify import launching_op
-from shardline.profiling.errors import ProfilingError
-from shardline.profiling.load import TraceSet, load, read_op_args
-from shardline.profiling.schema import json_values
+from shardline.profiling.base.errors import ProfilingError
+from shardline.profiling.base.schema import json_values
+from shardline.profiling.table.linking import launching_op
+from shardline.profiling.table.load import TraceSet, load, read_op_args
 from shardline.recipes.planning import catalog as hw
 from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.steptime import FLASH_BWD_OVER_FWD

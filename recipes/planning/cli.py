@@ -154,6 +154,7 @@ def _zero_settings(config, flag: str):
 
 
 def _run(args) -> int:
+    import contextlib
     import dataclasses
 
     from shardline.recipes.planning import search
@@ -212,9 +213,12 @@ def _run(args) -> int:
 
         row = result.best
         command = "shardline plan " + " ".join(shlex.quote(a) for a in _reproducer(args))
-        Path(args.emit).write_text(recipe_yaml(model, row, cl, gpus=args.gpus, seq_len=seq,
-                                               global_batch=args.global_batch, command=command,
-                                               deepspeed_config=args.deepspeed_config or recipe_ds))
+        # Checking the recipe builds the strategy, whose first import of DeepSpeed logs to stdout: stdout is the
+        # plan (--json), so that line goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            emitted = recipe_yaml(model, row, cl, gpus=args.gpus, seq_len=seq, global_batch=args.global_batch,
+                                  command=command, deepspeed_config=args.deepspeed_config or recipe_ds)
+        Path(args.emit).write_text(emitted)
         print(f"wrote {args.emit}: {search.describe(row.layout)}", file=sys.stderr)
     return 0 if result.fitting else 1
 

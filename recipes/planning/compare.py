@@ -54,10 +54,10 @@ import numpy as np
 import pandas as pd
 
 from shardline.job.placement import coords_of
-from shardline.profiling.diff import ALL_RANKS, apportioned_mean
-from shardline.profiling.errors import ProfilingError
-from shardline.profiling.partition import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS
-from shardline.profiling.tables import fixed, ms_text, pipe_table
+from shardline.profiling.analyses.diff import ALL_RANKS, apportioned_mean
+from shardline.profiling.attribution.tables import fixed, ms_text, pipe_table
+from shardline.profiling.base.errors import ProfilingError
+from shardline.profiling.table.partition import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS
 from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.models import ModelSpec
@@ -127,7 +127,7 @@ class Comparison:
     def to_html(self, *, title: str = "shardline plan --compare") -> str:
         """One self-contained HTML document (no script, no external URL); the tables are the profiler's
         ``report_html.html_table`` of the same display strings as the markdown."""
-        from shardline.profiling.report_html import html_table
+        from shardline.profiling.present.report_html import html_table
 
         body = [f"<h1>{html.escape(title)}</h1>", "<p>" + "<br>".join(map(html.escape, self._header())) + "</p>",
                 "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in self.summary()) + "</ul>"]
@@ -163,7 +163,7 @@ class Comparison:
         and each category non-zero on either side, ms) at TensorBoard step = global rank, so the two overlay
         rank by rank; the ``all ranks`` means under ``compare_ms_all_ranks/<category>`` at step 0; and in the
         root run the markdown report (``compare/report``, the text plugin)."""
-        from shardline.profiling.tensorboard import scalar_value, text_value, write_events
+        from shardline.profiling.present.tensorboard import scalar_value, text_value, write_events
 
         logdir = Path(logdir)
         rows = self._shown()
@@ -250,8 +250,8 @@ def compare(profile_dir: str | Path, model: ModelSpec, layout: PlanLayout, clust
 
 def _load(profile_dir, degrees: dict[str, int]):
     """The trace set and its attribution; the profiler's errors become a ``PlanError`` (cause kept)."""
-    from shardline.profiling.attribution import attribute
-    from shardline.profiling.load import load
+    from shardline.profiling.attribution.core import attribute
+    from shardline.profiling.table.load import load
 
     try:
         traceset = load(profile_dir, layout=degrees)

@@ -54,13 +54,15 @@ layout; CI trains one per key.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import textwrap
 from typing import Any
 
 import yaml
 
-from shardline.plugins.errors import ContractError
+from shardline.job.errors import ContractError, ShardlineError
+from shardline.job.layout import Layout
 from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.memory import GIB
@@ -124,17 +126,15 @@ def _refusals(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: in
 
 
 def _strategy_args(lay: PlanLayout, *, gpus_per_node: int, nvme_path: str | None) -> dict[str, Any]:
-    args: dict[str, Any] = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "sp": lay.sp, "zero_stage": lay.zero_stage,
-                            "offload_optimizer": lay.offload_optimizer, "offload_params": lay.offload_params}
+    layout = lay.layout
     if "nvme" in (lay.offload_optimizer, lay.offload_params):
-        args["nvme_path"] = nvme_path or DEFAULT_NVME_PATH
-    args["schedule"] = lay.schedule
-    args["chunks"] = lay.chunks
+        layout = dataclasses.replace(layout, zero=dataclasses.replace(layout.zero,
+                                                                      nvme_path=nvme_path or DEFAULT_NVME_PATH))
     if lay.pp > 1:
-        args["micro_batches"] = lay.micro_batches
-    args["activation_checkpointing"] = lay.recompute == "full"
-    args["gpus_per_node"] = gpus_per_node
-    return args
+        layout = dataclasses.replace(layout, pipeline=dataclasses.replace(layout.pipeline,
+                                                                          micro_batches=lay.micro_batches))
+    return {**layout.strategy_args(), "activation_checkpointing": lay.recompute == "full",
+            "gpus_per_node": gpus_per_node}
 
 
 def model_fields(model: ModelSpec, *, seq_len: int) -> dict[str, Any]:
@@ -317,7 +317,11 @@ def layout_of(recipe: dict[str, Any]) -> PlanLayout:
     if args is None:
         raise PlanError(f"recipe: trainer.strategy={strategy!r} is not {HYBRID_CLASS} (nor one of its registered "
                         "names, shardline[_tp{t}][_pp{p}][_zero{z}][_offload])")
-    tp, pp, cp = args.get("tp", 1), args.get("pp", 1), args.get("cp", 1)
+    try:
+        layout = Layout.from_strategy_args(args)
+    except ShardlineError as error:
+        raise PlanError(f"recipe: trainer.strategy: {error}") from None
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
     devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
     bad = [f"trainer.{k}={v!r}" for k, v in (("devices", devices), ("num_nodes", nodes))
            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
@@ -328,19 +332,16 @@ def layout_of(recipe: dict[str, Any]) -> PlanLayout:
         raise PlanError(f"recipe: tp*pp*cp = {tp * pp * cp} does not divide devices*num_nodes = {world}")
     batch = (recipe.get("data") or {}).get("batch_size", 8)
     if pp > 1:
-        m = args.get("micro_batches")
+        m = layout.micro_batches
         if not isinstance(m, int) or batch % m:
             raise PlanError(f"recipe: micro_batches={m!r} must be set and divide data.batch_size={batch} (pp={pp})")
         mbs = batch // m
     else:
         m, mbs = trainer.get("accumulate_grad_batches", 1), batch
-    none = "none"
-    return PlanLayout(tp=tp, pp=pp, dp=world // (tp * pp * cp), cp=cp, chunks=args.get("chunks", 1),
-                      sp=args.get("sp", none), schedule=args.get("schedule", "1f1b"),
-                      zero_stage=args.get("zero_stage", 1), offload_optimizer=args.get("offload_optimizer") or none,
-                      offload_params=args.get("offload_params") or none,
-                      recompute="full" if args.get("activation_checkpointing") else none,
-                      micro_batches=m, micro_batch_size=mbs)
+    plain = dataclasses.replace(layout, gpus_per_node=None, pipeline=dataclasses.replace(layout.pipeline,
+                                                                                        micro_batches=None))
+    return PlanLayout.around(plain, dp=world // (tp * pp * cp), micro_batches=m, micro_batch_size=mbs,
+                             recompute="full" if args.get("activation_checkpointing") else "none")
 
 
 # --- the CPU twin -------------------------------------------------------------------------------------------------

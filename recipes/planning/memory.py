@@ -115,6 +115,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from shardline.job import stages as job_stages
+from shardline.job.family import Degrees
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.models import ModelSpec
 from shardline.recipes.schema import RecipeError
@@ -286,28 +288,19 @@ def layout_problems(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype
     """Every reason ``layout`` cannot run ``model`` (the model classes' ``layout_problems``, DeepSpeed's offload
     rules of :func:`~shardline.plugins.lightning.zero.derive_config`, the schedule's), each naming its numbers."""
     t, cp, p, v = layout.tp, layout.cp, layout.pp, layout.chunks
-    problems = [f"{k}={val} is not divisible by tp={t}" for k, val in
-                (("n_head", model.n_head), ("d_ff", model.d_ff)) if val % t]
-    kv, hd = model.kv_heads, model.dim_per_head
-    if kv % t and (t % kv or hd % (t // kv)):
-        problems.append(f"n_kv_head={kv} cannot be spread over tp={t} (neither divides the other, or head_dim={hd} "
-                        f"is not divisible by tp/n_kv_head)")
-    if model.vocab_size < t:
-        problems.append(f"vocab_size={model.vocab_size} is smaller than tp={t}")
     stages = p * v if p > 1 else 1
+    if not isinstance(seq_len, int) or not 1 <= seq_len <= model.seq_len:
+        problems = [f"seq_len={seq_len!r} must be an integer in 1..{model.seq_len} (the model's seq_len)"]
+        window = model  # the sequence rules need a valid window: the model's own stands in
+    else:
+        problems, window = [], model.replace(seq_len=seq_len)
+    # the model classes' own rules (the family's), at this layout's degrees; the pipeline's cut is checked below
+    problems += model.family.layout_problems(window, Degrees(tp=t, cp=cp, pp=1, sp=layout.layout.sp))
+    if model.vocab_size < t and not any(problem.startswith("vocab_size=") for problem in problems):
+        problems.append(f"vocab_size={model.vocab_size} is smaller than tp={t}")
     if model.n_layer + 2 < stages:
         problems.append(f"n_layer={model.n_layer} gives {model.n_layer + 2} pipeline layers, fewer than "
                         f"pp*chunks={stages} stages")
-    if not isinstance(seq_len, int) or not 1 <= seq_len <= model.seq_len:
-        problems.append(f"seq_len={seq_len!r} must be an integer in 1..{model.seq_len} (the model's seq_len)")
-    elif cp > 1 and seq_len % (2 * cp):
-        problems.append(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
-    elif layout.sp == "megatron" and (seq_len // cp) % t:
-        problems.append(f"megatron-SP: seq_len/cp={seq_len // cp} is not divisible by tp={t}")
-    if layout.sp == "megatron" and t == 1:
-        problems.append("sp='megatron' needs tp > 1 (tp=1)")
-    if layout.sp == "ulysses" and (model.n_head // t) % cp:
-        problems.append(f"ulysses: n_head/tp={model.n_head // t} is not divisible by cp={cp}")
     if p > 1 and layout.schedule == "interleaved" and layout.micro_batches % p:
         problems.append(f"interleaved: micro_batches={layout.micro_batches} is not a multiple of pp={p}")
     z, oo, op = layout.zero_stage, layout.offload_optimizer, layout.offload_params
@@ -342,27 +335,19 @@ def _kind(model: ModelSpec, index: int) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _layer_numels(model: ModelSpec, kind: str, tp: int) -> tuple[int, ...]:
-    d, f, t = model.d_model, model.d_ff, tp
-    q, kvd = model.n_head * model.dim_per_head, model.kv_heads * model.dim_per_head
-    vocab = padded_vocab(model, tp=t) // t * d
-    gpt = model.architecture == "gpt2"
-    if kind == "embedding":  # GPT: positions, then tokens
-        return (model.seq_len * d, vocab) if gpt else (vocab,)
-    if kind == "head":  # the vocabulary matrix, then the final norm
-        return (vocab,) + ((d, d) if gpt else (d,))
-    if gpt:  # ln1, qkv, proj, ln2, fc1, fc2 (weights and biases)
-        return (d, d, 3 * q * d // t, 3 * q // t, d * q // t, d, d, d, f * d // t, f // t, d * f // t, d)
-    qkv = (q * d // t, kvd * d // t, kvd * d // t)
-    if model.qkv_bias:  # each projection's weight, then its bias
-        qkv = (q * d // t, q // t, kvd * d // t, kvd // t, kvd * d // t, kvd // t)
-    return (d, *qkv, d * q // t, d, f * d // t, f * d // t, d * f // t)
+    """The family's closed forms (:class:`~shardline.job.family.Family`), the vocabulary padded to tp."""
+    vocab = padded_vocab(model, tp=tp) // tp
+    if kind == "embedding":
+        return model.family.embedding_numels(model, vocab=vocab)
+    if kind == "head":
+        return model.family.head_numels(model, vocab=vocab)
+    return model.family.block_numels(model, tp=tp)
 
 
 def hosted_stages(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> dict[int, range]:
     """``{stage: its layers}`` of pipeline rank ``pp_rank``, the cut of
     :func:`~shardline.plugins.models.decoder.hosted_layers`."""
-    n, stages = model.n_layer + 2, layout.pp * layout.chunks if layout.pp > 1 else 1
-    return {s: range(s * n // stages, (s + 1) * n // stages) for s in range(pp_rank, stages, layout.pp)}
+    return job_stages.hosted_stages(model.n_layer + 2, pp=layout.pp, chunks=layout.chunks, pp_rank=pp_rank)
 
 
 def rank_parameters(model: ModelSpec, layout: PlanLayout, pp_rank: int) -> tuple[list[int], int]:

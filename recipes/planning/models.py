@@ -1,8 +1,11 @@
 """The architecture numbers the planner needs, for packaged model names and for a user's model.
 
-A :class:`ModelSpec` is torch-free: it counts parameters in closed form and names the shardline model class
-(``gpt2`` -> :class:`~shardline.plugins.models.gpt.GPT`, ``llama`` -> :class:`~shardline.plugins.models.llama.Llama`)
-whose per-rank construction on the meta device is the exact reference for those counts.
+A :class:`ModelSpec` is torch-free: one shape record over the model families, whose rooms
+(:mod:`shardline.job.gpt`, :mod:`shardline.job.llama`, registered in :mod:`shardline.job.families`) hold the
+parameter closed forms, the layout rules and the Hugging Face ``config.json`` mapping it uses. The shardline
+model class of each family (``gpt2`` -> :class:`~shardline.plugins.models.gpt.GPT`, ``llama`` ->
+:class:`~shardline.plugins.models.llama.Llama`), built per rank on the meta device, is the exact reference for
+those counts.
 
 Packaged sizes (public configurations): GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1),
 Llama 2 (Touvron et al. 2023) and Llama 3 / 3.1 (Meta's released ``config.json`` files).
@@ -13,6 +16,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shardline.job.errors import ShardlineError
+from shardline.job.families import FAMILIES, HF_ARCHITECTURES, config_from_hf
+from shardline.job.family import Family
+from shardline.job.gpt import GPTConfig
+from shardline.job.llama import LlamaConfig
 from shardline.recipes.schema import RecipeError
 
 
@@ -45,8 +53,8 @@ class ModelSpec:
                      if getattr(self, k) is not None and not integer(getattr(self, k))]
         problems += [f"{k}={getattr(self, k)!r} must be true or false" for k in ("tie_embeddings", "qkv_bias")
                      if not isinstance(getattr(self, k), bool)]
-        if self.architecture not in ("gpt2", "llama"):
-            problems.append(f"architecture={self.architecture!r} must be 'gpt2' or 'llama'")
+        if self.architecture not in FAMILIES:
+            problems.append(f"architecture={self.architecture!r} must be {' or '.join(map(repr, FAMILIES))}")
         if not problems and self.d_model % self.n_head and self.head_dim is None:
             problems.append(f"d_model={self.d_model} is not a multiple of n_head={self.n_head}")
         if not problems and self.n_head % self.kv_heads:
@@ -62,42 +70,49 @@ class ModelSpec:
     def dim_per_head(self) -> int:
         return self.head_dim or self.d_model // self.n_head
 
+    @property
+    def family(self) -> type[Family]:
+        """The model family's room: its layout rules and parameter closed forms (:mod:`shardline.job.families`)."""
+        return FAMILIES[self.architecture]
+
     def block_params(self) -> int:
         """Parameters of one transformer block."""
-        d, hd = self.d_model, self.dim_per_head
-        q, kv = self.n_head * hd, self.kv_heads * hd
-        if self.architecture == "gpt2":
-            attn = d * (q + 2 * kv) + (q + 2 * kv) + q * d + d
-            mlp = 2 * d * self.d_ff + self.d_ff + d
-            return attn + mlp + 4 * d  # two LayerNorms, weight and bias
-        attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.qkv_bias else 0)
-        return attn + 3 * d * self.d_ff + 2 * d  # SwiGLU's gate, up and down; two RMSNorm weights
+        return sum(self.family.block_numels(self, tp=1))
 
     def embedding_params(self) -> int:
-        positions = self.seq_len * self.d_model if self.architecture == "gpt2" else 0
-        return self.vocab_size * self.d_model + positions
+        return sum(self.family.embedding_numels(self, vocab=self.vocab_size))
 
     def head_params(self) -> int:
-        norm = 2 * self.d_model if self.architecture == "gpt2" else self.d_model
-        return norm + (0 if self.tie_embeddings else self.vocab_size * self.d_model)
+        head = sum(self.family.head_numels(self, vocab=self.vocab_size))
+        return head - (self.vocab_size * self.d_model if self.tie_embeddings else 0)
 
     def params(self) -> int:
         """All parameters (a tied head counted once), unpadded."""
         return self.embedding_params() + self.n_layer * self.block_params() + self.head_params()
 
     def shardline_config(self):
-        """The shardline model config of this spec (imports torch)."""
+        """The shardline model config of this spec (its family's config dataclass; torch-free)."""
         if self.architecture == "gpt2":
-            from shardline.plugins.models.gpt import GPTConfig
-
             return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
                              n_head=self.n_head, d_model=self.d_model, d_ff=self.d_ff,
                              tie_embeddings=self.tie_embeddings)
-        from shardline.plugins.models.llama import LlamaConfig
-
         return LlamaConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
                            n_head=self.n_head, n_kv_head=self.kv_heads, d_model=self.d_model, d_ff=self.d_ff,
                            head_dim=self.head_dim, tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias)
+
+    @classmethod
+    def from_config(cls, config, *, name: str) -> ModelSpec:
+        """The spec of a family config (GPTConfig or LlamaConfig); ``head_dim`` is kept only where it is not
+        ``d_model / n_head``."""
+        if isinstance(config, GPTConfig):
+            return cls(name=name, architecture="gpt2", vocab_size=config.vocab_size, seq_len=config.seq_len,
+                       n_layer=config.n_layer, n_head=config.n_head, d_model=config.d_model, d_ff=config.d_ff,
+                       tie_embeddings=config.tie_embeddings)
+        head_dim = None if config.head_dim * config.n_head == config.d_model else config.head_dim
+        return cls(name=name, architecture="llama", vocab_size=config.vocab_size, seq_len=config.seq_len,
+                   n_layer=config.n_layer, n_head=config.n_head, n_kv_head=config.n_kv_head, d_model=config.d_model,
+                   d_ff=config.d_ff, head_dim=head_dim, tie_embeddings=config.tie_embeddings,
+                   qkv_bias=config.qkv_bias)
 
     def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -133,44 +148,18 @@ def packaged(name: str) -> ModelSpec:
     return PACKAGED[name]
 
 
-#: Hugging Face ``architectures`` the planner reads, and the ModelSpec architecture of each (the same families
-#: :mod:`shardline.plugins.hf` loads: Mistral and Qwen2 are Llama-shaped, Qwen2 with q/k/v biases).
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-                    "GPT2LMHeadModel": "gpt2"}
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))
 
 
 def from_hf_config(hf: dict, *, name: str = "hf", source: str = "config.json") -> ModelSpec:
-    """The spec of a Hugging Face ``config.json`` (as a dict), without torch. RecipeError naming ``source`` and
-    the missing or unsupported field."""
-    archs = hf.get("architectures") or []
-    supported = [a for a in archs if a in HF_ARCHITECTURES]
-    if not supported:
-        raise RecipeError(f"model {source}: architectures={archs} is not supported "
-                          f"(supported: {sorted(HF_ARCHITECTURES)})")
-    arch = supported[0]
-
-    def need(key: str):
-        if not isinstance(hf.get(key), int):
-            raise RecipeError(f"model {source}: {key!r} is missing or not an integer ({hf.get(key)!r})")
-        return hf[key]
-
-    if HF_ARCHITECTURES[arch] == "gpt2":
-        d = need("n_embd")
-        return ModelSpec(name=name, architecture="gpt2", vocab_size=need("vocab_size"), seq_len=need("n_positions"),
-                         n_layer=need("n_layer"), n_head=need("n_head"), d_model=d, d_ff=hf.get("n_inner") or 4 * d,
-                         tie_embeddings=hf.get("tie_word_embeddings", True))
-    for key in ("mlp_bias", "attention_bias"):
-        if hf.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
-            raise RecipeError(f"model {source}: {key}=True is not supported by shardline's Llama "
-                              f"(biases only on q/k/v, as Qwen2 has)")
-    n_head = need("num_attention_heads")
-    return ModelSpec(name=name, architecture="llama", vocab_size=need("vocab_size"),
-                     seq_len=need("max_position_embeddings"), n_layer=need("num_hidden_layers"), n_head=n_head,
-                     n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=need("hidden_size"),
-                     d_ff=need("intermediate_size"), head_dim=hf.get("head_dim"),
-                     tie_embeddings=hf.get("tie_word_embeddings", False),
-                     qkv_bias=arch == "Qwen2ForCausalLM")
+    """The spec of a Hugging Face ``config.json`` (as a dict), without torch: the family's own mapping (the one
+    :func:`shardline.plugins.hf.from_pretrained` loads with). RecipeError naming ``source`` and the missing or
+    unsupported field."""
+    try:
+        _, config = config_from_hf(hf)
+    except ShardlineError as error:
+        raise RecipeError(f"model {source}: {error}") from None
+    return ModelSpec.from_config(config, name=name)
 
 
 def from_mapping(fields: dict, *, name: str, source: str) -> ModelSpec:

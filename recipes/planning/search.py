@@ -51,6 +51,7 @@ from shardline.recipes.planning import catalog as hw
 from shardline.recipes.planning import memory as mem
 from shardline.recipes.planning import steptime
 from shardline.recipes.planning.catalog import Cluster, PlanError
+from shardline.recipes.planning.implementation import Implementation
 from shardline.recipes.planning.layout import OFFLOAD, RECOMPUTE, SCHEDULES, SP_MODES, PlanLayout
 from shardline.recipes.planning.models import ModelSpec
 from shardline.recipes.schema import RecipeError
@@ -385,6 +386,14 @@ def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | N
     return problems
 
 
+def _check_options(headroom, cpu_ram_gib, predict_kwargs: dict[str, Any]) -> None:
+    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+        raise PlanError(f"headroom={headroom!r} must be a share of HBM in [0, 1)")
+    if cpu_ram_gib is not None and not (isinstance(cpu_ram_gib, (int, float)) and cpu_ram_gib > 0):
+        raise PlanError(f"cpu_ram_gib={cpu_ram_gib!r} must be > 0")
+    Implementation().with_(**predict_kwargs)  # an unknown or bad field is one error now, not a problem per row
+
+
 def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_batch: int,
          layout: dict[str, Any] | None = None, top: int | None = None, dtype: str = "bf16",
          attention: str = "flash", headroom: float = HEADROOM, cpu_ram_gib: float | None = None,
@@ -394,8 +403,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
     ``seq_len`` tokens per step (see the module docstring), fitting rows first by predicted step time, then the
     rest by memory. ``layout`` fixes fields (PlanLayout's names, or :func:`parse_layout`'s output); ``top``
     keeps that many rows. ``zero``: the DeepSpeed settings the memory estimate follows (ZeRO-3's sub-groups, the
-    NVMe offload's buffers; :meth:`~.memory.ZeroSettings.from_deepspeed`). ``predict_kwargs`` go to
-    :func:`~.steptime.predict` (``tp_overlap`` ...)."""
+    NVMe offload's buffers; :meth:`~.memory.ZeroSettings.from_deepspeed`). ``predict_kwargs``: fields of the
+    :class:`~.implementation.Implementation` priced (``tp_overlap`` ...), passed to :func:`~.steptime.predict`."""
     _check_request(model, cluster, gpus, seq_len, global_batch)
     fixed = dict(layout or {})
     unknown = set(fixed) - {f.name for f in dataclasses.fields(PlanLayout)}
@@ -406,10 +415,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
         if key in fixed and fixed[key] not in allowed:
             raise PlanError(f"layout: {key}={fixed[key]!r} must be one of {allowed}")
     check_fixed(model, fixed, gpus)
-    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
-        raise PlanError(f"headroom={headroom!r} must be a share of HBM in [0, 1)")
-    if cpu_ram_gib is not None and not (isinstance(cpu_ram_gib, (int, float)) and cpu_ram_gib > 0):
-        raise PlanError(f"cpu_ram_gib={cpu_ram_gib!r} must be > 0")
+    _check_options(headroom, cpu_ram_gib, predict_kwargs)
     if all(k in fixed for k in ("tp", "pp", "cp")) and "dp" not in fixed and \
             gpus % (fixed["tp"] * fixed["pp"] * fixed["cp"]) == 0:
         fixed_dp = gpus // (fixed["tp"] * fixed["pp"] * fixed["cp"])
@@ -522,9 +528,8 @@ def _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, 
     if problems and not explicit_price:
         return PlanRow(lay, False, estimate, None, problems)
     try:
-        prediction = steptime.predict(model, lay, cluster, seq_len=seq_len,
-                                      dtype="bf16" if dtype == "fp32" else dtype, attention=attention, zero=zero,
-                                      **predict_kwargs)
+        impl = Implementation(dtype="bf16" if dtype == "fp32" else dtype, attention=attention, zero=zero)
+        prediction = steptime.predict(model, lay, cluster, seq_len=seq_len, impl=impl, **predict_kwargs)
     except PlanError as error:
         problems.append(str(error))
     return PlanRow(lay, not problems, estimate, prediction, problems)

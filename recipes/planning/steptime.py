@@ -1,6 +1,8 @@
 """Step-time model: one optimizer step of a layout on a cluster, split the way the profiler splits a measured
 step, from published rates (``job/hardware.yaml``) and closed forms; nothing is fitted to a training run. The costs
-of one GEMM and one collective (roofline, alpha-beta, the link a group crosses) live in :mod:`.catalog`.
+of one GEMM and one collective (roofline, alpha-beta, the link a group crosses) live in :mod:`.catalog`. What runs
+the layout (precision, attention, overlap and fusion switches, the pipeline cut: ``fused_wgrad``, ``tp_overlap``
+... below) is one :class:`~.implementation.Implementation` value.
 
 Notation: ``t, c, p, v, m, b`` = tp, cp, pp, chunks, micro-batches, micro-batch size; ``s`` sequence,
 ``T = b s / c`` tokens per rank and micro-batch, ``e = 2`` bytes per activation element, ``h`` = d_model.
@@ -55,17 +57,20 @@ import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
-from shardline.profiling.partition import LABELS, OVERLAP_COLUMNS
+from shardline.job.stages import uniform_bounds
+from shardline.profiling.table.partition import LABELS, OVERLAP_COLUMNS
 from shardline.recipes.planning import catalog as hw
 from shardline.recipes.planning.catalog import Cluster, Gpu, GroupLink, PlanError
+from shardline.recipes.planning.implementation import SHARDLINE, Attention, Cut, Implementation, Precision
 from shardline.recipes.planning.layout import PlanLayout
-from shardline.recipes.planning.memory import DEFAULT_ZERO, ZeroSettings, rank_parameters, swap_traffic
+from shardline.recipes.planning.memory import ZeroSettings, rank_parameters, swap_traffic
 from shardline.recipes.planning.models import ModelSpec
 
-DTYPES = ("bf16", "fp16", "fp8")
-ATTENTION = ("flash", "materialized")
-CUTS = ("layers", "blocks")
+DTYPES = tuple(p.value for p in Precision)
+ATTENTION = tuple(a.value for a in Attention)
+CUTS = tuple(c.value for c in Cut)
 FLASH_BWD_OVER_FWD = 0.63 / 0.73  # FlashAttention-2 (Dao 2023): backward vs forward share of A100 peak
 # Optimizer bytes per local parameter on the GPU: gradient norm (read 4), Adam (fp32 p, m, v, g read, p, m, v
 # written: 28), master -> bf16 copy (read 4, write 2), gradient-buffer zeroing (4); fp16 adds loss-scale
@@ -141,7 +146,7 @@ def model_flops(model: ModelSpec, *, seq_len: int, batch: int) -> float:
     ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``."""
     d, hd, f = model.d_model, model.dim_per_head, model.d_ff
     q, kv = model.n_head * hd, model.kv_heads * hd
-    mlp = (2 if model.architecture == "gpt2" else 3) * d * f
+    mlp = model.family.mlp_matrices * d * f
     weights = d * (q + 2 * kv) + q * d + mlp
     tokens = batch * seq_len
     per_layer = 2 * tokens * weights + 4 * batch * seq_len ** 2 * q
@@ -194,16 +199,7 @@ class _Setup:
     layout: PlanLayout
     cluster: Cluster
     seq_len: int
-    dtype: str
-    attention: str
-    dropout: bool
-    tp_overlap: bool
-    overlap_dp: bool
-    pp_scatter_gather: bool
-    grad_bytes: int
-    fused_wgrad: bool
-    fused_kernels: bool
-    grad_scale_pass: bool = False
+    impl: Implementation
 
     @property
     def gpu(self) -> Gpu:
@@ -235,16 +231,16 @@ class _Setup:
         return self.gpu.sms / self.free_sms(link)
 
     def gemm(self, m: int, n: int, k: int, batch: int = 1, sms: int | None = None) -> float:
-        return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, batch=batch, sms=sms)
+        return hw.gemm_s(self.gpu, m, n, k, dtype=self.impl.dtype, batch=batch, sms=sms)
 
     def wgrad(self, m: int, n: int, k: int, sms: int | None = None) -> float:
         """A weight-gradient GEMM: accumulated into an fp32 buffer in its epilogue (``fused_wgrad``, Megatron's
         gradient-accumulation fusion), or written in bf16 and, with several micro-batches, added to ``.grad``
         by autograd (read, read, write)."""
-        if self.fused_wgrad:
-            return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, out_bytes=8, sms=sms)
+        if self.impl.fused_wgrad:
+            return hw.gemm_s(self.gpu, m, n, k, dtype=self.impl.dtype, out_bytes=8, sms=sms)
         extra = 6 * m * n if self.layout.micro_batches > 1 else 0
-        return hw.gemm_s(self.gpu, m, n, k, dtype=self.dtype, sms=sms) + self.hbm(extra)
+        return hw.gemm_s(self.gpu, m, n, k, dtype=self.impl.dtype, sms=sms) + self.hbm(extra)
 
     def hbm(self, nbytes: float) -> float:
         return nbytes / self.gpu.hbm_bytes_per_s
@@ -255,7 +251,7 @@ def _block_gemms(st: _Setup) -> dict[str, tuple[int, int, int]]:
     """Forward GEMM shapes of one block on one TP rank: ``name -> (M, N, K)``."""
     mod, t, tok = st.model, st.layout.tp, st.tokens
     q, kv = mod.n_head * mod.dim_per_head // t, mod.kv_heads * mod.dim_per_head // t
-    up = (1 if mod.architecture == "gpt2" else 2) * mod.d_ff // t
+    up = (mod.family.mlp_matrices - 1) * mod.d_ff // t  # the MLP's input projections, fused
     return {"qkv": (tok, q + 2 * kv, mod.d_model), "proj": (tok, mod.d_model, q),
             "fc1": (tok, up, mod.d_model), "fc2": (tok, mod.d_model, mod.d_ff // t)}
 
@@ -265,15 +261,15 @@ def _attention_core(st: _Setup) -> tuple[float, float, float]:
     mod, lay = st.model, st.layout
     heads, hd = mod.n_head // lay.tp, mod.dim_per_head
     b, sq, sk = lay.micro_batch_size, st.seq_len // lay.cp, st.seq_len
-    if st.attention == "flash":
+    if st.impl.attention == "flash":
         flops = 4 * b * heads * sq * sk * hd * 0.5  # causal: half the blocks run
         rate = st.gpu.peak_flops("bf16") * st.gpu.attention_fraction
         return flops / rate, 2.5 * flops / (rate * FLASH_BWD_OVER_FWD), 0.0
     batch, e = b * heads, 2
     scores = batch * sq * sk
     qk, av = st.gemm(sq, sk, hd, batch), st.gemm(sq, hd, sk, batch)
-    fwd_bytes = (4 * e + 1 if st.dropout else 2 * e) * scores  # softmax r+w, dropout r+w + 1-byte mask
-    bwd_bytes = (5 * e + 1 if st.dropout else 3 * e) * scores  # dropout bwd r+r(mask)+w, softmax bwd 2r+w
+    fwd_bytes = (4 * e + 1 if st.impl.dropout else 2 * e) * scores  # softmax r+w, dropout r+w + 1-byte mask
+    bwd_bytes = (5 * e + 1 if st.impl.dropout else 3 * e) * scores  # dropout bwd r+r(mask)+w, softmax bwd 2r+w
     fwd = qk + av + st.hbm(fwd_bytes)
     bwd = (st.gemm(sq, hd, sk, batch) + st.gemm(sk, hd, sq, batch) + st.gemm(sq, sk, hd, batch)
            + st.gemm(sk, hd, sq, batch) + st.hbm(bwd_bytes))
@@ -288,8 +284,8 @@ def _layer_elementwise(st: _Setup) -> float:
     mod, lay, e = st.model, st.layout, 2
     region = st.tokens * mod.d_model / (lay.tp if lay.sp == "megatron" else 1)
     hidden = st.tokens * mod.d_ff // lay.tp
-    eager = not st.fused_kernels and mod.architecture == "llama"
-    nbytes = 2 * (36 if eager else 2 * e) * region + 2 * (3 * e + (1 if st.dropout else 0)) * region
+    eager = not st.impl.fused_kernels and mod.architecture == "llama"
+    nbytes = 2 * (36 if eager else 2 * e) * region + 2 * (3 * e + (1 if st.impl.dropout else 0)) * region
     if mod.architecture == "gpt2":
         return nbytes + 2 * e * hidden
     rotary = st.tokens * (mod.n_head + mod.kv_heads) * mod.dim_per_head // lay.tp
@@ -317,7 +313,7 @@ def _tp_comm(st: _Setup, led: _Ledger, gemms: dict[str, tuple[int, int, int]],
             led.comm("reduce_scatter", 2 * rs)
         led.comm("all_gather", 2 * ag)  # backward of the forward reduce-scatters
         for name in ("qkv", "fc1"):  # backward of the forward all-gathers, + the gathered input redone
-            if st.tp_overlap:
+            if st.impl.tp_overlap:
                 beside("reduce_scatter", rs, name, 1)
                 beside("all_gather", ag, name, 0)
             else:
@@ -326,7 +322,7 @@ def _tp_comm(st: _Setup, led: _Ledger, gemms: dict[str, tuple[int, int, int]],
     ar = hw.all_reduce_s(size, t, link)
     led.comm("all_reduce", (4 if recompute_full else 2) * ar)
     for name in ("qkv", "fc1"):
-        if st.tp_overlap:
+        if st.impl.tp_overlap:
             beside("all_reduce", ar, name, 1)
         else:
             led.comm("all_reduce", ar)
@@ -402,9 +398,8 @@ def stage_layers(n_layer: int, pp: int, chunks: int, *, cut: str = "blocks") -> 
     ``[k (n+2)/(pp*chunks), (k+1) (n+2)/(pp*chunks))``, so the first and last stages hold fewer blocks."""
     virtual = pp * chunks
     if cut == "layers" and pp > 1:
-        n = n_layer + 2
-        blocks = [len(range(max(k * n // virtual, 1), min((k + 1) * n // virtual, n_layer + 1)))
-                  for k in range(virtual)]
+        blocks = [len(range(max(first, 1), min(end, n_layer + 1)))
+                  for first, end in uniform_bounds(n_layer + 2, virtual)]
         return [sum(blocks[s::pp]) for s in range(pp)]
     base, extra = divmod(n_layer, virtual)
     sizes = [base + (1 if j < extra else 0) for j in range(virtual)]
@@ -447,26 +442,26 @@ def _stage(st: _Setup, stage: int, layers: int, block: tuple[_Ledger, float, flo
     led.add(block[0], layers)
     led.add(_embedding_and_head(st, stage == 0, stage == lay.pp - 1))
     if lay.pp > 1:
-        sharded = lay.sp == "megatron" or (st.pp_scatter_gather and lay.tp > 1)
+        sharded = lay.sp == "megatron" or (st.impl.pp_scatter_gather and lay.tp > 1)
         size = st.tokens * st.model.d_model * e
         led.comm("p2p_send", 2 * lay.chunks * hw.p2p_s(size / (lay.tp if sharded else 1), st.link("pp")))
-        if st.pp_scatter_gather and lay.sp != "megatron" and lay.tp > 1:
+        if st.impl.pp_scatter_gather and lay.sp != "megatron" and lay.tp > 1:
             led.comm("all_gather", 2 * lay.chunks * hw.all_gather_s(size, lay.tp, st.link("tp")))
     n, link = lay.zero_group, st.link("zero")
-    fwd_window, bwd_window = (fwd, bwd) if st.overlap_dp else (0.0, 0.0)
+    fwd_window, bwd_window = (fwd, bwd) if st.impl.overlap_dp else (0.0, 0.0)
     squeeze = st.squeeze(link)
 
     def beside(label: str, seconds: float, window: float) -> None:
         led.overlap(label, seconds, alone=window, squeezed=window * squeeze)
 
     if lay.zero_stage == 2:
-        beside("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link), bwd_window)
+        beside("reduce_scatter", hw.reduce_scatter_s(params * st.impl.grad_bytes, n, link), bwd_window)
     if lay.zero_stage == 3:  # gathered module by module (each block, the embedding, the head): a latency each
         modules = max(1, layers + (stage == 0) + (stage == lay.pp - 1))
         gather = modules * hw.all_gather_s(params * e / modules, n, link)
         beside("all_gather", gather, fwd_window)
         beside("all_gather", gather, bwd_window)
-        beside("reduce_scatter", hw.reduce_scatter_s(params * st.grad_bytes, n, link),
+        beside("reduce_scatter", hw.reduce_scatter_s(params * st.impl.grad_bytes, n, link),
                max(0.0, bwd_window - gather / squeeze))
     if lay.offload_params != "none":
         local = params / n * e
@@ -500,23 +495,23 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
     in_bubble = 0.0
     if lay.zero_stage in (0, 1) and n > 1:
         label = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
-        size = params * st.grad_bytes
+        size = params * st.impl.grad_bytes
         seconds = hw.all_reduce_s(size, n, link) if lay.zero_stage == 0 else hw.reduce_scatter_s(size, n, link)
-        window = bwd_window if st.overlap_dp else 0.0
+        window = bwd_window if st.impl.overlap_dp else 0.0
         exposed = led.overlap(label, seconds, alone=window, squeezed=window * st.squeeze(link))
-        in_bubble = min(exposed, cooldown) if st.overlap_dp else 0.0
+        in_bubble = min(exposed, cooldown) if st.impl.overlap_dp else 0.0
     if lay.pp > 1 and st.model.tie_embeddings and stage in (0, lay.pp - 1):
         pair = hw.group_link(cl, size=2, stride=(lay.pp - 1) * lay.tp * lay.cp * lay.dp)
-        led.comm("all_reduce", hw.all_reduce_s(st.model.vocab_size * st.model.d_model / lay.tp * st.grad_bytes, 2,
+        led.comm("all_reduce", hw.all_reduce_s(st.model.vocab_size * st.model.d_model / lay.tp * st.impl.grad_bytes, 2,
                                             pair))
-    if st.grad_scale_pass:  # the whole gradient buffer divided by the DP size, in place: read, write
-        led.compute += st.hbm(2 * st.grad_bytes * params)
+    if st.impl.grad_scale_pass:  # the whole gradient buffer divided by the DP size, in place: read, write
+        led.compute += st.hbm(2 * st.impl.grad_bytes * params)
     local = params / n if lay.zero_stage >= 1 else params
     cpu_s = 0.0
     if lay.offload_optimizer == "none":
-        led.compute += st.hbm((ADAM_BYTES_GPU + (ADAM_BYTES_FP16_EXTRA if st.dtype == "fp16" else 0)) * local)
+        led.compute += st.hbm((ADAM_BYTES_GPU + (ADAM_BYTES_FP16_EXTRA if st.impl.dtype == "fp16" else 0)) * local)
     else:
-        led.comm("memcpy_d2h", local * st.grad_bytes / cl.host.bytes_per_s)
+        led.comm("memcpy_d2h", local * st.impl.grad_bytes / cl.host.bytes_per_s)
         cpu_s = ADAM_BYTES_CPU * local / (cl.cpu_mem_gbps * 1e9 / cl.gpus_per_node)
         led.comm("memcpy_h2d", local * e / cl.host.bytes_per_s)
     # NVMe: master, moments and gradients read and written, the swapped parameters written back
@@ -527,21 +522,18 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
 
 
 
-def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtype, attention, cut) -> None:
-    lay, mod, gpu = layout, model, cluster.gpu
+def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, impl: Implementation) -> None:
+    lay, mod, gpu, cut = layout, model, cluster.gpu, impl.cut
     good_seq = isinstance(seq_len, int) and seq_len >= 1
     rules = [(not good_seq, f"seq_len={seq_len!r} must be an integer >= 1"),
-             (dtype not in DTYPES, f"dtype={dtype!r} must be one of {DTYPES}"),
-             (dtype == "fp8" and gpu.fp8_tflops is None,
+             (impl.dtype == "fp8" and gpu.fp8_tflops is None,
               f"dtype='fp8' but gpu {gpu.name!r} has no FP8 tensor cores"),
-             (attention not in ATTENTION, f"attention={attention!r} must be one of {ATTENTION}"),
              *((value % lay.tp != 0, f"{name}={value} is not divisible by tp={lay.tp}")
                for name, value in (("n_head", mod.n_head), ("d_ff", mod.d_ff))),
              (mod.kv_heads % lay.tp != 0 and (lay.tp % mod.kv_heads != 0
                                               or mod.dim_per_head % (lay.tp // mod.kv_heads) != 0),
               f"kv heads={mod.kv_heads} cannot be spread over tp={lay.tp} (neither divides the other, or head_dim="
               f"{mod.dim_per_head} is not divisible by tp/kv heads)"),
-             (cut not in CUTS, f"cut={cut!r} must be one of {CUTS}"),
              (cut == "blocks" and mod.n_layer < lay.pp * lay.chunks,
               f"n_layer={mod.n_layer} < pp*chunks={lay.pp * lay.chunks} (a block per virtual stage)"),
              (cut == "layers" and mod.n_layer + 2 < lay.pp * lay.chunks,
@@ -559,66 +551,43 @@ def _check(model: ModelSpec, layout: PlanLayout, cluster: Cluster, seq_len, dtyp
         raise PlanError(f"cannot price {mod.name!r} on {cluster.name!r}: " + "; ".join(problems))
 
 
-def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
-            attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
-            overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
-            fused_wgrad: bool = False, fused_kernels: bool = False, cut: str = "layers",
-            grad_scale_pass: bool = False, zero: ZeroSettings = DEFAULT_ZERO) -> StepPrediction:
-    """One optimizer step of ``layout`` training ``model`` on ``cluster`` (see the module docstring).
-
-    The defaults describe shardline (eager PyTorch, SDPA flash attention, no dropout, synchronous TP autograd
-    pairs, DeepSpeed's bf16 gradients); Megatron-LM sets ``tp_overlap`` (async backward TP collectives),
-    ``pp_scatter_gather`` (``/t`` pipeline transfers + all-gather without SP), ``grad_bytes=4`` (fp32 main
-    grads), ``fused_wgrad`` (accumulated in the GEMM), ``fused_kernels`` (fused norm, rotary, SwiGLU) and
-    ``grad_scale_pass`` (its local DDP divides the stage's whole gradient buffer by the DP size before the
-    all-reduce, whatever that size, ``buffer_.data /= dp``: one more read and write of every gradient; off, the
-    averaging is taken to happen inside the reduction). ``cut``: how the pipeline splits the model
-    (:func:`stage_layers`): ``layers`` (shardline: the ``n_layer + 2`` layers, embedding and head included, cut
-    uniformly) or ``blocks`` (Megatron-LM: the blocks cut evenly, the embedding and head added to the first and
-    last stage). ``zero``: the DeepSpeed settings that decide what NVMe offload reads from and writes to the drive
-    (:func:`~.memory.swap_traffic`; with ``cut='blocks'`` every partition is taken to be swapped)."""
-    st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
-                                               tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels, cut, grad_scale_pass, zero)
+def predict(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int,
+            impl: Implementation = SHARDLINE, **changes: Any) -> StepPrediction:
+    """One optimizer step of ``layout`` training ``model`` on ``cluster`` (see the module docstring), run by
+    ``impl`` (:class:`~.implementation.Implementation`: :data:`~.implementation.SHARDLINE`, the default, or
+    :data:`~.implementation.MEGATRON`, ...). ``changes``: fields of ``impl`` to change for this call
+    (``predict(..., overlap_dp=False)`` is ``predict(..., impl=replace(impl, overlap_dp=False))``)."""
+    st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, impl.with_(**changes))
     m = layout.micro_batches
     busiest = max(range(layout.pp), key=lambda s: (m * stages[s].busy + tails[s].ledger.busy, s))
     return _prediction(st, stages[busiest], tails[busiest], makespan, step, busiest)
 
 
-def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
-                   attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
-                   overlap_dp: bool = True, pp_scatter_gather: bool = False, grad_bytes: int = 2,
-                   fused_wgrad: bool = False, fused_kernels: bool = False,
-                   cut: str = "layers", grad_scale_pass: bool = False,
-                   zero: ZeroSettings = DEFAULT_ZERO) -> list[StepPrediction]:
+def predict_stages(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int,
+                   impl: Implementation = SHARDLINE, **changes: Any) -> list[StepPrediction]:
     """:func:`predict` for every pipeline rank: element ``r`` is pipeline rank ``r``'s step (global ranks
     ``r*tp*cp*dp ...``; TP, CP and DP peers of a pipeline rank are priced alike). :func:`predict` returns the
     busiest of them (the most compute and exposed communication, the last of equals). Same arguments."""
-    st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, dtype, attention, dropout,
-                                               tp_overlap, overlap_dp, pp_scatter_gather, grad_bytes, fused_wgrad,
-                                               fused_kernels, cut, grad_scale_pass, zero)
+    st, stages, tails, makespan, step = _solve(model, layout, cluster, seq_len, impl.with_(**changes))
     return [_prediction(st, stages[s], tails[s], makespan, step, s) for s in range(layout.pp)]
 
 
-def block_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int, dtype: str = "bf16",
-                  attention: str = "flash", dropout: bool = False, tp_overlap: bool = False,
-                  fused_wgrad: bool = False, fused_kernels: bool = False) -> tuple[float, float]:
+def block_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq_len: int,
+                  impl: Implementation = SHARDLINE, **changes: Any) -> tuple[float, float]:
     """One transformer block, one micro-batch of ``layout`` on one rank: ``(compute seconds, exposed
     communication seconds)`` of its forward, backward and recompute (what a per-layer measurement such as
-    Korthikanti et al.'s Table 4 times). Arguments as :func:`predict`'s."""
-    _check(model, layout, cluster, seq_len, dtype, attention, "blocks")
-    st = _Setup(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, True, False, 2, fused_wgrad,
-                fused_kernels)
-    led, _, _ = _block(st)
+    Korthikanti et al.'s Table 4 times). Arguments as :func:`predict`'s (the block's cost reads only its
+    precision, attention, dropout, TP overlap and kernel fusion)."""
+    impl = impl.with_(**changes)
+    _check(model, layout, cluster, seq_len, impl.with_(cut=Cut.BLOCKS))
+    led, _, _ = _block(_Setup(model, layout, cluster, seq_len, impl))
     return led.compute, sum(led.exposed.values())
 
 
-def _solve(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp, pp_scatter_gather,
-           grad_bytes, fused_wgrad, fused_kernels, cut, grad_scale_pass, zero):
-    _check(model, layout, cluster, seq_len, dtype, attention, cut)
-    st = _Setup(model, layout, cluster, seq_len, dtype, attention, dropout, tp_overlap, overlap_dp,
-                pp_scatter_gather, grad_bytes, fused_wgrad, fused_kernels, grad_scale_pass)
-    lay = layout
+def _solve(model, layout, cluster, seq_len, impl: Implementation):
+    _check(model, layout, cluster, seq_len, impl)
+    st = _Setup(model, layout, cluster, seq_len, impl)
+    lay, cut, zero = layout, impl.cut, impl.zero
     block = _block(st)
     layers = stage_layers(model.n_layer, lay.pp, lay.chunks, cut=cut)
     params = [_stage_params(st, s, n) for s, n in enumerate(layers)]
@@ -657,10 +626,10 @@ def _prediction(st: _Setup, stage: _Ledger, tail: _Tail, makespan: float, step: 
     layer_share = 1 - 2 * lay.global_batch * st.seq_len * st.model.d_model * st.model.vocab_size * 3 / flops
     extra = {"none": 0.0, "full": flops * layer_share / 3,
              "selective": 4 * lay.global_batch * st.seq_len ** 2 * st.model.n_head * st.model.dim_per_head
-             * st.model.n_layer if st.attention == "materialized" else 0.0}[lay.recompute]
+             * st.model.n_layer if st.impl.attention == "materialized" else 0.0}[lay.recompute]
     return StepPrediction(step_s=step, time_s=time_s, overlapped_s=overlapped, model_flops=flops,
                           hardware_flops=flops + extra, tokens=lay.global_batch * st.seq_len, world=lay.world,
-                          peak_flops=st.gpu.peak_flops(st.dtype), stage=rank)
+                          peak_flops=st.gpu.peak_flops(st.impl.dtype), stage=rank)
 
 
 __all__ = ["ATTENTION", "DTYPES", "StepPrediction", "block_seconds", "bubble_fraction", "model_flops",

@@ -13,7 +13,7 @@ from shardline.plugins.grid import AXES, ParallelDims
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 from shardline.plugins.pipeline.partition import stages_of_rank as partition_stages
-from shardline.profiling.classify import layout_dim
+from shardline.profiling.table.dims import layout_dim
 from shardline.recipes.schema import strategy_layout
 
 

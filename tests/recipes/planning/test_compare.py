@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from shardline.profiling.partition import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS
+from shardline.profiling.table.partition import EXCLUSIVE_COLUMNS, OVERLAP_COLUMNS
 from shardline.recipes.planning.catalog import PlanError, load_catalog
 from shardline.recipes.planning.compare import ALL_RANKS, COLUMNS, Kind, compare
 from shardline.recipes.planning.layout import PlanLayout
@@ -230,8 +230,8 @@ def test_no_steps_left(profile, tmp_path):
 def test_real_dlrm_trace_set(traces_dir):
     """param's DLRM run: 8 ranks (``distributedInfo.world_size`` 8, PROVENANCE: rank r/8), one profiled step
     each, data-parallel (no pg_config names another dim): compared as dp=8."""
-    from shardline.profiling.attribution import breakdown
-    from shardline.profiling.load import load
+    from shardline.profiling.attribution.core import breakdown
+    from shardline.profiling.table.load import load
 
     folder = traces_dir / "param" / "dlrm_kineto"
     layout = PlanLayout(dp=8)

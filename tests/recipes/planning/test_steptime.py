@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from shardline.profiling.partition import LABELS, OVERLAP_COLUMNS
+from shardline.profiling.table.partition import LABELS, OVERLAP_COLUMNS
 from shardline.recipes.planning import memory
 from shardline.recipes.planning.catalog import (
     NCCL_BASE_LATENCY_S,
@@ -30,6 +30,7 @@ from shardline.recipes.planning.catalog import (
     ring_all_reduce_s,
     tree_all_reduce_s,
 )
+from shardline.recipes.planning.implementation import MEGATRON, Attention, Precision
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.models import ModelSpec, packaged
 from shardline.recipes.planning.steptime import (
@@ -83,6 +84,10 @@ def dev_layout(row, mode: str) -> PlanLayout:
                       micro_batches=batch // mbs, micro_batch_size=mbs)
 
 
+#: Megatron-LM as Korthikanti et al. (2022) ran it: fp16, unfused attention, dropout.
+MEGATRON_2022 = replace(MEGATRON, dtype=Precision.FP16, attention=Attention.MATERIALIZED, dropout=True)
+
+
 def dev_predict(row, mode: str, cluster=DGX_A100):
     """The prediction for a Table 5 row (on ``cluster``: bench_plan varies its constants), with Megatron-LM's 2022
     implementation choices: fp16, unfused
@@ -90,9 +95,7 @@ def dev_predict(row, mode: str, cluster=DGX_A100):
     gradients accumulated in the weight-gradient GEMM, the local DDP's division of the gradient buffer by the DP
     size (megatron/model/distributed.py, ``allreduce_gradients``: ``buffer_.data /= dp world size``, at dp 1
     too)."""
-    return predict(dev_model(row), dev_layout(row, mode), cluster, seq_len=2048, dtype="fp16",
-                   attention="materialized", dropout=True, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
-                   fused_wgrad=True, fused_kernels=True, cut="blocks", grad_scale_pass=True)
+    return predict(dev_model(row), dev_layout(row, mode), cluster, seq_len=2048, impl=MEGATRON_2022)
 
 
 def dev_errors() -> list[tuple[str, str, float, float]]:
@@ -424,3 +427,16 @@ def test_bad_inputs_name_every_value():
         predict(model, PlanLayout(), DGX_A100, seq_len=8192, cut="stages")
     with pytest.raises(PlanError, match="attention='sdpa'"):
         predict(model, PlanLayout(), DGX_A100, seq_len=8192, attention="sdpa")
+
+
+def test_the_implementation_is_one_value_and_the_keywords_change_it():
+    model, lay = packaged("llama3-8b"), PlanLayout(tp=2, pp=2, dp=2, micro_batches=4)
+    by_value = predict(model, lay, DGX_A100, seq_len=2048, impl=replace(MEGATRON, overlap_dp=False))
+    by_keywords = predict(model, lay, DGX_A100, seq_len=2048, tp_overlap=True, pp_scatter_gather=True, grad_bytes=4,
+                          fused_wgrad=True, fused_kernels=True, cut="blocks", grad_scale_pass=True, overlap_dp=False)
+    assert by_value == by_keywords
+    assert MEGATRON_2022.attention is Attention.MATERIALIZED and MEGATRON_2022.cut == "blocks"
+    with pytest.raises(PlanError, match=r"dtype='fp32' must be one of .*tp_overlap='yes' must be true or false"):
+        predict(model, lay, DGX_A100, seq_len=2048, dtype="fp32", tp_overlap="yes")
+    with pytest.raises(PlanError, match=r"unknown field\(s\) \['overlap'\]"):
+        predict(model, lay, DGX_A100, seq_len=2048, overlap=True)

@@ -1,0 +1,164 @@
+"""What every decoder-only model family states once, torch-free: the base of a family's room and the layout rules
+all decoders share.
+
+A family (:mod:`shardline.job.gpt`, :mod:`shardline.job.llama`) is one module holding its config dataclass, its
+layout rules (:meth:`Family.layout_problems`), its Hugging Face names and ``config.json`` mapping
+(:meth:`Family.config_from_hf`), the config from a recipe's fields (:meth:`Family.config_from_fields`) and its
+parameter closed forms (per-TP-rank sizes of each pipeline layer, in the module's order), registered once in
+:mod:`shardline.job.families`. The nn.Module classes (``shardline.plugins.models``), the Hugging Face loader
+(``shardline.plugins.hf``), the checkpoint names, the planner and the Lightning module all read it.
+
+A *shape* below is anything with the architecture fields (a family config, or the planner's ``ModelSpec``):
+``vocab_size, seq_len, n_layer, n_head, d_model, d_ff`` and, where the family has them, ``n_kv_head``,
+``head_dim``, ``qkv_bias``, ``tie_embeddings``. *dims* is anything with ``tp, cp, pp, sp`` (a ParallelDims, or
+:class:`Degrees`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from shardline.job.errors import ContractError
+from shardline.job.layout import SPMode
+
+
+class Degrees(NamedTuple):
+    """The degrees the layout rules read, for callers without a world (the planner)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sp: SPMode = SPMode.NONE
+
+
+def head_partition_problems(heads: int, head_dim: int, *, tp: int, what: str) -> list[str]:
+    """Why ``heads`` heads of ``head_dim`` cannot be spread over ``tp`` ranks (empty when they can): every rank
+    holds whole heads (``tp`` divides ``heads``), or each head is split over ``tp/heads`` ranks by rows."""
+    if heads % tp == 0:
+        return []
+    if tp % heads:
+        return [f"{what}={heads} and tp={tp}: neither divides the other"]
+    rep = tp // heads
+    if head_dim % rep:
+        return [f"{what}={heads} < tp={tp} replicates each head on tp/{what}={rep} ranks, which needs head_dim="
+                f"{head_dim} divisible by {rep}"]
+    return []
+
+
+def decoder_layout_problems(dims, *, n_head: int, seq_len: int, n_layer: int) -> list[str]:
+    """What any decoder of ``n_head`` heads, ``seq_len`` tokens and ``n_layer`` blocks needs from a layout (the
+    sequence, attention and pipeline rules; a family adds its own widths)."""
+    tp, cp = dims.tp, dims.cp
+    sp = SPMode(dims.sp)
+    problems = []
+    if n_layer + 2 < dims.pp:
+        problems.append(f"n_layer={n_layer} gives {n_layer + 2} pipeline layers (embedding, blocks, head), fewer "
+                        f"than pp={dims.pp} stages")
+    if cp > 1 and sp not in (SPMode.RING, SPMode.ULYSSES):
+        problems.append(f"cp={cp} needs sp='ring' or 'ulysses' (sp={sp.value!r})")
+    if sp is SPMode.ULYSSES and n_head % tp == 0 and (n_head // tp) % cp:
+        problems.append(f"ulysses: heads per TP rank n_head/tp={n_head // tp} is not divisible by cp={cp}")
+    if cp > 1 and seq_len % (2 * cp):
+        problems.append(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
+    if sp is SPMode.MEGATRON and (seq_len // cp) % tp:
+        problems.append(f"megatron-SP: seq_len/cp={seq_len // cp} is not divisible by tp={tp}")
+    return problems
+
+
+def need(hf: dict, key: str) -> Any:
+    """``hf[key]``, or ContractError naming the missing key."""
+    if key not in hf:
+        raise ContractError(f"{key!r} is missing")
+    return hf[key]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one shardline parameter comes from: ``name`` in the checkpoint and how it is laid out there.
+
+    ``kind``: ``plain`` (same layout), ``vocab`` (rows are the vocabulary: shardline's may be zero-padded),
+    ``conv1d`` (GPT-2's transposed weight), ``gpt2_qkv`` (GPT-2's ``c_attn``: transposed, q|k|v column blocks),
+    ``gpt2_qkv_bias`` (its bias)."""
+
+    name: str
+    kind: str = "plain"
+
+
+
+class Family:
+    """One decoder family's room (subclassed once per family, never instantiated)."""
+
+    #: The name recipes and the planner use (``architecture: gpt2``).
+    name: ClassVar[str]
+    #: The shardline model class's name (messages).
+    model_name: ClassVar[str]
+    #: The config dataclass.
+    config_type: ClassVar[type]
+    #: Hugging Face ``architectures`` entries this family loads, each with its ``model_type``.
+    hf_architectures: ClassVar[dict[str, str]]
+    #: Weight matrices of the MLP (GELU: up and down; SwiGLU: gate, up and down).
+    mlp_matrices: ClassVar[int]
+
+    @classmethod
+    def config_from_hf(cls, arch: str, hf: dict):
+        """The config of a Hugging Face ``config.json`` (as a dict) of architecture ``arch``; ContractError naming
+        the unsupported option or missing field."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_to_hf(cls, config) -> tuple[str, dict]:
+        """``(architecture, config.json as a dict)`` of ``config`` (the inverse of :meth:`config_from_hf`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_from_fields(cls, fields: dict):
+        """The config of a recipe's ``model`` section (LanguageModule's fields; absent ones at its defaults)."""
+        raise NotImplementedError
+
+    @classmethod
+    def width_problems(cls, config, tp: int) -> list[str]:
+        """Why the family's widths cannot be split over ``tp`` ranks."""
+        raise NotImplementedError
+
+    @classmethod
+    def layout_problems(cls, config, dims) -> list[str]:
+        """Every reason ``dims`` cannot take ``config`` (each naming its numbers): the family's widths, then the
+        decoder's sequence, attention and pipeline rules."""
+        return cls.width_problems(config, dims.tp) + decoder_layout_problems(
+            dims, n_head=config.n_head, seq_len=config.seq_len, n_layer=config.n_layer)
+
+    @classmethod
+    def hf_table(cls, config) -> dict[str, Source]:
+        """Every parameter name of the shardline model of ``config`` -> where it comes from in a Hugging Face
+        checkpoint (the one name table, read by loading, saving and the checkpoint converter)."""
+        raise NotImplementedError
+
+    # --- closed forms: per-TP-rank parameter sizes of each pipeline layer, in the module's order ---------------
+
+    @classmethod
+    def embedding_numels(cls, shape, *, vocab: int) -> tuple[int, ...]:
+        """The embedding's parameters on one rank holding ``vocab`` rows of the (padded) vocabulary."""
+        raise NotImplementedError
+
+    @classmethod
+    def head_numels(cls, shape, *, vocab: int) -> tuple[int, ...]:
+        """The head's parameters: the vocabulary matrix (``vocab`` rows; listed even when tied), then the norm."""
+        raise NotImplementedError
+
+    @classmethod
+    def block_numels(cls, shape, *, tp: int) -> tuple[int, ...]:
+        """One block's parameters on one of ``tp`` ranks."""
+        raise NotImplementedError
+
+
+def kv_heads(shape) -> int:
+    return getattr(shape, "n_kv_head", None) or shape.n_head
+
+
+def dim_per_head(shape) -> int:
+    return getattr(shape, "head_dim", None) or shape.d_model // shape.n_head
+
+
+__all__ = ["Degrees", "Family", "Source", "decoder_layout_problems", "dim_per_head", "head_partition_problems",
+           "kv_heads", "need"]
