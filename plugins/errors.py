@@ -3,6 +3,10 @@
 :class:`ShardlineError` and the layout, schedule and contract errors are :mod:`shardline.job.errors`' (the pure
 package below both halves raises them too), re-exported here unchanged."""
 
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
 from shardline.job.errors import ContractError, LayoutError, ScheduleError, ShardlineError
 
 
@@ -43,3 +47,30 @@ class CollectiveError(ShardlineError, RuntimeError):
 
 __all__ = ["CheckpointError", "CollectiveError", "ContractError", "LayoutError", "NonFiniteLossError",
            "RankFailedError", "ScheduleError", "ShardlineError"]
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """How a rank's error is told, decided where the ranks agreed on it (the watchdog's verdict): ``speaks``
+    is whether this rank prints it for all (the rank whose own code raised, else the lowest rank not named as a
+    culprit); every rank writes its full traceback to ``<log_dir>/rank<N>-error.txt``."""
+
+    rank: int
+    speaks: bool
+    log_dir: str
+
+    def traceback_path(self) -> Path:
+        return Path(self.log_dir) / f"rank{self.rank}-error.txt"
+
+
+def attach_report(error: BaseException, report: ErrorReport) -> None:
+    """Carry ``report`` on ``error`` for whoever prints it (``shardline fit``); some exception types refuse
+    attributes, and then nothing is carried."""
+    with contextlib.suppress(AttributeError, TypeError):
+        error.shardline_report = report
+
+
+def report_of(error: BaseException) -> ErrorReport | None:
+    """The :class:`ErrorReport` the strategy attached to ``error``, if any."""
+    report = getattr(error, "shardline_report", None)
+    return report if isinstance(report, ErrorReport) else None

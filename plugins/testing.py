@@ -17,7 +17,6 @@ with ``SHARDLINE_TEST_HANG_AT`` set (``rank=3,axis=tp,op=all_reduce,seq=30``), t
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -32,22 +31,16 @@ from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
 from shardline.plugins.errors import RankFailedError
+from shardline.plugins.faults.processes import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 # Once one rank has failed, the others usually block in a collective; give them this long to fail on their own
 # (their own error is often the more useful one to show) before they are killed.
 _GRACE_AFTER_FAILURE_S = 2.0
 
 
-def _die_with_parent() -> None:
-    # A worker must not outlive a test process that was killed: ask the kernel to SIGKILL it then.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _worker(fn: Callable, rank: int, world_size: int, args: tuple, init_file: str, timeout: float,
             backend: str, conn) -> None:
-    _die_with_parent()
+    die_with_parent()  # a worker must not outlive a test process that was killed
     faulthandler.enable()  # a worker killed by a C++ abort (gloo, NCCL) still prints its Python stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a hung one prints it when the caller asks
     status = 0

@@ -10,8 +10,9 @@ recipe field is overridden the usual LightningCLI way. Validation (see :mod:`sha
 overrides) is checked again before anything is instantiated; jsonargparse's own parse errors (a bad override
 type, an unknown flag) are re-raised as :class:`RecipeError` too, and so is an error raised while LightningCLI
 builds the objects (jsonargparse would wrap it in a 60-line message quoting every value). The command prints a
-RecipeError as one bounded line and exits with status 2, before any worker starts; another error of shardline's
-(a non-finite loss, a dead rank) is printed as its own message, without a traceback, with status 1. The
+RecipeError as one bounded line and exits with status 2, before any worker starts; an error after launch exits with
+status 1 and is printed once for all ranks (:func:`report_failure`): shardline's own (a non-finite loss, a dead rank)
+as its message, without a traceback, with every rank's traceback in a file whose path is printed. The
 configuration about to be launched is also held against this machine's memory (``check_recipe(machine=True)``).
 
 Workers: with ``accelerator=cpu, devices=N`` Lightning starts ranks 1..N-1 by running this process's command
@@ -27,6 +28,7 @@ import argparse
 import inspect
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -61,19 +63,46 @@ def add_commands(subparsers) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    """Status 2 and one line for a bad recipe or override (before anything is launched); status 1 and the error's
-    own text, without a traceback, for any other error of shardline's (a non-finite loss, a dead rank)."""
-    from shardline.plugins.errors import ShardlineError
-
+    """Status 2 and one line for a bad recipe or override (before anything is launched); status 1 for an error
+    after launch, told by :func:`report_failure`."""
     try:
         run_fit(args.lightning_args)
     except RecipeError as error:
         print(f"shardline fit: error: {clip(error, MAX_ERROR_CHARS)}", file=sys.stderr)
         return 2
-    except ShardlineError as error:
-        print(f"shardline fit: error: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+    except Exception as error:  # noqa: BLE001 - every failure is told once, below
+        return report_failure(error)
     return 0
+
+
+def report_failure(error: BaseException) -> int:
+    """An error that stopped the run, told once for all ranks: the rank the ranks agreed on (the strategy's
+    :class:`~shardline.plugins.errors.ErrorReport`: the rank whose own code raised, else the lowest one still
+    alive) prints it, shardline's own errors as their message without a traceback, any other with its
+    traceback; every rank writes its full traceback to ``<log dir>/rank<N>-error.txt`` and the speaker says
+    where. An error without a report (raised before the ranks connected, or by one process) is printed by the
+    process that raised it. Returns the exit status, 1."""
+    from shardline.plugins.errors import ShardlineError, report_of
+
+    ours = isinstance(error, ShardlineError)
+    text = "".join(traceback.format_exception(error))
+    report = report_of(error)
+    written = None
+    if report is not None:
+        path = report.traceback_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            written = path
+        except OSError as exc:
+            print(f"shardline fit: rank {report.rank}: cannot write {path}: {exc}", file=sys.stderr)
+        if not report.speaks:
+            return 1
+    message = f"shardline fit: error: {type(error).__name__}: {error}" if ours else text.rstrip()
+    if written is not None:
+        message += f"\n(each rank's full traceback: {Path(written).parent}/rank<N>-error.txt)"
+    print(message, file=sys.stderr)
+    return 1
 
 
 def resolve_recipe(name: str) -> str:

@@ -25,7 +25,7 @@ from shardline.plugins.grid import AXES, COMBINED_AXES
 _AXIS_ORDER = {axis: i for i, axis in enumerate(AXES + COMBINED_AXES + ("world",))}
 _REASON_CHARS = 300
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe",
-                       "processgroup", "c10d", "socket")
+                       "application timeout", "pair closure", "processgroup", "c10d", "socket")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,13 @@ class Verdict:
     groups: tuple[str, ...]
     message: str
     rows: dict = field(default_factory=dict)  # label -> rank -> (entered, completed) as shown
+    #: the one rank that prints the error for all (the others log theirs): the rank whose own code raised, else
+    #: the lowest rank not named; None where each rank has only its own verdict (the store was lost)
+    speaker: int | None = None
+
+    def speaks(self, rank: int) -> bool:
+        """Whether ``rank`` prints this verdict (every rank does with a verdict of its own)."""
+        return self.speaker is None or self.speaker == rank
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -64,7 +71,7 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: dict) -> Verdict:
         return cls(kind=data["kind"], culprits=tuple(data["culprits"]), groups=tuple(data["groups"]),
-                   message=data["message"], rows=data.get("rows", {}))
+                   message=data["message"], rows=data.get("rows", {}), speaker=data.get("speaker"))
 
 
 def short_reason(text: str) -> str:
@@ -248,7 +255,9 @@ def diagnose(reports: dict[int, RankReport], *, trigger: dict, world_size: int, 
     if others:
         lines.append("Other ranks: " + "; ".join(others))
     lines.append(f"Each rank's collective record: {dump_dir}/rank<N>.json (written on that rank's host).")
-    return Verdict(kind=kind, culprits=tuple(culprits), groups=tuple(shown), message="\n".join(lines), rows=rows)
+    speaker = culprits[0] if kind == "raised" else min(set(range(world_size)) - set(culprits), default=None)
+    return Verdict(kind=kind, culprits=tuple(culprits), groups=tuple(shown), message="\n".join(lines), rows=rows,
+                   speaker=speaker)
 
 
 def _elsewhere(rank: int, groups: dict, report: RankReport) -> str:

@@ -85,6 +85,30 @@ def default_store() -> dist.Store:
     return _c10d("_get_default_store", "the store the watchdog's ranks talk through")()
 
 
+def store_client(store: dist.Store) -> dist.Store:
+    """A connection of its own to ``store`` (``Store.clone``), so that a call of the watchdog's that never comes
+    back (the store's host stopped) does not hold the connection torch's own calls use; ``store`` itself where it
+    cannot be cloned."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
+
+
+def store_host() -> str | None:
+    """``"host:port"`` of the TCPStore under the default store (it lives in rank 0's process: launchers start
+    its server there); None for any other store (a file store has no host) or if it cannot be told."""
+    try:
+        store = default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        if isinstance(store, dist.TCPStore):
+            return f"{store.host}:{store.port}"
+    except (AttributeError, RuntimeError, TorchPrivateMissing):
+        pass
+    return None
+
+
 def default_group() -> dist.ProcessGroup:
     """The default (world) process group."""
     return _c10d("_get_default_group", "the default process group")()
@@ -169,4 +193,4 @@ def sequence_number_reader(group: dist.ProcessGroup) -> Callable[[], int]:
 
 __all__ = ["TESTED", "TorchPrivateMissing", "abort_groups", "check_version", "default_group", "default_store",
            "dump_flight_recorder", "flight_recorder_available", "process_groups", "require_flight_recorder",
-           "sequence_number_reader", "set_group_timeout"]
+           "sequence_number_reader", "set_group_timeout", "store_client", "store_host"]

@@ -32,11 +32,14 @@ Every torch private used here goes through :mod:`.torch_compat`. The injected-ha
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
 import logging
+import math
 import os
+import queue
 import socket
 import sys
 import tempfile
@@ -76,11 +79,12 @@ EXIT_CODE = 70  # a process the watchdog ended (EX_SOFTWARE)
 
 
 def collective_timeout_seconds(value) -> float:
-    """``value`` (seconds or a timedelta) as positive seconds; ContractError naming it otherwise."""
+    """``value`` (seconds or a timedelta) as positive, finite seconds; ContractError naming it otherwise (an
+    infinite timeout would leave a hung job waiting for ever: the watchdog could never call a rank hung)."""
     seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
         raise ContractError(f"collective_timeout={value!r} must be a positive number of seconds or a "
-                            "datetime.timedelta")
+                            "datetime.timedelta (finite: with no timeout a hung rank is never named)")
     return float(seconds)
 
 
@@ -119,8 +123,62 @@ class Timing:
         return self.slack + 0.5
 
     @property
+    def store(self) -> float:
+        """How long one store operation of the watchdog may take before the store counts as not answering."""
+        return max(5.0, self.answer + 2 * self.tick)
+
+    @property
     def bound(self) -> float:
         return 2 * self.tick + self.answer + self.exit_grace
+
+
+class StoreNotAnswering(RuntimeError):
+    """A store operation of the watchdog did not come back within :attr:`Timing.store` seconds."""
+
+
+class BoundedStore:
+    """The watchdog's store operations, each given at most ``seconds``: c10d's TCPStore client honours its
+    timeout only while waiting for a key, and blocks for ever in ``add``/``set``/``check`` when the store's host
+    (rank 0) is stopped or hung. The calls run one at a time on a daemon thread of their own; one that does not
+    come back raises :class:`StoreNotAnswering` here and leaves that thread blocked (and later calls then time
+    out too: the store is gone for this process)."""
+
+    def __init__(self, store, seconds: float):
+        self._store, self._seconds = store, seconds
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="shardline-watchdog-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            method, args, box, done = self._jobs.get()
+            try:
+                box.append((True, getattr(self._store, method)(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def _call(self, method: str, *args):
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((method, args, box, done))
+        if not done.wait(self._seconds):
+            raise StoreNotAnswering(f"store {method}{args[:1]!r} did not answer within {self._seconds:g} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
 
 
 class CollectiveWatchdog:
@@ -135,11 +193,13 @@ class CollectiveWatchdog:
         self.timing = Timing(collective_timeout_seconds(timeout))
         base = torch_compat.default_store()
         self.generation = (base.add("shardline/watchdog/starts", 1) - 1) // self.world
-        self._store = dist.PrefixStore(f"shardline/watchdog/{self.generation}/", base)
+        prefix = f"shardline/watchdog/{self.generation}/"
         if dump_dir is None:  # one fresh folder per run, the same on every rank (rank 0 names it)
+            setup = dist.PrefixStore(prefix, base)  # the job's store timeout: ranks arrive at different times
             if self.rank == 0:
-                self._store.set("run", f"{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}")
-            dump_dir = Path(tempfile.gettempdir()) / "shardline_collectives" / self._store.get("run").decode()
+                setup.set("run", f"{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}")
+            dump_dir = Path(tempfile.gettempdir()) / "shardline_collectives" / setup.get("run").decode()
+        self._store = BoundedStore(dist.PrefixStore(prefix, torch_compat.store_client(base)), self.timing.store)
         self.dump_dir = Path(dump_dir)
         dist.barrier()  # every rank has its generation; and a first collective for the flight recorder
         self._refs = group_refs(grid)
@@ -160,6 +220,8 @@ class CollectiveWatchdog:
         self._beats, self._next_beat = 0, 0.0
         self._peers: dict[int, tuple[int, float]] = {}
         self._started = time.monotonic()
+        #: called (no arguments) before the watchdog ends this process itself; exceptions are ignored
+        self.before_exit = None
         self._thread = threading.Thread(target=self._loop, name=f"shardline-watchdog-{self.rank}", daemon=True)
 
     @classmethod
@@ -392,17 +454,50 @@ class CollectiveWatchdog:
     def _store_lost(self, exc: Exception) -> None:
         """The store stopped answering (its host, rank 0 under TCPStore, is gone): a verdict of our own."""
         reason = f"the c10d store stopped answering ({short_reason(f'{type(exc).__name__}: {exc}')})"
+        host = torch_compat.store_host()
+        if host is not None and self.rank != 0:
+            reason += (f"; rank 0 hosts it ({host}): rank 0 is the likely casualty (dead, stopped, or its host "
+                       "unreachable)")
         with self._lock:
             self._abort = self._abort or {"by": self.rank, "kind": "store", "reason": reason}
         self._take(local_verdict(self.rank, self.record.summaries(), reason=reason, dump_dir=str(self.dump_dir)))
 
+    def report_exit(self, rank: int, how: str) -> None:
+        """Another rank's process ended (``how``: "was killed by SIGKILL", "exited with code 3"), as its launcher
+        saw: raise the abort now, rather than at the collective timeout, so the verdict comes before anyone is
+        ended (a no-op once an abort is under way or the run stopped)."""
+        if self._state == "stopped" or self._abort is not None:
+            return
+        try:
+            self._trigger("exited", f"rank {rank}'s process {how}")
+        except Exception as exc:  # noqa: BLE001 - the store is gone: the thread finds that out itself
+            log.debug("abort for the exit of rank %d not raised: %s", rank, exc)
+
+    def wait_verdict(self, seconds: float) -> Verdict | None:
+        """The verdict, waiting at most ``seconds`` for it; None if there is none by then."""
+        self._verdict_event.wait(max(seconds, 0.0))
+        return self.verdict
+
     def _end_process(self, why: str) -> None:
-        sys.stderr.write(f"\nshardline watchdog, rank {self.rank}: ending this process ({why}).\n"
-                         f"{CollectiveError.__name__}: {self.verdict.message}\n")
+        """Say why (the verdict itself only on its speaker; every thread's stack goes to a file beside the
+        record), then let the launcher end its workers, then end this process."""
+        stacks: Path | str = self.dump_dir / f"rank{self.rank}-stacks.txt"
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            with open(stacks, "w") as out:
+                faulthandler.dump_traceback(file=out, all_threads=True)
+        except OSError as exc:
+            stacks = f"not written ({exc})"
+        text = f"\nshardline watchdog, rank {self.rank}: ending this process ({why}); its stacks: {stacks}\n"
+        if self.verdict.speaks(self.rank):
+            text += f"{CollectiveError.__name__}: {self.verdict.message}\n"
+        sys.stderr.write(text)
         sys.stderr.flush()
         try:
-            faulthandler.dump_traceback(all_threads=True)
             self._write_dump(ended_by="watchdog")
+            if self.before_exit is not None:  # e.g. the launcher ends the workers it started, once they said theirs
+                with contextlib.suppress(Exception):
+                    self.before_exit()
         finally:
             os._exit(EXIT_CODE)
 

@@ -25,6 +25,9 @@ import datetime
 import enum
 import logging
 import math
+import os
+import tempfile
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -33,8 +36,15 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from shardline.plugins.errors import ContractError, LayoutError, NonFiniteLossError
+from shardline.plugins.errors import (
+    ContractError,
+    ErrorReport,
+    LayoutError,
+    NonFiniteLossError,
+    attach_report,
+)
 from shardline.plugins.faults.watchdog import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     CollectiveWatchdog,
@@ -44,6 +54,7 @@ from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
+from shardline.plugins.lightning.launcher import ShardlineLauncher, arm_worker
 from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
 from shardline.plugins.lightning.zero import derive_config, load_user_config
 
@@ -168,6 +179,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         # Runs in the launching process, before any worker or process group exists: fail here, not in N copies.
         self.layout_for(self.num_nodes * self.num_processes)
         super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # ours ends every worker it started (launcher.py)
+            self._launcher = ShardlineLauncher.replacing(self._launcher, self)
+        arm_worker()  # a worker that launcher started dies with it
 
     def setup_environment(self) -> None:
         # DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed itself runs on CPU (gloo), so we skip it.
@@ -193,6 +207,8 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         if self.world_size > 1:
             self.watchdog = CollectiveWatchdog.start(self.grid, timeout=self.collective_timeout,
                                                      dump_dir=self.collective_dump_dir)
+            if isinstance(self._launcher, ShardlineLauncher):
+                self.watchdog.before_exit = self._launcher.end_workers
         if self.global_rank == 0:
             log.info("shardline layout:\n%s", self.dims.describe())
 
@@ -202,7 +218,20 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         # The watchdog names the dead or hung rank (it waits, bounded, for the verdict); teardown raises it.
         if self.watchdog is not None:
             self.watchdog.on_exception(exception)
+        attach_report(exception, self._error_report(self.watchdog))
         super().on_exception(exception)
+
+    def _error_report(self, watchdog: CollectiveWatchdog | None) -> ErrorReport:
+        """Who prints this run's error (the verdict's speaker; every rank without a watchdog) and where the
+        tracebacks go (beside the watchdog's records; a fresh temporary folder without one)."""
+        verdict = None if watchdog is None else watchdog.verdict
+        if watchdog is not None:
+            log_dir = str(watchdog.dump_dir)
+        else:
+            log_dir = os.path.join(tempfile.gettempdir(), "shardline_errors",
+                                   f"{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}")
+        return ErrorReport(rank=self.global_rank, speaks=verdict is None or verdict.speaks(self.global_rank),
+                           log_dir=log_dir)
 
     def teardown(self) -> None:
         """Lightning's teardown, then the watchdog's: after a failure it raises the one CollectiveError (from
@@ -221,6 +250,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
             watchdog, self.watchdog = self.watchdog, None
             error = watchdog.stop() if watchdog is not None else None
         if error is not None:
+            attach_report(error, self._error_report(watchdog))
             raise error from watchdog.cause
 
     @property

@@ -485,6 +485,7 @@ def test_bad_arguments_are_refused_with_their_values():
 def test_collective_errors_are_told_from_the_others():
     assert is_collective_error(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:9"))
     assert is_collective_error(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 8000ms for recv"))
+    assert is_collective_error(RuntimeError("Application timeout caused pair closure"))  # gloo's barrier
     try:
         try:
             raise RuntimeError("gloo: Connection reset by peer")

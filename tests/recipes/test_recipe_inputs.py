@@ -60,6 +60,9 @@ STRATEGY = "trainer.strategy.init_args"
     ({f"{STRATEGY}.zero_stage": 5}, "trainer.strategy: invalid ZeRO settings: zero_stage=5 must be 0, 1, 2 or 3"),
     ({f"{STRATEGY}.collective_timeout": -5},
      "trainer.strategy: collective_timeout=-5 must be a positive number of seconds or a datetime.timedelta"),
+    ({f"{STRATEGY}.collective_timeout": math.inf},
+     "trainer.strategy: collective_timeout=inf must be a positive number of seconds or a datetime.timedelta "
+     "(finite: with no timeout a hung rank is never named)"),
     ({f"{STRATEGY}.nonfinite_loss": "ignore"},
      "trainer.strategy: nonfinite_loss='ignore' must be one of ['raise', 'skip', 'off']"),
     ({f"{STRATEGY}.nonfinite_loss": "skip"},
