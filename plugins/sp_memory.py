@@ -12,8 +12,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from shardline.plugins.torch_compat import TorchDispatchMode, tree_flatten
 
 __all__ = ["LiveTensorBytes", "saved_tensor_bytes"]
 

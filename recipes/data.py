@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from shardline.plugins.errors import ContractError
+from shardline.plugins.torch_compat import check_index_sampler
 from shardline.recipes.schema import RecipeError
 
 VOCAB_SIZE = 256
@@ -269,8 +270,8 @@ class ResumableDataLoader(DataLoader):
 
     @property
     def _index_sampler(self):
-        # torch's iterators (and len()) take indices from this private DataLoader property; see _Indices. The
-        # resume tests fail if a torch release stops reading it.
+        # torch's iterators (and len()) take indices from this private DataLoader property (see _Indices),
+        # checked to exist when this module loads (torch_compat.check_index_sampler).
         return _Indices(self, super()._index_sampler)
 
     def __iter__(self) -> Iterator:
@@ -424,6 +425,9 @@ class ResumableDataLoader(DataLoader):
             torch.set_rng_state(state["torch"])
         if "generator" in state:
             self.generator.set_state(state["generator"])
+
+
+check_index_sampler(ResumableDataLoader)
 
 
 class TextDataModule(pl.LightningDataModule):

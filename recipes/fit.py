@@ -171,10 +171,10 @@ def _define_fit_cli():
     from jsonargparse import ArgumentError
     from lightning_fabric.utilities.exceptions import MisconfigurationException
     from pytorch_lightning.cli import LightningCLI
-    from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     import shardline.plugins  # noqa: F401 - registers the strategy names (shardline_tp2_zero1, ...)
     from shardline.plugins.errors import ShardlineError
+    from shardline.plugins.lightning.lightning_compat import SubprocessScriptLauncher
     from shardline.recipes.data import TextDataModule
     from shardline.recipes.lit_lm import LanguageModule
 
@@ -220,7 +220,7 @@ def _define_fit_cli():
 
         def before_fit(self) -> None:
             launcher = self.trainer.strategy.launcher
-            relaunches = (isinstance(launcher, _SubprocessScriptLauncher)
+            relaunches = (isinstance(launcher, SubprocessScriptLauncher)
                           and not launcher.cluster_environment.creates_processes_externally
                           and launcher.num_processes * launcher.num_nodes > 1)
             if relaunches and sys.argv[1:] != ["fit", *self.user_argv]:

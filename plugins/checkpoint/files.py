@@ -74,7 +74,7 @@ from shardline.plugins.checkpoint.boxes import (
     volume,
 )
 from shardline.plugins.checkpoint.crc import WRITTEN, Checksum
-from shardline.plugins.errors import CheckpointError
+from shardline.plugins.errors import CheckpointError, ContractError
 
 FORMAT, VERSION = "shardline-checkpoint", 3
 READS = (1, 2, 3)  # the versions this shardline reads (module docstring)
@@ -117,10 +117,9 @@ def confined(folder: Path, name, *, what: str) -> Path:
     return path
 #: In the placeholder an asynchronous save leaves at its final name until its commit (:meth:`AtomicSave.reserve`).
 PENDING = "shardline-pending"
-#: Test hook: ``PHASE`` or ``PHASE:RANK`` makes that rank SIGKILL itself when the save reaches ``PHASE``
-#: (one of ``PHASES``), to prove a save killed anywhere leaves the previous checkpoint loadable.
-KILL_ENV = "SHARDLINE_TEST_KILL_SAVE_AT"
+#: The phases of a save at which a test may have a rank killed (:func:`kill_save_at`).
 PHASES = ("before_shards", "mid_shard", "before_manifest", "before_pointer")
+_kill_at: tuple[str, int | None] | None = None  # the test hook; nothing in the library sets it
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -133,13 +132,23 @@ def dtype_of(name: str) -> torch.dtype:
     return _NAMES[name]
 
 
-def phase(name: str, rank: int) -> None:
-    """The test hook (``KILL_ENV``); nothing happens unless it names this phase (and rank)."""
-    want = os.environ.get(KILL_ENV)
-    if not want:
+def kill_save_at(spec: str | None) -> None:
+    """Test hook, installed by a test in its rank process: ``"PHASE"`` or ``"PHASE:RANK"`` makes that rank (every
+    rank without one) SIGKILL itself when a save reaches ``PHASE`` (one of :data:`PHASES`), to prove that a save
+    killed anywhere leaves the previous checkpoint loadable; None removes it."""
+    global _kill_at
+    if spec is None:
+        _kill_at = None
         return
-    where, _, who = want.partition(":")
-    if where == name and (not who or int(who) == rank):
+    where, _, who = spec.partition(":")
+    if where not in PHASES or (who and not who.isdigit()):
+        raise ContractError(f"kill_save_at({spec!r}): expected PHASE or PHASE:RANK, PHASE one of {PHASES}")
+    _kill_at = (where, int(who) if who else None)
+
+
+def phase(name: str, rank: int) -> None:
+    """Where a save reaches phase ``name``: the test hook's kill, if one was installed for it."""
+    if _kill_at is not None and _kill_at[0] == name and _kill_at[1] in (None, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -421,7 +430,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], *, ra
             crcs[key] = (_worker().submit(WRITTEN.chunked, data, CHUNK) if len(data) > CHUNK
                          else (WRITTEN.of(data), None))
             sink.write(data)
-            if i == 0 and os.environ.get(KILL_ENV):
+            if i == 0 and _kill_at is not None:
                 sink.drain()
                 phase("mid_shard", rank)
         ok = True
@@ -723,7 +732,7 @@ def _newest(root: Path, *, quiet: bool = False) -> Path:
     return max(complete, key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
 
 
-__all__ = ["AtomicSave", "CHUNK", "DATA_STATE", "FORMAT", "KILL_ENV", "LEGACY_TRAINER_FILE", "MANIFEST", "PENDING",
-           "PHASES", "POINTER", "READS", "ShardWriter", "TRAINER_FILE", "build_manifest", "confined", "describe_files",
-           "dtype_of", "fsync_all", "is_checkpoint", "is_placeholder", "is_state_file", "legacy_name", "phase",
-           "rank_file", "remove_leftovers", "resolve", "write_small"]
+__all__ = ["AtomicSave", "CHUNK", "DATA_STATE", "FORMAT", "LEGACY_TRAINER_FILE", "MANIFEST", "PENDING", "PHASES",
+           "POINTER", "READS", "ShardWriter", "TRAINER_FILE", "build_manifest", "confined", "describe_files",
+           "dtype_of", "fsync_all", "is_checkpoint", "is_placeholder", "is_state_file", "kill_save_at",
+           "legacy_name", "phase", "rank_file", "remove_leftovers", "resolve", "write_small"]

@@ -6,7 +6,9 @@
   (PyTorch's flight recorder, or our own record of the calls), and the injected-hang test hook, which the test
   harness installs (``install_hang``; library code never reads it from the environment);
 - ``collective_diagnosis``: pure, from every rank's record to one verdict (dead, raised, hung, stuck);
-- ``torch_compat``: every torch.distributed private the three above touch, in one file behind one version check.
+- ``processes``: a worker that dies with its parent, and ending the processes a launcher started.
+
+Every torch.distributed private these touch is in :mod:`shardline.plugins.torch_compat`.
 
 Torch only: no Lightning, no DeepSpeed. The strategy (``shardline.plugins.lightning.strategy``) starts and stops
 the watchdog.

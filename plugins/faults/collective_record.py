@@ -26,7 +26,7 @@ The test hook (:class:`InjectedHang`) is an :class:`Interposer` observer too: th
 hang at a chosen collective. Nothing here reads it from the environment: the test harness installs it
 (:func:`install_hang`; ``shardline.plugins.testing``'s workers do so from :data:`TEST_HANG_ENV`).
 
-Every torch private read here goes through :mod:`.torch_compat`.
+Every torch private read here goes through :mod:`shardline.plugins.torch_compat`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from shardline.plugins.errors import ContractError
 from shardline.plugins.grid import AXES, COMBINED_AXES
 
-from . import torch_compat
+from .. import torch_compat
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ Every group's backend timeout is set to ``collective_timeout + slack``, so the w
 ``collective_timeout``) and has the verdict ready before any rank's collective gives up. See :class:`Timing`
 for the bound this gives: every rank is gone within ``collective_timeout + 15 s`` of the failure.
 
-Every torch private used here goes through :mod:`.torch_compat`. The injected-hang test hook
+Every torch private used here goes through :mod:`shardline.plugins.torch_compat`. The injected-hang test hook
 (:class:`~.collective_record.InjectedHang`) applies only where the test harness installed it
 (:func:`~.collective_record.install_hang`); nothing here reads the environment for it.
 """
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from shardline.plugins.errors import CollectiveError, ContractError
 
-from . import torch_compat
+from .. import torch_compat
 from .collective_diagnosis import (
     RankReport,
     Verdict,

@@ -29,6 +29,7 @@ from shardline.job.annotations import comm_name
 from shardline.plugins.errors import ContractError
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.pipeline.backend import StageBackend
+from shardline.plugins.torch_compat import is_view, parameter_table
 
 #: DeepSpeed versions whose private state this file was checked against (the package admits the same range).
 TESTED = ((0, 19, 8), (0, 20, 0))
@@ -142,9 +143,10 @@ class TiedAcrossStages:
             shadows.append(torch.zeros(shape, dtype=param.dtype, device=param.device, requires_grad=True))
         for layer in layers:
             for module in layer.modules():
-                for name, param in list(module._parameters.items()):
+                table = parameter_table(module)
+                for name, param in list(table.items()):
                     if param is not None and id(param) in index:
-                        del module._parameters[name]
+                        del table[name]
                         setattr(module, name, shadows[index[id(param)]])
                         holders.append((module, name, index[id(param)]))
         return cls(group=group, peer=peer, shadows=shadows, holders=holders)
@@ -424,7 +426,7 @@ def _zero3_local_view(param, key: str | None) -> torch.Tensor | None:
     if getattr(param._z3_optimizer, "swap_optimizer", False):
         return None
     value = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
-    if value is None or value._base is None or value.numel() != param.ds_tensor.numel():
+    if value is None or not is_view(value) or value.numel() != param.ds_tensor.numel():
         return None
     return value
 

@@ -31,11 +31,9 @@ import threading
 import time
 from typing import Any
 
-from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
 from shardline.plugins.faults.processes import describe_exit, die_with_parent, end_processes
 from shardline.plugins.faults.watchdog import EXIT_CODE, Timing
+from shardline.plugins.lightning.lightning_compat import SubprocessScriptLauncher, set_num_threads_if_needed
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ def arm_worker() -> bool:
     return die_with_parent(expected_parent=int(parent))
 
 
-class ShardlineLauncher(_SubprocessScriptLauncher):
+class ShardlineLauncher(SubprocessScriptLauncher):
     """Lightning's subprocess launcher (same arguments, same command lines) whose workers never outlive it; see
     the module docstring. ``strategy`` is read for its ``watchdog`` and ``collective_timeout`` when a worker
     ends."""
@@ -68,7 +66,7 @@ class ShardlineLauncher(_SubprocessScriptLauncher):
         self._ended = False
 
     @classmethod
-    def replacing(cls, launcher: _SubprocessScriptLauncher, strategy: Any) -> ShardlineLauncher:
+    def replacing(cls, launcher: SubprocessScriptLauncher, strategy: Any) -> ShardlineLauncher:
         return cls(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes, strategy=strategy)
 
     def launch(self, function, *args: Any, trainer=None, **kwargs: Any) -> Any:
@@ -79,7 +77,7 @@ class ShardlineLauncher(_SubprocessScriptLauncher):
             atexit.register(self.end_workers)
             self._observer = _Observer(self)
             self._observer.start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     def grace(self) -> float:

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from shardline.plugins.torch_compat import share_module_tables
+
 
 class StageHost(nn.Module):
     """The LightningModule's parameters and children under their own names, with a stage-running forward."""
@@ -27,10 +29,7 @@ class StageHost(nn.Module):
     def __init__(self, module: nn.Module, stages: Mapping[int, nn.Module]):
         super().__init__()
         # Shared, not copied: the host is a second view of the same module tree (see the module docstring).
-        self._parameters = module._parameters
-        self._buffers = module._buffers
-        self._non_persistent_buffers_set = module._non_persistent_buffers_set
-        self._modules = module._modules
+        share_module_tables(self, module)
         self.training = module.training
         object.__setattr__(self, "_stages", dict(stages))  # not submodules: they already sit in the tree
 

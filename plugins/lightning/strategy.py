@@ -36,7 +36,6 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from shardline.plugins.errors import (
     ContractError,
@@ -55,6 +54,7 @@ from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
 from shardline.plugins.lightning.launcher import ShardlineLauncher, arm_worker
+from shardline.plugins.lightning.lightning_compat import SubprocessScriptLauncher, check_strategy
 from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
 from shardline.plugins.lightning.zero import derive_config, load_user_config
 
@@ -179,7 +179,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         # Runs in the launching process, before any worker or process group exists: fail here, not in N copies.
         self.layout_for(self.num_nodes * self.num_processes)
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:  # ours ends every worker it started (launcher.py)
+        if type(self._launcher) is SubprocessScriptLauncher:  # ours ends every worker it started (launcher.py)
             self._launcher = ShardlineLauncher.replacing(self._launcher, self)
         arm_worker()  # a worker that launcher started dies with it
 
@@ -634,6 +634,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         record = self.layout.record()
         record.pop("world_size")
         return record
+
+
+check_strategy()  # the protected members of DeepSpeedStrategy overridden and called above exist
 
 
 def _nonfinite_mode(value: Any, *, pp: int) -> NonFiniteLoss:

@@ -2,7 +2,7 @@
 and the partial one is ignored with a warning.
 
 The run saves with Lightning's ModelCheckpoint after every epoch (2 steps each); the save after epoch 2 is killed
-at one phase (``files.KILL_ENV``): before any shard, mid-shard (a shard file cut after its first tensor), before
+at one phase (``files.kill_save_at``): before any shard, mid-shard (a shard file cut after its first tensor), before
 the manifest, or before the ``latest`` pointer moves. Then a new run resumes from the checkpoint folder (its
 ``latest``): it must load the epoch-1 checkpoint and continue exactly as the uninterrupted run did.
 """
@@ -10,7 +10,6 @@ the manifest, or before the ``latest`` pointer moves. Then a new run resumes fro
 from __future__ import annotations
 
 import errno
-import os
 import re
 import warnings
 
@@ -20,7 +19,14 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardline.plugins.checkpoint.files import KILL_ENV, MANIFEST, PHASES, POINTER, is_placeholder, resolve
+from shardline.plugins.checkpoint.files import (
+    MANIFEST,
+    PHASES,
+    POINTER,
+    is_placeholder,
+    kill_save_at,
+    resolve,
+)
 from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import RankFailedError
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
@@ -47,7 +53,7 @@ class _Losses(pl.Callback):
     def on_train_epoch_end(self, trainer, module):
         # ModelCheckpoint saves after this hook: arm the kill for the second epoch's save only.
         if self.kill_at and trainer.current_epoch == 1:
-            os.environ[KILL_ENV] = self.kill_at
+            kill_save_at(self.kill_at)
 
 
 def _run(rank, world, root, epochs, kill_at, resume, asynchronous=False):

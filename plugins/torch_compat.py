@@ -1,8 +1,9 @@
-"""Every access to torch.distributed's private state that the fault machinery makes, in one file, behind one
-version check.
+"""Every access to torch's private state that shardline makes, in one file, behind one version check.
 
-The watchdog and its record rely on a few things torch does not document as API. Each is a function here,
-named after what it does for us, with what happens on a torch release that moved it:
+Each private is a function (or a checked name) here, named after what it does for us, with what happens on a
+torch release that moved it.
+
+torch.distributed, for the fault machinery (:mod:`shardline.plugins.faults`):
 
 - the c10d store every rank reaches, the default group, and every group that exists now with its c10d name
   (``distributed_c10d._get_default_store``, ``_get_default_group``, ``_world.pg_names``):
@@ -19,6 +20,20 @@ named after what it does for us, with what happens on a torch release that moved
 - a group's collective sequence number (``ProcessGroup._get_sequence_number_for_group``), for the test hook
   only: :func:`sequence_number_reader`, refused at construction without it.
 
+nn.Module, Tensor and DataLoader internals, for the training side:
+
+- a module's own parameter, buffer and child tables (``_parameters``, ``_buffers``,
+  ``_non_persistent_buffers_set``, ``_modules``), which the pipeline's stage host shares rather than copies
+  (:func:`share_module_tables`) and which are read or replaced slot by slot where a parameter must change
+  identity without ``nn.Module.__setattr__``'s checks (:func:`parameter_table`, :func:`buffer_table`);
+- whether a tensor is a view of another (``Tensor._base``): :func:`is_view`;
+- the dispatch-mode base class and pytree flattening (``torch.utils._python_dispatch.TorchDispatchMode``,
+  ``torch.utils._pytree.tree_flatten``) for the sequence-parallel memory probe: :data:`TorchDispatchMode`,
+  :func:`tree_flatten`;
+- the DataLoader property its iterators take indices from (``DataLoader._index_sampler``), which the resumable
+  loader overrides: :func:`check_index_sampler` refuses a torch without it (the override would silently not
+  apply and a resume would restart the epoch).
+
 ``TESTED`` is the torch range these were checked against (the suite runs them); another version gets one
 warning, since a private name may have moved.
 """
@@ -32,6 +47,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from shardline.plugins.errors import ShardlineError
 
@@ -41,7 +59,7 @@ _warned: set[str] = set()
 
 
 class TorchPrivateMissing(ShardlineError, RuntimeError):
-    """The installed torch lacks a private the fault machinery needs; the message names it and the version."""
+    """The installed torch lacks a private shardline needs; the message names it and the version."""
 
 
 def _tested() -> str:
@@ -53,21 +71,21 @@ def check_version() -> None:
     parts = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     if "version" not in _warned and not TESTED[0] <= parts < TESTED[1]:
         _warned.add("version")
-        warnings.warn(f"torch {torch.__version__} is outside the versions shardline's collective watchdog was "
-                      f"tested with ({_tested()}); see shardline.plugins.faults.torch_compat", stacklevel=2)
+        warnings.warn(f"torch {torch.__version__} is outside the versions shardline's use of torch privates was "
+                      f"tested with ({_tested()}); see shardline.plugins.torch_compat", stacklevel=2)
 
 
 def _missing(name: str, used_for: str) -> TorchPrivateMissing:
-    return TorchPrivateMissing(f"torch {torch.__version__} has no {name} ({used_for}); shardline's collective "
-                               f"watchdog was tested with torch {_tested()}: see "
-                               "shardline.plugins.faults.torch_compat")
+    return TorchPrivateMissing(f"torch {torch.__version__} has no {name} ({used_for}); shardline's use of "
+                               f"torch privates was tested with torch {_tested()}: see "
+                               "shardline.plugins.torch_compat")
 
 
 def _warn_missing(name: str, consequence: str) -> None:
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"torch {torch.__version__} has no {name}: {consequence} (shardline's collective watchdog "
-                      f"was tested with torch {_tested()}; see shardline.plugins.faults.torch_compat)",
+        warnings.warn(f"torch {torch.__version__} has no {name}: {consequence} (shardline's use of torch "
+                      f"privates was tested with torch {_tested()}; see shardline.plugins.torch_compat)",
                       stacklevel=3)
 
 
@@ -191,6 +209,45 @@ def sequence_number_reader(group: dist.ProcessGroup) -> Callable[[], int]:
     return read
 
 
+# --- nn.Module, Tensor and DataLoader internals ------------------------------------------------------------------
+
+def share_module_tables(host: nn.Module, module: nn.Module) -> None:
+    """Make ``host`` a second view of ``module``'s tree: the same parameter, buffer and child tables (the
+    objects, not copies), so that both see every later change."""
+    host._parameters = module._parameters
+    host._buffers = module._buffers
+    host._non_persistent_buffers_set = module._non_persistent_buffers_set
+    host._modules = module._modules
+
+
+def parameter_table(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameters by attribute name (not its children's): the live table, so that deleting or
+    assigning an entry bypasses ``nn.Module.__setattr__`` (a parameter replaced by a plain tensor, say)."""
+    return module._parameters
+
+
+def buffer_table(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffers by attribute name: the live table (see :func:`parameter_table`)."""
+    return module._buffers
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor's storage."""
+    return tensor._base is not None
+
+
+def check_index_sampler(loader_class: type) -> None:
+    """Refuse a torch whose ``DataLoader`` no longer takes its iterators' indices from ``_index_sampler``,
+    which ``loader_class`` overrides to resume mid-epoch: the override would be silently ignored."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(getattr(DataLoader, "_index_sampler", None), property):
+        raise _missing("torch.utils.data.DataLoader._index_sampler",
+                       f"where {loader_class.__name__} skips the samples already drawn")
+
+
 __all__ = ["TESTED", "TorchPrivateMissing", "abort_groups", "check_version", "default_group", "default_store",
            "dump_flight_recorder", "flight_recorder_available", "process_groups", "require_flight_recorder",
-           "sequence_number_reader", "set_group_timeout", "store_client", "store_host"]
+           "sequence_number_reader", "set_group_timeout", "store_client", "store_host",
+           "TorchDispatchMode", "buffer_table", "check_index_sampler", "is_view", "parameter_table",
+           "share_module_tables", "tree_flatten"]

@@ -1,0 +1,52 @@
+"""Every protected member of Lightning that shardline overrides, calls or imports, in one file, checked once.
+
+Lightning does not promise these names; the package pins ``pytorch-lightning>=2.6.6,<2.7`` for them. A release
+that renamed one would make an override silently never run (the strategy's launcher swap, its model setup) or an
+import fail deep inside a run, so :func:`check_strategy` looks for each when the strategy's module loads and
+raises :class:`LightningPrivateMissing` naming it and the version.
+
+- overridden on ``DeepSpeedStrategy`` by ``HybridParallelStrategy``: :data:`OVERRIDDEN`;
+- called or read on it: :data:`CALLED` (and the ``_launcher`` attribute every Lightning strategy sets);
+- the subprocess launcher and the thread-count helper it calls, which :mod:`.launcher` subclasses and calls:
+  :data:`SubprocessScriptLauncher`, :func:`set_num_threads_if_needed`.
+"""
+
+from __future__ import annotations
+
+from lightning_fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
+from pytorch_lightning import __version__ as LIGHTNING_VERSION
+from pytorch_lightning.strategies import DeepSpeedStrategy
+from pytorch_lightning.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+
+from shardline.plugins.errors import ShardlineError
+
+OVERRIDDEN = ("_configure_launcher", "_initialize_deepspeed_inference", "_setup_model_and_optimizer")
+CALLED = ("_init_config_if_needed", "_init_deepspeed_distributed")
+#: The methods :class:`~.launcher.ShardlineLauncher` calls or replaces in the launcher it subclasses.
+LAUNCHER_METHODS = ("_call_children_scripts", "launch", "kill")
+
+
+class LightningPrivateMissing(ShardlineError, RuntimeError):
+    """The installed Lightning lacks a protected member shardline overrides or calls; names it and the version."""
+
+
+def check_strategy(base: type = DeepSpeedStrategy) -> None:
+    """Every member of :data:`OVERRIDDEN` and :data:`CALLED` is a method of ``base``, and the subprocess launcher
+    has :data:`LAUNCHER_METHODS`; :class:`LightningPrivateMissing` naming the first that is not."""
+    for name in OVERRIDDEN + CALLED:
+        if not callable(getattr(base, name, None)):
+            raise LightningPrivateMissing(
+                f"pytorch_lightning {LIGHTNING_VERSION}: {base.__name__}.{name} is gone; HybridParallelStrategy "
+                f"{'overrides' if name in OVERRIDDEN else 'calls'} it (shardline supports pytorch-lightning "
+                ">=2.6.6,<2.7)")
+    for name in LAUNCHER_METHODS:
+        if not callable(getattr(SubprocessScriptLauncher, name, None)):
+            raise LightningPrivateMissing(
+                f"pytorch_lightning {LIGHTNING_VERSION}: _SubprocessScriptLauncher.{name} is gone; shardline's "
+                "launcher relies on it (shardline supports pytorch-lightning >=2.6.6,<2.7)")
+
+
+__all__ = ["CALLED", "LAUNCHER_METHODS", "LightningPrivateMissing", "OVERRIDDEN", "SubprocessScriptLauncher",
+           "check_strategy", "set_num_threads_if_needed"]
