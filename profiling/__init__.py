@@ -5,7 +5,7 @@ Public entry points (loaded on first use, so ``import shardline.profiling`` stay
 ``load(path) -> TraceSet`` and ``breakdown(traceset) -> DataFrame``; ``attribute(traceset) -> Attribution``, the
 one attributed object of a trace set every analysis and output reads; also ``classify_events``, ``comm_by_dim``,
 ``pipeline_bubbles``, ``match_p2p`` / ``p2p_messages`` (pipelines from send/recv alone), ``match_collectives``,
-``stragglers``, ``clock_offsets``, ``collective_bandwidth``, ``CommRule``, ``Category``.
+``stragglers``, ``clock_offsets``, ``collective_bandwidth``, ``what_if``, ``CommRule``, ``Category``.
 
 The sub-packages are floors, each importing only those below it (tests/test_dependency_direction.py):
 
@@ -14,12 +14,14 @@ The sub-packages are floors, each importing only those below it (tests/test_depe
 - ``table``: ``load`` (the events table of a trace set), classification (``kinds``, ``names``, ``dims``,
   ``linking``, ``classify``), the partition's labels, and the per-rank survey (``survey``: one per trace set);
 - ``matching``: across ranks -- collectives and clock offsets, p2p messages and their matching, bandwidth and
-  links, the pipelines each rank's bubble is measured from;
+  links, the pipelines each rank's bubble is measured from; one typed ``Matching`` value per survey (``matched``);
 - ``attribution``: ``Attribution`` = survey + matching + partition + idle causes, the breakdown, and ``scale``
-  (the same per rank on executors);
+  (an executor over the same survey, matching and partition, rank by rank);
 - ``analyses``: critical path, what-if, diff, findings, coverage, kernels, traffic, bubbles, rank summaries,
-  each reading the attribution;
-- ``present``: the report's sections and their display, HTML / Markdown, TensorBoard, the merged trace, the CLI.
+  each reading the attribution, none calling another's entry point (a star: ``present.scenarios`` gives the
+  what-if and the findings the analyses they read);
+- ``present``: the report's sections (one registry row each: name, title, compute, display), their display,
+  HTML / Markdown, TensorBoard, the merged trace, the CLI.
 """
 
 # No `from __future__ import annotations` here: it would shadow a submodule named annotations.
@@ -45,6 +47,7 @@ _EXPORTS = {
     "stragglers": ".matching.collectives",
     "clock_offsets": ".matching.collectives",
     "collective_bandwidth": ".matching.bandwidth",
+    "what_if": ".present.scenarios",
     "merged_trace": ".present.merge",
     "diff_breakdowns": ".analyses.diff",
     "report_sections": ".present.report_sections",

@@ -198,6 +198,18 @@ def test_the_profilers_sub_packages_import_only_downward():
     assert not upward, upward
 
 
+#: Inside ``analyses``, a star around the attribution: the only imports between its modules, each of the what-if's
+#: own parts (its scenario types and context, its pipeline scenario); no analysis calls another's entry point.
+ANALYSES_IMPORTS = {("analyses.what_if", "analyses.scenario"), ("analyses.what_if", "analyses.what_if_pipeline"),
+                    ("analyses.what_if_pipeline", "analyses.scenario")}
+
+
+def test_the_analyses_import_no_other_analysis():
+    found = {(importer, imported) for importer, imported, *_ in _profiling_imports()
+             if importer.startswith("analyses.") and imported.startswith("analyses.") and importer != imported}
+    assert found == ANALYSES_IMPORTS
+
+
 def test_the_profiler_imports_no_sibling_inside_a_function_but_its_lazy_entry_points():
     local = [(importer, imported, line) for importer, imported, inside, line, _ in _profiling_imports() if inside]
     unexplained = [f"{importer}:{line} -> {imported}" for importer, imported, line in local

@@ -284,7 +284,7 @@ def critical_path(source) -> pd.DataFrame:
     ``source``: a ``TraceSet``, an events table or an ``Attribution``; computed once per attribution, a copy
     is returned."""
     attribution = attribute(source, caller="critical_path")
-    return attribution.cached("critical_path.chain", lambda: _chain(attribution)).copy()
+    return attribution.derived(_chain).copy()
 
 
 def _chain(attribution) -> pd.DataFrame:

@@ -58,8 +58,6 @@ from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import stage_peers, within_stage
 from ..matching.links import link_table
 from ..matching.pipelines import MEASURED_METHODS
-from .traffic import bandwidth_rows
-from .what_if import what_if
 
 FINDING_COLUMNS = ("rank", "rule", "saves_ns", "method", "measured", "change", "text")
 
@@ -100,10 +98,13 @@ class FindingRule:
 
 @dataclasses.dataclass
 class _Context:
-    """What the rules read: the attribution and the report's frames (computed once, see ``report_sections``)."""
+    """What the rules read: the attribution, the report's frames (computed once, see ``report_sections``) and
+    the analyses of other modules they ask, given by the caller (``evaluate``)."""
 
     attribution: object
     sections: object
+    what_if: Callable[[str], pd.DataFrame]
+    bandwidth_rows: Callable[[], pd.DataFrame]
 
     @property
     def breakdown(self) -> pd.DataFrame:
@@ -182,7 +183,7 @@ def _exposed_collective(ctx: _Context, threshold: float) -> list[Finding]:
 
 def _tp_across_nodes(ctx: _Context, threshold: float) -> list[Finding]:
 
-    rows = bandwidth_rows(ctx.attribution)
+    rows = ctx.bandwidth_rows()
     if rows.empty or "nodes" not in rows:
         return []
     tp = rows[(rows["dim"].astype(str) == "tp") & (rows["nodes"] > 1)]
@@ -326,7 +327,7 @@ def _what_if_saving(ctx: _Context, scenario: str) -> tuple[float, str]:
     """(mean saving per step, method) of a ``what_if`` scenario for the whole step; (NaN, "") when the
     scenario does not apply to this trace."""
     try:
-        table = what_if(ctx.attribution, scenario)
+        table = ctx.what_if(scenario)
     except ProfilingError:
         return math.nan, ""
     whole = table[table["rank"] == -1] if "rank" in table else table
@@ -335,11 +336,14 @@ def _what_if_saving(ctx: _Context, scenario: str) -> tuple[float, str]:
     return float(whole["saved_ns"].mean()), str(whole["method"].iloc[0])
 
 
-def evaluate(attribution, sections, *, rules: Sequence[FindingRule] = DEFAULT_RULES) -> pd.DataFrame:
+def evaluate(attribution, sections, *, what_if: Callable[[str], pd.DataFrame],
+             bandwidth_rows: Callable[[], pd.DataFrame], rules: Sequence[FindingRule] = DEFAULT_RULES) -> pd.DataFrame:
     """The findings of ``attribution`` given its report's ``sections`` (``present.report_sections``, whose
     ``findings`` is the entry point for a trace set), one row each (``FINDING_COLUMNS``), the largest saving
-    first and diagnostics last."""
-    context = _Context(attribution, sections)
+    first and diagnostics last. The rules ask ``what_if(scenario text)`` (``what_if``'s table of the
+    attribution) and ``bandwidth_rows()`` (``traffic.bandwidth_rows`` of the attribution): analyses of other
+    modules, which the caller gives."""
+    context = _Context(attribution, sections, what_if, bandwidth_rows)
     found: list[Finding] = []
     for rule in rules:
         if not isinstance(rule, FindingRule):

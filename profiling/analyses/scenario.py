@@ -1,6 +1,8 @@
 """The scenarios of ``what_if`` (``Scenario``, parsed from its text) and the one ``Context`` every scenario of
-an attribution reads (the breakdown, the critical path, the matched collectives and p2p messages), shared by
-``what_if`` and its pipeline scenario (``what_if_pipeline``)."""
+an attribution reads (the breakdown, the critical path, the matched collectives and p2p messages, the pipeline
+bubbles), shared by ``what_if`` and its pipeline scenario (``what_if_pipeline``). The analyses of other modules
+it reads (the critical path, the bubbles) are given to ``Context.build`` by its caller
+(``present.scenarios``): an analysis here calls none of theirs."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import dataclasses
 import enum
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -17,7 +20,6 @@ from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import match_collectives
 from ..matching.messages import p2p_messages
 from ..matching.p2p import match_p2p
-from .critical_path import critical_path
 
 
 class ScenarioError(ProfilingError, ValueError):
@@ -155,9 +157,10 @@ class Scenario:
 
 @dataclasses.dataclass
 class Context:
-    """What every scenario of one attribution reads: the breakdown, the chain and its length per step, the
-    matched collectives (with each instance's last arriver), p2p messages (``match_p2p``) and their receives,
-    and each rank's clock offset."""
+    """What every scenario of one attribution reads: the breakdown, the chain (``critical_path.critical_path``)
+    and its length per step, the matched collectives (with each instance's last arriver), p2p messages
+    (``match_p2p``) and their receives, each rank's clock offset, and ``bubbles()``: the pipeline bubbles
+    (``bubbles.pipeline_bubbles``, its warnings not issued), computed when a scenario asks."""
 
     attribution: object
     breakdown: pd.DataFrame
@@ -167,16 +170,13 @@ class Context:
     receives: pd.DataFrame
     messages: pd.DataFrame
     offsets: dict
+    bubbles: Callable[[], pd.DataFrame]
 
     @classmethod
-    def of(cls, attribution) -> Context:
-        return attribution.cached("what_if.context", lambda: cls._build(attribution))
-
-    @classmethod
-    def _build(cls, attribution) -> Context:
+    def build(cls, attribution, *, chain: pd.DataFrame, bubbles: Callable[[], pd.DataFrame]) -> Context:
+        """The context of ``attribution`` given its critical path ``chain`` and its ``bubbles``."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TraceWarning)  # the analyses give them to their own callers
-            chain = critical_path(attribution)
             try:
                 calls = match_collectives(attribution)
             except AttributionError:  # no collectives: nothing waits for a collective's last arriver
@@ -194,4 +194,4 @@ class Context:
         offsets = {int(r): int(o) for r, o in calls.groupby("rank")["offset_ns"].first().items()}
         path = chain.groupby("step")["dur_ns"].sum()
         return cls(attribution, attribution.breakdown, chain, path, calls, receives[receives["kind"] == "recv"],
-                   receives, offsets)
+                   receives, offsets, bubbles)

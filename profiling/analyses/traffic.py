@@ -8,7 +8,7 @@ trace::
     of_limit      = achieved / link_gbps   (the rank's host PCIe link, x16, per direction)
 
 The host link is the PCIe generation the rank's GPU name implies (``links.LinkTable.host_link``: V100 Gen3
-15.75, A100 Gen4 31.5, H100/B200 Gen5 64 GB/s); a name no rule knows (or no name) is taken as Gen5.
+15.75, A100 Gen4 31.5, H100/B200 Gen5 63.0 GB/s); a name no rule knows (or no name) is taken as Gen5.
 ``exposed_ns`` is the sum of the breakdown's ``memcpy_h2d`` / ``memcpy_d2h`` column (inside step windows) and
 ``pageable_copies`` counts copies from/to pageable host memory (they stage through a bounce buffer and block).
 """
@@ -101,4 +101,9 @@ def bandwidth_rows(attribution, *, traceset=None) -> pd.DataFrame:
             source = _TraceSetView(events=attribution.events, files=traceset.files, metadata=traceset.metadata,
                                    layout=attribution.layout,
                                    attributions={layout_key(attribution.layout): attribution})
-    return attribution.cached(("bandwidth_rows", traceset is not None), lambda: collective_bandwidth(source))
+    return attribution.derived(_bandwidth, traceset is not None, source=source)
+
+
+def _bandwidth(attribution, _with_traceset: bool, *, source) -> pd.DataFrame:
+    """``collective_bandwidth(source)``, kept once per (attribution, whether a trace set gives the files)."""
+    return collective_bandwidth(source)

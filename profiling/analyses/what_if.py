@@ -1,6 +1,7 @@
 """What-if: the step time per rank and per step under a scenario, predicted from one measured trace.
 
-``what_if(source, scenario)`` -> one row per (step, rank) and scenario (``RESULT_COLUMNS``): ``measured_ns``,
+``what_if(source, scenario)`` (``present.scenarios``: it gives this module's ``predict`` the ``Context`` it
+builds) -> one row per (step, rank) and scenario (``RESULT_COLUMNS``): ``measured_ns``,
 ``predicted_ns``, ``saved_ns = measured - predicted`` and the ``method`` (:class:`Method`) that gave it; ``rank``
 -1 is the whole step, whose measured time is the step's critical path length (``critical_path``, on the
 aligned clock). ``note`` says which assumption applies ("" where none does). Every number is integer ns.
@@ -65,7 +66,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..attribution.core import attribute
 from ..attribution.idle import idle_sets
 from ..base import intervals as iv
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
@@ -74,7 +74,7 @@ from ..table.partition import LABELS
 from .scenario import Context, Keep, Method, Scenario, ScenarioError, ScenarioKind
 from .what_if_pipeline import pipeline_rows
 
-__all__ = ["RESULT_COLUMNS", "Keep", "Method", "Scenario", "ScenarioError", "ScenarioKind", "what_if"]
+__all__ = ["RESULT_COLUMNS", "Context", "Keep", "Method", "Scenario", "ScenarioError", "ScenarioKind", "predict"]
 
 RESULT_COLUMNS = ("step", "rank", "scenario", "method", "measured_ns", "predicted_ns", "saved_ns", "note")
 #: Breakdown columns of work besides compute that no scenario here removes (the floor of a replay).
@@ -83,20 +83,19 @@ _WORK_COLUMNS = ("memcpy_h2d", "memcpy_d2h", "memcpy_d2d", "memset")
 _WORK_SUFFIXES = (" transfer", " unmatched")
 
 
-def what_if(source, scenario) -> pd.DataFrame:
-    """Predicted step times of ``source`` (a ``TraceSet``, an events table or an ``Attribution``) under
-    ``scenario`` (a :class:`Scenario`, its text, or a list of them): ``RESULT_COLUMNS``, per scenario by
-    step, the whole step (rank -1) first."""
-    attribution = attribute(source, caller="what_if")
+def predict(context: Context, scenario) -> pd.DataFrame:
+    """Predicted step times of the attribution of ``context`` (a :class:`Context`, see ``Context.build``)
+    under ``scenario`` (a :class:`Scenario`, its text, or a list of them): ``RESULT_COLUMNS``, per scenario by
+    step, the whole step (rank -1) first. ``present.scenarios.what_if`` is the entry point for a trace set."""
     many = scenario if isinstance(scenario, list | tuple) else [scenario]
-    frames = [_predict(attribution, s if isinstance(s, Scenario) else Scenario.parse(s)) for s in many]
+    frames = [_predict(context, s if isinstance(s, Scenario) else Scenario.parse(s)) for s in many]
     if not frames:
         raise ScenarioError("what_if: no scenario given")
     return pd.concat(frames, ignore_index=True)
 
 
-def _predict(attribution, scenario: Scenario) -> pd.DataFrame:
-    context = Context.of(attribution)
+def _predict(context: Context, scenario: Scenario) -> pd.DataFrame:
+    attribution = context.attribution
     if scenario.kind is ScenarioKind.PIPELINE:
         return _frame(pipeline_rows(context, scenario), scenario)
     if scenario.kind is ScenarioKind.NO_STRAGGLER:

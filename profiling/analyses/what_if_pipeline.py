@@ -21,7 +21,6 @@ from ..base import intervals as iv
 from ..matching.p2p import pipelines_of
 from ..matching.pipelines import BubbleMethod, rank_pipelines
 from ..table.rows import step_of
-from .bubbles import pipeline_bubbles
 from .scenario import SCHEDULES, Context, Keep, Method, Scenario, ScenarioError
 
 # --- the pipeline scenario -------------------------------------------------------------------------------------
@@ -179,16 +178,12 @@ def _median_transfer(context: Context, ranks: tuple[int, ...]) -> tuple[float, s
 
 def _p2p_pipes(context: Context) -> list[_Pipe]:
     """The pipelines ``match_p2p`` found whose ranks are all measured from their receive waits: shape from
-    ``pipeline_bubbles``, per-stage F and B from the compute between p2p markers (module docstring)."""
+    ``Context.bubbles``, per-stage F and B from the compute between p2p markers (module docstring)."""
 
     attribution = context.attribution
     if context.receives.empty:
         return []
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the bubbles' own warnings, given to their callers
-        shapes = pipeline_bubbles(attribution)
+    shapes = context.bubbles()  # the bubbles' own warnings: given to their callers
     shapes = shapes[shapes["method"] == "p2p_matched"]
     pipes = []
     for pipe in pipelines_of(attribution):

@@ -61,7 +61,8 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 import pandas as pd
@@ -69,6 +70,7 @@ import pandas as pd
 from ..base import intervals as iv
 from ..base.errors import TraceWarning
 from ..base.schema import COMM_CATEGORIES
+from ..matching.matched import Matching, matching_of
 from ..matching.pipelines import rank_pipelines
 from ..table.partition import (
     EXCLUSIVE_COLUMNS,
@@ -80,7 +82,9 @@ from ..table.partition import (
 )
 from ..table.rows import WORK_COLUMNS, in_table, is_in, label_sets
 from ..table.survey import RankSurvey, Survey, surveyed
-from .idle import IDLE_CAUSES, idle_causes
+from .idle import IDLE_CAUSES, IdleRows, idle_causes
+
+T = TypeVar("T")
 
 __all__ = ["EXCLUSIVE_COLUMNS", "LABELS", "OVERLAP_COLUMNS", "Attribution", "RankAttribution", "attribute",
            "breakdown", "comm_by_dim", "empty_breakdown", "in_table", "is_in", "partition", "partition_columns",
@@ -94,32 +98,29 @@ def attribute(source, *, layout: Mapping[str, int] | None = None, caller: str = 
     ``Survey``): the one over ``table.survey.surveyed(source, layout=layout, caller=caller)`` (see there for
     ``layout``, the classification and the errors), so a trace set has one per layout."""
     survey = surveyed(source, layout=layout, caller=caller)
-    return survey.attribution if survey.attribution is not None else Attribution(survey.events, survey=survey)
+    return survey.attribution if survey.attribution is not None else Attribution(survey)
 
 
 class Attribution:
-    """One trace set's survey (``survey``, a ``table.survey.Survey``) and everything attribution derives from
-    it (see the module docstring). Build it with :func:`attribute`; ``events`` is the classified table (not to
-    be modified), ``layout`` the dims it was classified with (or None).
+    """One trace set's survey (``survey``, a ``table.survey.Survey``), its matching (``matching``, a
+    ``matching.matched.Matching``) and everything attribution derives from them (see the module docstring).
+    Build it with :func:`attribute`; ``events`` is the classified table (not to be modified), ``layout`` the
+    dims it was classified with (or None).
 
     ``ranks``: every rank of the table, in rank order (a :class:`RankAttribution` each); ``working``: those
     with work to attribute. ``metadata``: the trace set's metadata (``TraceSet.metadata``; empty for a table).
-    ``breakdown``: the per-(rank, step) partition, computed on first use and kept. ``pipelines``: rank ->
-    ``matching.pipelines.RankPipeline`` measured elsewhere (``scale``), used instead of ``rank_pipelines``.
+    ``breakdown``: the per-(rank, step) partition, computed on first use and kept. ``matching``: the survey's
+    own, or one given (``scale``: ``Matching(pipelines=...)``, the bubbles measured elsewhere, whose warnings
+    were given there). ``idle_rows``: what the idle-cause rules read, built once. :meth:`derived`: an analysis
+    above this floor computed once per attribution.
     """
 
-    def __init__(self, events: pd.DataFrame, *, layout: Mapping[str, int] | None = None,
-                 files: Mapping[int, str] | None = None, metadata: Mapping | None = None,
-                 pipelines: Mapping | None = None, contexts: Mapping | None = None,
-                 survey: Survey | None = None) -> None:
-        if survey is None:
-            survey = Survey(events, layout=layout, files=files, metadata=metadata, contexts=contexts)
+    def __init__(self, survey: Survey, *, matching: Matching | None = None) -> None:
         self.survey = survey
-        if survey.attribution is None:
+        if survey.attribution is None and matching is None:
             survey.attribution = self
-        # Measured elsewhere (``scale``: a worker's own annotations, or the driver's matching across ranks):
-        # rank -> ``pipelines.RankPipeline``, used instead of ``rank_pipelines`` for the bubble sets.
-        self.given_pipelines = None if pipelines is None else dict(pipelines)
+        self.matching = matching_of(survey, caller="Attribution")[1] if matching is None else matching
+        self._derived: dict = {}
 
     # The survey's fields, read through (one object per trace set either way).
     events = property(lambda self: self.survey.events)
@@ -137,9 +138,9 @@ class Attribution:
         return tuple(RankAttribution(rank, pipelines=self._pipelines) for rank in self.survey.ranks)
 
     def _pipelines(self):
-        """``pipelines.rank_pipelines`` of this attribution (what each rank's bubble set is taken from), or the
-        pipelines it was given."""
-        return self.given_pipelines if self.given_pipelines is not None else rank_pipelines(self.survey)[0]
+        """``pipelines.rank_pipelines`` of this attribution's matching: what each rank's bubble set is taken
+        from."""
+        return rank_pipelines(self)[0]
 
     @property
     def working(self) -> tuple[RankAttribution, ...]:
@@ -163,9 +164,20 @@ class Attribution:
             warnings.warn(note, TraceWarning, stacklevel=2)
         return table
 
-    def cached(self, key, compute):
-        """``Survey.cached`` of the survey: ``compute()`` once per key (for the analyses an output shows)."""
-        return self.survey.cached(key, compute)
+    @functools.cached_property
+    def idle_rows(self) -> IdleRows:
+        """The columns the idle-cause rules read (``idle.IdleRows``), built once."""
+        return IdleRows(self.events)
+
+    def derived(self, analysis: Callable[..., T], *args, **inputs) -> T:
+        """``analysis(self, *args, **inputs)`` computed the first time ``analysis`` is asked for with these
+        ``args`` (hashable; ``inputs`` are passed but do not tell one result from another), the kept value
+        afterwards: an analysis of a floor above (critical path, what-if context, report sections), which this
+        one cannot name, kept once per attribution so every output of a trace set shows the same."""
+        key = (analysis, *args)
+        if key not in self._derived:
+            self._derived[key] = analysis(self, *args, **inputs)
+        return self._derived[key]
 
 
 def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[str, ...]]:
@@ -181,8 +193,7 @@ def _compute_breakdown(attribution: Attribution) -> tuple[pd.DataFrame, tuple[st
         rows.append(columns)
     attribution.timings["idle_causes"] = spent
     notes = tuple(rank.window_note for rank in attribution.working if rank.window_note)
-    if attribution.given_pipelines is None:  # given: measured, and warned about, where they were
-        notes += rank_pipelines(attribution.survey)[1]  # the p2p pipeline inference's warnings
+    notes += rank_pipelines(attribution)[1]  # the p2p pipeline inference's warnings (given ones: none here)
     if not rows:
         # An execution trace, a memory timeline or an init-only NCCL log loads fine but holds no timed work:
         # the user gets the (empty) table with a warning rather than an exception.

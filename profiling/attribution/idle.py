@@ -88,7 +88,7 @@ from ..table.partition import LABELS
 from ..table.rows import in_table, rank_selections
 
 __all__ = ["DATALOADER_PATTERN", "IDLE_CAUSES", "LAUNCH_PATTERN", "LAUNCH_STATS_COLUMNS", "SHORT_KERNEL_NS",
-           "SYNC_PATTERN", "WAIT_PATTERN", "idle_causes", "idle_sets", "rank_launch_stats"]
+           "SYNC_PATTERN", "WAIT_PATTERN", "IdleRows", "idle_causes", "idle_sets", "rank_launch_stats"]
 
 #: The idle columns, summing to ``idle`` per (rank, step); precedence in the module docstring.
 IDLE_CAUSES = ("idle_host_bound", "idle_sync", "idle_dataloader", "idle_dependency", "idle_other")
@@ -119,9 +119,10 @@ _PARTITION_LABELS = tuple(label for label in LABELS if label != "idle")
 _NONE = np.iinfo(np.int64).max  # "no launch" in a launch-start array
 
 
-class _Table:
+class IdleRows:
     """The columns and per-category name tables the decomposition reads, for the whole events table (built
-    once per attribution and kept on it)."""
+    once per attribution and kept on it: ``Attribution.idle_rows``), and what it derives per rank, kept
+    here: ``hosts`` (rank -> its launch, sync and wait rows) and ``sets`` (rank -> ``idle_sets``)."""
 
     def __init__(self, events: pd.DataFrame) -> None:
         self.start = events["start_ns"].to_numpy()
@@ -138,6 +139,8 @@ class _Table:
         # match one (their first characters say so) meet the patterns: a trace holds few of them.
         self.flags = per_category_table(events["name"], ("idle.flags",), _name_flags)
         self.selections = dict(rank_selections(events))
+        self.hosts: dict[int, _Host] = {}
+        self.sets: dict[int, dict[str, iv.IntervalSet]] = {}
 
 
 _LAUNCH, _SYNC, _QUERY, _WAIT, _WAIT_ROW, _DATALOADER = (1 << bit for bit in range(6))
@@ -159,20 +162,22 @@ def _name_flags(texts) -> np.ndarray:
     return flags
 
 
-def _table(attribution) -> _Table:
-    return attribution.cached("idle.table", lambda: _Table(attribution.events))
+def _table(attribution) -> IdleRows:
+    return attribution.idle_rows
 
 
 def _host(attribution, rank) -> _Host:
     table = _table(attribution)
-    return attribution.cached(("idle.host", rank.rank), lambda: _Host(table, table.selections[rank.rank]))
+    if rank.rank not in table.hosts:
+        table.hosts[rank.rank] = _Host(table, table.selections[rank.rank])
+    return table.hosts[rank.rank]
 
 
 class _Host:
     """What one rank's rows say about its host: the launch start of each correlation id, the sync and data-
     loading sets, the stream-wait markers."""
 
-    def __init__(self, table: _Table, selection) -> None:
+    def __init__(self, table: IdleRows, selection) -> None:
         flags = table.flags[table.name[selection]]
         start, end = table.start[selection], table.start[selection] + table.dur[selection]
         corr, cpu = table.correlation[selection], table.cpu[table.lane[selection]]
@@ -229,7 +234,10 @@ def idle_sets(attribution, rank) -> dict[str, iv.IntervalSet]:
     """The idle set of ``rank`` (key ``idle``) and its cause sets (keys :data:`IDLE_CAUSES`), disjoint, their
     union the idle set; over the hull of the rank's attributed windows and work (see the module docstring).
     Computed once per rank and kept on the attribution."""
-    return attribution.cached(("idle.sets", rank.rank), lambda: _idle_sets(attribution, rank))
+    kept = _table(attribution).sets
+    if rank.rank not in kept:
+        kept[rank.rank] = _idle_sets(attribution, rank)
+    return kept[rank.rank]
 
 
 def _idle_sets(attribution, rank, *, other: bool = True) -> dict[str, iv.IntervalSet]:
@@ -249,7 +257,7 @@ def _idle_sets(attribution, rank, *, other: bool = True) -> dict[str, iv.Interva
     return {"idle": idle, **sets}
 
 
-def _gpu_causes(idle: iv.IntervalSet, table: _Table, work: np.ndarray, host: _Host) -> dict[str, iv.IntervalSet]:
+def _gpu_causes(idle: iv.IntervalSet, table: IdleRows, work: np.ndarray, host: _Host) -> dict[str, iv.IntervalSet]:
     """The cause sets of a GPU rank's idle gaps but ``idle_other`` (the rest, taken by the caller)."""
     gap_start, gap_end = idle
     if not len(host.ids):  # no launch call in the trace: every gap is unknown (judged by the host state alone)

@@ -6,22 +6,24 @@ job at 200 MB of JSON per rank is 200 GB). Everything but the cross-rank matchin
 matching reads only the communication rows, so :func:`analyze` splits the work:
 
 1. **Map, per trace file, in a worker where the file is** (nothing is shipped through the driver but its path):
-   read it, classify it, attribute its rank alone and keep
+   read it, survey it (``table.survey.surveyed``, as ``breakdown`` does), attribute its rank alone with the
+   pipelines of its own annotations given as its ``Matching``, and keep
    - its breakdown rows (the same partition ``breakdown`` computes, its bubble from its own ``sl:pp``
      annotations);
    - its *compact rows*: the events of every communication category (collectives and p2p, with their group,
      sequence, times and sizes), the launch calls of those kernels, the step markers and the pipeline
      annotations (``sl:pp:*``, torch.distributed.pipelining's names): what the cross-rank analyses read;
-   - its :class:`RankContext` (lane kind, step windows, the windows the breakdown partitions), which a
+   - its ``table.survey.RankContext`` (lane kind, step windows, the windows the breakdown partitions), which a
      rank's compact rows alone could not give.
    A worker holds one file at a time; the driver receives a few tables per rank.
-2. **Reduce, on the driver**: the compact rows of every rank make one small events table; its
-   :class:`~shardline.profiling.attribution.Attribution`, built with every rank's context, is what
-   ``match_collectives``, ``comm_calls``, ``p2p.match_p2p`` and ``bubbles.rank_pipelines`` read, exactly as on
-   the whole table (the driver's memory grows with the number of collectives, not of events).
+2. **Reduce, on the driver**: the compact rows of every rank make one small events table; its ``Survey``,
+   built with every rank's context, and the ``Attribution`` over it (``attribute``) are what
+   ``match_collectives``, ``comm_calls``, ``p2p.match_p2p`` and ``pipelines.rank_pipelines`` read, exactly as
+   on the whole table (the driver's memory grows with the number of collectives, not of events).
 3. **A second map, only where a rank's bubble needs its peers** (a pipeline measured from send/recv matched
    across ranks, or torch.distributed.pipelining's single-stage names, whose stages come from the ranks'
-   order): that rank is read again with the bubble set the driver measured. On the driver's host the first
+   order): that rank is read again, its attribution given the pipelines the driver measured as its
+   ``Matching``. On the driver's host the first
    map keeps such a rank's loaded table for it in a pickle, in a folder :func:`tempfile.mkdtemp` made for this
    call (mode 0700, removed when it returns) and read back only by this call's own workers, under a name the
    driver derived; nothing from a trace or a user's file is ever unpickled (whoever could write that folder
@@ -56,7 +58,8 @@ import pandas as pd
 
 from ..base.errors import MixedJobsError, ProfilingError, TraceFormatError, TraceWarning
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
-from ..matching.pipelines import BubbleMethod, annotated_pipelines, rank_pipelines
+from ..matching.matched import BubbleMethod, Matching
+from ..matching.pipelines import annotated_pipelines, rank_pipelines
 from ..table import load as loading
 from ..table.dims import check_layout
 from ..table.kinds import Lane
@@ -64,8 +67,11 @@ from ..table.load import _concat, _discover
 from ..table.names import match_names
 from ..table.pipeline_rows import THIRD_PARTY_PP_PATTERN
 from ..table.rows import PP_PREFIX, is_in
-from ..table.survey import Survey
+from ..table.survey import RankContext, Survey, surveyed
 from .core import Attribution, attribute, empty_breakdown
+
+__all__ = ["EXECUTORS", "ExecutorError", "RankContext", "RankPart", "ScaleResult", "analyze", "compact_rows",
+           "map_file"]
 
 #: The executors :func:`analyze` runs the per-rank work on.
 EXECUTORS = ("local", "ray", "dask")
@@ -75,18 +81,6 @@ CONNECT_TIMEOUT_S = 30
 
 class ExecutorError(ProfilingError):
     """An executor that cannot run here (its package is not installed, its cluster cannot be reached)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RankContext:
-    """What one rank's whole trace says that its compact rows alone could not: the lane kind its work is
-    attributed on, its step windows and the windows its breakdown partitions (``RankAttribution``)."""
-
-    lanes: str
-    windows: tuple  # (step, start_ns, end_ns) arrays
-    attributed: tuple
-    window_note: str | None
-    has_work: bool
 
 
 @dataclasses.dataclass
@@ -152,7 +146,8 @@ def analyze(path, *, executor: str = "local", address: str | None = None, worker
 def map_file(job: tuple) -> RankPart:
     """The map of one trace file (see the module docstring), run in a worker: never raises for a bad file,
     whose ``RankPart.error`` says why instead. ``job``: ``(file, layout, keep_python, given, spill)``; ``given``
-    None in the first map, else rank -> the ``bubbles.RankPipeline`` the driver measured (the second map);
+    None in the first map, else rank -> the ``matching.matched.RankPipeline`` the driver measured (the second
+    map; the rank's attribution is given it as its ``Matching``);
     ``spill``: ``(folder, host)`` of the driver, or None. On the driver's host, the first map keeps the loaded
     table of a rank that may need the second one (it has p2p or pipelining rows) in ``folder``, and the
     second map reads it from there instead of the trace; a worker on another host reads the trace again."""
@@ -175,20 +170,18 @@ def map_file(job: tuple) -> RankPart:
                     skipped=next(iter(ts.skipped.values()), None), events=len(ts.events))
     if not len(ts.events):
         return part
-    whole = attribute(ts)
-    # The bubble: in the first map, the rank's own sl:pp annotations only (the other sources need the other
-    # ranks); in the second, the driver's. The ranks are surveyed once: the annotations are read off this
-    # attribution's own ranks before anything asks for a bubble.
-    survey = Survey(whole.events, layout=whole.layout, files=whole.files, metadata=whole.metadata)
-    attribution = Attribution(survey.events, survey=survey,
-                              pipelines=annotated_pipelines(survey) if given is None else given)
-    with _warnings.catch_warnings():
-        _warnings.simplefilter("ignore", TraceWarning)  # its notes go along (``RankPart.notes``)
-        part.breakdown, part.notes = attribution._breakdown
-    part.contexts = {rank.rank: RankContext(rank.lanes, rank._windows, rank._attributed, rank.window_note,
-                                            rank.has_work) for rank in attribution.ranks}
+    # The single-table path's survey; the bubble, as a given matching: in the first map, the rank's own sl:pp
+    # annotations only (the other sources need the other ranks); in the second, the driver's.
+    survey = surveyed(ts, caller="analyze")
+    pipelines = annotated_pipelines(survey) if given is None else given
+    attribution = Attribution(survey, matching=Matching(pipelines=(pipelines, ())))
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always", TraceWarning)  # its notes go along (``RankPart.notes``)
+        part.breakdown = attribution.breakdown
+    part.notes = tuple(str(w.message) for w in caught if issubclass(w.category, TraceWarning))
+    part.contexts = {rank.rank: rank.context for rank in survey.ranks}
     if given is None:
-        part.compact = compact_rows(ts.events, {rank.rank: rank.lanes for rank in attribution.ranks})
+        part.compact = compact_rows(survey.events, {rank.rank: rank.lanes for rank in survey.ranks})
     return part
 
 
@@ -255,8 +248,9 @@ def _reduce(parts: list[RankPart], *, layout, keep_python: bool, run, spill) -> 
     rank_column = compact["rank"].to_numpy()
     if len(rank_column) and not (rank_column[1:] >= rank_column[:-1]).all():  # a file of several ranks
         compact = compact.sort_values("rank", kind="stable").reset_index(drop=True)
-    attribution = Attribution(compact, layout=layout, files={r: f for r, f in owner.items()}, metadata=metadata,
-                              contexts=contexts)
+    # The single-table path over the compact rows: their survey (each rank's context from its whole trace),
+    # its attribution, and the pipelines its matching measures.
+    attribution = attribute(Survey(compact, layout=layout, files=dict(owner), metadata=metadata, contexts=contexts))
     given = {}
     if len(compact):
         measured, pipeline_notes = rank_pipelines(attribution)

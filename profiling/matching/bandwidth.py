@@ -56,7 +56,6 @@ from ..table.kinds import Lane
 from ..table.linking import launching_op
 from ..table.load import read_op_args
 from ..table.rows import step_of
-from ..table.survey import surveyed
 from .collectives import COLLECTIVE_CATEGORIES, ClockAlignment, _cpu_calls, match_collectives
 from .links import (
     DEFAULT_LINKS,
@@ -74,6 +73,7 @@ from .links import (
     node_size,
     nodes_spanned,
 )
+from .matched import matching_of
 
 __all__ = ["COLUMNS", "DEFAULT_LINKS", "DEVICE_RULES", "HOST_PCIE", "LATENCY_BOUND_BYTES", "Link", "LinkTable",
            "LinkTableError", "TimeBasis", "bandwidth_summary", "busbw_factor", "collective_bandwidth", "link_table"]
@@ -122,7 +122,7 @@ def collective_bandwidth(source, *, links: str | Path | Mapping | None = None, g
     table = link_table(links)
     if gpus_per_node is not None:
         check_gpus_per_node(gpus_per_node, "collective_bandwidth")
-    attribution = surveyed(source, caller="collective_bandwidth")
+    attribution, matching = matching_of(source, caller="collective_bandwidth")
     traceset = source if hasattr(source, "files") and hasattr(source, "metadata") else None
     metadata = getattr(traceset, "metadata", None) or getattr(attribution, "metadata", None) or {}
     rows = _call_rows(attribution)
@@ -132,8 +132,9 @@ def collective_bandwidth(source, *, links: str | Path | Mapping | None = None, g
         out.attrs.update(gpus_per_node=gpn, gpus_per_node_source=gpn_source)
         return out
     rows = _with_matching(rows, attribution, clock)
-    args = attribution.cached("bandwidth.op_args", lambda: read_op_args(traceset if traceset is not None
-                                                                          else attribution.events))
+    if matching.op_args is None:
+        matching.op_args = read_op_args(traceset if traceset is not None else attribution.events)
+    args = matching.op_args
     rows["group_size"] = group_sizes(rows, metadata)
     rows = _with_sizes(rows, args, attribution.events)
     rows["nodes"] = nodes_spanned(rows, metadata, gpn)

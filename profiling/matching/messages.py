@@ -29,8 +29,8 @@ import pandas as pd
 from ..base.schema import P2P_CATEGORIES
 from ..table.kinds import Lane
 from ..table.rows import is_in, step_of
-from ..table.survey import surveyed
 from .links import parse_ranks
+from .matched import matching_of
 
 MESSAGE_COLUMNS = ("rank", "step", "kind", "peer", "group", "start_ns", "end_ns", "dur_ns", "bytes", "row")
 _ROW_COLUMNS = ("rank", "lane", "cat", "stream", "category", "dim", "start_ns", "dur_ns", "external_id", "peer",
@@ -48,8 +48,10 @@ def p2p_messages(source) -> pd.DataFrame:
     ``peer`` the global peer rank (-1 unknown), ``row`` the events-table position of the message's first row
     (its kernel, or its outermost CPU op)."""
 
-    attribution = surveyed(source, caller="p2p_messages")
-    return attribution.cached("p2p.messages", lambda: _messages(attribution))
+    survey, matching = matching_of(source, caller="p2p_messages")
+    if matching.messages is None:
+        matching.messages = _messages(survey)
+    return matching.messages
 
 
 def _messages(attribution) -> pd.DataFrame:

@@ -30,7 +30,6 @@ Per message (``match_p2p``): ``method`` ("matched" | "estimated" | "unmatched"),
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import warnings
 
@@ -39,9 +38,9 @@ import pandas as pd
 
 from ..base import intervals as iv
 from ..base.errors import AttributionError, TraceWarning
-from ..table.survey import surveyed
 from .bandwidth import collective_bandwidth
 from .collectives import match_collectives
+from .matched import MatchedP2P, Matching, matching_of
 from .messages import Pipeline, p2p_messages, pipeline_stages
 
 
@@ -51,16 +50,6 @@ class SplitMethod(str, enum.Enum):
     UNMATCHED = "unmatched"    # neither: the whole receive is transfer
 
 
-@dataclasses.dataclass(frozen=True)
-class MatchedP2P:
-    """What the matching computes once per trace set: the messages with their split (``match_p2p``'s table),
-    the pipelines they form (``pipelines_of``) and the inference's warnings (issued on every ``match_p2p``)."""
-
-    table: pd.DataFrame
-    pipelines: tuple[Pipeline, ...]
-    notes: tuple[str, ...]
-
-
 # --- matching and the split ---------------------------------------------------------------------------------------
 
 def match_p2p(source) -> pd.DataFrame:
@@ -68,8 +57,7 @@ def match_p2p(source) -> pd.DataFrame:
     ``transfer_ns`` and ``send_start_ns`` (receives; -1 for sends and where unknown). Warnings of the
     inference are issued as ``TraceWarning``. Kept on the attribution."""
 
-    attribution = surveyed(source, caller="match_p2p")
-    matched = attribution.cached("p2p.matched", lambda: _match(attribution))
+    matched = _matched(source, caller="match_p2p")
     for note in matched.notes:
         warnings.warn(note, TraceWarning, stacklevel=2)
     return matched.table
@@ -78,11 +66,18 @@ def match_p2p(source) -> pd.DataFrame:
 def pipelines_of(source) -> list[Pipeline]:
     """The pipeline groups ``match_p2p`` found (stage order included)."""
 
-    attribution = surveyed(source, caller="pipelines_of")
-    return list(attribution.cached("p2p.matched", lambda: _match(attribution)).pipelines)
+    return list(_matched(source, caller="pipelines_of").pipelines)
 
 
-def _match(attribution) -> MatchedP2P:
+def _matched(source, *, caller: str) -> MatchedP2P:
+    """The :class:`MatchedP2P` of ``source``'s matching, computed on first use and kept in it."""
+    survey, matching = matching_of(source, caller=caller)
+    if matching.p2p is None:
+        matching.p2p = _match(survey, matching)
+    return matching.p2p
+
+
+def _match(attribution, matching: Matching) -> MatchedP2P:
     messages = p2p_messages(attribution)
     pipelines, messages, notes = pipeline_stages(messages)
     n = len(messages)
@@ -95,7 +90,7 @@ def _match(attribution) -> MatchedP2P:
         on = out["rank"].isin(pipe.ranks).to_numpy()
         out.loc[on, "pipeline"] = k
         out.loc[on, "stage"] = out.loc[on, "rank"].map({r: pipe.ranks.index(r) for r in pipe.ranks})
-    offsets = _clock_offsets(attribution)
+    offsets = _clock_offsets(attribution, matching)
     shift = out["rank"].map(offsets).fillna(0).to_numpy(np.int64)
     aligned = out["start_ns"].to_numpy(np.int64) - shift
     in_set = set(out["rank"].tolist())
@@ -126,7 +121,7 @@ def _match(attribution) -> MatchedP2P:
                        dtype=bool)
     lonely = is_recv & ~matched & outside
     if lonely.any():
-        estimate = _estimated_transfer(attribution, out[lonely])
+        estimate = _estimated_transfer(attribution, matching, out[lonely])
         ok = estimate >= 0
         idx = np.flatnonzero(lonely)[ok]
         wait[idx] = np.clip(dur[idx] - estimate[ok], 0, dur[idx])
@@ -152,26 +147,28 @@ def _pairs(kind, rank, peer, order, *, want: str) -> dict[tuple[int, int], np.nd
     return {key: np.array(value, dtype=np.int64) for key, value in pairs.items()}
 
 
-def _clock_offsets(attribution) -> dict[int, int]:
-    """Per-rank clock offsets from the matched collectives (none without collectives)."""
+def _clock_offsets(attribution, matching: Matching) -> dict[int, int]:
+    """Per-rank clock offsets from the matched collectives (none without collectives), kept in ``matching``."""
 
-    def compute() -> dict[int, int]:
+    if matching.clock_offsets is None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", TraceWarning)
                 matched = match_collectives(attribution)
         except AttributionError:
-            return {}
-        return {int(r): int(o) for r, o in matched.groupby("rank")["offset_ns"].first().items()}
+            matching.clock_offsets = {}
+        else:
+            matching.clock_offsets = {int(r): int(o) for r, o in matched.groupby("rank")["offset_ns"].first().items()}
+    return matching.clock_offsets
 
-    return attribution.cached("p2p.offsets", compute)
 
-
-def _estimated_transfer(attribution, receives: pd.DataFrame) -> np.ndarray:
+def _estimated_transfer(attribution, matching: Matching, receives: pd.DataFrame) -> np.ndarray:
     """Transfer time (ns) of ``receives`` from their size and their link's bandwidth per direction (the row
     ``collective_bandwidth`` gives the same call: same rank and start); -1 where either is unknown."""
 
-    table = attribution.cached("p2p.bandwidth", lambda: collective_bandwidth(attribution))
+    if matching.p2p_bandwidth is None:
+        matching.p2p_bandwidth = collective_bandwidth(attribution)
+    table = matching.p2p_bandwidth
     out = np.full(len(receives), -1, dtype=np.int64)
     if table.empty:
         return out

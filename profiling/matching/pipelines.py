@@ -6,14 +6,11 @@ covers the set measured here; ``analyses.bubbles`` reports it per batch (the def
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import warnings
 
 import numpy as np
 import pandas as pd
 
-from ..base import intervals as iv
 from ..base.errors import TraceWarning
 from ..base.schema import P2P_CATEGORIES
 from ..table.names import match_names
@@ -21,38 +18,22 @@ from ..table.pipeline_rows import NO_ACTIONS, NO_BATCHES, THIRD_PARTY_PP_PATTERN
 from ..table.rows import is_in
 from . import p2p
 from . import pipeline_adapters as adapters
+from .matched import BubbleMethod, RankPipeline, matching_of
 from .messages import p2p_messages
-
-
-class BubbleMethod(str, enum.Enum):
-    ANNOTATIONS = "annotations"
-    TORCH_PIPELINING = "torch_pipelining"  # torch.distributed.pipelining's names, via ``pipeline_adapters``
-    P2P_MATCHED = "p2p_matched"            # receives matched with their sends across ranks (``p2p``)
-    P2P_ESTIMATED = "p2p_estimated"        # one rank's receives split by message size / link bandwidth
-    P2P_RECV_IDLE = "p2p_recv_idle"        # nothing to measure with: the exposed receive time
-
 
 #: The methods that measure a bubble (the last one only restates the breakdown's ``p2p_recv``).
 MEASURED_METHODS = tuple(m.value for m in BubbleMethod if m is not BubbleMethod.P2P_RECV_IDLE)
-
-
-@dataclasses.dataclass(frozen=True)
-class RankPipeline:
-    """How one rank's bubble is measured: ``method``, the (batches, actions) rows of the annotation methods
-    (empty for the p2p ones) and ``bubble``, the interval set the breakdown's ``bubble`` label covers."""
-
-    method: BubbleMethod
-    batches: pd.DataFrame
-    actions: pd.DataFrame
-    bubble: iv.IntervalSet
 
 
 def rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ...]]:
     """Per rank with a measurable pipeline, its :class:`RankPipeline`, first source that exists: ``sl:pp``
     annotations; torch.distributed.pipelining's names; receives matched with their sends (``p2p.match_p2p``);
     one rank's receives split by size and bandwidth. Plus the warnings the p2p inference gave. Computed once
-    per attribution (the breakdown's ``bubble`` column reads it)."""
-    return attribution.cached("bubbles.pipelines", lambda: _rank_pipelines(attribution))
+    per trace set and kept in its ``Matching`` (the breakdown's ``bubble`` column reads it)."""
+    survey, matching = matching_of(attribution, caller="rank_pipelines")
+    if matching.pipelines is None:
+        matching.pipelines = _rank_pipelines(survey)
+    return matching.pipelines
 
 
 def _rank_pipelines(attribution) -> tuple[dict[int, RankPipeline], tuple[str, ...]]:

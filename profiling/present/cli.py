@@ -11,7 +11,7 @@
   sum to the step-time delta exactly (``diff.diff_breakdowns``).
 - ``profile merge PATH -o FILE``: all ranks in one Chrome trace (``merge.merged_trace``).
 - ``profile whatif PATH --scenario S [--scenario S2 ...]``: the step time per rank and step predicted under each
-  scenario (``what_if.what_if``; ``S`` as ``what_if.Scenario.parse`` reads it, e.g. ``comm_faster:k=2``).
+  scenario (``scenarios.what_if``; ``S`` as ``what_if.Scenario.parse`` reads it, e.g. ``comm_faster:k=2``).
 - every command: ``--rules FILE`` (YAML/JSON communication rules before the built-in ones, ``read_rules``) and
   ``--rank N`` (the rank of a single file that records none; without it such a file is an error, status 2).
 
@@ -541,7 +541,8 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def run_whatif(args: argparse.Namespace) -> int:
     """Parse the scenarios (a bad one fails before loading), load, predict, render."""
-    from ..analyses.what_if import Scenario, what_if
+    from ..analyses.what_if import Scenario
+    from .scenarios import what_if
 
     try:
         scenarios = [Scenario.parse(text) for text in args.scenario]

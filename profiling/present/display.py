@@ -1,16 +1,19 @@
 """The display tables of a report's sections (the strings HTML, Markdown and the terminal show), from the
-``ReportSections`` frames: numbers are formatted here, never recomputed."""
+``ReportSections`` frames, by each section's display function (``registry.SECTIONS``): numbers are formatted
+there, never recomputed."""
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from ..analyses import rank_summary
 from ..attribution.core import attribute
-from ..attribution.idle import IDLE_CAUSES
-from ..attribution.tables import REPORT, breakdown_table, fixed, ms_text
-from .report_sections import TITLES, ReportSections, Section, bandwidth_section, is_traceset
+from .compute import bandwidth_section
+from .registry import SECTIONS, TITLES
+from .section_displays import bandwidth_table
+from .sections import ReportSections, Section, is_traceset
+
+__all__ = ["bandwidth_table", "bandwidth_terminal", "bandwidth_text", "display_tables"]
 
 
 def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.DataFrame]]]:
@@ -18,177 +21,7 @@ def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.Data
     # Beyond a few dozen ranks a row per rank is unreadable: those tables become distributions over the ranks
     # (median, p90, max, the worst ranks by name); the per-rank tables stay in csv/parquet (``report``).
     many = bool(len(sec.breakdown) and sec.breakdown["rank"].nunique() > rank_summary.MANY_RANKS)
-    return {section: DISPLAYS[section](sec, many) for section in Section}
-
-
-def _findings(sec: ReportSections, many: bool) -> list:
-    if not len(sec.findings):
-        return []
-    f = sec.findings
-    saves = ["" if np.isnan(v) else str(ms_text([int(round(v))])[0]) for v in f["saves_ns"]]
-    return [("findings-table", pd.DataFrame({
-        "#": f["rank"].astype(str), "saves_ms_per_step": saves, "method": f["method"].astype(str),
-        "finding": f["text"].astype(str), "measured": f["measured"].astype(str)}))]
-
-
-def _breakdown(sec: ReportSections, many: bool) -> list:
-    if many:
-        return [("breakdown-distribution-table", rank_summary.display(
-            rank_summary.category_distribution(sec.breakdown)))]
-    return [("breakdown-table", breakdown_table(sec.breakdown, style=REPORT))] if len(sec.breakdown) else []
-
-
-def _critical_path(sec: ReportSections, many: bool) -> list:
-    if not len(sec.critical_path):
-        return []
-    c = sec.critical_path
-    return [("critical-path-table", pd.DataFrame({
-        "step": c["step"].astype(str), "rank": c["rank"].astype(str), "label": c["label"].astype(str),
-        "dim": c["dim"].astype(str), "path_ms": ms_text(c["dur_ns"]), "share_%": fixed(100 * c["share"], 2)}))]
-
-
-def _idle(sec: ReportSections, many: bool) -> list:
-    out = []
-    bd = sec.breakdown
-    if len(bd) and "idle_other" in bd and not many:  # many ranks: the idle causes are rows of the distribution
-        table = {"rank": bd["rank"].astype(str), "step": bd["step"].astype(str), "idle_ms": ms_text(bd["idle"])}
-        table.update({f"{c.removeprefix('idle_')}_ms": ms_text(bd[c]) for c in IDLE_CAUSES})
-        out.append(("idle-table", pd.DataFrame(table)))
-    if len(sec.launch) and many:
-        out.append(("launch-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
-            sec.launch, {"launches": "", "launch_delay_median_ns": "ns", "launch_delay_p90_ns": "ns",
-                         "kernels": "", "short_kernels": "", "short_kernel_share": "%"}))))
-    elif len(sec.launch):
-        lt = sec.launch
-        out.append(("launch-table", pd.DataFrame({
-            "rank": lt["rank"].astype(str), "launches": lt["launches"].astype(str),
-            "delay_median_us": fixed(lt["launch_delay_median_ns"] / 1e3, 1),
-            "delay_p90_us": fixed(lt["launch_delay_p90_ns"] / 1e3, 1),
-            "delay_max_us": fixed(lt["launch_delay_max_ns"].where(lt["launch_delay_max_ns"] >= 0) / 1e3, 1),
-            "kernels": lt["kernels"].astype(str), "short_kernels": lt["short_kernels"].astype(str),
-            "short_%_of_busy": fixed(100 * lt["short_kernel_share"], 2)})))
-    return out
-
-
-def _comm_by_dim(sec: ReportSections, many: bool) -> list:
-    if not len(sec.comm_by_dim):
-        return []
-    if many:
-        return [("comm-by-dim-distribution-table", rank_summary.display(
-            rank_summary.dim_distribution(sec.comm_by_dim)))]
-    c = sec.comm_by_dim
-    return [("comm-by-dim-table", pd.DataFrame({
-        "rank": c["rank"].astype(str), "step": c["step"].astype(str), "dim": c["dim"].astype(str),
-        "comm_ms": ms_text(c["comm_ns"]), "exposed_ms": ms_text(c["exposed_ns"]),
-        "overlapped_ms": ms_text(c["overlapped_ns"])}))]
-
-
-def _collectives(sec: ReportSections, many: bool) -> list:
-    out = []
-    if many and len(sec.matched):
-        out.append(("collective-distribution-table", rank_summary.display(
-            rank_summary.collective_distribution(sec.matched))))
-    if len(sec.wait_transfer) and not many:
-        w = sec.wait_transfer
-        out.append(("wait-transfer-table", pd.DataFrame({
-            "rank": w["rank"].astype(str), "category": w["category"].astype(str), "calls": w["calls"].astype(str),
-            "time_ms": ms_text(w["dur_ns"]), "wait_ms": ms_text(w["wait_ns"]),
-            "transfer_ms": ms_text(w["transfer_ns"]), "wait_%": fixed(100 * w["wait_fraction"], 2)})))
-    if len(sec.stragglers):
-        s = sec.stragglers
-        out.append(("stragglers-table", pd.DataFrame({
-            "step": s["step"].astype(str), "straggler_rank": s["straggler_rank"].astype(str),
-            "caused_wait_ms": ms_text(s["caused_wait_ns"]), "times_last": s["times_last"].astype(str)})))
-    return out
-
-
-def _bandwidth(sec: ReportSections, many: bool) -> list:
-    return [("bandwidth-table", bandwidth_table(sec.bandwidth))] if len(sec.bandwidth) else []
-
-
-def _pipeline(sec: ReportSections, many: bool) -> list:
-    if not len(sec.bubbles):
-        return []
-    if many:
-        distribution = rank_summary.numeric_distribution(
-            sec.bubbles, {"batch_ns": "ns", "bubble_ns": "ns", "bubble_fraction": "%", "ideal_fraction": "%"},
-            by=("method", "stage"))
-        return [("bubbles-distribution-table", rank_summary.display(distribution))]
-    b = sec.bubbles
-    return [("bubbles-table", pd.DataFrame({
-        "rank": b["rank"].astype(str), "step": b["step"].astype(str), "method": b["method"].astype(str),
-        "stage": b["stage"].astype(str), "schedule": b["schedule"].astype(str),
-        "p": b["p"].astype(str), "m": b["m"].astype(str), "v": b["v"].astype(str),
-        "batch_ms": ms_text(b["batch_ns"]),
-        "bubble_ms": ms_text(b["bubble_ns"]), "bubble_%": fixed(100 * b["bubble_fraction"], 2),
-        "ideal_%": fixed(100 * b["ideal_fraction"], 2)}))]
-
-
-def _top_kernels(sec: ReportSections, many: bool) -> list:
-    if not len(sec.top_kernels):
-        return []
-    k = sec.top_kernels
-    return [("top-kernels-table", pd.DataFrame({
-        "category": k["category"], "name": k["name"], "calls": k["calls"].astype(str),
-        "total_ms": ms_text(k["total_ns"]), "share_%": fixed(100 * k["share"], 2)}))]
-
-
-def _offload(sec: ReportSections, many: bool) -> list:
-    if not len(sec.offload):
-        return []
-    if many:
-        distribution = rank_summary.numeric_distribution(
-            sec.offload, {"copies": "", "bytes": "", "busy_ns": "ns", "achieved_gbps": "", "of_limit": "%",
-                          "pageable_copies": "", "exposed_ns": "ns"}, by=("direction",))
-        return [("offload-distribution-table", rank_summary.display(distribution))]
-    o = sec.offload
-    return [("offload-table", pd.DataFrame({
-        "rank": o["rank"].astype(str), "direction": o["direction"], "copies": o["copies"].astype(str),
-        "bytes": o["bytes"].astype(str), "busy_ms": ms_text(o["busy_ns"]),
-        "achieved_GB/s": fixed(o["achieved_gbps"], 3), "link": o["link"].astype(str),
-        "link_GB/s": fixed(o["link_gbps"], 2), "of_link_%": fixed(100 * o["of_limit"], 2),
-        "pageable_copies": o["pageable_copies"].astype(str), "exposed_ms": ms_text(o["exposed_ns"])}))]
-
-
-def _comm_coverage(sec: ReportSections, many: bool) -> list:
-    if not len(sec.comm_coverage):
-        return []
-    c = sec.comm_coverage
-    return [("comm-coverage-table", pd.DataFrame({
-        "finding": c["finding"], "name": c["name"], "category": c["category"], "ranks": c["ranks"],
-        "count": c["count"].astype(str), "launched": c["launched"]}))]
-
-
-#: The display of each section: ``(sections, many ranks) -> [(table id, table of display strings), ...]``. A new
-#: section is its ``Section`` member, its title (``TITLES``), its frame (``ReportSections``) and a row here.
-DISPLAYS = {
-    Section.FINDINGS: _findings,
-    Section.BREAKDOWN: _breakdown,
-    Section.CRITICAL_PATH: _critical_path,
-    Section.IDLE: _idle,
-    Section.COMM_BY_DIM: _comm_by_dim,
-    Section.COLLECTIVES: _collectives,
-    Section.BANDWIDTH: _bandwidth,
-    Section.PIPELINE: _pipeline,
-    Section.TOP_KERNELS: _top_kernels,
-    Section.OFFLOAD: _offload,
-    Section.COMM_COVERAGE: _comm_coverage,
-}
-
-
-def bandwidth_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """``bandwidth_summary`` as display strings: sizes in bytes, the median time in ms, bandwidths in GB/s
-    (three decimals) and the verdict ("latency-bound" or "x % of peak")."""
-    return pd.DataFrame({
-        "category": summary["category"].astype(str), "dtype": summary["dtype"].astype(str),
-        "size": summary["size_bucket"].astype(str), "group": summary["group"].astype(str),
-        "n": summary["group_size"].astype(str), "link": summary["link"].astype(str),
-        "link_GB/s": fixed(summary["link_gbps"], 2), "calls": summary["calls"].astype(str),
-        "ranks": summary["ranks"].astype(str), "bytes_median": fixed(summary["bytes_median"], 0),
-        "time_ms_median": fixed(summary["time_ns_median"] / 1e6, 6),
-        "algbw_GB/s": fixed(summary["algbw_gbps_median"], 3), "busbw_GB/s": fixed(summary["busbw_gbps_median"], 3),
-        "busbw_max_GB/s": fixed(summary["busbw_gbps_max"], 3), "basis": summary["time_basis"].astype(str),
-        "verdict": summary["verdict"].astype(str)}).reset_index(drop=True)
+    return {row.section: row.display(sec, many) for row in SECTIONS}
 
 
 def bandwidth_text(sec: ReportSections) -> str:

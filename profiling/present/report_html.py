@@ -16,7 +16,8 @@ import pandas as pd
 
 from . import plots
 from .display import display_tables
-from .report_sections import ReportSections, Section, section_title
+from .registry import SECTIONS, section_title
+from .sections import ReportSections, Section
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -71,13 +72,14 @@ def render_html(sec: ReportSections, *, events=None, title: str = "shardline pro
     """The report as one HTML document. ``events`` (the table, trace set or attribution the sections came
     from) draws the pipeline timeline; ``sources`` lists the input files in the header."""
     tables = display_tables(sec)
+    sections = [row.section for row in SECTIONS]
     figures = _figures(sec, events)
     body = [f"<h1>{html.escape(title)}</h1>"]
     if sources:
         body.append("<p>" + "<br>".join(html.escape(s) for s in sources) + "</p>")
     body.append("<nav><ul>" + "".join(f'<li><a href="#{s.value}">{html.escape(section_title(sec, s))}</a></li>'
-                                      for s in Section) + "</ul></nav>")
-    for section in Section:
+                                      for s in sections) + "</ul></nav>")
+    for section in sections:
         parts = [f'<section id="{section.value}"><h2>{html.escape(section_title(sec, section))}</h2>']
         if section in sec.notes:
             parts.append(f'<p class="note">{html.escape(sec.notes[section])}</p>')

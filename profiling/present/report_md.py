@@ -1,17 +1,19 @@
-"""Markdown report: the same tables as the HTML report (``report_sections.display_tables``), no figures."""
+"""Markdown report: the same tables as the HTML report (``display.display_tables``), the sections as the registry
+(``registry.SECTIONS``) lists them, no figures."""
 
 from __future__ import annotations
 
 from ..attribution.tables import pipe_table
 from .display import display_tables
-from .report_sections import ReportSections, Section, section_title
+from .registry import SECTIONS, section_title
+from .sections import ReportSections
 
 
 def render_markdown(sec: ReportSections, *, title: str = "shardline profile report") -> str:
-    """Every section with its tables (or its note when it has none), in ``Section`` order."""
+    """Every section with its tables (or its note when it has none), in the registry's order."""
     tables = display_tables(sec)
     out = [f"# {title}", ""]
-    for section in Section:
+    for section in (row.section for row in SECTIONS):
         out += [f"## {section_title(sec, section)}", ""]
         if section in sec.notes:
             out += [f"_{sec.notes[section]}_", ""]

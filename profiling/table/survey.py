@@ -6,6 +6,7 @@ these again from the raw table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -92,9 +93,10 @@ class Survey:
     rank order; ``working``: those with work to attribute): what the matching and the breakdown read. Build it
     with :func:`surveyed`; ``events`` is the classified table (not to be modified), ``layout`` the dims it was
     classified with (or None), ``files`` rank -> its file name(s), ``metadata`` the trace set's per-rank
-    metadata. ``contexts``: rank -> ``scale.RankContext`` (lanes and windows from the rank's whole trace, for a
+    metadata. ``contexts``: rank -> :class:`RankContext` (lanes and windows from the rank's whole trace, for a
     table holding only some of its rows). ``attribution``: the ``breakdown.Attribution`` over this survey, set
-    once by it (one per trace set and layout).
+    once by it (one per trace set and layout); ``matching``: its ``matching.matched.Matching``, made by the
+    matching on first use.
     """
 
     def __init__(self, events: pd.DataFrame, *, layout: Mapping[str, int] | None = None,
@@ -107,7 +109,7 @@ class Survey:
         self.metadata = dict(metadata or {})  # the trace set's per-rank metadata (device names, layout ...)
         self.timings: dict[str, float] = {}  # seconds some analyses took (``idle_causes``; reports add theirs)
         self.attribution = None
-        self._memo: dict = {}
+        self.matching = None
 
     def __repr__(self) -> str:
         return f"Survey({len(self.events)} events, ranks={[r.rank for r in self.ranks]}, layout={self.layout})"
@@ -130,12 +132,18 @@ class Survey:
                 return r
         raise AttributionError(f"rank {rank} is not in this trace set (ranks {[r.rank for r in self.ranks]})")
 
-    def cached(self, key, compute):
-        """``compute()`` the first time ``key`` is asked for, the kept result afterwards (for the analyses an
-        output shows, e.g. ``report_sections``)."""
-        if key not in self._memo:
-            self._memo[key] = compute()
-        return self._memo[key]
+
+@dataclasses.dataclass(frozen=True)
+class RankContext:
+    """What one rank's whole trace says that a part of its rows alone could not (``scale``'s compact rows): the
+    lane kind its work is attributed on, its step windows and the windows its breakdown partitions
+    (``RankSurvey.context``; a :class:`Survey` given it surveys the rank's rows with these)."""
+
+    lanes: str
+    windows: tuple  # (step, start_ns, end_ns) arrays
+    attributed: tuple
+    window_note: str | None
+    has_work: bool
 
 
 class RankSurvey:
@@ -156,7 +164,7 @@ class RankSurvey:
         rows = table.take(selection)
         if context is None:
             mask, self.lanes = rows.work()
-        else:  # the rank's whole trace said (``scale.RankContext``): its rows here are a part of it
+        else:  # the rank's whole trace said (``RankContext``): its rows here are a part of it
             self.lanes = context.lanes
             mask = rows.work_on(self.lanes)
         self.work_positions = _positions(selection, mask)
@@ -190,6 +198,11 @@ class RankSurvey:
         if columns is None:
             return self._events.iloc[positions]
         return self._events.iloc[positions, [self._events.columns.get_loc(c) for c in columns]]
+
+    @property
+    def context(self) -> RankContext:
+        """What this survey of the rank's rows found, for a survey of a part of them (``scale``)."""
+        return RankContext(self.lanes, self._windows, self._attributed, self.window_note, self.has_work)
 
     @functools.cached_property
     def windows(self) -> pd.DataFrame:

@@ -213,8 +213,8 @@ def test_readme_findings_block_is_this_report(traces_dir):
     import re
     from pathlib import Path
 
-    from shardline.profiling.analyses.what_if import what_if
     from shardline.profiling.present.cli import ReportFormat, _render_report
+    from shardline.profiling.present.scenarios import what_if
     from shardline.profiling.table.load import load
 
     traceset = load(traces_dir / "param" / "dlrm_kineto")

@@ -210,8 +210,8 @@ def test_no_straggler_predicts_the_same_job_without_its_slow_rank(tmp_path, monk
     does other work in the same span: compared with every rank, the cut was 0 on a pipelined job). Within 1.5%
     of the true step (measured: 0.2-1.1%); the finding names the slowdown against the stage's other ranks."""
     from shardline.profiling import load
-    from shardline.profiling.analyses.what_if import what_if
     from shardline.profiling.present.report_sections import findings
+    from shardline.profiling.present.scenarios import what_if
 
     def steps(folder):
         table = what_if(load(folder), "no_straggler")

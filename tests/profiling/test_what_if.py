@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from shardline.profiling.analyses.what_if import Keep, Method, Scenario, ScenarioError, ScenarioKind, what_if
+from shardline.profiling.analyses.what_if import Keep, Method, Scenario, ScenarioError, ScenarioKind
 from shardline.profiling.present.cli import main
+from shardline.profiling.present.scenarios import what_if
 from shardline.profiling.table.load import load
 
 
