@@ -121,11 +121,11 @@ def test_merged_trace_args_carry_busbw(dlrm, tmp_path):
     ("Tesla V100-PCIE-16GB", "pcie-gen3", 15.75, True),
     ("NVIDIA A100-SXM4-80GB", "pcie-gen4", 31.5, True),
     ("NVIDIA A100-PCIE-40GB", "pcie-gen4", 31.5, True),
-    ("NVIDIA H100 80GB HBM3", "pcie-gen5", 64.0, True),
-    ("NVIDIA H100 PCIe", "pcie-gen5", 64.0, True),
-    ("NVIDIA B200", "pcie-gen5", 64.0, True),
-    ("AMD Radeon Graphics", "pcie-gen5", 64.0, False),
-    ("", "pcie-gen5", 64.0, False),
+    ("NVIDIA H100 80GB HBM3", "pcie-gen5", 63.0, True),
+    ("NVIDIA H100 PCIe", "pcie-gen5", 63.0, True),
+    ("NVIDIA B200", "pcie-gen5", 63.0, True),
+    ("AMD Radeon Graphics", "pcie-gen5", 63.0, False),
+    ("", "pcie-gen5", 63.0, False),
 ])
 def test_pcie_generation_per_device_name(name, link, gbps, known):
     got, rule = link_table().host_link(name)
@@ -143,13 +143,13 @@ def test_offload_uses_the_detected_generation(dlrm):
 
 
 def test_unknown_device_assumes_gen5_and_says_so():
-    links = pd.DataFrame([(0, "", "pcie-gen5", 64.0, False), (1, "Mystery GPU", "pcie-gen5", 64.0, False)],
+    links = pd.DataFrame([(0, "", "pcie-gen5", 63.0, False), (1, "Mystery GPU", "pcie-gen5", 63.0, False)],
                          columns=list(HOST_LINK_COLUMNS))
     title, note = offload_title(links)
     assert title == TITLES[Section.OFFLOAD] == "Offload traffic (H2D / D2H) vs the PCIe Gen5 x16 limit"
     assert "assumed" in note and "'Mystery GPU'" in note and "names no GPU" in note
     mixed = pd.DataFrame([(0, "NVIDIA A100-SXM4-80GB", "pcie-gen4", 31.5, True),
-                          (1, "NVIDIA H100 80GB HBM3", "pcie-gen5", 64.0, True)], columns=list(HOST_LINK_COLUMNS))
+                          (1, "NVIDIA H100 80GB HBM3", "pcie-gen5", 63.0, True)], columns=list(HOST_LINK_COLUMNS))
     assert offload_title(mixed)[0] == "Offload traffic (H2D / D2H) vs the PCIe Gen4/PCIe Gen5 x16 limits"
 
 
