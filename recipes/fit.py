@@ -25,7 +25,6 @@ parses and validates the same recipe. Calling :func:`run_fit` in-process with ar
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import traceback
@@ -41,6 +40,7 @@ from shardline.recipes.schema import (
     short_repr,
     strategy_arguments,
     strategy_layout,
+    with_defaults,
 )
 
 RECIPES_DIR = Path(__file__).resolve().parent
@@ -252,8 +252,7 @@ def machine_problems(recipe: dict[str, Any]) -> list[str]:
     devices, nodes = (as_int(trainer.get(k, 1)) for k in ("devices", "num_nodes"))
     if layout is None or not isinstance(devices, int) or not isinstance(nodes, int):
         return []
-    model = {**{name: p.default for name, p in inspect.signature(LanguageModule.__init__).parameters.items()
-                if p.default is not p.empty}, **(recipe.get("model") or {})}
+    model = with_defaults(LanguageModule, recipe.get("model"))
     _, config = model_config(model)
     return memory_problems(config, layout.for_world(devices * nodes), strategy_arguments(trainer.get("strategy")),
                            trainer=trainer, optimizer=model.get("optimizer"))

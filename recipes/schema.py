@@ -384,7 +384,7 @@ def strategy_layout(strategy: Any):
     return None if args is None else Layout.from_strategy_args(args)
 
 
-def _with_defaults(cls: type, section: Any) -> dict[str, Any]:
+def with_defaults(cls: type, section: Any) -> dict[str, Any]:
     """``cls.__init__``'s defaults updated with the recipe section's values."""
     defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
                 if p.default is not p.empty}
@@ -425,7 +425,7 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     from shardline.recipes.lit_lm import LanguageModule, model_config, training_problems
 
     trainer = recipe.get("trainer") or {}
-    model = _with_defaults(LanguageModule, recipe.get("model"))
+    model = with_defaults(LanguageModule, recipe.get("model"))
     problems, dims, config, model_class = [], None, None, None
     strategy = trainer.get("strategy")
     try:
@@ -457,7 +457,7 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     except ShardlineError as error:
         problems.append(f"model{'.init_from' if init_from else ''}: {error}")
     n_layer = config.n_layer if config is not None else model.get("n_layer")
-    problems += _pipeline_problems(strategy, n_layer, _with_defaults(TextDataModule, recipe.get("data")))
+    problems += _pipeline_problems(strategy, n_layer, with_defaults(TextDataModule, recipe.get("data")))
     if config is not None:
         problems += _vocab_problems(config, init_from)
     if config is not None and dims is not None:
