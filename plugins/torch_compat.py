@@ -25,7 +25,8 @@ nn.Module, Tensor and DataLoader internals, for the training side:
 - a module's own parameter, buffer and child tables (``_parameters``, ``_buffers``,
   ``_non_persistent_buffers_set``, ``_modules``), which the pipeline's stage host shares rather than copies
   (:func:`share_module_tables`) and which are read or replaced slot by slot where a parameter must change
-  identity without ``nn.Module.__setattr__``'s checks (:func:`parameter_table`, :func:`buffer_table`);
+  identity without ``nn.Module.__setattr__``'s checks (:func:`parameter_table`, :func:`buffer_table`,
+  :func:`non_persistent_buffers`);
 - whether a tensor is a view of another (``Tensor._base``): :func:`is_view`;
 - the dispatch-mode base class and pytree flattening (``torch.utils._python_dispatch.TorchDispatchMode``,
   ``torch.utils._pytree.tree_flatten``) for the sequence-parallel memory probe: :data:`TorchDispatchMode`,
@@ -231,6 +232,11 @@ def buffer_table(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return module._buffers
 
 
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its state dict)."""
+    return module._non_persistent_buffers_set
+
+
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view of another tensor's storage."""
     return tensor._base is not None
@@ -249,5 +255,5 @@ def check_index_sampler(loader_class: type) -> None:
 __all__ = ["TESTED", "TorchPrivateMissing", "abort_groups", "check_version", "default_group", "default_store",
            "dump_flight_recorder", "flight_recorder_available", "process_groups", "require_flight_recorder",
            "sequence_number_reader", "set_group_timeout", "store_client", "store_host",
-           "TorchDispatchMode", "buffer_table", "check_index_sampler", "is_view", "parameter_table",
-           "share_module_tables", "tree_flatten"]
+           "TorchDispatchMode", "buffer_table", "check_index_sampler", "is_view", "non_persistent_buffers",
+           "parameter_table", "share_module_tables", "tree_flatten"]

@@ -141,12 +141,14 @@ class _Observer(threading.Thread):
         launcher = self._launcher
         rank, how = launcher._global_rank(index), describe_exit(code)
         watchdog = getattr(launcher._strategy, "watchdog", None)
-        if watchdog is None:  # before the ranks connected: nobody else can name it
+        if watchdog is None:  # before the ranks connected, or after the watchdog stopped: nobody else names it
             time.sleep(EARLY_GRACE_S)  # its own message (a recipe error, an import error) is printed first
             if self._stopped.is_set():
                 return
-            sys.stderr.write(f"shardline: rank {rank} (PID {launcher.procs[index].pid}) {how} before the ranks "
-                             "connected; ending the run\n")
+            when = ("before the ranks connected" if getattr(launcher._strategy, "grid", None) is None
+                    else "outside a fit (no collective watchdog)")
+            sys.stderr.write(f"shardline: rank {rank} (PID {launcher.procs[index].pid}) {how} {when}; ending the "
+                             "run\n")
             sys.stderr.flush()
             launcher.end_workers(grace=0.0)
             os._exit(EXIT_CODE)

@@ -160,3 +160,65 @@ def test_a_collective_error_keeps_its_table_and_one_without_a_report_prints_as_b
     assert status == 1 and f"CollectiveError: {table}" in err
     assert report_failure(CheckpointError("x.safetensors: bad")) == 1  # before the ranks connected: no report
     assert capsys.readouterr().err.strip() == "shardline fit: error: CheckpointError: x.safetensors: bad"
+
+
+class _Watchdog:
+    """What the launcher's observer uses of the watchdog: it records the exit it is told of."""
+
+    def __init__(self):
+        from shardline.plugins.faults.watchdog import Timing
+
+        self.timing, self.told = Timing(1.0), []
+
+    def report_exit(self, rank, how):
+        self.told.append((rank, how))
+
+    def wait_verdict(self, seconds):
+        return None
+
+
+def _launcher(strategy):
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    from shardline.plugins.lightning.launcher import ShardlineLauncher
+
+    return ShardlineLauncher(LightningEnvironment(), 3, 1, strategy=strategy)
+
+
+def test_a_workers_death_is_told_to_the_watchdog_before_the_others_are_ended():
+    from types import SimpleNamespace
+
+    from shardline.plugins.lightning.launcher import _Observer
+
+    watchdog = _Watchdog()
+    launcher = _launcher(SimpleNamespace(watchdog=watchdog, grid=object(), collective_timeout=1.0))
+    launcher.procs = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])]
+    os.kill(launcher.procs[1].pid, signal.SIGKILL)
+    observer = _Observer(launcher)
+    observer.start()
+    observer.join(timeout=30)
+    assert not observer.is_alive()
+    assert watchdog.told == [(2, "was killed by SIGKILL")]  # procs[1] is local rank 2
+    assert launcher.procs[0].returncode == -signal.SIGKILL  # the survivor, ended after the grace
+    assert launcher.end_workers() == []  # once: the exit hook finds nothing left to do
+
+
+def test_a_worker_that_dies_before_the_ranks_connect_ends_the_run_saying_so():
+    code = textwrap.dedent("""
+        import subprocess, time
+        from types import SimpleNamespace
+        from lightning_fabric.plugins.environments import LightningEnvironment
+        from shardline.plugins.lightning.launcher import ShardlineLauncher, _Observer
+        launcher = ShardlineLauncher(LightningEnvironment(), 3, 1,
+                                     strategy=SimpleNamespace(watchdog=None, grid=None, collective_timeout=5))
+        launcher.procs = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sh", "-c", "exit 3"])]
+        print(launcher.procs[0].pid, flush=True)
+        _Observer(launcher).start()
+        time.sleep(60)
+    """)
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 70 and time.monotonic() - started < 60, out.stderr[-2000:]
+    assert "shardline: rank 2 (PID " in out.stderr and ") exited with code 3 before the ranks connected; ending " \
+        "the run" in out.stderr
+    assert _gone(int(out.stdout.split()[0]))
