@@ -261,8 +261,6 @@ class _Bench(pl.Callback):
         def ours_path(i):
             return self._folder("ours", i)
 
-        from shardline.plugins.lightning import checkpointing
-
         def async_save(i):  # async_checkpoint=True: returns once the pieces are copied; a thread writes them
             strategy.async_checkpoint = True
             try:
@@ -273,7 +271,7 @@ class _Bench(pl.Callback):
         ops = {
             "ours_save": lambda i: strategy.save_checkpoint(checkpoint, ours_path(i)),
             "async_save": async_save,
-            "async_commit": lambda i: checkpointing.settle(strategy),  # waits for the writes, then commits
+            "async_commit": lambda i: strategy.checkpointer.settle(),  # waits for the writes, then commits
             "ds_save": lambda i: engine.save_checkpoint(str(ds_dir), tag=f"step-{i}", client_state=client_state),
             "ours_load": lambda i: strategy.load_checkpoint(ours_path(i)),
             "ds_load": lambda i: engine.load_checkpoint(str(ds_dir), tag=f"step-{i}", load_optimizer_states=True,
@@ -310,7 +308,7 @@ class _Bench(pl.Callback):
             for name in [*loads, *(["reshard_load"] if self.reshard_from is not None else [])]:
                 settle(i)
                 rows[name].append(_timed(ops[name], i, what=f"{name} round {i}"))
-                strategy.pending_rng_state = None  # no training step follows
+                strategy.checkpointer.rng_state = None  # no training step follows
                 if name == "ds_load":
                     _relink(optimizer)
             if rank == 0 and i < self.repeats:  # the last pair stays for the profile and the resharding source
@@ -347,7 +345,7 @@ class _Bench(pl.Callback):
                 profiler.enable()
                 ops[f"{side}_{op}"](extra)
                 profiler.disable()
-                strategy.pending_rng_state = None
+                strategy.checkpointer.rng_state = None
                 if side == "ds" and op == "load":
                     _relink(strategy.model.optimizer)
                 profiler.dump_stats(str(self.profile_to / f"{side}_{op}_rank{rank}.pstats"))
@@ -367,7 +365,7 @@ class _Bench(pl.Callback):
             profiler.enable()
             ops["reshard_load"](extra)
             profiler.disable()
-            strategy.pending_rng_state = None
+            strategy.checkpointer.rng_state = None
             profiler.dump_stats(str(self.profile_to / f"reshard_load_rank{rank}.pstats"))
             dist.barrier()
 

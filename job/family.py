@@ -16,6 +16,7 @@ A *shape* below is anything with the architecture fields (a family config, or th
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -73,16 +74,30 @@ def need(hf: dict, key: str) -> Any:
     return hf[key]
 
 
+class TensorKind(str, enum.Enum):
+    """How a shardline tensor is laid out in its canonical (Hugging Face) tensor: the one vocabulary of the
+    Hugging Face tables, the checkpoint's placements and their transforms
+    (:mod:`shardline.plugins.checkpoint.boxes`)."""
+
+    #: The same layout.
+    PLAIN = "plain"
+    #: Rows are the vocabulary: shardline's are zero-padded to a multiple of tp, the canonical tensor's are not.
+    VOCAB = "vocab"
+    #: GPT-2's Conv1D weight: stored transposed (``[in, out]``).
+    CONV1D = "conv1d"
+    #: GPT-2's ``c_attn`` weight: transposed, q|k|v as three column blocks (shardline interleaves them per head).
+    GPT2_QKV = "gpt2_qkv"
+    #: Its bias: q|k|v as three blocks.
+    GPT2_QKV_BIAS = "gpt2_qkv_bias"
+
+
 @dataclass(frozen=True)
 class Source:
-    """Where one shardline parameter comes from: ``name`` in the checkpoint and how it is laid out there.
-
-    ``kind``: ``plain`` (same layout), ``vocab`` (rows are the vocabulary: shardline's may be zero-padded),
-    ``conv1d`` (GPT-2's transposed weight), ``gpt2_qkv`` (GPT-2's ``c_attn``: transposed, q|k|v column blocks),
-    ``gpt2_qkv_bias`` (its bias)."""
+    """Where one shardline parameter comes from: ``name`` in the checkpoint and how it is laid out there
+    (``kind``)."""
 
     name: str
-    kind: str = "plain"
+    kind: TensorKind = TensorKind.PLAIN
 
 
 
@@ -160,5 +175,5 @@ def dim_per_head(shape) -> int:
     return getattr(shape, "head_dim", None) or shape.d_model // shape.n_head
 
 
-__all__ = ["Degrees", "Family", "Source", "decoder_layout_problems", "dim_per_head", "head_partition_problems",
-           "kv_heads", "need"]
+__all__ = ["Degrees", "Family", "Source", "TensorKind", "decoder_layout_problems", "dim_per_head",
+           "head_partition_problems", "kv_heads", "need"]

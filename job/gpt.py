@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardline.job.errors import ContractError
-from shardline.job.family import Family, Source, need
+from shardline.job.family import Family, Source, TensorKind, need
 
 
 @dataclass(frozen=True)
@@ -101,25 +101,25 @@ class GPT2(Family):
     @classmethod
     def hf_table(cls, config) -> dict[str, Source]:
         """Every parameter name of the shardline model -> its Hugging Face source."""
-        table = {"embedding.wte.weight": Source("transformer.wte.weight", "vocab"),
+        table = {"embedding.wte.weight": Source("transformer.wte.weight", TensorKind.VOCAB),
                  "embedding.wpe": Source("transformer.wpe.weight"),
                  "head.ln_f.weight": Source("transformer.ln_f.weight"),
                  "head.ln_f.bias": Source("transformer.ln_f.bias"),
                  # tied: the last stage's copy, per rank; untied: its own tensor
                  "head.weight": Source("transformer.wte.weight" if config.tie_embeddings else "lm_head.weight",
-                                       "vocab")}
+                                       TensorKind.VOCAB)}
         for i in range(config.n_layer):
             ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
             table.update({
                 ours + "ln1.weight": Source(theirs + "ln_1.weight"), ours + "ln1.bias": Source(theirs + "ln_1.bias"),
                 ours + "ln2.weight": Source(theirs + "ln_2.weight"), ours + "ln2.bias": Source(theirs + "ln_2.bias"),
-                ours + "qkv.weight": Source(theirs + "attn.c_attn.weight", "gpt2_qkv"),
-                ours + "qkv.bias": Source(theirs + "attn.c_attn.bias", "gpt2_qkv_bias"),
-                ours + "proj.weight": Source(theirs + "attn.c_proj.weight", "conv1d"),
+                ours + "qkv.weight": Source(theirs + "attn.c_attn.weight", TensorKind.GPT2_QKV),
+                ours + "qkv.bias": Source(theirs + "attn.c_attn.bias", TensorKind.GPT2_QKV_BIAS),
+                ours + "proj.weight": Source(theirs + "attn.c_proj.weight", TensorKind.CONV1D),
                 ours + "proj.bias": Source(theirs + "attn.c_proj.bias"),
-                ours + "fc1.weight": Source(theirs + "mlp.c_fc.weight", "conv1d"),
+                ours + "fc1.weight": Source(theirs + "mlp.c_fc.weight", TensorKind.CONV1D),
                 ours + "fc1.bias": Source(theirs + "mlp.c_fc.bias"),
-                ours + "fc2.weight": Source(theirs + "mlp.c_proj.weight", "conv1d"),
+                ours + "fc2.weight": Source(theirs + "mlp.c_proj.weight", TensorKind.CONV1D),
                 ours + "fc2.bias": Source(theirs + "mlp.c_proj.bias")})
         return table
 

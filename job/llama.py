@@ -11,7 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardline.job.errors import ContractError
-from shardline.job.family import Family, Source, dim_per_head, head_partition_problems, kv_heads, need
+from shardline.job.family import (
+    Family,
+    Source,
+    TensorKind,
+    dim_per_head,
+    head_partition_problems,
+    kv_heads,
+    need,
+)
 
 
 @dataclass(frozen=True)
@@ -214,11 +222,11 @@ class LlamaFamily(Family):
     @classmethod
     def hf_table(cls, config) -> dict[str, Source]:
         """Every parameter name of the shardline model -> its Hugging Face source."""
-        table = {"embedding.wte.weight": Source("model.embed_tokens.weight", "vocab"),
+        table = {"embedding.wte.weight": Source("model.embed_tokens.weight", TensorKind.VOCAB),
                  "head.ln_f.weight": Source("model.norm.weight")}
         # tied: a model built per rank holds a copy of the embedding as the last stage's head.weight
         table["head.weight"] = Source("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight",
-                                      "vocab")
+                                      TensorKind.VOCAB)
         for i in range(config.n_layer):
             ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
             table.update({

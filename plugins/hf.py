@@ -7,16 +7,19 @@ and ``GPT2LMHeadModel`` (:class:`~.models.gpt.GPT`).
 
 Loading builds the model for ``grid``'s layout on the meta device (nothing random is drawn, nothing is
 allocated), then gives each parameter this rank's slice only, read lazily from the safetensors file
-(``safe_open(...).get_slice``): a rank never holds more of a checkpoint tensor than it keeps. Every name,
-fused tensor and padding lives in one table per architecture (its family's
+(``safe_open(...).get_slice``): a rank never holds more of a checkpoint tensor than it keeps. A Hugging Face
+tensor is a canonical tensor of the layout-independent checkpoint (:mod:`shardline.plugins.checkpoint`): a rank
+reads the canonical boxes of its part and assembles them, and saving writes the canonical tensor of each dense
+one, both through the checkpoint's transforms (:mod:`shardline.plugins.checkpoint.boxes`). Every name and kind
+(:class:`~shardline.job.family.TensorKind`) lives in one table per architecture (its family's
 :meth:`~shardline.job.family.Family.hf_table`, beside its ``config.json`` mapping, in :mod:`shardline.job.gpt` and
 :mod:`shardline.job.llama`):
 
 - Llama family: one tensor each; q/k/v stay separate (their per-head shards are plain row slices, also when
   ``tp > n_kv_heads``); the vocabulary is zero-padded to a multiple of tp on load and cut back on save;
 - GPT-2: Conv1D weights are stored transposed (``[in, out]``) and ``c_attn`` fuses q, k and v as three blocks of
-  columns, where shardline's fused projection interleaves them per head: both are converted here; the output
-  projection is tied to ``wte``.
+  columns, where shardline's fused projection interleaves them per head: both are converted by the kinds'
+  transforms; the output projection is tied to ``wte``.
 
 Saving streams tensor by tensor: each tensor's shards go to rank 0 (from the tp ranks of the pipeline stage that
 hosts it, at dp = cp = 0), which converts it to Hugging Face's layout and writes a safetensors shard file whenever
@@ -31,8 +34,8 @@ naming the file and tensor (once per tensor and rank). Under pp > 1 a rank build
 Under ZeRO-3 (loading inside ``deepspeed.zero.Init``) each rank materialises its TP/PP part, which ZeRO-3 then
 partitions over the data-parallel ranks (tested: dp2, tp2, pp2).
 
-One file: loading and saving are the two directions of the same per-architecture name tables and conversions
-(fused q/k/v, transposed Conv1D, vocabulary padding), which must change together.
+Loading and saving are the two directions of the same per-architecture name tables and of the checkpoint's
+transforms (fused q/k/v, transposed Conv1D, vocabulary padding): this module holds only the safetensors side.
 """
 
 from __future__ import annotations
@@ -47,11 +50,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardline.job.families import FAMILIES, HF_ARCHITECTURES, config_from_hf, family_of_config
-from shardline.job.family import Source
+from shardline.job.families import FAMILIES, HF_ARCHITECTURES, config_from_hf
+from shardline.job.family import Source, TensorKind
+from shardline.plugins.checkpoint.boxes import Placement, canonical_tensor, full, read_part
+from shardline.plugins.checkpoint.names import hf_config_of, rank_placement
 from shardline.plugins.errors import CheckpointError, ContractError
 from shardline.plugins.layers.roles import RoleKind, role_of
 from shardline.plugins.layers.tp_comm import group_rank, group_size
+from shardline.plugins.torch_compat import parameter_table
 
 #: Hugging Face ``architectures`` -> family, and -> ``model_type``: the families' own (:mod:`shardline.job.families`).
 ARCHITECTURES = HF_ARCHITECTURES
@@ -68,7 +74,7 @@ FINITE_CHUNK = 1 << 24
 
 # --- the tables ------------------------------------------------------------------------------------------------
 
-def _table(arch: str, config, hf: dict | None = None) -> dict[str, Source]:
+def _table(arch: str, config) -> dict[str, Source]:
     """Every shardline parameter name of ``config``'s model -> its Hugging Face source (the family's table,
     :meth:`shardline.job.family.Family.hf_table`)."""
     return FAMILIES[ARCHITECTURES[arch]].hf_table(config)
@@ -154,11 +160,11 @@ class _Files:
             raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({error})") from None
 
 
-def _read(files: _Files, source: Source, dense_shape: tuple[int, ...], shard: tuple[int | None, int, int], *,
-          n_head: int | None, padding: int, what: str) -> torch.Tensor:
-    """This rank's part of one parameter: ``shard`` = (dim, start, stop) of the dense tensor of ``dense_shape``
-    (dim None: all of it). The checkpoint tensor must have exactly the dense shape in its own layout (a
-    vocabulary may be up to ``padding`` rows shorter: shardline's zero rows)."""
+def _read(files: _Files, source: Source, placement: Placement, *, what: str, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part (``placement.box`` of the dense tensor) of one parameter: the canonical boxes it covers,
+    read from ``source.name`` and assembled (:func:`~shardline.plugins.checkpoint.boxes.read_part`). The
+    checkpoint tensor must have exactly the canonical shape (a vocabulary may also keep shardline's padding rows,
+    which are then read as they are)."""
     sl = files.slice(source.name)
     shape = tuple(sl.get_shape())
     stored = sl.get_dtype()
@@ -167,43 +173,17 @@ def _read(files: _Files, source: Source, dense_shape: tuple[int, ...], shard: tu
                               f"{stored}, not a float dtype ({', '.join(WEIGHT_DTYPES)}): a quantized checkpoint's "
                               "weights, which are not supported (cast to float they would be wrong weights); use "
                               "the model's float16, bfloat16 or float32 weights")
-    dim, start, stop = shard
-    if dim is None:
-        dim, start, stop = 0, 0, dense_shape[0]
-    if source.kind == "vocab":
-        want = (dense_shape[0] - padding, *dense_shape[1:])
-        ok = len(shape) == len(dense_shape) and shape[1:] == dense_shape[1:] and want[0] <= shape[0] <= dense_shape[0]
-    elif source.kind == "conv1d":
-        want = (dense_shape[1], dense_shape[0])
-    elif source.kind == "gpt2_qkv":  # ours [3d, d] (head-interleaved); theirs [d, 3d] (q|k|v blocks)
-        want = (dense_shape[1], dense_shape[0])
-    else:  # plain, and gpt2_qkv_bias ([3d] on both sides)
-        want = dense_shape
-    if source.kind != "vocab":
-        ok = shape == tuple(want)
+    want = tuple(placement.canonical_shape())
+    if placement.kind is TensorKind.VOCAB:
+        dense = placement.dense
+        ok = len(shape) == len(dense) and shape[1:] == want[1:] and want[0] <= shape[0] <= dense[0]
+        placement = dataclasses.replace(placement, vocab=shape[0])
+    else:
+        ok = shape == want
     if not ok:
         raise CheckpointError(f"{files.where[source.name]}: tensor {source.name!r} has shape {list(shape)}, "
                               f"{what} needs {list(want)}")
-    index = [slice(None)] * len(shape)
-    if source.kind in ("plain", "vocab"):
-        index[dim] = slice(min(start, shape[dim]), min(stop, shape[dim]))
-        part = sl[tuple(index)]
-        pad = (stop - start) - part.shape[dim]
-        return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))]) if pad else part
-    if source.kind == "conv1d":
-        index[1 - dim] = slice(start, stop)
-        return sl[tuple(index)].t().contiguous()
-    # GPT-2's c_attn: ours rows ordered (head, q|k|v, head_dim); theirs columns ordered (q|k|v, head, head_dim)
-    bias = source.kind == "gpt2_qkv_bias"
-    d_model = dense_shape[0] // 3
-    head_dim = d_model // n_head
-    h0, h1 = start // (3 * head_dim), stop // (3 * head_dim)
-    parts = []
-    for j in range(3):
-        cols = slice(j * d_model + h0 * head_dim, j * d_model + h1 * head_dim)
-        block = sl[cols] if bias else sl[:, cols].t()
-        parts.append(block.reshape(h1 - h0, head_dim, *block.shape[1:]))
-    return torch.stack(parts, dim=1).reshape(3 * (h1 - h0) * head_dim, *parts[0].shape[2:]).contiguous()
+    return read_part(placement, lambda box: sl[tuple(slice(a, b) for a, b in box)], dtype=dtype).contiguous()
 
 
 def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | None = None,
@@ -230,7 +210,7 @@ def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | 
     files = _Files(folder)
     dtype = dtype or torch.get_default_dtype()
     model = cls(config, grid=grid, dtype=dtype, device="meta", chunks=chunks)
-    table = _table(arch, config, hf)
+    table = _table(arch, config)
     tp_group = grid.group("tp") if grid is not None else None
     tp, tp_rank = group_size(tp_group), group_rank(tp_group)
     params = dict(model.named_parameters())
@@ -249,15 +229,10 @@ def from_pretrained(path: str | os.PathLike, *, grid=None, dtype: torch.dtype | 
     values, warned = {}, set()
     for name, param in params.items():
         source = table[name]
-        role = role_of(param)
-        dense, shard = list(param.shape), (None, 0, 0)
-        if role.kind is RoleKind.SHARDED:
-            length = param.shape[role.dim]
-            dense[role.dim] = length * tp
-            shard = (role.dim, tp_rank * length, (tp_rank + 1) * length)
-        padding = dense[0] - config.vocab_size if source.kind == "vocab" else 0
-        tensor = _read(files, source, tuple(dense), shard, n_head=getattr(config, "n_head", None),
-                       padding=padding, what=f"{name} (dense {dense}, this rank's {list(param.shape)})")
+        placement = rank_placement(param, tuple(param.shape), source.kind, tp=tp, tp_rank=tp_rank,
+                                   vocab=config.vocab_size, n_head=getattr(config, "n_head", None))
+        tensor = _read(files, source, placement, dtype=dtype,
+                       what=f"{name} (dense {list(placement.dense)}, this rank's {list(param.shape)})")
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(f"{files.where[source.name]}: tensor {source.name!r} gives {list(tensor.shape)} "
                                   f"for {name}, which needs {list(param.shape)} on this rank")
@@ -287,44 +262,28 @@ def _materialise(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> Non
     (a tied weight stays one Parameter), keeping its attributes (the declared role)."""
     slots: dict[int, list] = {}
     for module in model.modules():
-        for slot, param in module._parameters.items():
+        for slot, param in parameter_table(module).items():
             if param is not None:
                 slots.setdefault(id(param), []).append((module, slot))
     for name, param in list(model.named_parameters()):
         real = torch.nn.Parameter(values.pop(name), requires_grad=param.requires_grad)
         real.__dict__.update(param.__dict__)
         for module, slot in slots[id(param)]:
-            module._parameters[slot] = real
+            parameter_table(module)[slot] = real
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
 
-def _hf_config_of(model) -> tuple[str, dict]:
-    """``(architecture, config.json)`` for ``model``: the loaded folder's, else derived from its config."""
-    config = model.config
-    if getattr(model, "hf_config", None):
-        hf = dict(model.hf_config)
-        return hf["architectures"][0], hf
-    return family_of_config(config).config_to_hf(config)
-
-
-def _to_hf(source: Source, dense: torch.Tensor, *, vocab: int, n_head: int) -> torch.Tensor:
-    """One dense shardline tensor in the checkpoint's layout (the inverse of :func:`_read` on a whole tensor)."""
-    if source.kind == "vocab":
-        return dense[:vocab]
-    if source.kind == "conv1d":
-        return dense.t()
-    if source.kind in ("gpt2_qkv", "gpt2_qkv_bias"):
-        d_model = dense.shape[0] // 3
-        head_dim = d_model // n_head
-        grouped = dense.reshape(n_head, 3, head_dim, *dense.shape[1:]).transpose(0, 1)  # (3, heads, hd, ...)
-        flat = grouped.reshape(3 * d_model, *dense.shape[1:])
-        return flat if source.kind == "gpt2_qkv_bias" else flat.t()
-    return dense
+def _canonical(source: Source, dense: torch.Tensor, config) -> torch.Tensor:
+    """One dense shardline tensor as its canonical (Hugging Face) tensor: the checkpoint's transform of a
+    placement over the whole tensor (:func:`~shardline.plugins.checkpoint.boxes.canonical_tensor`)."""
+    placement = Placement(source.kind, tuple(dense.shape), full(dense.shape), vocab=config.vocab_size,
+                          n_head=getattr(config, "n_head", None))
+    return canonical_tensor(placement, dense)
 
 
 @dataclass
-class _Writer:
+class SafetensorsShards:
     """Safetensors shard files of at most ``limit`` bytes each (one tensor may exceed it alone)."""
 
     folder: Path
@@ -351,7 +310,7 @@ class _Writer:
         self.pending, self.size = {}, 0
 
 
-def finish_folder(folder: Path, writer: _Writer, hf_config: dict, dtype: torch.dtype) -> None:
+def finish_folder(folder: Path, writer: SafetensorsShards, hf_config: dict, dtype: torch.dtype) -> None:
     """The last shard file, ``model.safetensors.index.json`` and ``config.json`` (with ``torch_dtype`` and
     ``dtype`` set) of a folder whose tensors went through ``writer``."""
     writer.flush()
@@ -370,9 +329,9 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
     Collective when ``grid`` is given: every rank calls it. Rank 0 writes ``config.json``, the safetensors shard
     files and ``model.safetensors.index.json``; tensors reach it one at a time (module docstring)."""
     folder = Path(path)
-    arch, hf = _hf_config_of(model)
+    arch, hf = hf_config_of(model)
     config = model.config
-    table = _table(arch, config, hf)
+    table = _table(arch, config)
     written: set[str] = set()
     order = []  # each checkpoint tensor once (a tied head copy is the embedding)
     for name, source in table.items():
@@ -384,14 +343,12 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
         folder.mkdir(parents=True, exist_ok=True)
     local = dict(model.named_parameters())
     dtype = next(iter(local.values())).dtype if local else torch.float32
-    writer = _Writer(folder, max_shard_bytes) if me == 0 else None
-    n_head = getattr(config, "n_head", 1)
+    writer = SafetensorsShards(folder, max_shard_bytes) if me == 0 else None
     if grid is None:
         for name in order:
-            writer.add(table[name].name, _to_hf(table[name], local[name].detach().cpu(), vocab=config.vocab_size,
-                                                n_head=n_head))
+            writer.add(table[name].name, _canonical(table[name], local[name].detach().cpu(), config))
     else:
-        _gather_and_write(grid, local, order, table, writer, config, n_head, dtype)
+        _gather_and_write(grid, local, order, table, writer, config, dtype)
     if me != 0:
         if dist.is_initialized():
             dist.barrier()
@@ -401,7 +358,7 @@ def save_pretrained(model, path: str | os.PathLike, *, grid=None, max_shard_byte
         dist.barrier()
 
 
-def _gather_and_write(grid, local, order, table, writer, config, n_head, dtype) -> None:
+def _gather_and_write(grid, local, order, table, writer, config, dtype) -> None:
     """Every tensor, in ``order``: its shards (``dtype``) from the tp ranks (dp = cp = 0) of the stage hosting it,
     to rank 0."""
     me, dims = grid.global_rank, grid.dims
@@ -441,7 +398,8 @@ def _gather_and_write(grid, local, order, table, writer, config, n_head, dtype) 
                 shards.append((tensor, int(meta[1])))
             dim = shards[0][1]
             dense = shards[0][0] if dim < 0 else torch.cat([t for t, _ in shards], dim=dim)
-            writer.add(table[name].name, _to_hf(table[name], dense.cpu(), vocab=config.vocab_size, n_head=n_head))
+            writer.add(table[name].name, _canonical(table[name], dense.cpu(), config))
 
 
-__all__ = ["from_pretrained", "save_pretrained", "read_config", "CheckpointError", "ARCHITECTURES"]
+__all__ = ["from_pretrained", "save_pretrained", "read_config", "finish_folder", "CheckpointError", "ARCHITECTURES",
+           "SafetensorsShards"]

@@ -76,13 +76,14 @@ def _short(value, limit: int = 60) -> str:
 def model_config(fields: dict):
     """``(model class, config)`` for the module's fields: from ``init_from``'s config.json, else from the
     fields. ContractError naming the field for a bad combination."""
+    from shardline.job.families import FAMILIES
+    from shardline.plugins.models import model_class
+
     if fields.get("init_from"):
         from shardline.plugins import hf
 
         arch, _, config = hf.read_config(fields["init_from"])
-        return hf._model_class(arch), config
-    from shardline.job.families import FAMILIES
-    from shardline.plugins.models import model_class
+        return model_class(hf.ARCHITECTURES[arch]), config
 
     architecture = fields.get("architecture", "gpt2")
     if architecture not in FAMILIES:

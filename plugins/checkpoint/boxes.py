@@ -5,7 +5,8 @@ of a parameter is a box of the parameter's dense tensor (the full extent on ever
 shards, where tensor-parallel rank ``r`` of ``tp`` holds ``[r * L, (r + 1) * L)``).
 
 A checkpoint stores *canonical* tensors (Hugging Face names and orientation, see :mod:`.names`), so a box of
-the dense shardline tensor maps to one or more boxes of a canonical tensor, by the parameter's ``kind``:
+the dense shardline tensor maps to one or more boxes of a canonical tensor, by the parameter's ``kind`` (a
+:class:`~shardline.job.family.TensorKind`, the kinds of the families' Hugging Face tables):
 
 - ``plain``: the same box;
 - ``vocab``: rows are the vocabulary, zero-padded in shardline to a multiple of tp; the canonical tensor has
@@ -16,18 +17,23 @@ the dense shardline tensor maps to one or more boxes of a canonical tensor, by t
   (rows ``(head, q|k|v, head_dim)``). A box of whole heads ``[h0, h1)`` is three canonical boxes, one per block.
 
 :func:`to_canonical` cuts a rank's tensor into its canonical pieces; :func:`canonical_boxes` says which pieces a
-rank needs, and :func:`from_canonical` assembles its tensor from them (the inverse).
+rank needs, and :func:`from_canonical` assembles its tensor from them (the inverse). They are the one implementation of
+the transforms: the checkpoint's save and load, ``shardline convert`` and the Hugging Face reader and writer
+(:mod:`shardline.plugins.hf`: :func:`read_part` over a safetensors file, :func:`canonical_tensor` of a whole
+tensor) all go through them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from shardline.job.family import TensorKind
+
 Box = tuple[tuple[int, int], ...]
-KINDS = ("plain", "vocab", "conv1d", "gpt2_qkv", "gpt2_qkv_bias")
 
 
 def volume(box: Box) -> int:
@@ -89,19 +95,23 @@ def shift(box: Box, by: Box) -> Box:
 class Placement:
     """How one rank's tensor of a parameter sits in the canonical tensor.
 
-    ``box``: the rank's box of the dense shardline tensor (shape ``dense``); ``kind``: one of ``KINDS``;
-    ``vocab``: the canonical row count of a ``vocab`` tensor; ``n_head``: for the GPT-2 q/k/v kinds."""
+    ``box``: the rank's box of the dense shardline tensor (shape ``dense``); ``kind``: a :class:`TensorKind`
+    (or its value); ``vocab``: the canonical row count of a ``vocab`` tensor; ``n_head``: for the GPT-2 q/k/v
+    kinds."""
 
-    kind: str
+    kind: TensorKind
     dense: tuple[int, ...]
     box: Box
     vocab: int | None = None
     n_head: int | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TensorKind(self.kind))
+
     def canonical_shape(self) -> tuple[int, ...]:
-        if self.kind == "vocab":
+        if self.kind is TensorKind.VOCAB:
             return (self.vocab, *self.dense[1:])
-        if self.kind in ("conv1d", "gpt2_qkv"):
+        if self.kind in (TensorKind.CONV1D, TensorKind.GPT2_QKV):
             return (self.dense[1], self.dense[0])
         return self.dense
 
@@ -115,16 +125,16 @@ class Placement:
 
 def canonical_boxes(p: Placement) -> list[Box]:
     """The canonical boxes the rank's tensor covers, in the order :func:`to_canonical` yields them."""
-    if p.kind == "plain":
+    if p.kind is TensorKind.PLAIN:
         return [p.box]
-    if p.kind == "vocab":
+    if p.kind is TensorKind.VOCAB:
         box = intersect(p.box, full(p.canonical_shape()))
         return [box] if box is not None else []
-    if p.kind == "conv1d":
+    if p.kind is TensorKind.CONV1D:
         return [(p.box[1], p.box[0])]
     h0, h1, hd, d = p._heads()
     cols = [(j * d + h0 * hd, j * d + h1 * hd) for j in range(3)]
-    if p.kind == "gpt2_qkv_bias":
+    if p.kind is TensorKind.GPT2_QKV_BIAS:
         return [(c,) for c in cols]
     return [(p.box[1], c) for c in cols]
 
@@ -132,19 +142,19 @@ def canonical_boxes(p: Placement) -> list[Box]:
 def to_canonical(p: Placement, local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
     """``local`` (the rank's tensor, shaped like ``p.box``) as ``(canonical box, tensor)`` pieces."""
     boxes = canonical_boxes(p)
-    if p.kind == "plain":
+    if p.kind is TensorKind.PLAIN:
         return [(boxes[0], local)]
-    if p.kind == "vocab":
+    if p.kind is TensorKind.VOCAB:
         if not boxes:
             return []
         rows = boxes[0][0][1] - boxes[0][0][0]
         return [(boxes[0], local[:rows])]
-    if p.kind == "conv1d":
+    if p.kind is TensorKind.CONV1D:
         return [(boxes[0], local.t())]
     h0, h1, hd, d = p._heads()
     grouped = local.reshape(h1 - h0, 3, hd, *local.shape[1:])
     parts = [grouped[:, j].reshape((h1 - h0) * hd, *local.shape[1:]) for j in range(3)]
-    if p.kind == "gpt2_qkv":
+    if p.kind is TensorKind.GPT2_QKV:
         parts = [part.t() for part in parts]
     return list(zip(boxes, parts, strict=True))
 
@@ -153,9 +163,9 @@ def from_canonical(p: Placement, pieces: list[torch.Tensor], *, dtype: torch.dty
     """The rank's tensor (shaped like ``p.box``) from its canonical pieces (in :func:`canonical_boxes` order);
     a vocabulary's padding rows are zeros of ``dtype``."""
     shape = tuple(b - a for a, b in p.box)
-    if p.kind == "plain":
+    if p.kind is TensorKind.PLAIN:
         return pieces[0]
-    if p.kind == "vocab":
+    if p.kind is TensorKind.VOCAB:
         rows = pieces[0].shape[0] if pieces else 0
         if rows == shape[0]:
             return pieces[0]
@@ -163,14 +173,36 @@ def from_canonical(p: Placement, pieces: list[torch.Tensor], *, dtype: torch.dty
         if rows:
             out[:rows] = pieces[0]
         return out
-    if p.kind == "conv1d":
+    if p.kind is TensorKind.CONV1D:
         return pieces[0].t()
     h0, h1, hd, d = p._heads()
-    if p.kind == "gpt2_qkv":
+    if p.kind is TensorKind.GPT2_QKV:
         pieces = [piece.t() for piece in pieces]
     blocks = [piece.reshape(h1 - h0, hd, *piece.shape[1:]) for piece in pieces]
     return torch.stack(blocks, dim=1).reshape(shape)
 
 
-__all__ = ["Box", "KINDS", "Placement", "canonical_boxes", "flat_boxes", "from_canonical", "full", "intersect",
-           "relative", "shift", "split_rows", "to_canonical", "volume"]
+def read_part(p: Placement, read: Callable[[Box], torch.Tensor], *, dtype: torch.dtype) -> torch.Tensor:
+    """The rank's tensor of ``p`` read from a canonical tensor: ``read(box)`` gives one canonical box (a
+    checkpoint's or a Hugging Face safetensors file's); its pieces, read in :func:`canonical_boxes` order, are
+    assembled by :func:`from_canonical` (padding rows of ``dtype`` where nothing is read)."""
+    pieces = [read(box) for box in canonical_boxes(p)]
+    return from_canonical(p, pieces, dtype=pieces[0].dtype if pieces else dtype)
+
+
+def canonical_tensor(p: Placement, local: torch.Tensor) -> torch.Tensor:
+    """The whole canonical tensor of ``local``, a rank's tensor whose box is all of the dense tensor (tp = 1):
+    its :func:`to_canonical` pieces put in place (a single piece as it is, a view where it can be)."""
+    shape = tuple(p.canonical_shape())
+    pieces = to_canonical(p, local)
+    if len(pieces) == 1 and pieces[0][0] == full(shape):
+        return pieces[0][1]
+    out = local.new_empty(shape)
+    for box, piece in pieces:
+        out[relative(box, full(shape))] = piece
+    return out
+
+
+__all__ = ["Box", "Placement", "TensorKind", "canonical_boxes", "canonical_tensor", "flat_boxes",
+           "from_canonical", "full", "intersect", "read_part", "relative", "shift", "split_rows", "to_canonical",
+           "volume"]

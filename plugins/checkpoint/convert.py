@@ -57,13 +57,15 @@ from pathlib import Path
 
 import torch
 
+from shardline.job.families import FAMILIES
 from shardline.plugins import hf
 from shardline.plugins.checkpoint import files, state
-from shardline.plugins.checkpoint.boxes import Placement, full
+from shardline.plugins.checkpoint.boxes import Placement, TensorKind, full
 from shardline.plugins.checkpoint.files import MANIFEST, TRAINER_FILE, AtomicSave, resolve
 from shardline.plugins.checkpoint.names import STATE
 from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.errors import CheckpointError
+from shardline.plugins.models import model_class
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 #: What of the trainer's state (its state file) the consolidated file keeps.
@@ -133,19 +135,20 @@ def _decoders(reader: CheckpointReader) -> list[_Decoder]:
         if arch not in hf.ARCHITECTURES:
             raise CheckpointError(f"{where}: models[{i}] has architecture {arch!r} (supported: "
                                   f"{sorted(hf.ARCHITECTURES)})")
-        cls = hf._model_class(arch)
+        family = FAMILIES[hf.ARCHITECTURES[arch]]
+        cls = model_class(family.name)
         try:
             config = cls.config_type(**entry["config"])
             model = cls(config, device="meta")
         except (TypeError, ValueError, KeyError) as error:  # ContractError is a TypeError
             raise CheckpointError(f"{where}: models[{i}] ({arch}) has a config shardline cannot build: "
                                   f"{error}") from None
-        table = hf._table(arch, config, entry["hf_config"])
+        table = family.hf_table(config)
         n_head, params = getattr(config, "n_head", None), []
         names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         for key, tensor in model.state_dict(keep_vars=True).items():
             source = table.get(key)
-            name, kind = (source.name, source.kind) if source else (entry["prefix"] + key, "plain")
+            name, kind = (source.name, source.kind) if source else (entry["prefix"] + key, TensorKind.PLAIN)
             placement = Placement(kind=kind, dense=tuple(tensor.shape), box=full(tensor.shape),
                                   vocab=config.vocab_size, n_head=n_head)
             params.append(_Param(entry["prefix"] + key, name, placement, is_param=key in names,
@@ -217,7 +220,7 @@ def to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
     _warn_left_out(reader, left_out, f"not weights of the decoder model at {decoder.prefix!r}")
     staging = AtomicSave(out, AtomicSave.new_token()).tmp
     staging.mkdir(parents=True)
-    writer, nbytes, first = hf._Writer(staging, max_shard_bytes), 0, None
+    writer, nbytes, first = hf.SafetensorsShards(staging, max_shard_bytes), 0, None
     try:
         for p in weights:  # one canonical tensor in memory at a time, plus the writer's pending shard
             tensor = _cast(reader.read(p.name), dtype)
@@ -271,7 +274,7 @@ def to_state_dict(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtyp
     claimed = {p.name for p in params}
     # Every other tensor (not an optimizer state) is a LightningModule parameter or buffer outside the
     # decoders: its canonical name is its module path and its canonical layout is its dense one.
-    others = [_Param(n, n, Placement("plain", reader.shape(n), full(reader.shape(n))), True)
+    others = [_Param(n, n, Placement(TensorKind.PLAIN, reader.shape(n), full(reader.shape(n))), True)
               for n in _left_out(reader, claimed)]
     values: dict[str, torch.Tensor] = {}
     state_dict = {}

@@ -25,10 +25,11 @@ from shardline.plugins.checkpoint import files, state
 from shardline.plugins.checkpoint.boxes import (
     Box,
     Placement,
+    TensorKind,
     canonical_boxes,
-    from_canonical,
     full,
     intersect,
+    read_part,
     relative,
     volume,
 )
@@ -356,17 +357,16 @@ class CheckpointReader:
         pieces read and reassembled, :func:`~.boxes.from_canonical`); with ``out`` (shaped like the box), into
         it. A ``plain`` part is read straight into ``out``, and so are a ``vocab`` part's canonical rows (its
         padding rows past the vocabulary zeroed): no temporary, no second copy."""
-        boxes = canonical_boxes(placement)
-        if out is not None and placement.kind == "plain":
-            return self.read(name, boxes[0], out=out)
-        if out is not None and placement.kind == "vocab":
+        if out is not None and placement.kind is TensorKind.PLAIN:
+            return self.read(name, canonical_boxes(placement)[0], out=out)
+        if out is not None and placement.kind is TensorKind.VOCAB:
+            boxes = canonical_boxes(placement)
             rows = boxes[0][0][1] - boxes[0][0][0] if boxes else 0
             if rows:
                 self.read(name, boxes[0], out=out[:rows])
             out[rows:].zero_()
             return out
-        pieces = [self.read(name, box) for box in boxes]
-        value = from_canonical(placement, pieces, dtype=pieces[0].dtype if pieces else torch.float32)
+        value = read_part(placement, lambda box: self.read(name, box), dtype=torch.float32)
         return value if out is None else out.copy_(value)
 
     def _handle(self, path: Path):

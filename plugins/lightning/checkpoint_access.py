@@ -24,6 +24,7 @@ import torch
 
 from shardline.plugins.checkpoint.boxes import (
     Box,
+    TensorKind,
     canonical_boxes,
     flat_boxes,
     shift,
@@ -38,7 +39,8 @@ from shardline.plugins.errors import CheckpointError
 from shardline.plugins.layers.tp_comm import owned
 from shardline.plugins.lightning import deepspeed_compat as compat
 
-_FRAGMENT_KINDS = ("plain", "vocab", "conv1d")  # a flat range of the rank's part is boxes of the canonical tensor
+#: Kinds where a flat range of the rank's part is boxes of the canonical tensor.
+_FRAGMENT_KINDS = (TensorKind.PLAIN, TensorKind.VOCAB, TensorKind.CONV1D)
 
 
 class Access:
@@ -234,13 +236,13 @@ def read_range(reader: CheckpointReader, entry: Entry, name: str, start: int, st
     straight into its run of a fresh buffer (no concatenation)."""
     _need(reader, entry, name)
     whole = entry.placement
-    if whole.kind == "plain" and start == 0 and stop == volume(whole.box):  # the whole part: its own box
+    if whole.kind is TensorKind.PLAIN and start == 0 and stop == volume(whole.box):  # the whole part: its own box
         flat = reader.read_flat(name, [whole.box])
         if flat is not None:
             return flat
     subs = _range_placements(entry, start, stop)
     # plain, or a vocabulary range short of its padding rows: the range's boxes are the canonical pieces' boxes
-    if entry.placement.kind in ("plain", "vocab") and all(canonical_boxes(sub) == [sub.box] for sub in subs):
+    if whole.kind in (TensorKind.PLAIN, TensorKind.VOCAB) and all(canonical_boxes(sub) == [sub.box] for sub in subs):
         flat = reader.read_flat(name, [sub.box for sub in subs])
         if flat is not None:
             return flat

@@ -19,7 +19,11 @@ Loading checks everything before it changes anything: the architecture (every te
 shape), every piece it reads (CRC), on every rank; any failure raises :class:`CheckpointError` on all ranks,
 naming the file and the tensor, and no weight has been overwritten.
 
-One file: save, the asynchronous settle and load share the collective rounds (:func:`_hello`,
+The strategy holds one :class:`Checkpointer`, which owns the state between its saves and loads (the pending
+asynchronous save, the window in which a save may be asynchronous, the pipeline stages the last save exchanged,
+the RNG states a load leaves for the first training step); the strategy's checkpoint hooks call it.
+
+One file: save, the asynchronous settle and load share the collective rounds (:meth:`Checkpointer._hello`,
 :func:`_written`, :func:`_committed`, :func:`_agree`) that give every rank the same view of one checkpoint.
 """
 
@@ -90,15 +94,6 @@ def _fitting(strategy) -> bool:
     return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
-def _asynchronous(strategy) -> bool:
-    """Whether a save now is an asynchronous one: with ``async_checkpoint``, between the fit's ``on_train_start``
-    and ``on_train_end`` (the strategy's hooks, which every rank runs after the callbacks' and the module's). It
-    is committed by the next batch, save or load, or at the latest by ``on_train_end``, so only a save made in
-    that window may be one; a save in ``on_fit_end``, a ``teardown`` hook or after ``fit`` is synchronous."""
-    return (bool(getattr(strategy, "async_checkpoint", False)) and bool(getattr(strategy, "async_window", False))
-            and _fitting(strategy))
-
-
 def _optimizer(strategy):
     engine = strategy.model
     return getattr(engine, "optimizer", None) if _fitting(strategy) else None
@@ -165,20 +160,21 @@ def _read_records(path: Path, rank: int) -> tuple[list, dict]:
     return records, files
 
 
-def _hello(strategy, path: str, keys: list, names: list[str]):
+def _hello(checkpointer: Checkpointer, path: str, keys: list, names: list[str]):
     """Before writing, one element-wise maximum of four int64 (:func:`_reduce_words`): rank 0's token (the
     others send 0), a digest of this rank's ``(path, optimizer state kinds)`` and its negation, and under pp a
     "my tensor names changed since the last save" flag. Every rank sent the same digest exactly when the
     maximum of the digests is minus the maximum of their negations; where they differ (ranks given different
     folders), rank 0's folder and state kinds are broadcast, and every rank uses them. Under pp every rank's
     ``(pipeline stage, tensor names)`` for :func:`_first_stage_writes` are gathered once and kept
-    (``strategy.saved_stages``), again only when some rank's flag is set."""
+    (:attr:`Checkpointer.saved_stages`), again only when some rank's flag is set."""
+    strategy = checkpointer.strategy
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
     token = AtomicSave.new_token() if me == 0 else None
     digest = int.from_bytes(hashlib.blake2b(repr((path, list(keys))).encode(), digest_size=7).digest(), "little")
     pipelined = grid.size("pp") > 1
     mine = (grid.coords["pp"], names)
-    kept = strategy.saved_stages
+    kept = checkpointer.saved_stages
     changed = int(pipelined and (kept is None or kept[me] != mine))
     group = _group(strategy)
     number, most, least_negated, changed = _reduce_words([int(token, 16) if me == 0 else 0, digest, -digest,
@@ -193,11 +189,11 @@ def _hello(strategy, path: str, keys: list, names: list[str]):
     if changed:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
-        strategy.saved_stages = kept = [(pp, list(n)) for pp, n in gathered]
+        checkpointer.saved_stages = kept = [(pp, list(n)) for pp, n in gathered]
     return path, token, keys, kept
 
 
-def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
+def _save(checkpointer: Checkpointer, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int) -> None:
     """Collective: every rank writes its pieces of ``checkpoint`` (Lightning's dict; its ``state_dict`` and
     ``optimizer_states`` are replaced by the pieces) into the folder ``filepath``, atomically.
 
@@ -211,17 +207,18 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
 
     With ``strategy.async_checkpoint`` and while fitting, the call returns once every piece is copied
     (:class:`_Pending`): a thread writes and fsyncs the files while training goes on, and the last two rounds
-    and the commit run in :func:`settle`, at the first training batch that finds every rank's writes done (or
-    at the next save or load, or the end of the fit). A save already pending is settled first, so at most one
-    copy of the state is held.
+    and the commit run in :meth:`Checkpointer.settle`, at the first training batch that finds every rank's
+    writes done (or at the next save or load, or the end of the fit). A save already pending is settled first,
+    so at most one copy of the state is held.
 
     A rank that fails while writing (a full disk, an unwritable folder) or a commit that fails on rank 0 raises
     one :class:`CheckpointError` on every rank at once, naming the rank and its error, instead of leaving the
     others waiting in a barrier until the collective timeout; nothing is committed, the partial folder is
     removed, and the previous checkpoint and ``latest`` stay as they were."""
-    settle(strategy)
+    checkpointer.settle()
+    strategy = checkpointer.strategy
     grid, me, world = strategy.grid, strategy.global_rank, dist.get_world_size()
-    background = _asynchronous(strategy)
+    background = checkpointer.asynchronous()
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     # Lightning leaves the optimizer out of a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)).
@@ -230,7 +227,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     module = strategy.lightning_module
     mine = entries(module, tp=grid.size("tp"), tp_rank=grid.rank("tp"), shape_of=compat.whole_shape)
     names = [e.name for e in mine] if grid.size("pp") > 1 else []
-    path, token, keys, stages = _hello(strategy, str(filepath), keys, names)
+    path, token, keys, stages = _hello(checkpointer, str(filepath), keys, names)
     target = AtomicSave(Path(path), token)
     meta = None
     small = {rank_file(me): {"rank": me, "coords": grid.coords, "rng": capture_rng(),
@@ -268,8 +265,8 @@ def save(strategy, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int 
     except Exception as error:  # noqa: BLE001 - every rank learns of it in _written, and raises
         failure = error
     if background:  # also after a failure: every rank then raises it from the same settle
-        strategy.pending_save = _Pending(target, meta, None if failure is not None else
-                                         (target, me, staged, small, max_file_bytes), failure)
+        checkpointer.pending = _Pending(target, meta, None if failure is not None else
+                                        (target, me, staged, small, max_file_bytes), failure)
         return
     _finish(target, failure, me, world, meta, _group(strategy))
 
@@ -308,7 +305,8 @@ def _finish(target: AtomicSave, failure: Exception | None, me: int, world: int, 
 
 
 class _Pending:
-    """A save whose files a thread writes (``async_checkpoint``), not yet committed: :func:`settle` commits it.
+    """A save whose files a thread writes (``async_checkpoint``), not yet committed: :meth:`Checkpointer.settle`
+    commits it.
     ``removals``: checkpoints Lightning asked to remove meanwhile (``save_top_k``), removed only once this one
     is committed, so a crash in between never leaves fewer complete checkpoints than ``save_top_k``."""
 
@@ -324,7 +322,7 @@ class _Pending:
     def _run(self, *work) -> None:
         try:
             _write(*work)
-        except BaseException as error:  # noqa: BLE001 - raised on every rank by settle
+        except BaseException as error:  # noqa: BLE001 - raised on every rank by Checkpointer.settle
             self.failure = error if isinstance(error, Exception) else CheckpointError(
                 f"{self.target.final}: the save's writer thread was interrupted ({error!r})")
 
@@ -336,46 +334,6 @@ class _Pending:
         if self.thread is not None:
             self.thread.join(timeout)
         return self.failure
-
-
-def settle(strategy, *, poll: bool = False) -> None:
-    """Collective: commit the pending ``async_checkpoint`` save (:class:`_Pending`), waiting for this rank's
-    writes; then remove the checkpoints removed meanwhile (rank 0). ``poll``: only if every rank's writes are
-    already done (one 1-element ``all_reduce(MIN)``), else leave it pending: the per-batch check."""
-    pending = getattr(strategy, "pending_save", None)
-    if pending is None:
-        return
-    if poll:
-        done = torch.tensor([int(pending.done())], dtype=torch.int64)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=_group(strategy))
-        if not done.item():
-            return
-    strategy.pending_save = None
-    me = strategy.global_rank
-    try:
-        _finish(pending.target, pending.wait(), me, dist.get_world_size(), pending.meta, _group(strategy))
-    except CheckpointError:
-        if me == 0:  # nothing committed: the name is free again (the checkpoints to remove are kept)
-            pending.target.unreserve()
-        raise
-    for path in pending.removals:  # nothing pending now: the strategy's own removal (rank 0's)
-        strategy.remove_checkpoint(path)
-
-
-def abandon(strategy, *, wait_s: float = 30.0) -> None:
-    """After a failure (no collective can be trusted): wait (at most ``wait_s``) for this rank's writes to end and
-    leave the pending save uncommitted. Its partial folder is ignored, with a warning, by whoever loads the folder
-    next, and its placeholder (:meth:`AtomicSave.reserve`, which ``last.ckpt`` may link to) loads the latest
-    complete checkpoint beside it, with a warning."""
-    pending = getattr(strategy, "pending_save", None)
-    if pending is None:
-        return
-    strategy.pending_save = None
-    pending.wait(wait_s)
-    still = not pending.done()
-    warnings.warn(f"{pending.target.final}: an asynchronous save was {'still being' if still else 'being'} "
-                  f"written when the run failed; it is not committed (its partial folder {pending.target.tmp.name} "
-                  f"is ignored{'; its writer thread is still running' if still else ''})", stacklevel=2)
 
 
 def _said(error: BaseException) -> str:
@@ -505,7 +463,7 @@ def _read_everything(strategy, checkpoint_path, optimizer, access: Access, trust
     return out
 
 
-def load(strategy, checkpoint_path, *, weights_only: bool | None = None) -> dict[str, Any]:
+def _load(checkpointer: Checkpointer, checkpoint_path, *, weights_only: bool | None) -> dict[str, Any]:
     """Collective: load the checkpoint (or the newest in a folder of them) into this layout; returns the
     trainer's state for Lightning to restore (loops, callbacks, schedulers).
 
@@ -514,11 +472,13 @@ def load(strategy, checkpoint_path, *, weights_only: bool | None = None) -> dict
     version 1-2 checkpoint's ``trainer.pt`` and ``rank-N.pt``, with a warning that it trusts their author; None
     or True refuse them with a :class:`CheckpointError` naming the file and ``shardline convert --migrate``.
 
-    One collective round: every rank resolves the path, reads and checks all it needs (:func:`_read_everything`),
+    One collective round: every rank resolves the path, reads and checks all it needs
+    (:func:`_read_everything`),
     then the ranks agree (:func:`_agree`); any error anywhere (or ranks that found different checkpoints, or
     checkpoint weights no rank has a place for) raises on every rank before anything is set. An
-    ``async_checkpoint`` save still pending is committed first (:func:`settle`)."""
-    settle(strategy)
+    ``async_checkpoint`` save still pending is committed first (:meth:`Checkpointer.settle`)."""
+    checkpointer.settle()
+    strategy = checkpointer.strategy
     optimizer = _optimizer(strategy)
     access = Access(optimizer)
     got = _read_everything(strategy, checkpoint_path, optimizer, access, trust_pickle=weights_only is False)
@@ -526,15 +486,16 @@ def load(strategy, checkpoint_path, *, weights_only: bool | None = None) -> dict
         warnings.warn(f"{got.found}: unpickled its pickled state files (format version {got.reader.version}) "
                       "because weights_only=False: that runs any code their author put in them", stacklevel=2)
     try:
-        return _agree_and_apply(strategy, got, optimizer, access)
+        return _agree_and_apply(checkpointer, got, optimizer, access)
     finally:  # set, or refused here or on another rank: no view of a map outlives the load (nor its error)
         got.staged.clear()
 
 
-def _agree_and_apply(strategy, got: _Read, optimizer, access: Access) -> dict[str, Any]:
-    """:func:`load` after this rank's reads: the exchange, then everything set, or the one error on every rank."""
+def _agree_and_apply(checkpointer: Checkpointer, got: _Read, optimizer, access: Access) -> dict[str, Any]:
+    """:func:`_load` after this rank's reads: the exchange, then everything set, or the one error on every
+    rank."""
     reader, trainer_state = got.reader, got.trainer_state
-    failure = _agree(got, _group(strategy))
+    failure = _agree(got, _group(checkpointer.strategy))
     if failure is not None:
         raise CheckpointError(failure)
     saved_keys = reader.manifest.get("optimizer_state_keys", [])
@@ -543,7 +504,7 @@ def _agree_and_apply(strategy, got: _Read, optimizer, access: Access) -> dict[st
     step = (trainer_state.get("shardline_optimizer") or {}).get("step")
     for entry, values in got.staged:  # nothing below can fail on bad input: everything was read and checked
         access.apply(entry, values, step)
-    _restore_counters(strategy, reader, trainer_state, got.own, optimizer)
+    _restore_counters(checkpointer, reader, trainer_state, got.own, optimizer)
     return trainer_state
 
 
@@ -602,9 +563,11 @@ def _agree(got: _Read, group=None) -> str | None:
     return None
 
 
-def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, own: dict | None, optimizer) -> None:
+def _restore_counters(checkpointer: Checkpointer, reader: CheckpointReader, trainer_state: dict, own: dict | None,
+                      optimizer) -> None:
     """The optimizer's step and hyper-parameters, and this rank's own file (``own``): DeepSpeed's counters and,
-    on the saving layout, the RNG states for the first training step."""
+    on the saving layout, the RNG states for the first training step (:attr:`Checkpointer.rng_state`)."""
+    strategy = checkpointer.strategy
     saved = trainer_state.get("shardline_optimizer") or {}
     if optimizer is not None and saved:
         if saved.get("step") is not None:
@@ -622,7 +585,111 @@ def _restore_counters(strategy, reader: CheckpointReader, trainer_state: dict, o
         for key, value in own.get("engine", {}).items():
             if hasattr(strategy.model, key):
                 setattr(strategy.model, key, value)
-        strategy.pending_rng_state = own["rng"] if same else None
+        checkpointer.rng_state = own["rng"] if same else None
 
 
-__all__ = ["capture_rng", "load", "restore_rng", "save"]
+class Checkpointer:
+    """The checkpoints of one :class:`~.strategy.HybridParallelStrategy`: its save, load and removal, and the
+    state between them, which only this object changes (the strategy's hooks call it):
+
+    - :attr:`pending`: the ``async_checkpoint`` save being written (:class:`_Pending`), committed by
+      :meth:`settle`; ``removals`` Lightning asked for meanwhile wait for it;
+    - :attr:`window`: from the fit's ``on_train_start`` to its ``on_train_end`` (the strategy's hooks, which every
+      rank runs after the callbacks' and the module's), where a save may be asynchronous (:meth:`asynchronous`);
+    - :attr:`saved_stages`: under pp, every rank's ``(stage, tensor names)`` as the last save exchanged them;
+    - :attr:`rng_state`: this rank's RNG states of a loaded checkpoint, restored at the first training step
+      (:meth:`restore_rng`)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.pending: _Pending | None = None
+        self.window = False
+        self.saved_stages: list[tuple[int, list[str]]] | None = None
+        self.rng_state: dict[str, Any] | None = None
+
+    def asynchronous(self) -> bool:
+        """Whether a save now is an asynchronous one: with the strategy's ``async_checkpoint``, inside the
+        :attr:`window`, while fitting. It is committed by the next batch, save or load, or at the latest by
+        ``on_train_end``, so only a save made in that window may be one; a save in ``on_fit_end``, a
+        ``teardown`` hook or after ``fit`` is synchronous."""
+        return (bool(getattr(self.strategy, "async_checkpoint", False)) and self.window
+                and _fitting(self.strategy))
+
+    def save(self, checkpoint: dict[str, Any], filepath, *, max_file_bytes: int = 1 << 30) -> None:
+        """Collective: the layout-independent checkpoint folder ``filepath`` (:func:`_save`)."""
+        _save(self, checkpoint, filepath, max_file_bytes=max_file_bytes)
+
+    def load(self, checkpoint_path, *, weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: the checkpoint loaded into this layout; the trainer's state (:func:`_load`)."""
+        return _load(self, checkpoint_path, weights_only=weights_only)
+
+    def remove(self, filepath) -> None:
+        """Rank 0 removes the checkpoint folder; while a save is :attr:`pending`, only once that one is committed
+        (``save_top_k`` rotation never leaves fewer complete checkpoints than it keeps)."""
+        if self.pending is not None:
+            self.pending.removals.append(str(filepath))
+            return
+        if self.strategy.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def open_window(self) -> None:
+        """The fit's ``on_train_start``: saves from here may be asynchronous."""
+        self.window = True
+
+    def close_window(self) -> None:
+        """The fit's ``on_train_end`` (collective: every rank ends training here): the pending save committed;
+        saves from here on are synchronous."""
+        self.window = False
+        self.settle()
+
+    def settle(self, *, poll: bool = False) -> None:
+        """Collective: commit the :attr:`pending` save, waiting for this rank's writes; then remove the
+        checkpoints removed meanwhile (rank 0). ``poll``: only if every rank's writes are already done (one
+        1-element ``all_reduce(MIN)``), else leave it pending: the per-batch check."""
+        pending = self.pending
+        if pending is None:
+            return
+        strategy = self.strategy
+        if poll:
+            done = torch.tensor([int(pending.done())], dtype=torch.int64)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=_group(strategy))
+            if not done.item():
+                return
+        self.pending = None
+        me = strategy.global_rank
+        try:
+            _finish(pending.target, pending.wait(), me, dist.get_world_size(), pending.meta, _group(strategy))
+        except CheckpointError:
+            if me == 0:  # nothing committed: the name is free again (the checkpoints to remove are kept)
+                pending.target.unreserve()
+            raise
+        for path in pending.removals:  # nothing pending now: removed at once (rank 0's)
+            self.remove(path)
+
+    def abandon(self, *, wait_s: float = 30.0) -> None:
+        """The strategy's teardown, where no collective can be trusted (after a failure): the window closed, and
+        a :attr:`pending` save's writes waited for (at most ``wait_s``) and the save left uncommitted. Its
+        partial folder is ignored, with a warning, by whoever loads the folder next, and its placeholder
+        (:meth:`AtomicSave.reserve`, which ``last.ckpt`` may link to) loads the latest complete checkpoint beside
+        it, with a warning."""
+        self.window = False
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        pending.wait(wait_s)
+        still = not pending.done()
+        warnings.warn(f"{pending.target.final}: an asynchronous save was {'still being' if still else 'being'} "
+                      f"written when the run failed; it is not committed (its partial folder "
+                      f"{pending.target.tmp.name} is ignored{'; its writer thread is still running' if still else ''})",
+                      stacklevel=2)
+
+    def restore_rng(self) -> None:
+        """At a training step: this rank's RNG states of a loaded checkpoint, where the uninterrupted run drew
+        next (once)."""
+        if self.rng_state is not None:
+            restore_rng(self.rng_state)
+            self.rng_state = None
+
+
+__all__ = ["Checkpointer", "capture_rng", "restore_rng"]

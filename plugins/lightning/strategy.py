@@ -52,6 +52,7 @@ from shardline.plugins.faults.watchdog import (
 from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
+from shardline.plugins.lightning.checkpointing import Checkpointer
 from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
 from shardline.plugins.lightning.launcher import ShardlineLauncher, arm_worker
 from shardline.plugins.lightning.lightning_compat import SubprocessScriptLauncher, check_strategy
@@ -148,13 +149,11 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         self.collective_timeout = collective_timeout_seconds(collective_timeout)  # seconds, validated now
         self.collective_dump_dir = collective_dump_dir
         self.watchdog: CollectiveWatchdog | None = None  # from setup_distributed to teardown
-        self.pending_rng_state = None  # RNG states of a loaded checkpoint, for the first training step
-        self.saved_stages = None  # under pp: every rank's (stage, tensor names) as the last save exchanged them
         if not isinstance(async_checkpoint, bool):
             raise ContractError(f"async_checkpoint={async_checkpoint!r} must be True or False")
         self.async_checkpoint = async_checkpoint
-        self.pending_save = None  # an async_checkpoint save being written (checkpointing._Pending)
-        self.async_window = False  # from on_train_start to on_train_end: where a save may be asynchronous
+        # the save and load, and their state (the pending async save, its window, the RNG states a load leaves)
+        self.checkpointer = Checkpointer(self)
 
     # --- layout ------------------------------------------------------------------------------------------------
 
@@ -239,11 +238,7 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         collective error (that rank keeps its exception). An ``async_checkpoint`` save still pending here (the
         fit failed or was interrupted before ``on_train_end``) is left uncommitted once its writes end: no
         collective runs in teardown, where the ranks may not all have arrived."""
-        self.async_window = False
-        if self.pending_save is not None:
-            from shardline.plugins.lightning import checkpointing
-
-            checkpointing.abandon(self)
+        self.checkpointer.abandon()
         try:
             super().teardown()
         finally:
@@ -414,17 +409,13 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         (:mod:`shardline.plugins.lightning.checkpointing`); any layout loads it."""
         if storage_options is not None:
             raise ContractError(f"storage_options={storage_options!r}: shardline checkpoints take none")
-        from shardline.plugins.lightning import checkpointing
-
-        checkpointing.save(self, checkpoint, filepath)
+        self.checkpointer.save(checkpoint, filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written by any layout into this one (a folder of checkpoints: its newest); see
         :mod:`shardline.plugins.lightning.checkpointing`. Nothing in it is unpickled; ``weights_only=False``
         (Lightning's, explicit) alone lets an old (version 1-2) checkpoint's pickled state files load."""
-        from shardline.plugins.lightning import checkpointing
-
-        return checkpointing.load(self, checkpoint_path, weights_only=weights_only)
+        return self.checkpointer.load(checkpoint_path, weights_only=weights_only)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Nothing: :meth:`save_checkpoint` writes the module's tensors itself, piece by piece (Lightning would
@@ -438,13 +429,12 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def remove_checkpoint(self, filepath) -> None:
         """Rank 0 removes the checkpoint folder; while an ``async_checkpoint`` save is pending, only once that
         one is committed (``save_top_k`` rotation never leaves fewer complete checkpoints than it keeps)."""
-        if self.pending_save is not None:
-            self.pending_save.removals.append(str(filepath))
-            return
-        if self.is_global_zero:
-            import shutil
+        self.checkpointer.remove(filepath)
 
-            shutil.rmtree(filepath, ignore_errors=True)
+    @property
+    def pending_save(self):
+        """The ``async_checkpoint`` save being written, not yet committed (the checkpointer's); None otherwise."""
+        return self.checkpointer.pending
 
     # --- the batch --------------------------------------------------------------------------------------------
 
@@ -480,32 +470,20 @@ class HybridParallelStrategy(DeepSpeedStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.async_window = True
+        self.checkpointer.open_window()
 
     def on_train_end(self) -> None:
         """Commits a pending ``async_checkpoint`` save (collective: every rank ends training here, after the
         callbacks' ``on_train_end``); saves from here on are synchronous."""
-        self.async_window = False
-        if self.pending_save is not None:
-            from shardline.plugins.lightning import checkpointing
-
-            checkpointing.settle(self)
+        self.checkpointer.close_window()
         super().on_train_end()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.pending_save is not None:  # commit an async_checkpoint save once every rank has written it
-            from shardline.plugins.lightning import checkpointing
-
-            checkpointing.settle(self, poll=True)
+        self.checkpointer.settle(poll=True)  # commit an async_checkpoint save once every rank has written it
 
     def training_step(self, *args: Any, **kwargs: Any):
-        if self.pending_rng_state is not None:
-            # This rank's RNG states at the checkpoint, restored where the uninterrupted run drew next.
-            from shardline.plugins.lightning.checkpointing import restore_rng
-
-            restore_rng(self.pending_rng_state)
-            self.pending_rng_state = None
+        self.checkpointer.restore_rng()  # a loaded checkpoint's, where the uninterrupted run drew next
         if args:
             args = (self.shard_batch(args[0]), *args[1:])
         self._skip_step = False

@@ -1,6 +1,6 @@
 """Box arithmetic of the layout-independent checkpoint, against independent references: a flat range's boxes
-against ``torch.arange``, and every kind's canonical pieces of a TP shard against slicing the dense tensor that
-``hf._to_hf`` (the Hugging Face exporter, separate code) produces."""
+against ``torch.arange``, and every kind's canonical pieces of a TP shard against slicing the dense tensor in
+Hugging Face's layout as :func:`_hf_layout` (written here, apart from the library's transforms) makes it."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.plugins import hf
 from shardline.plugins.checkpoint import reader as reader_module
 from shardline.plugins.checkpoint.boxes import (
     Placement,
     canonical_boxes,
+    canonical_tensor,
     flat_boxes,
     from_canonical,
     intersect,
@@ -53,6 +53,21 @@ def test_box_helpers():
     assert volume(((0, 2), (5, 5))) == 0
 
 
+def _hf_layout(kind: str, dense: torch.Tensor, *, vocab: int, n_head: int) -> torch.Tensor:
+    """A whole dense shardline tensor in Hugging Face's layout: the reference the library's transforms must match."""
+    if kind == "vocab":
+        return dense[:vocab]
+    if kind == "conv1d":
+        return dense.t()
+    if kind in ("gpt2_qkv", "gpt2_qkv_bias"):
+        d_model = dense.shape[0] // 3
+        head_dim = d_model // n_head
+        grouped = dense.reshape(n_head, 3, head_dim, *dense.shape[1:]).transpose(0, 1)  # (3, heads, hd, ...)
+        flat = grouped.reshape(3 * d_model, *dense.shape[1:])
+        return flat if kind == "gpt2_qkv_bias" else flat.t()
+    return dense
+
+
 def _shards(dense: torch.Tensor, dim: int, tp: int):
     length = dense.shape[dim] // tp
     for r in range(tp):
@@ -70,7 +85,9 @@ def test_canonical_pieces_of_every_tp_shard_are_slices_of_the_hf_tensor(kind, di
     dense = torch.randn(shape, dtype=torch.float64)
     if vocab:
         dense[vocab:] = 0
-    reference = hf._to_hf(hf.Source("x", kind), dense, vocab=vocab or 0, n_head=4)  # the exporter's own layout
+    reference = _hf_layout(kind, dense, vocab=vocab or 0, n_head=4)  # Hugging Face's layout
+    whole = Placement(kind=kind, dense=tuple(shape), box=tuple((0, n) for n in shape), vocab=vocab, n_head=4)
+    assert torch.equal(canonical_tensor(whole, dense), reference)  # what save_pretrained writes
     covered = 0
     for box, local in _shards(dense, dim, tp):
         placement = Placement(kind=kind, dense=tuple(shape), box=box, vocab=vocab, n_head=4)

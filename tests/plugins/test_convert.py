@@ -13,8 +13,8 @@ and, for the memory test, a 34.6 MB Llama of 75 tensors at dp2 x ZeRO-1.
 
 Each run also writes the trained model with :func:`hf.save_pretrained` (the gather over the run's own process
 group): the independent reference a conversion must equal bit for bit. The consolidated state dict is checked
-against the checkpoint's canonical tensors through :func:`hf._to_hf` (the save path's own converter, the inverse
-mapping written apart from :func:`from_canonical`), and logits against transformers' own forward.
+against the checkpoint's canonical tensors through :func:`~shardline.plugins.checkpoint.boxes.canonical_tensor`
+(the save path's converter, the direction :func:`from_canonical` inverts), and logits against transformers' own forward.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from shardline.plugins import hf
 from shardline.plugins.checkpoint import files
+from shardline.plugins.checkpoint.boxes import Placement, canonical_tensor, full
 from shardline.plugins.checkpoint.convert import to_hf, to_state_dict
 from shardline.plugins.checkpoint.reader import CheckpointReader
 from shardline.plugins.hf import CheckpointError
@@ -249,15 +250,16 @@ def test_state_dict_is_the_checkpoint_consolidated_and_loads_into_the_dense_modu
     # Every tensor mapped back to its canonical layout by the save path's converter equals the checkpoint's.
     reader = CheckpointReader(folder)
     network = dense.network
-    arch, hf_config = hf._hf_config_of(network)
-    table = hf._table(arch, network.config, hf_config)
     config = network.config
+    table = network.family.hf_table(config)
 
     def canonical(key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
         local = key.removeprefix("lm.")
         if key.startswith("lm.") and local in table:
             source = table[local]
-            return source.name, hf._to_hf(source, value, vocab=config.vocab_size, n_head=config.n_head)
+            whole = Placement(source.kind, tuple(value.shape), full(value.shape), vocab=config.vocab_size,
+                              n_head=config.n_head)
+            return source.name, canonical_tensor(whole, value)
         return key, value
 
     for key, value in sd.items():

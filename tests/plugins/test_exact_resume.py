@@ -40,7 +40,7 @@ class _Steps(pl.Callback):
 
     def on_train_start(self, trainer, module):
         if self.forget_rng:  # the control: resume without the checkpoint's RNG states
-            trainer.strategy.pending_rng_state = None
+            trainer.strategy.checkpointer.rng_state = None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         loss = torch.tensor([float(outputs["loss"])], dtype=torch.float64)
