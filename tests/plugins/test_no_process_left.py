@@ -33,6 +33,20 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (the store server answers from a thread of its own)."""
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().split(") ", 1)[1][0])
+        if all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.01)
+
+
 def test_a_stopped_process_is_killed_and_reaped_and_a_finished_one_is_left_alone():
     stopped = subprocess.Popen(["sleep", "60"])
     finished = subprocess.Popen(["true"])
@@ -98,6 +112,7 @@ def test_the_watchdogs_store_calls_give_up_when_the_store_host_is_stopped():
         store = BoundedStore(client, 1.0)
         assert store.add("n", 1) == 1 and store.check(["n"])
         os.kill(server.pid, signal.SIGSTOP)
+        _wait_stopped(server.pid)  # the signal is delivered asynchronously: a request sent before could be served
         started = time.monotonic()
         with pytest.raises(StoreNotAnswering, match=r"store add\('n',\) did not answer within 1 s"):
             store.add("n", 1)
