@@ -132,6 +132,15 @@ class Timing:
         return 2 * self.tick + self.answer + self.exit_grace
 
 
+def store_lost_reason(exc: BaseException, *, rank: int, host: str | None) -> str:
+    """Why rank ``rank`` gives up on the store: the store's own error, and, where the store is a TCPStore that
+    rank 0 hosts (``host``: its ``"address:port"``), that rank 0 is the likely casualty."""
+    reason = f"the c10d store stopped answering ({short_reason(f'{type(exc).__name__}: {exc}')})"
+    if host is not None and rank != 0:
+        reason += f"; rank 0 hosts it ({host}): rank 0 is the likely casualty (dead, stopped, or its host unreachable)"
+    return reason
+
+
 class StoreNotAnswering(RuntimeError):
     """A store operation of the watchdog did not come back within :attr:`Timing.store` seconds."""
 
@@ -453,11 +462,7 @@ class CollectiveWatchdog:
 
     def _store_lost(self, exc: Exception) -> None:
         """The store stopped answering (its host, rank 0 under TCPStore, is gone): a verdict of our own."""
-        reason = f"the c10d store stopped answering ({short_reason(f'{type(exc).__name__}: {exc}')})"
-        host = torch_compat.store_host()
-        if host is not None and self.rank != 0:
-            reason += (f"; rank 0 hosts it ({host}): rank 0 is the likely casualty (dead, stopped, or its host "
-                       "unreachable)")
+        reason = store_lost_reason(exc, rank=self.rank, host=torch_compat.store_host())
         with self._lock:
             self._abort = self._abort or {"by": self.rank, "kind": "store", "reason": reason}
         self._take(local_verdict(self.rank, self.record.summaries(), reason=reason, dump_dir=str(self.dump_dir)))

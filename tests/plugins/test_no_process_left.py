@@ -22,7 +22,7 @@ import pytest
 from shardline.plugins.errors import CheckpointError, CollectiveError, ErrorReport, attach_report
 from shardline.plugins.faults.collective_diagnosis import RankReport, diagnose, local_verdict
 from shardline.plugins.faults.processes import describe_exit, end_processes
-from shardline.plugins.faults.watchdog import BoundedStore, StoreNotAnswering
+from shardline.plugins.faults.watchdog import BoundedStore, StoreNotAnswering, store_lost_reason
 
 
 def _gone(pid: int) -> bool:
@@ -122,6 +122,28 @@ def test_the_watchdogs_store_calls_give_up_when_the_store_host_is_stopped():
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_rank_that_loses_the_store_rank_0_hosts_says_rank_0_is_the_likely_casualty():
+    code = textwrap.dedent("""
+        import datetime, socket
+        import torch.distributed as dist
+        from shardline.plugins.torch_compat import store_host
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        print(port, store_host())
+        dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    port, host = out.stdout.split()
+    assert host == f"127.0.0.1:{port}", out.stderr[-2000:]  # Lightning's and torchrun's rendezvous: a TCPStore
+    lost = StoreNotAnswering("store add('abort_count',) did not answer within 5 s")
+    assert store_lost_reason(lost, rank=2, host=host) == (
+        "the c10d store stopped answering (StoreNotAnswering: store add('abort_count',) did not answer within 5 s); "
+        f"rank 0 hosts it ({host}): rank 0 is the likely casualty (dead, stopped, or its host unreachable)")
+    assert "casualty" not in store_lost_reason(lost, rank=2, host=None)  # a file store has no host
 
 
 def test_the_verdict_names_one_speaker():
