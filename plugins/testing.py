@@ -191,3 +191,25 @@ def nvme_offload_available() -> bool:
         return bool(AsyncIOBuilder().is_compatible(verbose=False))
     except Exception:  # noqa: BLE001 - any failure to probe means the op cannot be built here
         return False
+
+
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of every thread of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie,
+    ...), from ``/proc`` (Linux); empty once the process is gone."""
+    states = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().split(") ", 1)[1][0])
+        except FileNotFoundError:
+            continue
+    return states
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (absent, or a zombie its parent has not reaped yet)."""
+    return all(state in "ZX" for state in thread_states(pid))

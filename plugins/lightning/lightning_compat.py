@@ -35,17 +35,13 @@ class LightningPrivateMissing(ShardlineError, RuntimeError):
 def check_strategy(base: type = DeepSpeedStrategy) -> None:
     """Every member of :data:`OVERRIDDEN` and :data:`CALLED` is a method of ``base``, and the subprocess launcher
     has :data:`LAUNCHER_METHODS`; :class:`LightningPrivateMissing` naming the first that is not."""
-    for name in OVERRIDDEN + CALLED:
-        if not callable(getattr(base, name, None)):
-            raise LightningPrivateMissing(
-                f"pytorch_lightning {LIGHTNING_VERSION}: {base.__name__}.{name} is gone; HybridParallelStrategy "
-                f"{'overrides' if name in OVERRIDDEN else 'calls'} it (shardline supports pytorch-lightning "
-                ">=2.6.6,<2.7)")
-    for name in LAUNCHER_METHODS:
-        if not callable(getattr(SubprocessScriptLauncher, name, None)):
-            raise LightningPrivateMissing(
-                f"pytorch_lightning {LIGHTNING_VERSION}: _SubprocessScriptLauncher.{name} is gone; shardline's "
-                "launcher relies on it (shardline supports pytorch-lightning >=2.6.6,<2.7)")
+    needed = [(base, name, "HybridParallelStrategy overrides it") for name in OVERRIDDEN]
+    needed += [(base, name, "HybridParallelStrategy calls it") for name in CALLED]
+    needed += [(SubprocessScriptLauncher, name, "shardline's launcher relies on it") for name in LAUNCHER_METHODS]
+    for owner, name, why in needed:
+        if not callable(getattr(owner, name, None)):
+            raise LightningPrivateMissing(f"pytorch_lightning {LIGHTNING_VERSION}: {owner.__name__}.{name} is gone; "
+                                          f"{why} (shardline supports pytorch-lightning >=2.6.6,<2.7)")
 
 
 __all__ = ["CALLED", "LAUNCHER_METHODS", "LightningPrivateMissing", "OVERRIDDEN", "SubprocessScriptLauncher",

@@ -23,27 +23,14 @@ from shardline.plugins.errors import CheckpointError, CollectiveError, ErrorRepo
 from shardline.plugins.faults.collective_diagnosis import RankReport, diagnose, local_verdict
 from shardline.plugins.faults.processes import describe_exit, end_processes
 from shardline.plugins.faults.watchdog import BoundedStore, StoreNotAnswering, store_lost_reason
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] in "ZX"
-    except FileNotFoundError:
-        return True
+from shardline.plugins.testing import process_gone, thread_states
 
 
 def _wait_stopped(pid: int) -> None:
     """Until every thread of ``pid`` is stopped (the store server answers from a thread of its own)."""
     deadline = time.monotonic() + 10
-    while True:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as stat:
-                states.append(stat.read().split(") ", 1)[1][0])
-        if all(state in "tT" for state in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+    while not all(state in "tT" for state in thread_states(pid)):
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {thread_states(pid)}"
         time.sleep(0.01)
 
 
@@ -82,7 +69,7 @@ def test_an_armed_worker_dies_with_its_parent_even_when_stopped(tmp_path):
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 10
-        while not _gone(pid):
+        while not process_gone(pid):
             assert time.monotonic() < deadline, f"worker {pid} outlived its parent"
             time.sleep(0.05)
     finally:
@@ -258,4 +245,4 @@ def test_a_worker_that_dies_before_the_ranks_connect_ends_the_run_saying_so():
     assert out.returncode == 70 and time.monotonic() - started < 60, out.stderr[-2000:]
     assert "shardline: rank 2 (PID " in out.stderr and ") exited with code 3 before the ranks connected; ending " \
         "the run" in out.stderr
-    assert _gone(int(out.stdout.split()[0]))
+    assert process_gone(int(out.stdout.split()[0]))

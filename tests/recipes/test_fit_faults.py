@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from shardline.plugins.testing import process_gone
 from shardline.recipes.fit import RECIPES_DIR
 
 from .test_fit import _command
@@ -23,14 +24,6 @@ TIMEOUT_S = 3  # the collective timeout: the stop is noticed after it, every ran
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as children:
         return [int(p) for p in children.read().split()]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] in "ZX"
-    except FileNotFoundError:
-        return True
 
 
 def _read_until(proc: subprocess.Popen, marker: str, seconds: float, out: list[str]) -> bool:
@@ -74,11 +67,11 @@ def test_a_stopped_worker_is_named_once_and_ended_before_the_launcher_exits(tmp_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        if worker is not None and not _gone(worker):
+        if worker is not None and not process_gone(worker):
             os.kill(worker, signal.SIGKILL)
     text = "".join(out).replace("\r", "\n")
     assert proc.returncode == 1, text[-4000:]
-    assert _gone(worker), f"worker {worker} outlived the launcher"
+    assert process_gone(worker), f"worker {worker} outlived the launcher"
     assert took < TIMEOUT_S + 20, took
     # Told once, by rank 0, with the rank and its group table; every rank's traceback written, the path said.
     errors = re.findall(r"shardline fit: error: CollectiveError: (.*)", text)
