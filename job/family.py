@@ -16,12 +16,17 @@ A *shape* below is anything with the architecture fields (a family config, or th
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from shardline.job.errors import ContractError
 from shardline.job.layout import SPMode
+
+#: The architecture fields a *shape* may carry (above); a family's config has those of them it uses.
+SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
+                "tie_embeddings", "qkv_bias")
 
 
 class Degrees(NamedTuple):
@@ -132,6 +137,24 @@ class Family:
         raise NotImplementedError
 
     @classmethod
+    def config_from_shape(cls, shape):
+        """The family's config of a shape record (the planner's ``ModelSpec``): every :data:`SHAPE_FIELDS` field
+        the config type declares and the shape sets (not None); the rest at the config's defaults."""
+        declared = {field.name for field in dataclasses.fields(cls.config_type)}
+        return cls.config_type(**{name: getattr(shape, name) for name in SHAPE_FIELDS
+                                  if name in declared and getattr(shape, name, None) is not None})
+
+    @classmethod
+    def shape_fields(cls, config) -> dict[str, Any]:
+        """The inverse of :meth:`config_from_shape`: the config's :data:`SHAPE_FIELDS` values that the config type
+        declares, ``head_dim`` only where it is not ``d_model / n_head``."""
+        declared = {field.name for field in dataclasses.fields(cls.config_type)}
+        fields = {name: getattr(config, name) for name in SHAPE_FIELDS if name in declared}
+        if fields.get("head_dim") is not None and fields["head_dim"] * config.n_head == config.d_model:
+            fields["head_dim"] = None
+        return fields
+
+    @classmethod
     def width_problems(cls, config, tp: int) -> list[str]:
         """Why the family's widths cannot be split over ``tp`` ranks."""
         raise NotImplementedError
@@ -175,5 +198,5 @@ def dim_per_head(shape) -> int:
     return getattr(shape, "head_dim", None) or shape.d_model // shape.n_head
 
 
-__all__ = ["Degrees", "Family", "Source", "TensorKind", "decoder_layout_problems", "dim_per_head",
+__all__ = ["SHAPE_FIELDS", "Degrees", "Family", "Source", "TensorKind", "decoder_layout_problems", "dim_per_head",
            "head_partition_problems", "kv_heads", "need"]

@@ -29,6 +29,9 @@ Every message is one line and bounded: a value is quoted short (:func:`short_rep
 :data:`MAX_PROBLEMS` listed. The file itself is bounded before anything is built from it: UTF-8, at most
 :data:`MAX_BYTES` bytes, nested at most :data:`MAX_DEPTH` levels, and at most :data:`MAX_NODES` values once its
 YAML aliases are expanded (a 300-byte alias bomb would otherwise expand to gigabytes); a recursive alias is refused.
+
+One file: both layers report through the same bounded problem list and :class:`RecipeError`, and the second
+layer reuses the first's field tables; the model and layout rules it applies live in :mod:`shardline.job`.
 """
 
 from __future__ import annotations

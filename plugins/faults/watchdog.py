@@ -28,6 +28,10 @@ for the bound this gives: every rank is gone within ``collective_timeout + 15 s`
 Every torch private used here goes through :mod:`shardline.plugins.torch_compat`. The injected-hang test hook
 (:class:`~.collective_record.InjectedHang`) applies only where the test harness installed it
 (:func:`~.collective_record.install_hang`); nothing here reads the environment for it.
+
+One file: the heartbeat, abort, final and verdict keys above are one protocol over one store connection, and
+its timing bound (:class:`Timing`) holds only for the whole of it; the record and the diagnosis it reads are
+their own modules.
 """
 
 from __future__ import annotations

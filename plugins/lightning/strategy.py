@@ -15,6 +15,10 @@ The LightningModule contract: build the model in ``configure_model()`` (``self.t
 ready by then) from shardline's layers or ``shardline.plugins.models.gpt.GPT``, and return the (replica-global) mean
 loss from ``training_step``. Gradient synchronisations are the strategy's: at setup it installs every one the
 parameters' declared roles imply (:mod:`shardline.plugins.layers.roles`), so the module adds none itself.
+
+One file: it is one class whose methods override Lightning's ``DeepSpeedStrategy`` hooks, which Lightning calls in
+a fixed order on one object (setup, the launcher, the optimizer and backward plumbing, teardown); the parts that
+stand alone already live beside it (:mod:`.checkpointing`, :mod:`.launcher`, :mod:`.lightning_compat`).
 """
 
 from __future__ import annotations

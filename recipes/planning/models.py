@@ -14,14 +14,40 @@ Llama 2 (Touvron et al. 2023) and Llama 3 / 3.1 (Meta's released ``config.json``
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 
 from shardline.job.errors import ShardlineError
-from shardline.job.families import FAMILIES, HF_ARCHITECTURES, config_from_hf
+from shardline.job.families import FAMILIES, HF_ARCHITECTURES, config_from_hf, family_of_config
 from shardline.job.family import Family
-from shardline.job.gpt import GPTConfig
-from shardline.job.llama import LlamaConfig
 from shardline.recipes.schema import RecipeError
+
+
+def shape_problems(fields: dict) -> list[str]:
+    """Every problem of a spec's fields (a dict; an absent field is not checked), each naming its value."""
+
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    def has(*names) -> bool:
+        return all(k in fields for k in names)
+
+    problems = [f"{k}={fields[k]!r} must be an integer >= 1" for k in
+                ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff") if has(k) and not integer(fields[k])]
+    problems += [f"{k}={fields[k]!r} must be an integer >= 1 or unset" for k in ("n_kv_head", "head_dim")
+                 if fields.get(k) is not None and not integer(fields[k])]
+    problems += [f"{k}={fields[k]!r} must be true or false" for k in ("tie_embeddings", "qkv_bias")
+                 if has(k) and not isinstance(fields[k], bool)]
+    if has("architecture") and fields["architecture"] not in FAMILIES:
+        problems.append(f"architecture={fields['architecture']!r} must be {' or '.join(map(repr, FAMILIES))}")
+    if problems or not has("n_head", "d_model"):
+        return problems
+    if fields["d_model"] % fields["n_head"] and fields.get("head_dim") is None:
+        problems.append(f"d_model={fields['d_model']} is not a multiple of n_head={fields['n_head']}")
+    kv_heads = fields.get("n_kv_head") or fields["n_head"]
+    if not problems and fields["n_head"] % kv_heads:
+        problems.append(f"n_kv_head={fields.get('n_kv_head')!r} must divide n_head={fields['n_head']}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -44,21 +70,7 @@ class ModelSpec:
     qkv_bias: bool = False
 
     def __post_init__(self) -> None:
-        def integer(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-        problems = [f"{k}={getattr(self, k)!r} must be an integer >= 1" for k in
-                    ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff") if not integer(getattr(self, k))]
-        problems += [f"{k}={getattr(self, k)!r} must be an integer >= 1 or unset" for k in ("n_kv_head", "head_dim")
-                     if getattr(self, k) is not None and not integer(getattr(self, k))]
-        problems += [f"{k}={getattr(self, k)!r} must be true or false" for k in ("tie_embeddings", "qkv_bias")
-                     if not isinstance(getattr(self, k), bool)]
-        if self.architecture not in FAMILIES:
-            problems.append(f"architecture={self.architecture!r} must be {' or '.join(map(repr, FAMILIES))}")
-        if not problems and self.d_model % self.n_head and self.head_dim is None:
-            problems.append(f"d_model={self.d_model} is not a multiple of n_head={self.n_head}")
-        if not problems and self.n_head % self.kv_heads:
-            problems.append(f"n_kv_head={self.n_kv_head!r} must divide n_head={self.n_head}")
+        problems = shape_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if problems:
             raise RecipeError(f"model {self.name!r}: " + "; ".join(problems))
 
@@ -92,27 +104,14 @@ class ModelSpec:
 
     def shardline_config(self):
         """The shardline model config of this spec (its family's config dataclass; torch-free)."""
-        if self.architecture == "gpt2":
-            return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
-                             n_head=self.n_head, d_model=self.d_model, d_ff=self.d_ff,
-                             tie_embeddings=self.tie_embeddings)
-        return LlamaConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
-                           n_head=self.n_head, n_kv_head=self.kv_heads, d_model=self.d_model, d_ff=self.d_ff,
-                           head_dim=self.head_dim, tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias)
+        return self.family.config_from_shape(self)
 
     @classmethod
     def from_config(cls, config, *, name: str) -> ModelSpec:
-        """The spec of a family config (GPTConfig or LlamaConfig); ``head_dim`` is kept only where it is not
+        """The spec of a registered family's config; ``head_dim`` is kept only where it is not
         ``d_model / n_head``."""
-        if isinstance(config, GPTConfig):
-            return cls(name=name, architecture="gpt2", vocab_size=config.vocab_size, seq_len=config.seq_len,
-                       n_layer=config.n_layer, n_head=config.n_head, d_model=config.d_model, d_ff=config.d_ff,
-                       tie_embeddings=config.tie_embeddings)
-        head_dim = None if config.head_dim * config.n_head == config.d_model else config.head_dim
-        return cls(name=name, architecture="llama", vocab_size=config.vocab_size, seq_len=config.seq_len,
-                   n_layer=config.n_layer, n_head=config.n_head, n_kv_head=config.n_kv_head, d_model=config.d_model,
-                   d_ff=config.d_ff, head_dim=head_dim, tie_embeddings=config.tie_embeddings,
-                   qkv_bias=config.qkv_bias)
+        fam = family_of_config(config)
+        return cls(name=name, architecture=fam.name, **fam.shape_fields(config))
 
     def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -168,17 +167,23 @@ def from_mapping(fields: dict, *, name: str, source: str) -> ModelSpec:
     the recipes; ``n_kv_head`` only applies to ``llama``."""
     arch = fields.get("architecture", "gpt2")
     wanted = {k: v for k, v in fields.items() if k in SPEC_FIELDS and k not in ("name", "architecture")}
-    if arch == "gpt2":
-        wanted.pop("n_kv_head", None)
-        wanted.setdefault("tie_embeddings", True)
-        if isinstance(wanted.get("d_model"), int):
-            wanted.setdefault("d_ff", 4 * wanted["d_model"])
     wanted = {k: v for k, v in wanted.items() if v is not None}
-    missing = [k for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff") if k not in wanted]
+    name = fields.get("name", name)
+    problems = shape_problems({"architecture": arch, **wanted})
+    if problems:
+        raise RecipeError(f"model {name!r}: " + "; ".join(problems))
+    config_type = FAMILIES[arch].config_type
+    defaulted = {f.name for f in dataclasses.fields(config_type) if f.default is not dataclasses.MISSING}
+    required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
+    missing = [k for k in required if k not in ("name", "architecture") and k not in wanted and k not in defaulted]
     if missing:
         raise RecipeError(f"model {source}: missing {', '.join(missing)} (the architecture fields are "
                           f"{', '.join(SPEC_FIELDS[1:])})")
-    return ModelSpec(name=fields.get("name", name), architecture=arch, **wanted)
+    try:  # the family's own defaults (GPT-2: d_ff = 4 d_model, tied embeddings) and its own validation
+        config = FAMILIES[arch].config_from_shape(types.SimpleNamespace(**wanted))
+    except ShardlineError as error:
+        raise RecipeError(f"model {source}: {error}") from None
+    return ModelSpec.from_config(config, name=name)
 
 
 def load_model(what: str) -> ModelSpec:
