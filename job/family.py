@@ -25,8 +25,37 @@ from shardline.job.errors import ContractError
 from shardline.job.layout import SPMode
 
 #: The architecture fields a *shape* may carry (above); a family's config has those of them it uses.
-SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
+SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim",
                 "tie_embeddings", "qkv_bias")
+
+
+#: Bytes of a float32 value (statistics, softmax, log-sum-exp) in the activation closed forms.
+F32 = 4
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch on one rank, as the activation closed forms read it: ``b`` sequences, ``S`` tokens each,
+    ``s = S/cp`` of them on this rank, ``sh`` hidden rows (``s/t`` under Megatron-SP, else ``s``), ``t`` = tp,
+    ``e`` bytes per activation element, and the SP/CP modes in force."""
+
+    b: int
+    S: int
+    s: int
+    sh: int
+    t: int
+    e: int
+    megatron: bool
+    ulysses: bool
+
+
+def attention_activation_bytes(shape, g: MicroBatch) -> int:
+    """What every decoder's attention saves per block: q, k, v and the output (``4 q`` columns over ``t``), the
+    float32 log-sum-exp per head, and under Ulysses the re-laid-out output and the balanced indexes."""
+    q = shape.n_head * dim_per_head(shape)
+    attention = g.e * g.b * g.s * 4 * q // g.t + F32 * shape.n_head * g.b * g.s // g.t
+    ulysses = (g.e * g.b * g.s * q // g.t + 2 * 8 * g.S) if g.ulysses else 0
+    return attention + ulysses
 
 
 class Degrees(NamedTuple):
@@ -119,6 +148,8 @@ class Family:
     hf_architectures: ClassVar[dict[str, str]]
     #: Weight matrices of the MLP (GELU: up and down; SwiGLU: gate, up and down).
     mlp_matrices: ClassVar[int]
+    #: Whether positions are a learned table of ``seq_len`` rows (then the training window is the model's length).
+    learned_positions: ClassVar[bool] = False
 
     @classmethod
     def config_from_hf(cls, arch: str, hf: dict):
@@ -172,6 +203,28 @@ class Family:
         checkpoint (the one name table, read by loading, saving and the checkpoint converter)."""
         raise NotImplementedError
 
+    # --- closed forms: activation bytes autograd saves per micro-batch (the planner's memory model) -------------
+
+    @classmethod
+    def block_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """Bytes one block saves for backward (:mod:`shardline.recipes.planning.memory` states the formulas)."""
+        raise NotImplementedError
+
+    @classmethod
+    def embedding_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """Bytes the embedding saves: under TP the local ids (int64) and the outside-vocabulary mask."""
+        return 9 * g.b * g.s if g.t > 1 else 0
+
+    @classmethod
+    def final_norm_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """Bytes the head's final norm saves."""
+        raise NotImplementedError
+
+    @classmethod
+    def shared_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """Bytes a stage holding blocks saves once for all of them (none unless the family says so)."""
+        return 0
+
     # --- closed forms: per-TP-rank parameter sizes of each pipeline layer, in the module's order ---------------
 
     @classmethod
@@ -198,5 +251,6 @@ def dim_per_head(shape) -> int:
     return getattr(shape, "head_dim", None) or shape.d_model // shape.n_head
 
 
-__all__ = ["SHAPE_FIELDS", "Degrees", "Family", "Source", "TensorKind", "decoder_layout_problems", "dim_per_head",
-           "head_partition_problems", "kv_heads", "need"]
+__all__ = ["F32", "SHAPE_FIELDS", "Degrees", "Family", "MicroBatch", "Source", "TensorKind",
+           "attention_activation_bytes", "decoder_layout_problems", "dim_per_head", "head_partition_problems",
+           "kv_heads", "need"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardline.job.errors import ContractError
-from shardline.job.family import Family, Source, TensorKind, need
+from shardline.job.family import F32, Family, MicroBatch, Source, TensorKind, attention_activation_bytes, need
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class GPT2(Family):
     config_type = GPTConfig
     hf_architectures = {"GPT2LMHeadModel": "gpt2"}
     mlp_matrices = 2
+    learned_positions = True
 
     @classmethod
     def config_from_hf(cls, arch: str, hf: dict) -> GPTConfig:
@@ -122,6 +123,23 @@ class GPT2(Family):
                 ours + "fc2.weight": Source(theirs + "mlp.c_proj.weight", TensorKind.CONV1D),
                 ours + "fc2.bias": Source(theirs + "mlp.c_proj.bias")})
         return table
+
+    @classmethod
+    def block_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """LayerNorm inputs and their float32 mean/rstd, the two gathered inputs of the projections, attention,
+        and the MLP's two ``f/t`` activations (GELU's input and output)."""
+        d, e, b = shape.d_model, g.e, g.b
+        norms = 2 * e * b * g.sh * d + 4 * F32 * b * g.sh
+        return norms + 2 * e * b * g.s * d + attention_activation_bytes(shape, g) + 2 * e * b * g.s * shape.d_ff // g.t
+
+    @classmethod
+    def embedding_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """The position index (int64; under SP a view of all ``s``) besides the shared TP terms."""
+        return 8 * g.s + super().embedding_activation_bytes(shape, g)
+
+    @classmethod
+    def final_norm_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        return g.e * g.b * g.sh * shape.d_model + 2 * F32 * g.b * g.sh  # LayerNorm input, mean and rstd
 
     @classmethod
     def embedding_numels(cls, shape, *, vocab: int) -> tuple[int, ...]:

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 from shardline.job.errors import ContractError
 from shardline.job.family import (
+    F32,
     Family,
+    MicroBatch,
     Source,
     TensorKind,
+    attention_activation_bytes,
     dim_per_head,
     head_partition_problems,
     kv_heads,
@@ -241,6 +244,27 @@ class LlamaFamily(Family):
                 if config.qkv_bias:
                     table[ours + f"qkv.{x}_bias"] = Source(theirs + f"self_attn.{x}_proj.bias")
         return table
+
+    @classmethod
+    def block_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """RMSNorms (float32 input, 1/rms, the normalised value), the gathered input copied per projection under
+        Megatron-SP with ``b > 1`` (3 for q/k/v, 2 for gate/up), attention, the MLP's four ``f/t`` activations,
+        and K/V gathered whole where tp exceeds the KV heads."""
+        d, e, b, hd, kv = shape.d_model, g.e, g.b, dim_per_head(shape), kv_heads(shape)
+        copies = (3, 2) if g.megatron and b > 1 else (1, 1)
+        norms = 2 * ((F32 + e) * b * g.sh * d + F32 * b * g.sh)
+        gathered = 2 * kv * hd * (d + shape.qkv_bias) * e if g.t > kv else 0
+        mlp = 4 * e * b * g.s * shape.d_ff // g.t
+        return norms + sum(copies) * e * b * g.s * d + attention_activation_bytes(shape, g) + mlp + gathered
+
+    @classmethod
+    def final_norm_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        return (F32 + g.e) * g.b * g.sh * shape.d_model + F32 * g.b * g.sh  # RMSNorm: fp32 input, 1/rms
+
+    @classmethod
+    def shared_activation_bytes(cls, shape, g: MicroBatch) -> int:
+        """The rotary cos/sin tables, shared by every block of the stage."""
+        return 2 * g.s * dim_per_head(shape) * g.e
 
     @classmethod
     def embedding_numels(cls, shape, *, vocab: int) -> tuple[int, ...]:

@@ -62,6 +62,7 @@ from typing import Any
 import yaml
 
 from shardline.job.errors import ContractError, ShardlineError
+from shardline.job.family import SHAPE_FIELDS
 from shardline.job.layout import Layout
 from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.layout import PlanLayout
@@ -118,9 +119,9 @@ def _refusals(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: in
     if model.head_dim is not None and model.head_dim * model.n_head != model.d_model:
         problems.append(f"head_dim={model.head_dim} != d_model/n_head={model.d_model}/{model.n_head}: a "
                         "shardline fit recipe has no head_dim field")
-    if model.architecture == "gpt2" and seq_len != model.seq_len:
-        problems.append(f"seq_len={seq_len} != the GPT-2 model's seq_len={model.seq_len}: the recipe's "
-                        "model.seq_len is both the training window and the learned position table (plan a "
+    if model.family.learned_positions and seq_len != model.seq_len:
+        problems.append(f"seq_len={seq_len} != the {model.family.model_name} model's seq_len={model.seq_len}: the "
+                        "recipe's model.seq_len is both the training window and the learned position table (plan a "
                         f"model with seq_len={seq_len} instead)")
     return problems
 
@@ -139,14 +140,12 @@ def _strategy_args(lay: PlanLayout, *, gpus_per_node: int, nvme_path: str | None
 
 def model_fields(model: ModelSpec, *, seq_len: int) -> dict[str, Any]:
     """The LanguageModule architecture fields of ``model`` trained on ``seq_len``-token windows."""
-    fields: dict[str, Any] = {"architecture": model.architecture, "vocab_size": model.vocab_size, "seq_len": seq_len,
-                              "n_layer": model.n_layer, "n_head": model.n_head}
-    if model.architecture == "llama":
-        fields["n_kv_head"] = model.kv_heads
-    fields.update(d_model=model.d_model, d_ff=model.d_ff, tie_embeddings=model.tie_embeddings)
-    if model.architecture == "llama" and model.qkv_bias:
-        fields["qkv_bias"] = True
-    return fields
+    shape = model.family.shape_fields(model.shardline_config())
+    shape.pop("head_dim", None)  # a recipe has no head_dim field (refused above where it matters)
+    if not shape.get("qkv_bias", True):
+        del shape["qkv_bias"]
+    fields: dict[str, Any] = {"architecture": model.architecture, **shape, "seq_len": seq_len}
+    return {key: fields[key] for key in ("architecture", *SHAPE_FIELDS) if key in fields}
 
 
 #: ``training`` keys that go to the trainer section; the rest go to the model (LanguageModule) section.

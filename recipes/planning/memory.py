@@ -116,7 +116,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardline.job import stages as job_stages
-from shardline.job.family import Degrees
+from shardline.job.family import Degrees, MicroBatch
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.models import ModelSpec
 from shardline.recipes.schema import RecipeError
@@ -542,57 +542,34 @@ def swap_problems(numels: list[int], layout: PlanLayout, dtype_bytes: int, zero:
 
 # --- activations -------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Shape:
-    """One micro-batch on one rank: ``b``, ``S``, ``s = S/cp``, ``sh`` (hidden rows), ``t``, E, SP/CP modes."""
-
-    b: int
-    S: int
-    s: int
-    sh: int
-    t: int
-    e: int
-    megatron: bool
-    ulysses: bool
-
-    @classmethod
-    def of(cls, layout: PlanLayout, *, seq_len: int, dtype_bytes: int) -> _Shape:
-        s = seq_len // layout.cp
-        megatron = layout.sp == "megatron"
-        return cls(b=layout.micro_batch_size, S=seq_len, s=s, sh=s // layout.tp if megatron else s, t=layout.tp,
-                   e=dtype_bytes, megatron=megatron, ulysses=layout.sp == "ulysses" and layout.cp > 1)
+def _shape(layout: PlanLayout, *, seq_len: int, dtype_bytes: int) -> MicroBatch:
+    """One micro-batch of ``layout`` on one rank."""
+    s = seq_len // layout.cp
+    megatron = layout.sp == "megatron"
+    return MicroBatch(b=layout.micro_batch_size, S=seq_len, s=s, sh=s // layout.tp if megatron else s, t=layout.tp,
+                      e=dtype_bytes, megatron=megatron, ulysses=layout.sp == "ulysses" and layout.cp > 1)
 
 
 @functools.lru_cache(maxsize=4096)
-def block_bytes(model: ModelSpec, g: _Shape) -> int:
-    """Bytes one block saves for backward for one micro-batch (the module docstring's formula)."""
-    d, f, t, e, b, s, sh = model.d_model, model.d_ff, g.t, g.e, g.b, g.s, g.sh
-    q, a, hd, kv = model.n_head * model.dim_per_head, model.n_head, model.dim_per_head, model.kv_heads
-    attention = e * b * s * 4 * q // t + W * a * b * s // t  # q, k, v, output; log-sum-exp
-    ulysses = (e * b * s * q // t + 2 * 8 * g.S) if g.ulysses else 0  # output re-laid-out; BALANCED indexes
-    if model.architecture == "gpt2":
-        norms = 2 * e * b * sh * d + 4 * W * b * sh  # LayerNorm inputs and their mean/rstd
-        return norms + 2 * e * b * s * d + attention + 2 * e * b * s * f // t + ulysses
-    copies = (3, 2) if g.megatron and b > 1 else (1, 1)  # the gathered input, copied per projection
-    norms = 2 * ((W + e) * b * sh * d + W * b * sh)  # RMSNorm: fp32 input, 1/rms, normalised value
-    gathered = 2 * kv * hd * (d + model.qkv_bias) * e if t > kv else 0
-    return norms + sum(copies) * e * b * s * d + attention + 4 * e * b * s * f // t + gathered + ulysses
+def block_bytes(model: ModelSpec, g: MicroBatch) -> int:
+    """Bytes one block saves for backward for one micro-batch (the module docstring's formula, written in the
+    family's room: :meth:`~shardline.job.family.Family.block_activation_bytes`)."""
+    return model.family.block_activation_bytes(model, g)
 
 
-def embedding_bytes(model: ModelSpec, g: _Shape) -> int:
-    positions = 8 * g.s if model.architecture == "gpt2" else 0  # GPT's position index (SP: a view of all s)
-    return positions + (9 * g.b * g.s if g.t > 1 else 0)  # TP: local ids (int64) and the outside mask
+def embedding_bytes(model: ModelSpec, g: MicroBatch) -> int:
+    return model.family.embedding_activation_bytes(model, g)
 
 
-def head_bytes(model: ModelSpec, g: _Shape, *, cp: int) -> int:
+def head_bytes(model: ModelSpec, g: MicroBatch, *, cp: int) -> int:
     """Final norm, projection input, and the vocab-parallel loss (fp32 softmax, target index, two masks)."""
-    d, b, s, sh, e = model.d_model, g.b, g.s, g.sh, g.e
-    norm = e * b * sh * d + 2 * W * b * sh if model.architecture == "gpt2" else (W + e) * b * sh * d + W * b * sh
+    d, b, s, e = model.d_model, g.b, g.s, g.e
+    norm = model.family.final_norm_activation_bytes(model, g)
     vocab = padded_vocab(model, tp=g.t) // g.t
     return norm + e * b * s * d + W * b * s * vocab + 10 * b * s + W * (1 if cp == 1 else 2)
 
 
-def stage_bytes(model: ModelSpec, layers: range, g: _Shape, layout: PlanLayout) -> int:
+def stage_bytes(model: ModelSpec, layers: range, g: MicroBatch, layout: PlanLayout) -> int:
     """Bytes one micro-batch leaves saved on a stage of ``layers``."""
     blocks = len(range(max(layers.start, 1), min(layers.stop, model.n_layer + 1)))
     per_block = g.e * g.b * g.sh * model.d_model if layout.recompute == "full" else block_bytes(model, g)
@@ -689,7 +666,7 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
     problems = layout_problems(model, layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
     if problems:
         raise RecipeError(f"model {model.name!r} cannot be estimated on {layout}: " + "; ".join(problems))
-    g = _Shape.of(layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
+    g = _shape(layout, seq_len=seq_len, dtype_bytes=dtype_bytes)
     ranks = []
     for r in range(layout.pp) if pp_ranks is None else pp_ranks:
         static = _rank_static(model, layout.tp, layout.pp, layout.chunks if layout.pp > 1 else 1, r)
@@ -701,8 +678,8 @@ def estimate(model: ModelSpec, layout: PlanLayout, *, seq_len: int, dtype_bytes:
         saved, in_flight = _saved_activations(model, static, g, layout.recompute, layout.cp, layout.pp,
                                               layout.micro_batches, layout.schedule, layout.chunks, r)
         in_flight = dict(in_flight)
-        if static.has_blocks and model.architecture == "llama" and layout.recompute != "full":
-            saved += 2 * g.s * model.dim_per_head * dtype_bytes  # the rotary tables, shared by every block
+        if static.has_blocks and layout.recompute != "full":
+            saved += model.family.shared_activation_bytes(model, g)
         recompute = block_bytes(model, g) if static.has_blocks and layout.recompute == "full" else 0
         parts = _buffers(model, layout, g, static, dtype_bytes) | {"buffers.overhead": overhead_bytes}
         detail = {"activations.saved": saved, "activations.recompute": recompute, **parts,
@@ -727,7 +704,7 @@ class _ActivationFields(NamedTuple):
 
 
 @functools.lru_cache(maxsize=65536)
-def _saved_activations(model: ModelSpec, static: _RankStatic, g: _Shape, recompute: str, cp: int, pp: int,
+def _saved_activations(model: ModelSpec, static: _RankStatic, g: MicroBatch, recompute: str, cp: int, pp: int,
                        micro_batches: int, schedule: str, chunks: int, pp_rank: int) -> tuple[int, tuple]:
     """``in_flight_peak`` of a rank's stages: the same for every ZeRO stage, offload and dp of a structure, so
     computed once per (cut, micro-batch shape, recompute, schedule) and kept; ``(peak bytes, ((stage, in

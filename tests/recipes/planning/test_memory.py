@@ -692,7 +692,7 @@ def test_shardline_block_against_korthikanti():
     h, a = spec.d_model, spec.n_head
     small = 4 * (4 * b * s + a * b * s // t)
     for sp, sh, masks in ((False, s, 2 * s * b * h), (True, s // t, 2 * s * b * h // t)):
-        g = memory._Shape.of(PlanLayout(tp=t, sp="megatron" if sp else "none"), seq_len=s, dtype_bytes=2)
+        g = memory._shape(PlanLayout(tp=t, sp="megatron" if sp else "none"), seq_len=s, dtype_bytes=2)
         paper = memory.korthikanti_layer_bytes(s=s, b=b, h=h, a=a, t=t, sp=sp, recompute="selective")
         gathered = (2 * 2 * s * b * h - 2 * 2 * s * b * h // t) if sp else 0
         small_sp = 4 * (4 * b * sh + a * b * s // t)
