@@ -12,9 +12,10 @@ Phases of one batch window on one stage (fill / steady / drain):
     cool-down [end of the last F, batch end)            -- draining: the remaining backwards
 
 each bubble ns falls in exactly one phase, so warmup_ns + steady_ns + cooldown_ns == bubble_ns. The measured
-fraction ``bubble_ns / batch_ns`` is compared with the equal-cost ideal (p-1)/(m+p-1) for the p and m the
-annotation names -- (p-1)/(v·m+p-1) for an interleaved schedule with v chunks per stage, which is
-(p-1)/(m+p-1) at v=1 (``m_seen`` counts the distinct forward micro-batches actually found).
+fraction ``bubble_ns / batch_ns`` is compared with the equal-cost ideal of the schedule for the p, m and v the
+annotation names (``ideal_fraction``, from the one place the closed forms live, ``shardline.job.pipeline.theory``:
+(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) for an interleaved schedule with v chunks per stage; NaN for
+a schedule without one, DualPipeV) (``m_seen`` counts the distinct forward micro-batches actually found).
 
 A rank without ``sl:pp`` rows is measured by the first of these that applies (``rank_pipelines``), and the
 breakdown's ``bubble`` column is that same set:
@@ -23,8 +24,11 @@ breakdown's ``bubble`` column is that same set:
   ``pipeline_adapters`` (compute spans net of their receive wait, p/m/v inferred), ``method="torch_pipelining"``;
 - its receives matched with their peers' sends (``p2p.match_p2p``: Megatron, DeepSpeed, torch's
   ``Schedule1F1B`` or any loop of NCCL/gloo send/recv): the bubble is the part of each receive before the
-  matched send started, ``method="p2p_matched"``, one row per step with p, m, v and the schedule inferred from
-  the message counts and the phases from the first gradient's and the last activation's arrival -- or, where
+  matched send started, and the stage's fill and drain (its idle before its first and after its last pipeline
+  message in the step) up to the schedule's ideal share, after the host-blocking idle causes
+  (``attribution.idle.pipeline_bubble``), ``method="p2p_matched"``, one row per step with p, m, v and the
+  schedule inferred from the message counts and the phases from the first gradient's and the last
+  activation's arrival -- or, where
   Megatron-core's NVTX phase ranges are in the trace (``pipeline_adapters.megatron_phases``, an Nsight
   export), the engine's own phases: its warmup / steady / cooldown loops moved onto the GPU through the work
   launched in them (a wait belongs to the loop that posted the receive), and the schedule its function's;
@@ -51,14 +55,14 @@ from ..base import intervals as iv
 from ..base.errors import TraceWarning
 from ..matching import p2p
 from ..matching.pipeline_adapters import MEGATRON_PHASE_PATTERN, megatron_phases
-from ..matching.pipelines import BubbleMethod, RankPipeline, rank_pipelines
+from ..matching.pipelines import BubbleMethod, RankPipeline, ideal_fraction, pipeline_shape, rank_pipelines
 from ..table.names import match_names
 from ..table.partition import LABELS
 from ..table.pipeline_rows import COMPUTE_ACTIONS
 
 
 def pipeline_bubbles(source) -> pd.DataFrame:
-    """One row per (rank, pipeline batch): bubble split into phases and compared with (p-1)/(v·m+p-1).
+    """One row per (rank, pipeline batch): bubble split into phases and compared with the schedule's ideal.
 
     ``source``: a ``TraceSet``, an events table or an ``Attribution``. Each rank is measured by the first
     method ``rank_pipelines`` finds (``method`` says which); a rank measured from p2p alone has one row per
@@ -117,7 +121,7 @@ class _P2PContext:
         shape = {}
         for k, pipe in enumerate(pipelines):
             for step, msgs in matched[matched["pipeline"] == k].groupby("step"):
-                shape[(k, int(step))] = _pipeline_shape(pipe.ranks, msgs)
+                shape[(k, int(step))] = pipeline_shape(pipe.ranks, msgs)
         phases = {}
         events = attribution.events
         if match_names(events["name"], MEGATRON_PHASE_PATTERN).any():
@@ -129,42 +133,14 @@ class _P2PContext:
         return cls(matched, pipelines, shape, phases)
 
 
-def _pipeline_shape(ranks: tuple[int, ...], msgs: pd.DataFrame) -> dict:
-    """p, m, v and the schedule of one pipeline in one step, from its receive counts (``p2p`` docstring):
-    the last stage receives v·m activations from the one before it; with p > 2 the first stage receives
-    (v-1)·m from the last (the ring an interleaved schedule closes); p = 2 cannot tell a ring from a line
-    and gives v = 1. Under GPipe the last stage receives all m activations before it sends its first
-    gradient; under 1F1B it sends that gradient after the first one."""
-    p = len(ranks)
-    recv = msgs[msgs["kind"] == "recv"]
-    first, last = ranks[0], ranks[-1]
-    vm = int(((recv["rank"] == last) & (recv["peer"] == ranks[-2])).sum()) if p >= 2 else 0
-    wrap = int(((recv["rank"] == first) & (recv["peer"] == last)).sum()) if p >= 3 else 0
-    m = vm - wrap
-    v = vm // m if m > 0 and vm % m == 0 else 1
-    m = m if m > 0 else vm
-    # The last stage tells the schedules apart (the first one cannot when m <= p-1: it runs every forward
-    # first in both): under GPipe all m activations arrive before its first gradient leaves, under 1F1B one.
-    acts = recv[(recv["rank"] == last) & (recv["peer"] == ranks[-2])] if p >= 2 else recv.iloc[:0]
-    grads_out = msgs[(msgs["kind"] == "send") & (msgs["rank"] == last) & (msgs["peer"] == ranks[-2])] if p >= 2 \
-        else msgs.iloc[:0]
-    if v > 1:
-        schedule = "interleaved"
-    elif len(acts) and len(grads_out):
-        early = int((acts["end_ns"] <= grads_out["start_ns"].min()).sum())
-        schedule = "gpipe" if early >= m else "1f1b"
-    else:
-        schedule = ""
-    return {"p": p, "m": m, "v": v, "schedule": schedule}
-
-
 def _p2p_rows(rank, measured: RankPipeline, context: _P2PContext) -> list[dict]:
-    """One row per step of a rank measured from p2p: the breakdown's bubble set (the receive waits less every
-    label above ``bubble``) per step, its phases and the inferred pipeline shape."""
+    """One row per step of a rank measured from p2p: the breakdown's bubble set (the receive waits and, on a
+    matched pipeline, the stage's fill and drain, less every label above ``bubble``) per step, its phases and
+    the inferred pipeline shape."""
 
     sets = rank.label_sets
     higher = iv.merge(*[sets[label] for label in LABELS[:LABELS.index("bubble")] if label in sets])
-    bubble = iv.subtract(measured.bubble, higher)
+    bubble = iv.subtract(rank.bubble, higher)
     mine = context.matched[context.matched["rank"] == rank.rank]
     k = int(mine["pipeline"].max()) if len(mine) else -1
     ranks = context.pipelines[k].ranks if k >= 0 else ()
@@ -189,7 +165,7 @@ def _p2p_rows(rank, measured: RankPipeline, context: _P2PContext) -> list[dict]:
                      "schedule": shape["schedule"], "p": p, "m": m, "v": v, "m_seen": m, "batch_ns": batch_ns,
                      "bubble_ns": bubble_ns, **phase,
                      "bubble_fraction": bubble_ns / batch_ns if batch_ns > 0 else np.nan,
-                     "ideal_fraction": (p - 1) / (v * m + p - 1) if p > 0 and m > 0 else np.nan})
+                     "ideal_fraction": ideal_fraction(shape["schedule"], p=p, m=m, v=v)})
     return rows
 
 
@@ -249,5 +225,4 @@ def _batch_row(rank: int, *, batch, actions: pd.DataFrame) -> dict:
             "p": int(batch.p), "m": int(batch.m), "v": int(batch.v), "m_seen": int(fwd["microbatch"].nunique()),
             "batch_ns": batch_ns, "bubble_ns": bubble_ns, **phase,
             "bubble_fraction": bubble_ns / batch_ns if batch_ns > 0 else np.nan,
-            "ideal_fraction": (np.nan if batch.schedule == "dualpipev" or batch.p <= 0
-                               else (batch.p - 1) / (batch.v * batch.m + batch.p - 1))}
+            "ideal_fraction": ideal_fraction(str(batch.schedule), p=int(batch.p), m=int(batch.m), v=int(batch.v))}

@@ -34,7 +34,8 @@ so ``compute`` is all time with any compute running, each comm column is that co
 ``bubbles.rank_pipelines``): shardline's ``sl:pp:batch`` windows minus its ``F``/``B``/``W`` action spans;
 torch.distributed.pipelining's ``PP:*`` / ``Forward i`` spans net of their receive waits; else, on a trace with
 nothing but send/recv, the part of each receive spent before the matched send started on its peer
-(``p2p.match_p2p``; for one rank's trace an estimate from message size and link bandwidth). It ranks above p2p
+(``p2p.match_p2p``; for one rank's trace an estimate from message size and link bandwidth) and, in a matched
+pipeline, the stage's fill and drain up to the schedule's share (``idle.pipeline_bubble``). It ranks above p2p
 because a pipeline recv kernel spinning for its peer is bubble, not transfer. The columns of
 ``EXCLUSIVE_COLUMNS`` sum to ``step_ns`` exactly in integer ns (asserted).
 
@@ -82,7 +83,7 @@ from ..table.partition import (
 )
 from ..table.rows import WORK_COLUMNS, in_table, is_in, label_sets
 from ..table.survey import RankSurvey, Survey, surveyed
-from .idle import IDLE_CAUSES, IdleRows, idle_causes
+from .idle import IDLE_CAUSES, IdleRows, idle_causes, pipeline_bubble
 
 T = TypeVar("T")
 
@@ -135,7 +136,7 @@ class Attribution:
 
     @functools.cached_property
     def ranks(self) -> tuple[RankAttribution, ...]:
-        return tuple(RankAttribution(rank, pipelines=self._pipelines) for rank in self.survey.ranks)
+        return tuple(RankAttribution(rank, pipelines=self._pipelines, attribution=self) for rank in self.survey.ranks)
 
     def _pipelines(self):
         """``pipelines.rank_pipelines`` of this attribution's matching: what each rank's bubble set is taken
@@ -210,9 +211,10 @@ class RankAttribution:
     sets and the partition, computed on first use and kept.
     """
 
-    def __init__(self, survey: RankSurvey, *, pipelines=None) -> None:
+    def __init__(self, survey: RankSurvey, *, pipelines=None, attribution=None) -> None:
         self.survey = survey
         self._pipelines = pipelines
+        self._attribution = attribution
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "survey":
@@ -225,9 +227,12 @@ class RankAttribution:
     @functools.cached_property
     def bubble(self) -> iv.IntervalSet:
         """The pipeline bubble set of the method ``pipelines.rank_pipelines`` measures this rank with (``sl:pp``
-        annotations, torch.distributed.pipelining's names, or its receive waits); empty without a pipeline."""
+        annotations, torch.distributed.pipelining's names, or its receive waits and, in a matched pipeline, its
+        fill and drain: ``idle.pipeline_bubble``); empty without a pipeline."""
         measured = self._pipelines().get(self.rank) if self._pipelines is not None else None
-        return iv.EMPTY if measured is None else measured.bubble
+        if measured is None:
+            return iv.EMPTY
+        return measured.bubble if self._attribution is None else pipeline_bubble(self._attribution, self, measured)
 
     @functools.cached_property
     def label_sets(self) -> dict[str, iv.IntervalSet]:

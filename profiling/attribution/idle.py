@@ -59,6 +59,28 @@ CPU ranks (lanes ``cpu``): no launches, so no gaps to judge: ``idle_dataloader``
 waiting for a loader's worker processes shows as idle inside ``__next__``) and ``idle_other`` the rest; the
 other columns are 0.
 
+Pipeline fill and drain, before all of the above (:func:`pipeline_bubble`, which the breakdown's ``bubble`` set
+is made of). On a rank measured from receives matched with their sends in a pipeline
+(``matching.pipelines.P2PPipeline``), the receive waits are bubble, and so is, per step window ``[lo, hi)``, the
+stage's *fill* and *drain*: the idle of ``[lo, first pipeline message start)`` and ``[last pipeline message
+end, hi)`` (a later stage idles before its first input, and after its last gradient leaves while the stages
+upstream still drain). Order, per idle ns of those two regions (judged on the idle set the receive waits
+leave, with the gap rules above):
+
+    1. idle_sync, idle_dataloader, idle_host_bound   a host-blocking cause the rules above find stays idle
+    2. bubble                                        the rest, up to the schedule's own share: the window's
+                                                     bubble (waits included) reaches at most
+                                                     ``floor(ideal_fraction x (hi - lo))`` (the closed form of
+                                                     ``shardline.job.pipeline.theory``); fill and drain give
+                                                     their parts nearest the pipeline's messages first, in
+                                                     proportion to their sizes
+    3. idle_dependency, idle_other                   what is left (the remainder still idle)
+
+A queued gap's cross-stream wait (dependency) is no host cause: a stage's first forward queued behind the
+receive of its input is exactly the fill. Taking part of a gap as bubble leaves the rest of it judged as
+before (same next work, same launch, a later start only where the gap was queued), so the idle causes of the
+breakdown split the remaining idle by the same rules.
+
 Launch statistics (:func:`launch_stats`, per rank with work, over all its work rows): ``launches`` counts the
 GPU work rows with a launch call, and ``launch_delay_*`` describe ``work start - launch call start`` (median,
 90th percentile by linear interpolation, max; NaN / -1 without launches). ``kernels`` counts the GPU work
@@ -85,10 +107,11 @@ from ..base import intervals as iv
 from ..base.schema import COMM_CATEGORIES, codes_or_end, per_category_table
 from ..table.kinds import Lane
 from ..table.partition import LABELS
-from ..table.rows import in_table, rank_selections
+from ..table.rows import WORK_COLUMNS, in_table, label_sets, rank_selections
 
 __all__ = ["DATALOADER_PATTERN", "IDLE_CAUSES", "LAUNCH_PATTERN", "LAUNCH_STATS_COLUMNS", "SHORT_KERNEL_NS",
-           "SYNC_PATTERN", "WAIT_PATTERN", "IdleRows", "idle_causes", "idle_sets", "rank_launch_stats"]
+           "SYNC_PATTERN", "WAIT_PATTERN", "IdleRows", "idle_causes", "idle_sets", "pipeline_bubble",
+           "rank_launch_stats"]
 
 #: The idle columns, summing to ``idle`` per (rank, step); precedence in the module docstring.
 IDLE_CAUSES = ("idle_host_bound", "idle_sync", "idle_dataloader", "idle_dependency", "idle_other")
@@ -228,6 +251,74 @@ def _sorted_by_stream(stream: np.ndarray, start: np.ndarray) -> tuple[np.ndarray
 def _count_in(sorted_points: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """How many of ``sorted_points`` lie in ``(lo, hi]``, per query."""
     return np.searchsorted(sorted_points, hi, "right") - np.searchsorted(sorted_points, lo, "right")
+
+
+def pipeline_bubble(attribution, rank, measured) -> iv.IntervalSet:
+    """The bubble set of ``rank`` measured by ``measured`` (its ``matching.matched.RankPipeline``): its own
+    ``bubble`` and, on a rank measured from matched p2p with ``steps``, the fill and drain of each step up to the
+    schedule's share, after the host-blocking idle causes (module docstring)."""
+    steps = getattr(measured, "steps", None)
+    if steps is None or steps.empty:
+        return measured.bubble
+    table = _table(attribution)
+    work = rank.work_positions
+    sets = label_sets(rank.survey.table.take(work, WORK_COLUMNS), rank.lanes, bubble=measured.bubble)
+    labelled = [sets[label] for label in LABELS if label in sets]
+    step_no, lo, hi = rank.window_bounds
+    points = np.concatenate([lo, hi, *[a for pair in labelled for a in pair]])
+    if not len(points):
+        return measured.bubble
+    hull = iv.union([points.min()], [points.max()])
+    before = iv.subtract(hull, iv.merge(*labelled))  # the idle set the receive waits leave
+    host = _host(attribution, rank)
+    if rank.lanes == Lane.GPU.value:
+        causes = _gpu_causes(before, table, work, host)
+        blocked = iv.merge(causes["idle_sync"], causes["idle_dataloader"], causes["idle_host_bound"])
+    else:
+        blocked = iv.intersect(before, host.dataloader)
+    free = iv.subtract(before, blocked)
+    higher = iv.merge(*[sets[label] for label in LABELS[:LABELS.index("bubble")] if label in sets])
+    counted = iv.window_totals(iv.subtract(measured.bubble, higher), lo=lo, hi=hi)
+    at = {int(s): k for k, s in enumerate(step_no.tolist())}
+    pieces = [measured.bubble]
+    for row in steps.itertuples(index=False):  # one iteration per step
+        k = at.get(int(row.step))
+        if k is None or not np.isfinite(row.ideal_fraction):
+            continue
+        a, b = int(lo[k]), int(hi[k])
+        budget = int(np.floor(row.ideal_fraction * (b - a))) - int(counted[k])
+        if budget <= 0:
+            continue
+        fill = iv.intersect(free, iv.union([a], [max(a, min(int(row.start_ns), b))]))
+        drain = iv.intersect(free, iv.union([min(b, max(int(row.end_ns), a))], [b]))
+        pieces += _nearest(fill, drain, budget)
+    return iv.merge(*pieces)
+
+
+def _nearest(fill: iv.IntervalSet, drain: iv.IntervalSet, budget: int) -> list[iv.IntervalSet]:
+    """At most ``budget`` ns of ``fill`` and ``drain``: all of both when they fit, else each its share of the
+    budget in proportion to its size, the fill's latest ns and the drain's earliest (nearest the messages)."""
+    size_fill, size_drain = iv.total(fill), iv.total(drain)
+    if size_fill + size_drain <= budget:
+        return [fill, drain]
+    keep_fill = budget * size_fill // (size_fill + size_drain)
+    return [_last_ns(fill, keep_fill), _first_ns(drain, budget - keep_fill)]
+
+
+def _first_ns(a: iv.IntervalSet, n: int) -> iv.IntervalSet:
+    """The earliest ``n`` ns of ``a``."""
+    starts, ends = a
+    before = np.cumsum(ends - starts) - (ends - starts)  # ns of ``a`` before each interval
+    keep = before < n
+    return starts[keep], np.minimum(ends[keep], starts[keep] + (n - before[keep]))
+
+
+def _last_ns(a: iv.IntervalSet, n: int) -> iv.IntervalSet:
+    """The latest ``n`` ns of ``a``."""
+    starts, ends = a
+    after = iv.total(a) - np.cumsum(ends - starts)  # ns of ``a`` after each interval
+    keep = after < n
+    return np.maximum(starts[keep], ends[keep] - (n - after[keep])), ends[keep]
 
 
 def idle_sets(attribution, rank) -> dict[str, iv.IntervalSet]:

@@ -26,8 +26,9 @@ for the first sub-action's posted receive (a wait for the second one's, inside t
 
 Mapping: ``F -> F``, ``B`` (full backward) and ``I`` (backward input) ``-> B``, ``W -> W``; the other actions are
 communication or bookkeeping and only widen the batch window. The schedule: ``dualpipev`` when a rank holds
-stages r and 2p-1-r (its bubble has no (p-1)/(v·m+p-1) ideal: ``ideal_fraction`` is NaN), ``interleaved``
-(``looped_bfs`` when every F ends before the first B) for other multi-stage ranks, else ``gpipe`` / ``1f1b``.
+stages r and 2p-1-r (``shardline.job.pipeline.theory``, where the ideal of each schedule lives, has no closed
+form for it: ``ideal_fraction`` is NaN), ``interleaved`` (``looped_bfs`` when every F ends before the first B)
+for other multi-stage ranks, else ``gpipe`` / ``1f1b``.
 A batch ends where a (stage, forward micro-batch) pair repeats. p: the process-group size of the rank's p2p
 rows when the trace records it, else ``p_default``; ``m``: the distinct forward micro-batches of a stage in the
 batch; ``v``: the distinct stages of the rank.

@@ -79,3 +79,20 @@ def test_interleaved_annotation_uses_the_virtual_stage_ideal(synth):
     bubbles = pipeline_bubbles(synth.to_frame(rows))
     assert (bubbles["v"] == 2).all()
     assert bubbles["ideal_fraction"].tolist() == pytest.approx([(2 - 1) / (2 * 4 + 2 - 1)] * 2, abs=1e-15)
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v", "want"), [
+    ("1f1b", 4, 8, 1, 3 / 11),
+    ("", 4, 8, 2, 3 / 19),             # unnamed with chunks: interleaved
+    ("1f1b", 2, 4, 2, 1 / 9),          # a one-chunk name on a rank that ran two chunks: its looped form
+    ("gpipe", 4, 4, 3, 3 / 15),
+    ("forward_only", 3, 5, 1, 2 / 7),
+    ("dualpipev", 4, 8, 2, np.nan),    # no closed form
+    ("forward_only", 2, 4, 2, np.nan),  # one chunk only
+    ("1f1b", -1, 8, 1, np.nan),        # shape unknown
+])
+def test_ideal_fraction_reads_the_pipeline_theory(schedule, p, m, v, want):
+    from shardline.profiling.matching.pipelines import ideal_fraction
+
+    got = ideal_fraction(schedule, p=p, m=m, v=v)
+    assert (np.isnan(got) and np.isnan(want)) or got == want

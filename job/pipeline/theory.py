@@ -1,0 +1,139 @@
+"""Bubble theory per schedule: the one place the closed forms live (the engine's docs, the planner and the
+profiler read them from here).
+
+Model: ``p`` ranks, ``m`` micro-batches, ``v`` chunks (stages) per rank; every rank does the same work per
+micro-batch, ``f`` forward, ``b`` input-gradient backward and ``w`` weight-gradient backward, summed over its
+chunks (so one chunk costs ``f / v`` ...); communication is free. A full backward is ``b + w`` (``w = 0`` when
+the backward is not split). Per rank::
+
+    busy      = m (f + b + w)
+    bubble    = the schedule's closed form below
+    makespan  = busy + bubble
+    fraction  = bubble / makespan
+
+=============  ==========================  =====================================================
+schedule       bubble (time, per rank)     fraction
+=============  ==========================  =====================================================
+gpipe          (p - 1)(f + b + w)          (p - 1) / (m + p - 1)
+1f1b           (p - 1)(f + b + w)          (p - 1) / (m + p - 1)
+interleaved    (p - 1)(f + b + w) / v      (p - 1) / (v m + p - 1)
+looped_bfs     (p - 1)(f + b + w) / v      (p - 1) / (v m + p - 1)
+forward_only   (p - 1) f                   (p - 1) / (m + p - 1)      (busy = m f; one chunk per rank)
+=============  ==========================  =====================================================
+
+GPipe and 1F1B differ in the activations held (m against at most p), not in the bubble; interleaving cuts the
+fill and drain of each rank to one chunk's worth per stage ahead of it (Megatron's interleaved 1F1B), and the
+breadth-first loop (torch's ``ScheduleLoopedBFS``) has the same fill and drain. The fraction does not depend on
+the costs, only on ``p``, ``m`` and ``v``.
+
+Zero-bubble schedules (split backward, ``w > 0``) add their rows to :data:`_BUBBLE_TIME`, e.g. ZB-H1
+``(p - 1)(f + b - w)`` and ZB-H2 ``max(0, (p - 1)(f + b - 2 w))`` (Qi et al., 2023); their fraction then depends on
+the costs, which :func:`bubble_fraction` takes for that reason. Schedules without a closed form here (DualPipeV,
+which the profiler reads from torch's names) have none: :func:`has_closed_form` says so.
+
+Bad sizes or an unknown schedule raise :class:`~shardline.job.errors.ScheduleError` naming the value.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+from ..errors import ScheduleError
+
+__all__ = ["bubble_fraction", "bubble_time", "closed_form_schedules", "has_closed_form", "makespan"]
+
+
+def _flush(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """GPipe and 1F1B: the first micro-batch's forward crosses p - 1 stages before the last one starts, and the
+    last backward crosses them again after the last stage ends."""
+    del m, v
+    return (p - 1) * (f + b + w)
+
+
+def _interleaved(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Interleaved 1F1B and the breadth-first loop: the fill and drain cross p - 1 chunks of 1/v of a rank's
+    work each."""
+    del m
+    return (p - 1) * (f + b + w) / v
+
+
+def _forward_fill(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Forward only (evaluation): the fill of the forwards, no backward to drain."""
+    del m, v, b, w
+    return (p - 1) * f
+
+
+def _equal_cost_fraction(p: int, m: int, v: int) -> float:
+    """``(p - 1) / (v m + p - 1)``, the share the schedules above idle whatever their costs (written as one
+    division so the value is the correctly rounded quotient)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+#: schedule name -> bubble time per rank ``(p, m, v, f, b, w) -> time``. The zero-bubble schedules go here
+#: (``"zb_h1": lambda p, m, v, f, b, w: (p - 1) * (f + b - w)`` and the like), with a test of their numbers.
+_BUBBLE_TIME: dict[str, Callable[[int, int, int, float, float, float], float]] = {
+    "gpipe": _flush,
+    "1f1b": _flush,
+    "interleaved": _interleaved,
+    "looped_bfs": _interleaved,
+    "forward_only": _forward_fill,
+}
+#: The schedules whose fraction does not depend on the costs: ``_equal_cost_fraction``. (A zero-bubble entry,
+#: whose fraction does, is left out of this set.)
+_COST_FREE = frozenset({"gpipe", "1f1b", "interleaved", "looped_bfs", "forward_only"})
+#: The schedules with one chunk per rank (``v`` must be 1).
+_ONE_CHUNK = frozenset({"gpipe", "1f1b", "forward_only"})
+
+
+def closed_form_schedules() -> tuple[str, ...]:
+    """The schedule names this module has a closed form for."""
+    return tuple(_BUBBLE_TIME)
+
+
+def has_closed_form(schedule: str, *, v: int = 1) -> bool:
+    """Whether ``schedule`` with ``v`` chunks per rank has a closed form here (the one-chunk schedules have none
+    at ``v > 1``)."""
+    name = getattr(schedule, "value", schedule)
+    return name in _BUBBLE_TIME and (v == 1 or name not in _ONE_CHUNK)
+
+
+def _check(schedule: str, p: int, m: int, v: int, costs: tuple[float, float, float]) -> str:
+    name = getattr(schedule, "value", schedule)
+    if name not in _BUBBLE_TIME:
+        raise ScheduleError(f"no bubble closed form for schedule {schedule!r}; known: {sorted(_BUBBLE_TIME)}")
+    bad = [f"{k}={x!r}" for k, x in (("p", p), ("m", m), ("v", v))
+           if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 1]
+    bad += [f"{k}={x!r}" for k, x in zip("fbw", costs)
+            if not isinstance(x, numbers.Real) or isinstance(x, bool) or not x >= 0]
+    if bad:
+        raise ScheduleError(f"bubble theory of {name!r} needs integer p, m, v >= 1 and costs >= 0: {', '.join(bad)}")
+    if name in _ONE_CHUNK and v != 1:
+        raise ScheduleError(f"schedule {name!r} has one chunk per rank; got v={v}")
+    return name
+
+
+def bubble_time(schedule: str, *, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
+                w: float = 0.0) -> float:
+    """The idle time per rank of ``schedule`` (table in the module docstring), in the unit of the costs."""
+    name = _check(schedule, p, m, v, (f, b, w))
+    return float(_BUBBLE_TIME[name](p, m, v, f, b, w))
+
+
+def makespan(schedule: str, *, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0, w: float = 0.0) -> float:
+    """Busy plus ``bubble_time``: the time from the first forward's start to the last action's end (busy is
+    ``m (f + b + w)``, ``m f`` for ``forward_only``)."""
+    name = _check(schedule, p, m, v, (f, b, w))
+    busy = m * f if name == "forward_only" else m * (f + b + w)
+    return busy + bubble_time(name, p=p, m=m, v=v, f=f, b=b, w=w)
+
+
+def bubble_fraction(schedule: str, *, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
+                    w: float = 0.0) -> float:
+    """``bubble_time / makespan``: the share of the makespan each rank idles, e.g. ``(p - 1) / (v m + p - 1)``
+    for 1F1B and interleaved 1F1B (independent of the costs; the zero-bubble forms are not)."""
+    name = _check(schedule, p, m, v, (f, b, w))
+    if name in _COST_FREE:
+        return _equal_cost_fraction(p, m, v)
+    total = makespan(name, p=p, m=m, v=v, f=f, b=b, w=w)
+    return bubble_time(name, p=p, m=m, v=v, f=f, b=b, w=w) / total if total > 0 else 0.0
