@@ -38,6 +38,7 @@ from torch import nn
 
 from shardline.job import placement
 from shardline.job.pipeline.schedule import ScheduleKind, build_schedule
+from shardline.job.pipeline.theory import bubble_fraction
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.layers.roles import tie_key
 from shardline.plugins.lightning.deepspeed_compat import (
@@ -60,13 +61,14 @@ def default_microbatches(batch_size: int, *, p: int, v: int) -> int:
     if not valid:
         raise LayoutError(f"batch size {batch_size} cannot be split into micro-batches for the interleaved "
                           f"schedule (m must divide the batch and be a multiple of pp={p})")
+    schedule = "interleaved" if v > 1 else "1f1b"
     for m in valid:
-        if (p - 1) / (v * m + p - 1) < TARGET_BUBBLE:
+        if bubble_fraction(schedule, p=p, m=m, v=v) < TARGET_BUBBLE:
             return m
     m = valid[-1]
     warnings.warn(f"batch size {batch_size} allows at most m={m} micro-batches at pp={p}, chunks={v}: the bubble "
-                  f"(p-1)/(v*m+p-1) = {(p - 1) / (v * m + p - 1):.2f} stays above {TARGET_BUBBLE}; use a batch "
-                  f"size of at least {4 * (p - 1) + 1} per replica", stacklevel=3)
+                  f"(p-1)/(v*m+p-1) = {bubble_fraction(schedule, p=p, m=m, v=v):.2f} stays above {TARGET_BUBBLE}; "
+                  f"use a batch size of at least {4 * (p - 1) + 1} per replica", stacklevel=3)
     return m
 
 
