@@ -5,7 +5,7 @@ per step, the mean over the trace's steps; NaN for a diagnostic), ``method`` (ho
 attribution's own exclusive time, which no fix can beat; ``critical-path replay`` / ``simulation`` -- from
 ``what_if``), ``measured`` (the numbers, as text), ``change`` (the concrete change) and ``text``, one line::
 
-    micro_batches 8 -> 16: bubble 22.31% -> 12.50% (ideal), -14.123456 ms/step
+    micro_batches 8 -> 16: bubble 22.31% -> 12.50% (ideal), -14.1 ms/step
 
 Rules are data (:class:`FindingRule`: a name, a threshold, the function that tests it); ``findings(source,
 rules=...)`` takes any tuple of them, ``DEFAULT_RULES`` is the set the reports run. Every rule is tested on a
@@ -18,8 +18,12 @@ synthetic trace that triggers it and one that must not (tests/profiling/test_fin
   batch x (ideal(m) - ideal(2m)) (equal-cost stages).
 - ``exposed_collective``: a collective category whose exposed time is at least ``threshold`` of the step on
   average over (rank, step): all-gather -> ZeRO-3 / FSDP prefetch is not overlapping; reduce-scatter and
-  all-reduce -> gradient reduction is not overlapping backward; all-to-all -> expert dispatch/combine exposed.
-  Saves: ``what_if`` ``overlap:category=c`` on the path, else that exposed time (exact bound).
+  all-reduce -> gradient reduction is not overlapping backward; all-to-all -> what the trace says it
+  exchanges (``table.workload``: the enclosing annotations, the group's dim, else the detected workload),
+  with that domain's levers: a recommender's embedding exchange (TorchRec's pipelined sparse dist, quantized
+  comms), MoE expert dispatch/combine (DeepEP, shared experts), Ulysses attention (overlap, or ring
+  attention); an all-to-all of unknown use gets no domain advice. Saves: ``what_if`` ``overlap:category=c``
+  on the path, else that exposed time (exact bound).
 - ``tp_across_nodes``: tensor-parallel collectives whose group spans more than one node
   (``collective_bandwidth``'s ``nodes``): "keep tp within a node", with the achieved bus bandwidth against the
   NIC's limit. Saves: ``what_if`` ``comm_faster:k=intra/NIC,dim=tp`` (the same collectives on the node's
@@ -37,9 +41,11 @@ synthetic trace that triggers it and one that must not (tests/profiling/test_fin
 - ``comm_coverage``: a communication op with no communication kernel, or the reverse (``comm_coverage``):
   a diagnostic -- name the kernel with a ``CommRule``.
 
-Every number a finding prints is one of its own columns' numbers, formatted as the report's tables format them
-(``tables.ms_text`` exact ms, percentages with two decimals), and each finding's source numbers come from the
-report's frames (the breakdown, the pipeline table, the bandwidth rows, the launch statistics).
+Every number a finding prints is one of its own columns' numbers, and each finding's source numbers come from
+the report's frames (the breakdown, the pipeline table, the bandwidth rows, the launch statistics). Times are
+printed in ms to ``SIGNIFICANT`` (3) significant figures, rounded half up (:func:`ms_figures`): a saving is a
+mean over steps of a bound or a replay, and steps of one run differ by more than 0.1%, so further digits are
+noise; ``saves_ns`` keeps the exact value. Percentages have two decimals.
 """
 
 from __future__ import annotations
@@ -47,17 +53,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from decimal import ROUND_HALF_UP, Decimal
 
 import numpy as np
 import pandas as pd
 
 from ..attribution.core import comm_by_dim
-from ..attribution.tables import ms_text
 from ..base.errors import ProfilingError
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import stage_peers, within_stage
 from ..matching.links import link_table
 from ..matching.pipelines import MEASURED_METHODS
+from ..table.workload import AllToAllUse, Workload, detect_workload
 
 FINDING_COLUMNS = ("rank", "rule", "saves_ns", "method", "measured", "change", "text")
 
@@ -68,11 +75,29 @@ _ADVICE = {
                       "(reduce_bucket_size)",
     "all_reduce": "gradient all-reduce is not overlapping backward: bucket it under backward (DDP bucket_cap_mb, "
                   "DeepSpeed overlap_comm), or move TP all-reduces under compute (sequence parallelism)",
-    "all_to_all": "expert all-to-all is exposed: overlap dispatch/combine with compute (DeepEP, shared experts)",
+    "all_to_all": "all-to-all is exposed: the trace does not say what it exchanges (no embedding, expert or "
+                  "sequence-parallel annotation around it); overlap it with independent compute",
     "broadcast": "broadcasts are exposed: broadcast once, outside the step",
     "barrier": "barriers are exposed: remove the synchronising barrier from the step",
     "other_comm": "communication of an unknown kind is exposed",
 }
+
+
+#: The exposed all-to-all's advice by what it exchanges (``table.workload.AllToAllUse``); UNKNOWN is
+#: ``_ADVICE["all_to_all"]``, with no domain's levers.
+ALL_TO_ALL_ADVICE = {
+    AllToAllUse.EMBEDDING: "the embedding all-to-all (sparse features and pooled embeddings) is exposed: pipeline it "
+                           "under the dense compute (TorchRec TrainPipelineSparseDist / prefetch pipeline: the next "
+                           "batch's input dist under this batch's dense forward/backward), and send less "
+                           "(quantized comms, fp16/bf16 via QCommsConfig; fewer, fused all-to-alls over tables)",
+    AllToAllUse.EXPERT: "expert dispatch/combine all-to-all is exposed: overlap dispatch/combine with compute "
+                        "(DeepEP's communication-computation overlap, shared experts computed during dispatch)",
+    AllToAllUse.ULYSSES: "the Ulysses attention all-to-all is exposed: overlap it with the QKV and output "
+                         "projections (per-head chunks), or switch this context-parallel dim to ring attention",
+    AllToAllUse.UNKNOWN: _ADVICE["all_to_all"],
+}
+#: Significant figures of a printed time.
+SIGNIFICANT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +136,12 @@ class _Context:
         return self.sections.breakdown
 
     @property
+    def workload(self) -> Workload:
+        """The report's detected workload (``sections.workload``), else detected here from the events."""
+        found = getattr(self.sections, "workload", None)
+        return found if isinstance(found, Workload) else detect_workload(self.attribution.events)
+
+    @property
     def step_ns(self) -> float:
         """The mean step over (rank, step) rows."""
         return float(self.breakdown["step_ns"].mean()) if len(self.breakdown) else math.nan
@@ -121,8 +152,22 @@ class _Context:
         return float(frame.groupby("step")["value"].mean().mean()) if len(frame) else math.nan
 
 
-def _ms(ns: float) -> str:
-    return str(ms_text([int(round(ns))])[0])
+def ms_figures(ns: float, figures: int = SIGNIFICANT) -> str:
+    """``ns`` in ms to ``figures`` significant figures, rounded half up (never fewer digits than the integer
+    part has): 141857600 -> "142", 3172000 -> "3.17", 200 -> "0.000200"."""
+    if not math.isfinite(ns):
+        return str(ns)
+    exact = Decimal(int(round(ns))) / Decimal(1_000_000)
+    if exact == 0:
+        return "0"
+    decimals = max(0, figures - 1 - math.floor(math.log10(abs(exact))))
+    rounded = exact.quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)
+    if decimals and rounded != 0 and math.floor(math.log10(abs(rounded))) > math.floor(math.log10(abs(exact))):
+        rounded = exact.quantize(Decimal(1).scaleb(1 - decimals), rounding=ROUND_HALF_UP)  # 99.95 -> 100
+    return f"{rounded:f}"
+
+
+_ms = ms_figures
 
 
 def _pct(x: float) -> str:
@@ -174,10 +219,17 @@ def _exposed_collective(ctx: _Context, threshold: float) -> list[Finding]:
         if math.isnan(saved):
             saved, method = bound, "exact bound"
         name = category.replace("_", "-")
+        advice, measured = _ADVICE[category], ""
+        if category == "all_to_all":
+            workload = ctx.workload
+            advice = ALL_TO_ALL_ADVICE[workload.all_to_all]
+            if workload.all_to_all is not AllToAllUse.UNKNOWN:
+                name += f" ({workload.all_to_all.value})"
+            measured = f"; {workload.all_to_all_text()}" if workload.all_to_all_calls else ""
         out.append(Finding("exposed_collective", saved, method,
                            f"exposed {name} {_pct(share)} of the step (mean over ranks and steps; {_ms(bound)} "
-                           "ms/step on the mean rank)", _ADVICE[category],
-                           f"exposed {name} {_pct(share)} of step: {_ADVICE[category]}; −{_ms(saved)} ms/step"))
+                           f"ms/step on the mean rank){measured}", advice,
+                           f"exposed {name} {_pct(share)} of step: {advice}; −{_ms(saved)} ms/step"))
     return out
 
 

@@ -12,8 +12,14 @@ from .compute import bandwidth_section
 from .registry import SECTIONS, TITLES
 from .section_displays import bandwidth_table
 from .sections import ReportSections, Section, is_traceset
+from .workload_section import lead_line as _workload_line
 
-__all__ = ["bandwidth_table", "bandwidth_terminal", "bandwidth_text", "display_tables"]
+__all__ = ["bandwidth_table", "bandwidth_terminal", "bandwidth_text", "display_tables", "lead_line"]
+
+
+def lead_line(sec: ReportSections) -> str:
+    """The report's first line: the detected workload and what it was detected from ("" without one)."""
+    return _workload_line(sec.workload)
 
 
 def display_tables(sec: ReportSections) -> dict[Section, list[tuple[str, pd.DataFrame]]]:

@@ -1,6 +1,7 @@
 """The report's sections, one row each (:data:`SECTIONS`): its name (a :class:`~.sections.Section`), its
 title, its compute function (``compute``: the analyses it runs, into ``ReportSections`` fields) and its display
-function (``section_displays``: the tables of display strings). ``report_sections`` computes the rows in order
+function (``section_displays``: the tables of display strings; the workload section's two are in
+``workload_section``). ``report_sections`` computes the rows in order
 (those that read the other sections, the findings, last), ``display.display_tables`` and the HTML, Markdown and
 TensorBoard outputs show them in order. A new section is a ``Section`` member, the frame it adds to
 ``ReportSections`` and a row here.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from . import compute
 from . import section_displays as show
 from .sections import Inputs, ReportSections, Section
+from .workload_section import workload_frames, workload_tables
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class SectionRow:
 
 
 SECTIONS: tuple[SectionRow, ...] = (
+    SectionRow(Section.WORKLOAD, "Workload: what this trace records, detected from its names", workload_frames,
+               workload_tables, "workload"),
     SectionRow(Section.FINDINGS, "Findings: what to change, by what it saves per step", compute.findings_frames,
                show.findings_tables, "findings", after_others=True),
     SectionRow(Section.BREAKDOWN, "Step time per rank and step (exclusive, ms)", compute.breakdown_frames,

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 from ..attribution.tables import pipe_table
-from .display import display_tables
+from .display import display_tables, lead_line
 from .registry import SECTIONS, section_title
 from .sections import ReportSections
 
 
 def render_markdown(sec: ReportSections, *, title: str = "shardline profile report") -> str:
-    """Every section with its tables (or its note when it has none), in the registry's order."""
+    """The detected workload's line, then every section with its tables (or its note when it has none), in the
+    registry's order."""
     tables = display_tables(sec)
     out = [f"# {title}", ""]
+    if lead := lead_line(sec):
+        out += [f"**{lead}**", ""]
     for section in (row.section for row in SECTIONS):
         out += [f"## {section_title(sec, section)}", ""]
         if section in sec.notes:

@@ -2,9 +2,11 @@
 
 ``report_sections(traceset)`` is the one orchestrator of the analyses: on the trace set's ``Attribution`` it
 runs each section's compute function of the registry (``registry.SECTIONS``: name, title, compute, display)
-once -- ``breakdown`` (with idle by cause), ``critical_path`` (-> ``critical_path_summary``, one
-line per step in the section's note), ``launch_stats``, ``comm_by_dim``, ``match_collectives`` (->
-``wait_transfer``, ``stragglers``), ``pipeline_bubbles``, ``collective_bandwidth`` (-> ``bandwidth_summary``) --
+once -- ``detect_workload`` (-> ``workload``: the kind of job and its all-to-all's use, the report's first
+line, which the findings' advice follows), ``breakdown`` (with idle by cause), ``critical_path`` (->
+``critical_path_summary``, one line per step in the section's note), ``launch_stats``, ``comm_by_dim``,
+``match_collectives`` (-> ``wait_transfer``, ``stragglers``), ``pipeline_bubbles``, ``collective_bandwidth``
+(-> ``bandwidth_summary``) --
 and two summaries of the attributed work rows that no analysis gives: the top kernels (or ops) per category and
 the offload traffic. The sections are kept on the attribution; the renderers (HTML,
 Markdown, TensorBoard) format these frames and never recompute them, so a number in a report is a number of a
@@ -45,10 +47,12 @@ from ..analyses.kernels import TOP_KERNELS
 from ..attribution.core import attribute
 from ..attribution.idle import IDLE_CAUSES
 from ..base.errors import TraceWarning
+from ..table.workload import WorkloadKind
 from .compute import DESCRIBED_STEPS, bandwidth_section, offload_title
 from .registry import SECTIONS, TITLES, section_title
 from .scenarios import evaluate_findings
 from .sections import Inputs, ReportSections, Section, is_traceset
+from .workload_section import lead_line
 
 __all__ = ["DESCRIBED_STEPS", "TITLES", "ReportSections", "Section", "bandwidth_section", "findings",
            "findings_terminal", "is_traceset", "offload_title", "report_sections", "section_title",
@@ -115,11 +119,17 @@ def findings(source, *, rules=DEFAULT_RULES, sections=None) -> pd.DataFrame:
 
 
 def findings_terminal(sections: ReportSections, *, top: int = 5) -> str:
-    """The terminal's first lines: the ``top`` findings, largest saving first ("" when there are none)."""
+    """The terminal's first lines: the detected workload (``workload_section.lead_line``; only when a kind or an
+    all-to-all's use was found: the Markdown/HTML reports say "unknown" too), then the ``top`` findings, largest
+    saving first ("" when there is neither)."""
+    workload = sections.workload
+    known = workload is not None and (workload.kind is not WorkloadKind.UNKNOWN or workload.all_to_all_calls)
+    lead = lead_line(workload) if known else ""
     found = sections.findings
     if found is None or found.empty:
-        return ""
-    lines = ["findings (what to change, by what it saves per step):"]
+        return f"{lead}\n\n" if lead else ""
+    lines = [lead, ""] if lead else []
+    lines += ["findings (what to change, by what it saves per step):"]
     lines += [f"  {int(row.rank)}. {row.text}" for row in found.head(top).itertuples(index=False)]
     if len(found) > top:
         lines.append(f"  ... {len(found) - top} more in the Markdown/HTML report")

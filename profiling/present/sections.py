@@ -16,6 +16,7 @@ from ..matching.bandwidth import bandwidth_summary
 class Section(str, enum.Enum):
     """Report sections, in order; the value is the HTML id and the markdown anchor."""
 
+    WORKLOAD = "workload"
     FINDINGS = "findings"
     BREAKDOWN = "breakdown"
     CRITICAL_PATH = "critical-path"
@@ -37,7 +38,8 @@ def empty_bandwidth_summary() -> pd.DataFrame:
 class ReportSections:
     """The frames a report shows; ``notes[section]`` says why a section is empty or how to read it.
     ``matched``: the matched collectives ``wait_transfer`` and ``stragglers`` summarise (empty when none);
-    ``attribution``: the ``Attribution`` every frame was computed from."""
+    ``attribution``: the ``Attribution`` every frame was computed from; ``workload``: the detected workload
+    (``table.workload.Workload``; None where the sections were built without it)."""
 
     breakdown: pd.DataFrame
     comm_by_dim: pd.DataFrame
@@ -57,6 +59,7 @@ class ReportSections:
     findings: pd.DataFrame = field(default_factory=pd.DataFrame)  # findings.findings, ranked
     timings: dict = field(default_factory=dict)  # seconds per analysis (breakdown includes idle_causes)
     warnings: tuple[str, ...] = ()  # the analyses' warnings, each once (md/html: the breakdown's note)
+    workload: object = None  # table.workload.Workload: what the trace records and its all-to-all's use
 
 
 @dataclass

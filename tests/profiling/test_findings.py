@@ -75,7 +75,7 @@ def test_straggler_is_found_with_its_cost_and_compute_above_the_median(synth, tm
     # Ranks 0, 1, 3 wait 600 ns each for rank 2's arrival: 1800 ns per step; its compute 1600 vs median 1000;
     # on time, the step would end 600 ns sooner (everyone's compute 1000, then the transfer).
     assert table["text"].tolist() == [
-        "rank 2 is last in 1 of 1 collectives and costs the others 0.001800 ms of waiting per step: its compute is "
+        "rank 2 is last in 1 of 1 collectives and costs the others 0.00180 ms of waiting per step: its compute is "
         "60.00% above the median; without it the step is 0.000600 ms shorter"]
     assert table["saves_ns"].tolist() == [600.0] and table["method"].tolist() == ["critical-path replay"]
     assert _straggler_found(synth, tmp_path / "even", compute=1000, extra=0).empty
@@ -86,7 +86,7 @@ def test_straggler_whose_peers_have_no_compute_is_stated_in_ms_not_nan(synth, tm
     straggler's compute is stated as its ms per step against a median of 0, where a ratio said "nan% above"."""
     table = _straggler_found(synth, tmp_path / "idle_peers", compute=0, extra=600)
     assert table["text"].tolist() == [
-        "rank 2 is last in 1 of 1 collectives and costs the others 0.001800 ms of waiting per step: its compute is "
+        "rank 2 is last in 1 of 1 collectives and costs the others 0.00180 ms of waiting per step: its compute is "
         "0.000600 ms per step where the median is 0; without it the step is 0.000600 ms shorter"]
 
 
@@ -134,8 +134,8 @@ def test_tp_group_across_nodes_is_found_and_one_within_a_node_is_not(synth, tmp_
             rows.append(dict(synth.gpu_event(rank, "compute", 0, 1000), category="compute"))
             if rank in group:
                 rows.append(dict(synth.gpu_event(rank, "all_reduce", 1000, 1000, pg_name="7", pg_desc="mesh_tp",
-                                                 pg_ranks=str(group), pg_size=len(group), in_nelems=8 << 20,
-                                                 out_nelems=8 << 20, dtype="BFloat16", seq=0),
+                                                 pg_ranks=str(group), pg_size=len(group), in_nelems=8 << 10,
+                                                 out_nelems=8 << 10, dtype="BFloat16", seq=0),
                                  category="all_reduce"))
             rows.append(synth.annotation(rank, "ProfilerStep#0", 0, 2000))
         synth.write_kineto(rows, folder, device_name="NVIDIA H100 80GB HBM3")
@@ -143,7 +143,9 @@ def test_tp_group_across_nodes_is_found_and_one_within_a_node_is_not(synth, tmp_
 
     table = _found(write(tmp_path / "across", [6, 7, 8, 9]), "tp_across_nodes")
     assert table["measured"].iloc[0].startswith("tp group spans 2 nodes: all-reduce busbw ")
-    assert "of the ib-ndr's 50.00" in table["measured"].iloc[0]
+    # 16 KiB of bf16 in 1 µs: busbw 16384 / 1000 x 2(4-1)/4 = 24.58 GB/s; the ring crosses each node on the NDR
+    # ports of its 2 ranks there: 2 x 50 GB/s (collective_bandwidth's limit)
+    assert "busbw 24.58 GB/s of the ib-ndr's 100.00" in table["measured"].iloc[0]
     assert _found(write(tmp_path / "within", [4, 5, 6, 7]), "tp_across_nodes").empty
 
 
@@ -199,7 +201,7 @@ def test_findings_lead_every_report(synth, tmp_path):
     rows, _ = synth.straggler_all_reduce(4, straggler=2, compute=1000, extra=600, transfer=200)
     synth.write_kineto(rows, tmp_path)
     traceset = load(tmp_path)
-    line = ("rank 2 is last in 1 of 1 collectives and costs the others 0.001800 ms of waiting per step: its compute "
+    line = ("rank 2 is last in 1 of 1 collectives and costs the others 0.00180 ms of waiting per step: its compute "
             "is 60.00% above the median; without it the step is 0.000600 ms shorter")
     text = render_markdown(report_sections(traceset))
     assert text.index("Findings") < text.index("Step time per rank") and line in text
