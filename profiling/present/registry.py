@@ -3,8 +3,9 @@ title, its compute function (``compute``: the analyses it runs, into ``ReportSec
 function (``section_displays``: the tables of display strings; the workload section's two are in
 ``workload_section``). ``report_sections`` computes the rows in order
 (those that read the other sections, the findings, last), ``display.display_tables`` and the HTML, Markdown and
-TensorBoard outputs show them in order. A new section is a ``Section`` member, the frame it adds to
-``ReportSections`` and a row here.
+TensorBoard outputs show them in order. A new section is its ``Section`` member (its name and HTML anchor) and
+a row here; the frames its compute function returns need no declaration (``ReportSections.extra``, read as
+``sections.<name>``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ frame's integer ns); ratios and bandwidths are rounded to the stated decimals (`
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 
@@ -94,7 +93,7 @@ def _sections(attribution, top: int, _with_traceset: bool, *, progress: bool, tr
     notes = inputs.notes
     if caught:
         notes.setdefault(Section.BREAKDOWN, "; ".join(sorted({str(w.message) for w in caught})))
-    sections = ReportSections(**inputs.frames, notes=notes, attribution=attribution, titles=inputs.titles,
+    sections = ReportSections.of(inputs.frames, notes=notes, attribution=attribution, titles=inputs.titles,
                               warnings=tuple(sorted({str(w.message) for w in caught
                                                      if issubclass(w.category, TraceWarning)})))
     inputs.sections = sections
@@ -105,7 +104,7 @@ def _sections(attribution, top: int, _with_traceset: bool, *, progress: bool, tr
             later.update(row.compute(inputs))
             timings[row.stage] = time.perf_counter() - started  # the findings: what-if included
     timings["idle_causes"] = attribution.timings.get("idle_causes", 0.0)  # inside breakdown
-    return dataclasses.replace(sections, **later, timings=timings)
+    return sections.with_frames(later, timings=timings)
 
 
 def findings(source, *, rules=DEFAULT_RULES, sections=None) -> pd.DataFrame:

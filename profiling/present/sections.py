@@ -4,6 +4,7 @@ registry of sections (``registry.SECTIONS``: name, title, compute, display) is b
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -60,6 +61,32 @@ class ReportSections:
     timings: dict = field(default_factory=dict)  # seconds per analysis (breakdown includes idle_causes)
     warnings: tuple[str, ...] = ()  # the analyses' warnings, each once (md/html: the breakdown's note)
     workload: object = None  # table.workload.Workload: what the trace records and its all-to-all's use
+    #: Frames of sections that declare no field above (a new section's compute returns whatever names it
+    #: likes): read as attributes, ``sections.<name>``, like the declared ones.
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "extra":
+            raise AttributeError(name)
+        try:
+            return self.extra[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no frame {name!r}") from None
+
+    @classmethod
+    def of(cls, frames: dict[str, object], **fields) -> ReportSections:
+        """The sections of ``frames`` (what the compute functions returned; names that are not declared
+        fields go to :attr:`extra`) and ``fields``."""
+        declared = set(cls.__dataclass_fields__)
+        extra = {k: v for k, v in frames.items() if k not in declared}
+        return cls(**{k: v for k, v in frames.items() if k in declared}, **fields, extra=extra)
+
+    def with_frames(self, frames: dict[str, object], **fields) -> ReportSections:
+        """A copy with ``frames`` (declared or :attr:`extra`) and ``fields`` replaced."""
+        declared = set(type(self).__dataclass_fields__)
+        extra = {**self.extra, **{k: v for k, v in frames.items() if k not in declared}}
+        return dataclasses.replace(self, **{k: v for k, v in frames.items() if k in declared}, **fields,
+                                   extra=extra)
 
 
 @dataclass
