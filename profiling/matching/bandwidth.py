@@ -10,7 +10,7 @@ op (the rows ``collectives.comm_calls`` uses), plus point-to-point sends and rec
     busbw = algbw x 2(n-1)/n    all-reduce
           = algbw x (n-1)/n     all-gather, reduce-scatter, all-to-all
           = algbw               broadcast, p2p send / recv
-    efficiency = busbw / link_gbps                  (the link's limit per direction)
+    efficiency = busbw / link_gbps                  (the limit on busbw over the link it crosses: links)
 
 ``t``, ``time_basis``: ``transfer`` is the matched transfer time (``collectives.match_collectives``: the call's
 duration less the time it waited for the last member to arrive) when every member of the group was matched;
@@ -19,11 +19,18 @@ is a lower bound. p2p calls are never matched here: their basis is always ``dura
 
 ``S`` (``size_source``), first that exists: the row's own ``In/Out msg nelems`` and ``dtype`` args (Kineto,
 PyTorch >= 2.1 kernels and ``record_param_comms``), the events table's ``msg_bytes`` (NCCL logs, Nsight, a
-kernel given its op's size by ``classify``), then the launching comm op's args: its nelems, else its
-``Input Dims`` x ``Input type`` (older PyTorch records only these, on ``nccl:*`` annotations; the input of an
-all-gather is one shard, so S = n x input there). The op of a kernel is its ``linking.launching_op`` among
-the comm ops holding size args (the innermost one that contains its launch: same correlation id, same thread;
-else the one whose External id it shares); the op of a CPU row is the first one with size args nested in it.
+kernel given its op's size by ``classify``), then the launching comm op's args: its nelems (``op_args``);
+for an all-gather or a reduce-scatter the (output, input) tensors of the ``c10d::_allgather_base_`` /
+``c10d::_reduce_scatter_base_`` op around it (``op_tensors``: the gathered output, the full input); its
+``msg_bytes``; else its ``Input Dims`` x ``Input type`` (older PyTorch records only these, on ``nccl:*``
+annotations; the input of an all-gather is one shard, so S = n x input there). The op of a kernel is its
+``linking.launching_op`` among the comm ops holding size args (the innermost one that contains its launch: same
+correlation id, same thread; else the one whose External id it shares); the op of a CPU row is the first one
+with size args nested in it.
+
+``group_size``: the pg args' (``links.group_sizes``), except for an anonymous group (no pg args: PyTorch before
+2.1 records none, and ``group_sizes`` takes it for the world) whose all-gather or reduce-scatter op tells its
+own: output / input (input / output), a whole number; its ranks are then unknown and taken as packed.
 ``imbalance`` (all-to-all-v): the larger of max/mean of ``In split size`` and ``Out split size`` (1.0
 balanced, NaN without splits). The args are the op-args columns of the events table (``load(path,
 op_args=True)``; for a trace set loaded without them ``load.read_op_args`` reads them).
@@ -33,6 +40,13 @@ size in ``df.attrs``): see :mod:`shardline.profiling.matching.links`, which hold
 
 ``latency_bound``: S < ``LATENCY_BOUND_BYTES`` (1 MiB); the efficiency is still computed, but a summary says
 "latency-bound" rather than a fraction of the peak there.
+
+No bandwidth above the link's limit: where S / t x factor would be more than ``link_gbps``, one input is wrong.
+A matched transfer time gives way to the whole duration (``check`` says so); where that is still too short the
+row's ``algbw_gbps``, ``busbw_gbps`` and ``efficiency`` are NaN, ``inconsistent`` names the input that cannot
+be right ("bytes" for a kernel, which holds the whole transfer; "duration" for a CPU op, or a kernel that is
+one of several its comm op launched) and ``check`` gives the values (``_inconsistencies``). ``ranks_per_node``:
+the fewest of the group's ranks on any node it spans (``links.ranks_per_node``).
 """
 
 from __future__ import annotations
@@ -72,6 +86,7 @@ from .links import (
     link_table,
     node_size,
     nodes_spanned,
+    ranks_per_node,
 )
 from .matched import matching_of
 
@@ -92,7 +107,8 @@ CATEGORIES = tuple(c for c in COLLECTIVE_CATEGORIES if c not in ("barrier", "oth
 #: The columns of ``collective_bandwidth``, in order.
 COLUMNS = ("rank", "step", "category", "pg", "pg_desc", "dim", "group_size", "dtype", "bytes", "time_ns",
            "time_basis", "algbw_gbps", "busbw_gbps", "link", "link_gbps", "efficiency", "latency_bound",
-           "nodes", "imbalance", "size_source", "device_name", "name", "start_ns", "dur_ns", "wait_ns", "peer")
+           "nodes", "imbalance", "size_source", "device_name", "name", "start_ns", "dur_ns", "wait_ns", "peer",
+           "ranks_per_node", "inconsistent", "check")
 
 
 def busbw_factor(category, n) -> np.ndarray:
@@ -137,7 +153,9 @@ def collective_bandwidth(source, *, links: str | Path | Mapping | None = None, g
     args = matching.op_args
     rows["group_size"] = group_sizes(rows, metadata)
     rows = _with_sizes(rows, args, attribution.events)
-    rows["nodes"] = nodes_spanned(rows, metadata, gpn)
+    unknown = ~rows["group_known"].to_numpy(dtype=bool)
+    rows["nodes"] = nodes_spanned(rows, metadata, gpn, unknown=unknown)
+    rows["ranks_per_node"] = ranks_per_node(rows, metadata, gpn, unknown=unknown)
     rows["device_name"] = device_names(rows, metadata)
     return _finish(rows, table, gpn, gpn_source)
 
@@ -201,6 +219,9 @@ _INPUT_TYPES = {
 }
 #: What a row (or its comm op) says about the call's size: ``_size_args``.
 _SIZE_ARGS = ("in_nelems", "out_nelems", "dtype", "msg_bytes", "input_bytes", "input_dtype", "imbalance")
+#: c10d ops whose first two arguments are the (output, input) tensors of an all-gather or reduce-scatter: their
+#: ``Input Dims`` give the gathered output, the full input, and the group size (their ratio).
+_OUTPUT_INPUT_OPS = ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_")
 
 
 def _size_args(events: pd.DataFrame, args: pd.DataFrame, positions: np.ndarray) -> pd.DataFrame:
@@ -210,17 +231,18 @@ def _size_args(events: pd.DataFrame, args: pd.DataFrame, positions: np.ndarray) 
     where the row says nothing."""
     none = positions < 0
     at = np.where(none, 0, positions)
-    decoded = {c: json_values(args[c].iloc[at]) for c in ("input_dims", "input_types", "in_split_sizes",
-                                                          "out_split_sizes")}
+    rows, back = np.unique(at, return_inverse=True)  # each events row decoded once (several calls share an op)
+    decoded = {c: json_values(args[c].iloc[rows]) for c in ("input_dims", "input_types", "in_split_sizes",
+                                                            "out_split_sizes")}
     inputs = [_input_bytes(_listed(d), _listed(t)) for d, t in zip(decoded["input_dims"], decoded["input_types"])]
     imbalance = [max(_imbalance(_listed(i)), _imbalance(_listed(o)), key=_nan_low)
                  for i, o in zip(decoded["in_split_sizes"], decoded["out_split_sizes"])]
     out = pd.DataFrame({
         "in_nelems": args["in_nelems"].to_numpy()[at], "out_nelems": args["out_nelems"].to_numpy()[at],
         "dtype": args["dtype"].to_numpy(dtype=object)[at], "msg_bytes": events["msg_bytes"].to_numpy()[at],
-        "input_bytes": np.array([b for b, _ in inputs], dtype=np.int64),
-        "input_dtype": np.array([d for _, d in inputs], dtype=object),
-        "imbalance": np.array(imbalance, dtype=np.float64)})
+        "input_bytes": np.array([b for b, _ in inputs], dtype=np.int64)[back],
+        "input_dtype": np.array([d for _, d in inputs] or [""], dtype=object)[back],
+        "imbalance": np.array(imbalance, dtype=np.float64)[back]})
     if none.any():
         out.loc[none, ["in_nelems", "out_nelems", "msg_bytes", "input_bytes"]] = -1
         out.loc[none, ["dtype", "input_dtype"]] = ""
@@ -264,17 +286,73 @@ def _input_bytes(dims, types) -> tuple[int, str]:
     return (total, dtype) if dtype else (-1, "")
 
 
+def _pair_bytes(events: pd.DataFrame, args: pd.DataFrame, positions: np.ndarray) -> pd.DataFrame:
+    """``out_tensor_bytes`` and ``in_tensor_bytes`` of the events rows at ``positions`` that are
+    ``_OUTPUT_INPUT_OPS`` ops (``_tensor_pair``); -1 elsewhere (-1: no row)."""
+    out = np.full((len(positions), 2), -1, dtype=np.int64)
+    named = np.flatnonzero(positions >= 0)
+    named = named[np.isin(events["name"].to_numpy(dtype=object)[positions[named]], _OUTPUT_INPUT_OPS)]
+    if len(named):
+        rows, back = np.unique(positions[named], return_inverse=True)
+        dims, types = (json_values(args[c].iloc[rows]) for c in ("input_dims", "input_types"))
+        found = np.array([_tensor_pair(_listed(d), _listed(t)) for d, t in zip(dims, types)], dtype=np.int64)
+        out[named] = found.reshape(-1, 2)[back]
+    return pd.DataFrame({"out_tensor_bytes": out[:, 0], "in_tensor_bytes": out[:, 1]})
+
+
+def _tensor_pair(dims, types) -> tuple[int, int]:
+    """Bytes of the (output, input) tensors an ``_OUTPUT_INPUT_OPS`` op lists first; (-1, -1) unless both have
+    a known shape and the same known type."""
+    if not isinstance(dims, list) or not isinstance(types, list) or len(dims) < 2 or len(types) < 2:
+        return -1, -1
+    name = _INPUT_TYPES.get(types[0]) if isinstance(types[0], str) else None
+    shapes = dims[:2]
+    if name is None or types[1] != types[0] or not all(
+            isinstance(shape, list) and shape and all(isinstance(d, int) and d > 0 for d in shape) for shape in shapes):
+        return -1, -1
+    return tuple(math.prod(shape) * DTYPE_BYTES[name] for shape in shapes)
+
+
+def _pair_sizes(category: np.ndarray, pair: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(S, n) from an ``_OUTPUT_INPUT_OPS`` op's tensors: an all-gather's gathered output and output/input, a
+    reduce-scatter's full input and input/output; NaN and -1 elsewhere, and n -1 where the ratio is no whole
+    number."""
+    out_b = _positive_or_nan(pair["out_tensor_bytes"])
+    in_b = _positive_or_nan(pair["in_tensor_bytes"])
+    gather, scatter = category == "all_gather", category == "reduce_scatter"
+    size = np.where(gather, out_b, np.where(scatter, in_b, np.nan))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(gather, out_b / in_b, np.where(scatter, in_b / out_b, np.nan))
+    whole = np.isfinite(ratio) & (ratio >= 1) & (np.abs(ratio - np.round(ratio)) < 1e-9)
+    return size, np.where(whole, np.round(np.where(whole, ratio, 0)), -1).astype(np.int64)
+
+
+def _anonymous(rows: pd.DataFrame) -> np.ndarray:
+    """Rows whose group the trace does not name (no pg args: old PyTorch), taken as the world by ``group_sizes``."""
+    return ((rows["pg_size"].to_numpy() <= 0) & (rows["pg_name"].astype(str).to_numpy() == "")
+            & (rows["pg_ranks"].astype(str).to_numpy() == ""))
+
+
 def _with_sizes(rows: pd.DataFrame, args: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
-    """``bytes``, ``dtype``, ``imbalance`` and ``size_source`` of every row (``group_size`` already set)."""
+    """``bytes``, ``dtype``, ``imbalance`` and ``size_source`` of every row, and the ``group_size`` of an
+    anonymous group whose call's own tensors tell it (``group_known``: False there; ``group_size`` already set
+    from the pg args)."""
     own = _size_args(events, args, rows["row"].to_numpy())
-    op = _size_args(events, args, _sized_ops(rows, events, args))
+    sized_op = _sized_ops(rows, events, args)
+    pair_op = _sized_ops(rows, events, args, names=_OUTPUT_INPUT_OPS)
+    op = _size_args(events, args, sized_op)
+    pair = _pair_bytes(events, args, pair_op)
     category = rows["category"].to_numpy()
+    pair_s, pair_n = _pair_sizes(category, pair)
+    told = _anonymous(rows) & (pair_n > 0)
+    rows["group_size"] = np.where(told, pair_n, rows["group_size"].to_numpy()).astype(np.int64)
+    rows["group_known"] = ~told
     n = rows["group_size"].to_numpy()
     own_s = _nelems_bytes(category, own["in_nelems"], own["out_nelems"], own["dtype"])
     op_s = _nelems_bytes(category, op["in_nelems"], op["out_nelems"], op["dtype"])
     gather = np.where(category == "all_gather", np.where(n > 0, n, np.nan), 1.0)
     sources = (("args", own_s), ("msg_bytes", _positive_or_nan(rows["msg_bytes"])),
-               ("op_args", op_s), ("op_msg_bytes", _positive_or_nan(op["msg_bytes"])),
+               ("op_args", op_s), ("op_tensors", pair_s), ("op_msg_bytes", _positive_or_nan(op["msg_bytes"])),
                ("input", _positive_or_nan(own["input_bytes"]) * gather),
                ("op_input", _positive_or_nan(op["input_bytes"]) * gather))
     size = np.full(len(rows), np.nan)
@@ -284,6 +362,8 @@ def _with_sizes(rows: pd.DataFrame, args: pd.DataFrame, events: pd.DataFrame) ->
         size[take], source[take] = values[take], label
     rows["bytes"] = size
     rows["size_source"] = source
+    rows["op_row"] = np.where(np.char.startswith(source.astype(str), "op_"),
+                              np.where(source == "op_tensors", pair_op, sized_op), -1)
     dtype = np.full(len(rows), "", dtype=object)
     for values in (own["dtype"], op["dtype"], own["input_dtype"], op["input_dtype"], _name_dtypes(rows["name"])):
         values = pd.Series(values).fillna("").astype(str).to_numpy()
@@ -331,16 +411,22 @@ def _name_dtypes(names: pd.Series) -> np.ndarray:
     return names.map(found).to_numpy(dtype=object)
 
 
-def _sized_ops(rows: pd.DataFrame, events: pd.DataFrame, args: pd.DataFrame) -> np.ndarray:
+def _sized_ops(rows: pd.DataFrame, events: pd.DataFrame, args: pd.DataFrame, *, names=None) -> np.ndarray:
     """The events row of each call's comm op that tells a size (nelems and dtype args, ``Input Dims``, or
     ``msg_bytes``), -1 where none: a kernel's is its ``linking.launching_op`` among them (the innermost one
     holding its launch, else the one of its External id); a CPU call's the first of them nested in it (itself
-    when it tells a size)."""
+    when it tells a size). ``names``: only CPU ops of these names whose (output, input) tensors are known
+    (``_OUTPUT_INPUT_OPS``), comm-classified or not."""
     cpu = (events["lane"] == Lane.CPU.value).to_numpy()
-    candidates = np.flatnonzero(cpu & events["category"].isin(COMM_CATEGORIES).to_numpy())
-    info = _size_args(events, args, candidates)
-    tells = ((info["msg_bytes"] > 0) | (info["input_bytes"] > 0)
-             | ((info[["in_nelems", "out_nelems"]] > 0).any(axis=1) & (info["dtype"] != ""))).to_numpy()
+    if names is None:
+        candidates = np.flatnonzero(cpu & events["category"].isin(COMM_CATEGORIES).to_numpy())
+        info = _size_args(events, args, candidates)
+        tells = ((info["msg_bytes"] > 0) | (info["input_bytes"] > 0)
+                 | ((info[["in_nelems", "out_nelems"]] > 0).any(axis=1) & (info["dtype"] != ""))).to_numpy()
+    else:
+        candidates = np.flatnonzero(cpu & events["name"].isin(list(names)).to_numpy())
+        info = _pair_bytes(events, args, candidates)
+        tells = ((info["out_tensor_bytes"] > 0) & (info["in_tensor_bytes"] > 0)).to_numpy()
     ops = candidates[tells]
     out = np.full(len(rows), -1, dtype=np.int64)
     row = rows["row"].to_numpy()
@@ -361,26 +447,84 @@ def _sized_ops(rows: pd.DataFrame, events: pd.DataFrame, args: pd.DataFrame) -> 
 def _finish(rows: pd.DataFrame, table: LinkTable, gpn: int, gpn_source: str) -> pd.DataFrame:
     n = rows["group_size"].to_numpy()
     category = rows["category"].to_numpy()
-    complete = (rows["members"].to_numpy() > 1) & ((n <= 0) | (rows["members"].to_numpy() >= n))
-    transfer = rows["transfer_ns"].to_numpy(dtype=np.float64)
-    use_transfer = complete & (transfer > 0)
-    time = np.where(use_transfer, transfer, rows["dur_ns"].to_numpy(dtype=np.float64))
-    rows["time_ns"] = time
-    rows["time_basis"] = np.where(use_transfer, TimeBasis.TRANSFER.value, TimeBasis.DURATION.value)
-    rows["algbw_gbps"] = rows["bytes"].to_numpy() / np.where(time > 0, time, np.nan)  # bytes per ns = GB/s
-    rows["busbw_gbps"] = rows["algbw_gbps"].to_numpy() * busbw_factor(category, n)
     link, gbps = crossed_links(rows, table, gpn)
     alone = (n == 1) & ~np.isin(category, P2P_CATEGORIES)
     rows["link"] = np.where(alone, "", link)
-    rows["link_gbps"] = np.where(alone, np.nan, gbps)
+    limit = np.where(alone, np.nan, gbps)
+    rows["link_gbps"] = limit
+    size, dur = rows["bytes"].to_numpy(dtype=np.float64), rows["dur_ns"].to_numpy(dtype=np.float64)
+    factor = busbw_factor(category, n)
+
+    def busbw(time: np.ndarray) -> np.ndarray:
+        return size / np.where(time > 0, time, np.nan) * factor  # bytes per ns = GB/s
+
+    complete = (rows["members"].to_numpy() > 1) & ((n <= 0) | (rows["members"].to_numpy() >= n))
+    transfer = rows["transfer_ns"].to_numpy(dtype=np.float64)
+    use_transfer = complete & (transfer > 0)
+    short = use_transfer & (busbw(transfer) > limit)  # the matched clocks made the transfer too short
+    use_transfer &= ~short
+    time = np.where(use_transfer, transfer, dur)
+    bus = busbw(time)
+    over = bus > limit
+    rows["time_ns"] = time
+    rows["time_basis"] = np.where(use_transfer, TimeBasis.TRANSFER.value, TimeBasis.DURATION.value)
+    rows["inconsistent"], rows["check"] = _inconsistencies(rows, over, short, bus, transfer)
+    rows["algbw_gbps"] = np.where(over, np.nan, size / np.where(time > 0, time, np.nan))
+    rows["busbw_gbps"] = np.where(over, np.nan, bus)
     rows["wait_ns"] = np.where(use_transfer, rows["wait_ns"].to_numpy(dtype=np.float64), np.nan)
-    rows["efficiency"] = rows["busbw_gbps"].to_numpy() / rows["link_gbps"].to_numpy()
-    rows["latency_bound"] = rows["bytes"].to_numpy() < LATENCY_BOUND_BYTES
+    rows["efficiency"] = rows["busbw_gbps"].to_numpy() / limit
+    rows["latency_bound"] = size < LATENCY_BOUND_BYTES
     rows["pg"] = group_keys(rows["pg_name"], rows["pg_ranks"])
     out = rows[list(COLUMNS)].reset_index(drop=True)
-    out = out.astype({"step": np.int64, "group_size": np.int64, "nodes": np.int64, "peer": np.int64})
+    out = out.astype({"step": np.int64, "group_size": np.int64, "nodes": np.int64, "peer": np.int64,
+                      "ranks_per_node": np.int64})
     out.attrs.update(gpus_per_node=gpn, gpus_per_node_source=gpn_source)
     return out
+
+
+def _inconsistencies(rows: pd.DataFrame, over: np.ndarray, short: np.ndarray, bus: np.ndarray,
+                     transfer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``inconsistent`` ("bytes", "duration" or "") and ``check`` (the values, in words) of every row.
+
+    A row whose bytes over its time imply a bus bandwidth above its link's limit (``over``) cannot be: one input
+    is wrong. A kernel's whole duration is measured on the GPU and holds the whole transfer, so there the bytes
+    are (more than the call moved, or its group or link is not the one the trace tells), unless the kernel is
+    one of several its comm op launched (a coalesced call) and the bytes are the whole call's: then its duration
+    is a part of the call's. A CPU op's duration is not its transfer (an asynchronous op returns before the data
+    moves): the duration. A matched transfer time that implies more than the limit (``short``: the clocks the
+    matching aligned) gave way to the whole duration; ``check`` says so."""
+    inconsistent = np.full(len(rows), "", dtype=object)
+    check = np.full(len(rows), "", dtype=object)
+    op_row = rows["op_row"].to_numpy()
+    shares = rows.groupby(["rank", "op_row"], sort=False)["op_row"].transform("size").to_numpy()
+    shares = np.where(op_row >= 0, shares, 1)
+    cpu = rows["lane"].to_numpy() == Lane.CPU.value
+    at = np.flatnonzero(over | short)
+    columns = [rows[c].to_numpy()[at] for c in ("link_gbps", "link", "group_size", "nodes", "bytes", "size_source",
+                                                 "dur_ns", "time_ns")]
+    for i, gbps, link, n, nodes, size, source, dur, time in zip(at, *columns):
+        limit = f"the {gbps:.4g} GB/s limit of {link} (a group of {n} on {nodes} node{'s' if nodes != 1 else ''})"
+        size = f"{size:.0f} B ({source})"
+        if short[i] and not over[i]:
+            check[i] = (f"transfer time {transfer[i]:.0f} ns (the call's {dur} ns less the wait the matched clocks "
+                        f"give) would be above {limit} for {size}: the whole duration is used, a lower bound")
+            continue
+        implied = f"{_gbps_text(bus[i])} GB/s of bus bandwidth, above {limit}"
+        if cpu[i] or shares[i] > 1:
+            inconsistent[i] = "duration"
+            why = ("the CPU op's, which an asynchronous call leaves before its data moves" if cpu[i] else
+                   f"one of the {shares[i]} kernels its comm op launched, which share these bytes")
+            check[i] = f"duration inconsistent: {time:.0f} ns ({why}) for {size} would be {implied}"
+        else:
+            inconsistent[i] = "bytes"
+            check[i] = (f"bytes inconsistent: {size} in the kernel's whole {time:.0f} ns would be {implied}: "
+                        "more than the call moved, or its group or link is not the one the trace tells")
+    return inconsistent, check
+
+
+def _gbps_text(gbps: float) -> str:
+    """Four significant digits, whole GB/s from 10,000 on (never an exponent)."""
+    return f"{gbps:.4g}" if gbps < 1e4 else f"{gbps:,.0f}"
 
 
 # --- the summary ----------------------------------------------------------------------------------------------
@@ -388,7 +532,10 @@ def _finish(rows: pd.DataFrame, table: LinkTable, gpn: int, gpn_source: str) -> 
 SUMMARY_COLUMNS = ("category", "dtype", "size_bucket", "group", "group_size", "link", "link_gbps", "calls",
                    "ranks", "bytes_median", "time_ns_median", "algbw_gbps_median", "busbw_gbps_median",
                    "busbw_gbps_max", "efficiency_median", "latency_bound", "time_basis", "verdict",
-                   "bucket_bytes")
+                   "bucket_bytes", "inconsistent_calls", "check")
+
+#: A limit below this (GB/s) is no link's: a fraction of it is not printed as a percentage.
+MIN_LIMIT_GBPS = 1e-3
 
 
 def _bucket_label(lo: float) -> str:
@@ -401,13 +548,35 @@ def _bucket_label(lo: float) -> str:
     return f"[{unit(lo)}, {unit(lo * 4)})"
 
 
+def _verdict(latency_bound: bool, efficiency: float, limit: float, basis: str, calls: int, inconsistent: int,
+             what: str) -> str:
+    """A bucket's verdict (``bandwidth_summary``)."""
+    if inconsistent == calls:
+        return f"no verdict: {what} inconsistent"
+    if latency_bound:
+        return "latency-bound"
+    if math.isnan(efficiency):
+        return ""
+    if not limit >= MIN_LIMIT_GBPS:
+        return "no verdict: limit near zero"
+    prefix = "" if basis == TimeBasis.TRANSFER.value else "≥ "
+    percent = round(100 * efficiency, 1)
+    text = f"{percent:g}" if percent >= 0.1 else f"{100 * efficiency:.2g}"  # two digits below 0.1 %, not "0"
+    return f"{prefix}{text} % of peak"
+
+
 def bandwidth_summary(df: pd.DataFrame) -> pd.DataFrame:
     """``collective_bandwidth`` rows grouped by (category, dtype, size bucket, group, link): medians of size,
     time and bandwidth, the efficiency, and ``verdict``, the text a report shows: "latency-bound" when every
     call of the bucket is under ``LATENCY_BOUND_BYTES``, else "x % of peak" (with "≥" when any time is a
-    ``duration``, i.e. the bandwidth a lower bound), "" without a size or a limit. Buckets are powers of 4
-    bytes (``bucket_bytes`` is the lower edge, for sorting); ``group`` is the dim when known, else the pg ("(unnamed)"
-    for a trace without process-group args)."""
+    ``duration``, i.e. the bandwidth a lower bound; two significant digits below 0.1 %, never "0"), "" without a
+    size or a limit. The bandwidths are those of the consistent calls: ``inconsistent_calls`` counts the others
+    (bytes over time above the link's limit: ``collective_bandwidth``'s ``inconsistent``), and a bucket of nothing
+    else has the verdict "no verdict: bytes (or duration) inconsistent"; ``check``: the first inconsistent call's
+    message (else the first note); the medians of size and time are the consistent calls' too, where the bucket
+    has any. A limit under ``MIN_LIMIT_GBPS`` gives no percentage. Buckets are powers of 4
+    bytes (``bucket_bytes`` is the lower edge, for sorting) of one limit; ``group`` is the dim when known, else
+    the pg ("(unnamed)" for a trace without process-group args)."""
     if df.empty:
         return pd.DataFrame({c: pd.Series(dtype=object) for c in SUMMARY_COLUMNS})
     sized = df["bytes"].to_numpy(dtype=np.float64)
@@ -415,22 +584,40 @@ def bandwidth_summary(df: pd.DataFrame) -> pd.DataFrame:
     lo = np.where(np.isnan(exponent), np.nan, 4.0 ** exponent)
     dim = df["dim"].astype(str).to_numpy()
     pg = df["pg"].astype(str).replace("", "(unnamed)")
+    bad = df["inconsistent"].astype(str).to_numpy() != ""
+    check = df["check"].astype(str).to_numpy()
     frame = df.assign(bucket_bytes=lo, group=np.where(np.isin(dim, ("", "unknown")), pg, dim),
                       bucket_key=np.nan_to_num(lo, nan=-1.0),
-                      is_transfer=df["time_basis"].to_numpy() == TimeBasis.TRANSFER.value)
-    keys = ["category", "dtype", "bucket_key", "group", "link"]
+                      is_transfer=df["time_basis"].to_numpy() == TimeBasis.TRANSFER.value,
+                      is_bad=bad, bad_check=np.where(bad, check, ""), note=np.where(bad, "", check))
+    # the medians of size and time are the consistent calls' too, where a bucket has any (the bandwidths' are)
+    some = frame.groupby(["category", "dtype", "bucket_key", "group", "link", "link_gbps"], dropna=False,
+                         sort=False)["is_bad"].transform("min").to_numpy() == 0
+    skip = bad & some
+    frame["bytes"] = np.where(skip, np.nan, frame["bytes"].to_numpy(dtype=np.float64))
+    frame["time_ns"] = np.where(skip, np.nan, frame["time_ns"].to_numpy(dtype=np.float64))
+    keys = ["category", "dtype", "bucket_key", "group", "link", "link_gbps"]
     out = frame.groupby(keys, as_index=False, dropna=False, sort=True).agg(
-        bucket_bytes=("bucket_bytes", "first"), group_size=("group_size", "max"), link_gbps=("link_gbps", "first"),
+        bucket_bytes=("bucket_bytes", "first"), group_size=("group_size", "max"),
         calls=("rank", "size"), ranks=("rank", "nunique"), bytes_median=("bytes", "median"),
         time_ns_median=("time_ns", "median"), algbw_gbps_median=("algbw_gbps", "median"),
         busbw_gbps_median=("busbw_gbps", "median"), busbw_gbps_max=("busbw_gbps", "max"),
         efficiency_median=("efficiency", "median"), latency_bound=("latency_bound", "all"),
-        transfers=("is_transfer", "sum"))
+        transfers=("is_transfer", "sum"), inconsistent_calls=("is_bad", "sum"),
+        bad_check=("bad_check", _first_text), note=("note", _first_text))
     out["time_basis"] = np.where(out["transfers"] == out["calls"], TimeBasis.TRANSFER.value,
                                  np.where(out["transfers"] == 0, TimeBasis.DURATION.value, "mixed"))
     out["size_bucket"] = [_bucket_label(v) if v == v else "unknown" for v in out["bucket_bytes"]]
-    percent = (100 * out["efficiency_median"]).round(1)
-    prefix = np.where(out["time_basis"] == TimeBasis.TRANSFER.value, "", "≥ ")
-    out["verdict"] = np.where(out["latency_bound"], "latency-bound",
-                              np.where(percent.isna(), "", [f"{p}{v:g} % of peak" for p, v in zip(prefix, percent)]))
+    out["check"] = np.where(out["bad_check"] != "", out["bad_check"], out["note"])
+    what = [c.split(" ", 1)[0] if c else "" for c in out["bad_check"]]
+    out["verdict"] = [_verdict(lb, e, lim, b, c, i, w) for lb, e, lim, b, c, i, w in zip(
+        out["latency_bound"], out["efficiency_median"], out["link_gbps"], out["time_basis"], out["calls"],
+        out["inconsistent_calls"], what)]
+    out["inconsistent_calls"] = out["inconsistent_calls"].astype(np.int64)
     return out[list(SUMMARY_COLUMNS)].reset_index(drop=True)
+
+
+def _first_text(values: pd.Series) -> str:
+    """The first non-empty text of a bucket ("" when none)."""
+    found = values[values != ""]
+    return str(found.iloc[0]) if len(found) else ""

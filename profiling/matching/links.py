@@ -6,13 +6,30 @@ too), and the device rules (``DEVICE_RULES``: a GPU's name -> the intra-node fab
 its reference system); a links file or mapping adds or replaces either (``link_table``).
 
 The link of a call. The group's ranks (``pg_ranks``, the trace's ``pg_config`` for its name, the world for an
-anonymous group; for p2p the rank and its peer) are placed ``rank // gpus_per_node`` on nodes.
-``gpus_per_node`` (``node_size``): the argument, else the links file's, else the recorded layout's, else 8 (an
-HGX/DGX node) unless the ranks' device indices show more (``device == rank % k`` for ``k = max device + 1 > 8``:
-the loaded ranks give only a lower bound). More than one node -> the GPU's NIC share (``nic gbps x
-nics_per_node / gpus_per_node``, one port per GPU by default); one node -> the intra-node fabric the device name
-implies (``DEVICE_RULES`` on Kineto's ``deviceProperties`` name). A group of one rank crosses nothing (link "",
-NaN limit).
+anonymous group; for p2p the rank and its peer) are placed ``rank // gpus_per_node`` on nodes; a group whose
+size is known but not its ranks (``unknown``: an anonymous group whose size the call's own tensors tell) is
+taken as packed. ``gpus_per_node`` (``node_size``): the argument, else the links file's, else the recorded
+layout's, else 8 (an HGX/DGX node) unless the ranks' device indices show more (``device == rank % k`` for
+``k = max device + 1 > 8``: the loaded ranks give only a lower bound). One node -> the intra-node fabric the
+device name implies (``DEVICE_RULES`` on Kineto's ``deviceProperties`` name). A group of one rank crosses
+nothing (link "", NaN limit).
+
+More than one node -> the NIC, and the limit on the call's bus bandwidth over it (``link_limits``): with
+``share = nic gbps x nics_per_node / gpus_per_node`` (one GPU's share of its node's NIC ports; one port per GPU
+by default), ``n`` ranks in the group and ``k`` the fewest of them on any node it spans::
+
+    p2p send / recv                                   share
+    all-reduce, all-gather, reduce-scatter, broadcast share x k, at most the intra-node link (k > 1)
+    all-to-all                                        share x (n-1)/(n-k), at most intra x (n-1)/(k-1) (k > 1)
+
+A ring leaves each node once per channel, so the bytes that cross a node's boundary are one rank's bus
+traffic, carried by the NIC ports of the node's k members (the planner's ``catalog.group_link``: the node's NICs
+x k / gpus_per_node; NCCL's double binary tree sends no more across); in an all-to-all every rank sends the
+(n-k)/n of its input that leaves its node through its own share of the NICs, and busbw = algbw x (n-1)/n.
+
+An all-reduce reduced in the switch (a kernel named ``..._NVLS...`` or ``..._COLLNET...``: NVLink SHARP, IB
+SHARP) sends its input once and receives the result once, where a ring sends 2(n-1)/n of it: its limit, within
+a node or across, is the ring's x 2(n-1)/n.
 
 The functions of the second half read ``collective_bandwidth``'s call rows (columns ``rank``, ``device``,
 ``category``, ``peer``, ``pg_name``, ``pg_ranks``, ``pg_size``, and ``group_size`` / ``nodes`` / ``device_name`` once
@@ -38,8 +55,9 @@ from ..base.schema import P2P_CATEGORIES
 from ..table.kinds import Lane
 
 __all__ = ["DEFAULT_GPUS_PER_NODE", "DEFAULT_HOST_PCIE", "DEFAULT_LINKS", "DEFAULT_NIC", "DEVICE_RULES", "HOST_PCIE",
-           "P2P_CATEGORIES", "Link", "LinkTable", "LinkTableError", "check_gpus_per_node", "crossed_links",
-           "device_names", "group_sizes", "link_table", "node_size", "nodes_spanned", "parse_ranks"]
+           "IN_SWITCH", "P2P_CATEGORIES", "RING_CATEGORIES", "Link", "LinkTable", "LinkTableError",
+           "check_gpus_per_node", "crossed_links", "device_names", "group_sizes", "link_limits", "link_table",
+           "node_size", "nodes_spanned", "parse_ranks", "ranks_per_node"]
 
 
 class LinkTableError(ProfilingError, ValueError):
@@ -48,6 +66,10 @@ class LinkTableError(ProfilingError, ValueError):
 
 #: Node size assumed when neither the user, the links file, the layout nor the device indices tell.
 DEFAULT_GPUS_PER_NODE = 8
+#: Collectives that cross a node boundary as a ring does (once per channel): their bus traffic is what crosses.
+RING_CATEGORIES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+#: An NCCL kernel name's algorithm that reduces in the switch (NVLink SHARP, CollNet / IB SHARP).
+IN_SWITCH = r"_(?:NVLS|COLLNET)"
 
 
 @dataclass(frozen=True)
@@ -272,18 +294,39 @@ def group_sizes(rows: pd.DataFrame, metadata: Mapping) -> np.ndarray:
     return np.where(rows["pg_size"].to_numpy() > 0, rows["pg_size"].to_numpy(), from_ranks).astype(np.int64)
 
 
-def nodes_spanned(rows: pd.DataFrame, metadata: Mapping, gpn: int) -> np.ndarray:
-    """Nodes the call's group spans (ranks placed ``rank // gpn``); a p2p call with a peer spans its rank's
-    and its peer's nodes. A group of known size but unknown ranks is taken as packed: ceil(n / gpn)."""
+def _by_group(rows: pd.DataFrame, metadata: Mapping, value) -> np.ndarray:
+    """``value(ranks)`` of each row's group (``_group_ranks``; -1 where its ranks are unknown)."""
     ranks = _group_ranks(rows, metadata)
-    spans = pd.Series({k: (len({r // gpn for r in v}) if v else -1) for k, v in ranks.items()})
+    found = pd.Series({k: (value(v) if v else -1) for k, v in ranks.items()})
     keyed = pd.MultiIndex.from_frame(rows[["pg_name", "pg_ranks"]])
-    nodes = spans.reindex(keyed).to_numpy(dtype=np.int64) if len(spans) else np.full(len(rows), -1)
+    return found.reindex(keyed).to_numpy(dtype=np.int64) if len(found) else np.full(len(rows), -1, dtype=np.int64)
+
+
+def _unknown_mask(rows: pd.DataFrame, unknown) -> np.ndarray:
+    return np.zeros(len(rows), dtype=bool) if unknown is None else np.asarray(unknown, dtype=bool)
+
+
+def nodes_spanned(rows: pd.DataFrame, metadata: Mapping, gpn: int, *, unknown=None) -> np.ndarray:
+    """Nodes the call's group spans (ranks placed ``rank // gpn``); a p2p call with a peer spans its rank's
+    and its peer's nodes. A group of known size but unknown ranks (no ranks to be found, or ``unknown``, a
+    boolean per row) is taken as packed: ceil(n / gpn)."""
+    nodes = _by_group(rows, metadata, lambda v: len({r // gpn for r in v}))
     n = rows["group_size"].to_numpy()
-    nodes = np.where((nodes < 0) & (n > 0), -(-n // gpn), nodes)
+    nodes = np.where(((nodes < 0) | _unknown_mask(rows, unknown)) & (n > 0), -(-n // gpn), nodes)
     peer, rank = rows["peer"].to_numpy(), rows["rank"].to_numpy()
     p2p = np.isin(rows["category"].to_numpy(), P2P_CATEGORIES) & (peer >= 0)
     return np.where(p2p, 1 + (peer // gpn != rank // gpn), nodes).astype(np.int64)
+
+
+def ranks_per_node(rows: pd.DataFrame, metadata: Mapping, gpn: int, *, unknown=None) -> np.ndarray:
+    """The fewest of the call's group's ranks on any node it spans (``k`` of the module docstring); packed
+    (as ``nodes_spanned``) where the ranks are unknown: ``n`` on one node, else ``n mod gpn`` or ``gpn``; 1 for
+    p2p, -1 where the group's size is unknown too."""
+    fewest = _by_group(rows, metadata, lambda v: min(np.unique(np.asarray(v) // gpn, return_counts=True)[1]))
+    n = rows["group_size"].to_numpy()
+    packed = np.where(n <= gpn, n, np.where(n % gpn == 0, gpn, n % gpn))
+    fewest = np.where(((fewest < 0) | _unknown_mask(rows, unknown)) & (n > 0), packed, fewest)
+    return np.where(np.isin(rows["category"].to_numpy(), P2P_CATEGORIES), 1, fewest).astype(np.int64)
 
 
 def device_names(rows: pd.DataFrame, metadata: Mapping) -> np.ndarray:
@@ -326,16 +369,45 @@ def node_size(given, table: LinkTable, traceset, events: pd.DataFrame) -> tuple[
 
 
 def crossed_links(rows: pd.DataFrame, table: LinkTable, gpn: int) -> tuple[np.ndarray, np.ndarray]:
-    """The link each row crosses and its limit (GB/s per direction, per GPU), on distinct (device, nodes>1)."""
+    """The link each row crosses (its intra-node fabric on one node, its NIC across nodes) and the limit on its
+    bus bandwidth there (GB/s per direction, per GPU; ``link_limits``). Reads ``device_name``, ``nodes``,
+    ``category``, ``group_size`` and ``ranks_per_node`` (``ranks_per_node``; without it, one rank per node)."""
     cross = rows["nodes"].to_numpy() > 1
-    keys = pd.DataFrame({"device": rows["device_name"].to_numpy(), "cross": cross})
-    share = (table.nics_per_node or gpn) / gpn
+    k = rows["ranks_per_node"].to_numpy() if "ranks_per_node" in rows else np.ones(len(rows), dtype=np.int64)
+    names = rows["name"].astype(str) if "name" in rows else pd.Series([""] * len(rows))
+    switch = names.str.contains(IN_SWITCH).to_numpy(dtype=bool) & (rows["category"].to_numpy() == "all_reduce")
+    keys = pd.DataFrame({"device": rows["device_name"].to_numpy(), "cross": cross,
+                         "category": rows["category"].to_numpy(), "n": rows["group_size"].to_numpy(),
+                         "k": np.where(cross, k, 0), "switch": switch})
     found = keys.drop_duplicates().reset_index(drop=True)
-    names, limits = [], []
-    for device, crosses in found.itertuples(index=False):
+    links, limits = [], []
+    for device, crosses, category, n, fewest, reduced in found.itertuples(index=False):
         intra, nic = table.device_links(device)
-        names.append(nic if crosses else intra)
-        limits.append(table.links[names[-1]].gbps * (share if crosses else 1.0) if names[-1] else np.nan)
-    found = found.assign(link=names, link_gbps=limits)
-    picked = keys.merge(found, on=["device", "cross"], how="left")
+        links.append(nic if crosses else intra)
+        if not links[-1]:
+            limit = np.nan
+        elif not crosses:
+            limit = table.links[intra].gbps
+        else:
+            limit = link_limits(category, n, fewest, nic=table.links[nic].gbps,
+                                share=(table.nics_per_node or gpn) / gpn,
+                                intra=table.links[intra].gbps if intra else np.nan)
+        limits.append(limit * 2 * (n - 1) / n if reduced and n > 1 else limit)
+    found = found.assign(link=links, link_gbps=limits)
+    picked = keys.merge(found, on=["device", "cross", "category", "n", "k", "switch"], how="left")
     return picked["link"].to_numpy(dtype=object), picked["link_gbps"].to_numpy(dtype=np.float64)
+
+
+def link_limits(category: str, n: int, k: int, *, nic: float, share: float, intra: float) -> float:
+    """The limit (GB/s) on the bus bandwidth of a ``category`` call whose ``n``-rank group spans nodes with at
+    least ``k`` of its ranks on each, over NIC ports of ``nic`` GB/s of which a GPU has ``share``; ``intra``: the
+    intra-node link's GB/s (NaN: unknown, no cap). The rules of the module docstring."""
+    per_gpu = nic * share
+    k = max(int(k), 1)
+    if category in RING_CATEGORIES:
+        limit = per_gpu * k
+        return min(limit, intra) if k > 1 and not math.isnan(intra) else limit
+    if category == "all_to_all" and n > k:
+        limit = per_gpu * (n - 1) / (n - k)
+        return min(limit, intra * (n - 1) / (k - 1)) if k > 1 and not math.isnan(intra) else limit
+    return per_gpu

@@ -153,8 +153,10 @@ def comm_coverage_tables(sec: ReportSections, many: bool) -> list:
 
 def bandwidth_table(summary: pd.DataFrame) -> pd.DataFrame:
     """``bandwidth_summary`` as display strings: sizes in bytes, the median time in ms, bandwidths in GB/s
-    (three decimals) and the verdict ("latency-bound" or "x % of peak")."""
-    return pd.DataFrame({
+    (three decimals) and the verdict ("latency-bound", "x % of peak", or "no verdict: ... inconsistent"); where
+    any bucket has calls whose bytes over time exceed the link's limit, or a note, a ``check`` column says which
+    input and gives the values (``inconsistent_calls`` of ``calls`` first)."""
+    table = pd.DataFrame({
         "category": summary["category"].astype(str), "dtype": summary["dtype"].astype(str),
         "size": summary["size_bucket"].astype(str), "group": summary["group"].astype(str),
         "n": summary["group_size"].astype(str), "link": summary["link"].astype(str),
@@ -164,3 +166,9 @@ def bandwidth_table(summary: pd.DataFrame) -> pd.DataFrame:
         "algbw_GB/s": fixed(summary["algbw_gbps_median"], 3), "busbw_GB/s": fixed(summary["busbw_gbps_median"], 3),
         "busbw_max_GB/s": fixed(summary["busbw_gbps_max"], 3), "basis": summary["time_basis"].astype(str),
         "verdict": summary["verdict"].astype(str)}).reset_index(drop=True)
+    check = summary["check"].astype(str).to_numpy() if "check" in summary else np.array([], dtype=str)
+    if (check != "").any():
+        bad = summary["inconsistent_calls"].to_numpy()
+        calls = summary["calls"].to_numpy()
+        table["check"] = [f"{b} of {c} calls: {text}" if b else text for b, c, text in zip(bad, calls, check)]
+    return table

@@ -240,9 +240,14 @@ def test_link_intra_vs_inter_node(synthetic):
     ts = load(synthetic)
     two = collective_bandwidth(ts, gpus_per_node=2)  # the 4-rank group spans 2 nodes: H100's NIC, NDR
     coll = two[two["category"] != "p2p_send"]
-    assert (coll["nodes"] == 2).all() and (coll["link"] == "ib-ndr").all() and (coll["link_gbps"] == 50.0).all()
+    assert (coll["nodes"] == 2).all() and (coll["link"] == "ib-ndr").all() and (coll["ranks_per_node"] == 2).all()
+    # One NDR port (50 GB/s) per GPU. A ring leaves each node once per channel: its bus traffic crosses on the
+    # node's two ports, 2 x 50 (under NVLink 4's 450). An all-to-all sends 2 of its 4 shares off the node through
+    # its own port: algbw <= 50 x 4/2, busbw = algbw x 3/4 <= 75.
+    ring = coll["category"] != "all_to_all"
+    assert (coll.loc[ring, "link_gbps"] == 100.0).all() and (coll.loc[~ring, "link_gbps"] == 75.0).all()
     p2p = two[two["category"] == "p2p_send"].iloc[0]
-    assert p2p["nodes"] == 2 and p2p["link"] == "ib-ndr"  # rank 0 -> 3 crosses
+    assert p2p["nodes"] == 2 and p2p["link"] == "ib-ndr" and p2p["link_gbps"] == 50.0  # rank 0 -> 3 crosses
     four = collective_bandwidth(ts, gpus_per_node=4)
     assert (four["link"] == "nvlink4").all() and four.attrs["gpus_per_node_source"] == "argument"
     default = collective_bandwidth(ts)
@@ -282,7 +287,10 @@ def test_override_file(synthetic, tmp_path):
     df = collective_bandwidth(ts, links=path)
     assert df.attrs["gpus_per_node_source"] == "links file"
     assert (df.loc[df["category"] != "p2p_send", "link"] == "my-nic").all()
-    assert (df["link_gbps"] == 80.0 / 2).all()  # one NIC port shared by the node's two GPUs
+    # one 80 GB/s port shared by the node's two GPUs: 40 each; a ring's crossing uses the node's port (2 x 40),
+    # an all-to-all its share x 3/2 (as in test_link_intra_vs_inter_node), a send its share
+    expected = df["category"].map({"all_to_all": 60.0, "p2p_send": 40.0}).fillna(80.0)
+    assert (df["link_gbps"] == expected).all() and set(df["category"]) >= {"all_to_all", "p2p_send", "all_reduce"}
     intra = collective_bandwidth(ts, links={"links": {"nvlink4": {"gbps": 400}}}, gpus_per_node=4)
     assert (intra["link_gbps"] == 400.0).all()
     forced = collective_bandwidth(ts, links={"intra": "pcie-gen5", "devices": [{"match": "H100", "intra": "nvlink4"}]},
