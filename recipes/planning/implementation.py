@@ -10,6 +10,13 @@ whole gradient buffer by the DP size before the all-reduce (``grad_scale_pass``)
 the embedding and head added to the first and last stage (``cut='blocks'``); attention and dropout are the
 experiment's (``replace(MEGATRON, attention=Attention.MATERIALIZED, dropout=True)`` for the 2022 paper's runs).
 ``zero``: the DeepSpeed settings that decide what NVMe offload reads from and writes to the drive.
+
+Context parallelism's traffic (:func:`~.steptime._cp_comm`): ``cp_repeats_kv`` says whether grouped-query K/V are
+repeated to the query heads before the ring hops or Ulysses' all-to-alls (shardline: yes, ``DecoderBlock.attention``
+repeats them, so the exchanges carry ``n_head/t`` heads; Megatron-LM's Transformer Engine ring passes the
+``n_kv_head/t`` heads it has), and ``ring_grad_bytes`` the bytes per element of the dK/dV accumulators the ring's
+backward passes on (shardline: 4, they accumulate in float32 for 16-bit inputs, ``plugins/layers/sp_ring.py``;
+Megatron-LM: 2, Transformer Engine sends them in the input dtype, beside K/V in one buffer).
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class Cut(str, enum.Enum):
 
 _CHOICES = {"dtype": Precision, "attention": Attention, "cut": Cut}
 _FLAGS = ("dropout", "tp_overlap", "overlap_dp", "pp_scatter_gather", "fused_wgrad", "fused_kernels",
-          "grad_scale_pass")
+          "grad_scale_pass", "cp_repeats_kv")
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class Implementation:
     fused_kernels: bool = False
     cut: Cut | str = Cut.LAYERS
     grad_scale_pass: bool = False
+    cp_repeats_kv: bool = True
+    ring_grad_bytes: int = 4
     zero: ZeroSettings = DEFAULT_ZERO
 
     def __post_init__(self) -> None:
@@ -78,8 +87,10 @@ class Implementation:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {tuple(k.value for k in kind)}")
         problems += [f"{name}={getattr(self, name)!r} must be true or false" for name in _FLAGS
                      if not isinstance(getattr(self, name), bool)]
-        if not isinstance(self.grad_bytes, int) or isinstance(self.grad_bytes, bool) or self.grad_bytes < 1:
-            problems.append(f"grad_bytes={self.grad_bytes!r} must be a positive integer (2: bf16, 4: fp32)")
+        for name in ("grad_bytes", "ring_grad_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer (2: bf16, 4: fp32)")
         if not isinstance(self.zero, ZeroSettings):
             problems.append(f"zero={self.zero!r} must be a ZeroSettings")
         if problems:
@@ -95,6 +106,7 @@ class Implementation:
 
 SHARDLINE = Implementation()
 MEGATRON = Implementation(tp_overlap=True, pp_scatter_gather=True, grad_bytes=4, fused_wgrad=True,
-                          fused_kernels=True, cut=Cut.BLOCKS, grad_scale_pass=True)
+                          fused_kernels=True, cut=Cut.BLOCKS, grad_scale_pass=True, cp_repeats_kv=False,
+                          ring_grad_bytes=2)
 
 __all__ = ["Attention", "Cut", "Implementation", "MEGATRON", "Precision", "SHARDLINE"]

@@ -11,7 +11,8 @@ the divisors of ``n_layer / pp``, ``micro_batches`` a multiple of ``pp``), the m
 the replica's batch ``B / dp``; ``micro_batches = B / (dp * micro_batch_size)``), ZeRO stage 0-3, CPU offload
 of the optimizer (ZeRO >= 1) and of the parameters (ZeRO-3) and full recompute.
 
-**What is not, and why** (each also stated in :attr:`PlanResult.rejected`): GPipe, whose bubble equals 1F1B's
+**What is not, and why** (each also stated in :attr:`PlanResult.rejected`, unless the fixed fields leave no
+such choice: the GPipe note is left out when ``pp=1`` is fixed or a schedule is): GPipe, whose bubble equals 1F1B's
 with ``m`` micro-batches in flight instead of ``min(p - r, m)`` (never faster, never smaller; ``--layout
 schedule=gpipe`` still prices it); ``selective`` recompute, which is ``none`` under flash attention (shardline
 stores no softmax; priced only with ``attention='materialized'``); NVMe offload (``--layout offload=nvme`` prices
@@ -432,7 +433,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
     cpu_ram = cpu_ram_gib * GIB if cpu_ram_gib is not None else None
     dtype_bytes = 4 if dtype == "fp32" else 2
     rejected: dict[str, str] = {}
-    if "schedule" not in fixed:  # STANDING notes
+    if "schedule" not in fixed and fixed.get("pp") != 1:  # STANDING notes, each only where the search could choose
         rejected["schedule=gpipe"] = ("not searched: the same bubble as 1f1b with m micro-batches in flight instead "
                                       "of min(pp - rank, m) (never faster, never smaller)")
     if attention == "flash" and "recompute" not in fixed:
@@ -602,8 +603,9 @@ def format_table(result: PlanResult, top: int = 10) -> str:
         said = [*row.problems, *row.notes]
         if said:
             out.append(f"  #{i} {describe(row.layout)}: {'; '.join(said)}")
-    if result.rejected:
-        out += ["", "rejected:"] + [f"  {k}: {v}" for k, v in result.rejected.items()]
+    rejected = [f"  {k}: {v}" for k, v in result.rejected.items() if v]
+    if rejected:  # no header without a line under it
+        out += ["", "rejected:", *rejected]
     out.append("")
     out.append("GiB: the most loaded rank (params, grads, optimizer, activations, buffers incl. "
                f"{mem.FIXED_OVERHEAD_BYTES / GIB:.0f} GiB fixed CUDA/NCCL overhead); times per step on the busiest "

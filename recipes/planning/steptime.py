@@ -20,8 +20,11 @@ and dropout over the ``s x s`` scores). Recompute ``full`` adds a block forward 
 Communication: TP 2 all-reduces forward + 2 backward per block, or under Megatron-SP 2 all-gathers + 2
 reduce-scatters each way, of ``T h e`` bytes; with ``tp_overlap`` (Megatron's async backward) the
 input-gradient collective hides under the weight-gradient GEMM and SP's gathered input is redone under the
-input-gradient GEMM, otherwise everything is exposed (shardline's autograd pairs). CP: ring ``c-1`` K/V hops
-forward and ``2(c-1)`` backward, hidden under attention; Ulysses 4 all-to-alls each way. PP: ``2v`` transfers of
+input-gradient GEMM, otherwise everything is exposed (shardline's autograd pairs). CP (:func:`_cp_comm`): ring
+``c-1`` K/V hops forward; backward ``c-1`` K/V and ``c`` dK/dV hops (K/V and the previous block's dK/dV in one batch
+per step, the last dK/dV hop home alone), each on the link it crosses (:func:`ring_hop_link`: NVLink inside a node,
+one GPU's NIC share across nodes) and hidden only under the ``1/c`` of the attention core beside it; Ulysses 4
+all-to-alls each pass (q, k, v, out), exposed; full recompute replays the forward's. PP: ``2v`` transfers of
 ``T h e`` (``/t`` under SP or ``pp_scatter_gather``) per micro-batch. ZeRO over ``dp*cp``: stage 0 all-reduce;
 1 reduce-scatter + parameter all-gather; 2 the reduce-scatter every micro-batch; 3 all-gather forward and
 backward, one per module (each block, the embedding, the head: a collective's latency each), + reduce-scatter
@@ -30,9 +33,12 @@ every micro-batch (1.5x stage 2's volume), hidden under the compute it overlaps
 when hidden: its NCCL channels hold ``channels`` SMs (job/hardware.yaml, per link), so the compute beside it runs
 on ``sms - channels`` SMs for the overlap (a backward GEMM beside a TP collective priced on that many SMs,
 waves included; a stage's forward/backward beside ZeRO's traffic ``sms / (sms - channels)`` slower), the
-extra time counted as compute; CP's ring send/receive and offload copies (copy engines) are not charged.
-Offload over the host link:
-gradients down, parameters up, CPU Adam over the node's CPU-memory bandwidth share. NVMe offload adds the drive
+extra time counted as compute; a ring hop beside its attention step pays the same (its link's channels).
+Offload copies run on the copy engines (no SMs held) but are charged on the host link (``Cluster.host``):
+the optimizer's gradient partition down (fp32: ``OFFLOAD_GRAD_BYTES``) and its bf16 parameters up once per
+step, exposed (the CPU step waits for the gradients, the next forward for the parameters); ZeRO-3's parameter
+fetches (``offload_params``) each forward and backward pass, hidden under that pass's compute with
+``overlap_dp``, exposed without; CPU Adam over the node's CPU-memory bandwidth share. NVMe offload adds the drive
 traffic DeepSpeed's swappers make (:func:`~.memory.swap_traffic`, over the node's drive bandwidth share): the
 swapped parameter partitions outside the CPU flat read in every forward and backward pass (beside the host
 copy) and written back after the step; the swapped sub-groups' master, moments and fp32 gradients read and
@@ -44,7 +50,8 @@ the embedding, the last the head and loss, so the last is usually the slowest.
 
 Output: the busiest stage's step split by the profiler's exclusive labels (``shardline.profiling.partition``:
 ``LABELS``, a comm column being its *exposed* time, plus ``OVERLAP_COLUMNS``); pipeline p2p is ``p2p_send``,
-offload ``memcpy_h2d``/``memcpy_d2h``, a CPU optimizer ``idle``. MFU uses Megatron's model FLOPs
+offload ``memcpy_h2d``/``memcpy_d2h``, a CPU optimizer ``idle``; the CP ring's hops are ``p2p_send`` (shardline's ring
+runs them under ``sl:comm:cp:p2p_send``), Ulysses' ``all_to_all``. MFU uses Megatron's model FLOPs
 (:func:`model_flops`).
 
 One file: every term above is priced on one ``_Setup`` and booked on one ``_Ledger`` whose parts must sum to
@@ -76,6 +83,10 @@ FLASH_BWD_OVER_FWD = 0.63 / 0.73  # FlashAttention-2 (Dao 2023): backward vs for
 # written: 28), master -> bf16 copy (read 4, write 2), gradient-buffer zeroing (4); fp16 adds loss-scale
 # unscale + inf check (read 4, write 4). On the CPU: Adam's 28.
 ADAM_BYTES_GPU, ADAM_BYTES_FP16_EXTRA, ADAM_BYTES_CPU = 42, 8, 28
+# DeepSpeed's CPU-offloaded optimizer receives its gradient partition in the master dtype (fp32): the GPU converts
+# it before the copy (stage_1_and_2.async_inplace_copy_grad_to_fp32_buffer_from_gpu, stage3's
+# _offload_grad_partition_at_boundary), so 4 bytes per element cross the host link.
+OFFLOAD_GRAD_BYTES = 4
 COMM_LABELS = tuple(c[len("overlapped_"):] for c in OVERLAP_COLUMNS)
 
 
@@ -328,22 +339,63 @@ def _tp_comm(st: _Setup, led: _Ledger, gemms: dict[str, tuple[int, int, int]],
             led.comm("all_reduce", ar)
 
 
-def _cp_comm(st: _Setup, led: _Ledger, attn_fwd: float, attn_bwd: float) -> None:
-    """Context parallelism per block and micro-batch: ring K/V hops (hidden under attention) or Ulysses'
-    all-to-alls (exposed)."""
-    lay, mod = st.layout, st.model
+def _cp_heads(st: _Setup) -> tuple[int, int]:
+    """(query heads, K/V heads) one rank's CP exchanges carry: K/V repeated to the query heads
+    (``cp_repeats_kv``, shardline) or the rank's own KV heads (one gathered head when ``tp > n_kv_head``)."""
+    mod, t = st.model, st.layout.tp
+    q = mod.n_head // t
+    return q, (q if st.impl.cp_repeats_kv else max(1, mod.kv_heads // t))
+
+
+def ring_hop_link(cluster: Cluster, layout: PlanLayout) -> GroupLink:
+    """The link one ring-attention hop crosses (rank ``r`` to ``r+1`` of a CP group, ``tp`` apart): the node's
+    scale-up link when the whole group sits inside a node; otherwise the hops that leave a node gate every step
+    of the (step-synchronous) ring, and each such hop is one GPU sending to one GPU: one GPU's share of the node's
+    NICs (``Cluster.nic_bytes_per_s``) at the NIC's latency, its channels the NIC's."""
+    link = hw.group_link(cluster, size=max(layout.cp, 2), stride=layout.tp)
+    if not link.crosses_nodes:
+        return link
+    nic = cluster.inter_node
+    return GroupLink(cluster.nic_bytes_per_s, nic.latency_s, True, nic.channels)
+
+
+def _cp_comm(st: _Setup, led: _Ledger, attn_fwd: float, attn_bwd: float, recompute_full: bool) -> None:
+    """Context parallelism per block and micro-batch (forward, recomputed forward, backward).
+
+    Ring (``plugins/layers/sp_ring.py``, balanced layout: each of the ``c`` steps computes half a ``local x
+    local`` block, ``1/c`` of the attention core): forward, ``c-1`` hops of K/V (``2 b (s/c) heads d e``
+    bytes), hop ``k`` beside step ``k``'s attention; backward, one batch per step to the same peer: step 0 K/V,
+    steps ``1..c-2`` K/V and the previous block's dK/dV accumulator (``ring_grad_bytes`` per element), step
+    ``c-1`` dK/dV, then the last dK/dV hop home with nothing beside it. A hop beside a step's attention holds its
+    link's channels: the attention runs ``sms / (sms - channels)`` slower for the overlap (the extra is compute)
+    and what outlasts it is exposed ``p2p_send``. Ulysses: 4 all-to-alls each pass (q, k, v in; the output
+    back), synchronous, exposed."""
+    lay = st.layout
     c = lay.cp
     if c == 1:
         return
-    link, tok, hd = st.link("cp"), st.tokens, mod.dim_per_head
+    heads_q, heads_kv = _cp_heads(st)
+    hd, e, passes = st.model.dim_per_head, 2, 2 if recompute_full else 1
     if lay.sp == "ring":
-        kv = lay.micro_batch_size * (st.seq_len // c) * 2 * mod.kv_heads * hd // lay.tp * 2
-        led.comm("p2p_send", (c - 1) * hw.p2p_s(kv, link), hidden_under=attn_fwd)
-        led.comm("p2p_send", 2 * (c - 1) * hw.p2p_s(kv, link), hidden_under=attn_bwd)
+        hop = ring_hop_link(st.cluster, lay)
+        kv = 2 * lay.micro_batch_size * (st.seq_len // c) * heads_kv * hd * e
+        dkv = kv // e * st.impl.ring_grad_bytes
+        squeeze, fwd_step, bwd_step = st.squeeze(hop), attn_fwd / c, attn_bwd / c
+
+        def beside(nbytes: float, step: float, times: int) -> None:
+            one = _Ledger()
+            one.overlap("p2p_send", hw.p2p_s(nbytes, hop), alone=step, squeezed=step * squeeze)
+            led.add(one, times)
+        beside(kv, fwd_step, passes * (c - 1))
+        beside(kv, bwd_step, 1)
+        beside(kv + dkv, bwd_step, c - 2)
+        beside(dkv, bwd_step, 1)
+        led.comm("p2p_send", hw.p2p_s(dkv, hop))  # the last dK/dV hop home: nothing left to hide it
         return
-    q, kvb = tok * mod.n_head * hd // lay.tp * 2, tok * mod.kv_heads * hd // lay.tp * 2
+    link, tok = st.link("cp"), st.tokens
+    q, kvb = tok * heads_q * hd * e, tok * heads_kv * hd * e
     per_pass = 2 * hw.all_to_all_s(q, c, link) + 2 * hw.all_to_all_s(kvb, c, link)  # q, k, v in; out back
-    led.comm("all_to_all", 2 * per_pass)
+    led.comm("all_to_all", (passes + 1) * per_pass)
 
 
 def _block(st: _Setup) -> tuple[_Ledger, float, float]:
@@ -359,7 +411,7 @@ def _block(st: _Setup) -> tuple[_Ledger, float, float]:
     recompute = {"none": 0.0, "selective": attn_redo, "full": fwd}[st.layout.recompute]
     led = _Ledger(compute=fwd + bwd + recompute)
     _tp_comm(st, led, gemms, bwd_gemm, st.layout.recompute == "full")
-    _cp_comm(st, led, attn_fwd, attn_bwd)
+    _cp_comm(st, led, attn_fwd, attn_bwd, st.layout.recompute == "full")
     return led, fwd, bwd + recompute
 
 
@@ -511,7 +563,7 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
     if lay.offload_optimizer == "none":
         led.compute += st.hbm((ADAM_BYTES_GPU + (ADAM_BYTES_FP16_EXTRA if st.impl.dtype == "fp16" else 0)) * local)
     else:
-        led.comm("memcpy_d2h", local * st.impl.grad_bytes / cl.host.bytes_per_s)
+        led.comm("memcpy_d2h", local * OFFLOAD_GRAD_BYTES / cl.host.bytes_per_s)
         cpu_s = ADAM_BYTES_CPU * local / (cl.cpu_mem_gbps * 1e9 / cl.gpus_per_node)
         led.comm("memcpy_h2d", local * e / cl.host.bytes_per_s)
     # NVMe: master, moments and gradients read and written, the swapped parameters written back
@@ -577,7 +629,8 @@ def block_seconds(model: ModelSpec, layout: PlanLayout, cluster: Cluster, *, seq
     """One transformer block, one micro-batch of ``layout`` on one rank: ``(compute seconds, exposed
     communication seconds)`` of its forward, backward and recompute (what a per-layer measurement such as
     Korthikanti et al.'s Table 4 times). Arguments as :func:`predict`'s (the block's cost reads only its
-    precision, attention, dropout, TP overlap and kernel fusion)."""
+    precision, attention, dropout, TP overlap, kernel fusion and, under CP, ``cp_repeats_kv`` and
+    ``ring_grad_bytes``)."""
     impl = impl.with_(**changes)
     _check(model, layout, cluster, seq_len, impl.with_(cut=Cut.BLOCKS))
     led, _, _ = _block(_Setup(model, layout, cluster, seq_len, impl))
@@ -633,4 +686,4 @@ def _prediction(st: _Setup, stage: _Ledger, tail: _Tail, makespan: float, step: 
 
 
 __all__ = ["ATTENTION", "DTYPES", "StepPrediction", "block_seconds", "bubble_fraction", "model_flops",
-           "pipeline_makespan", "predict", "predict_stages", "stage_layers"]
+           "pipeline_makespan", "predict", "predict_stages", "ring_hop_link", "stage_layers"]
