@@ -11,13 +11,22 @@ Rank order is ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` (Megatron's 
 so a TP group is ``tp`` consecutive ranks and stays inside one node (NVLink), while DP, CP and PP groups stride
 across nodes (InfiniBand).
 
-Stage placement: with ``pp`` pipeline ranks and ``v`` chunks per rank, stage ``s`` (of ``pp * v``) lives on
-pipeline rank ``s % pp`` as its chunk ``s // pp``; pipeline rank ``r`` hosts stages ``r, r + pp, r + 2 pp, ...``.
+Stage placement: with ``pp`` pipeline ranks and ``v`` chunks per rank, stage ``s`` (of ``pp * v``) is chunk
+``s // pp`` of its rank. Two placements (``style``):
+
+- ``"loop"`` (the default; GPipe, 1F1B, interleaved 1F1B): stage ``s`` lives on pipeline rank ``s % pp``, so rank
+  ``r`` hosts stages ``r, r + pp, r + 2 pp, ...``.
+- ``"v"`` (ZB-V, DualPipeV): the chunks zig-zag, even chunks going down the ranks and odd chunks coming back up:
+  stage ``s`` lives on rank ``s % pp`` when ``s // pp`` is even and on ``pp - 1 - s % pp`` when it is odd. With two
+  chunks rank ``r`` hosts stages ``r`` and ``2 pp - 1 - r`` (a V: the first and the last stage share rank 0, and
+  the two middle stages ``pp - 1`` and ``pp`` share rank ``pp - 1``, so that hop costs no transfer).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+
+from .errors import ScheduleError
 
 AXES = ("tp", "cp", "dp", "pp")
 
@@ -50,11 +59,26 @@ def varying_axes(ranks: Iterable[int], degrees: Mapping[str, int]) -> list[str]:
     return [axis for axis in AXES if len({c[axis] for c in seen}) > 1]
 
 
-def stage_rank(stage: int, *, pp: int) -> int:
-    """The pipeline rank hosting ``stage``."""
+PLACEMENTS = ("loop", "v")
+
+
+def _check_style(style: str) -> None:
+    if style not in PLACEMENTS:
+        raise ScheduleError(f"unknown stage placement style={style!r}; expected one of {list(PLACEMENTS)}")
+
+
+def stage_rank(stage: int, *, pp: int, style: str = "loop") -> int:
+    """The pipeline rank hosting ``stage`` under placement ``style`` (see the module docstring)."""
+    _check_style(style)
+    if style == "v" and (stage // pp) % 2 == 1:
+        return pp - 1 - stage % pp
     return stage % pp
 
 
-def stages_of_rank(rank: int, *, n_stages: int, pp: int) -> list[int]:
-    """The stages pipeline rank ``rank`` hosts, in chunk order: ``[rank, rank + pp, ...]``."""
-    return list(range(rank, n_stages, pp))
+def stages_of_rank(rank: int, *, n_stages: int, pp: int, style: str = "loop") -> list[int]:
+    """The stages pipeline rank ``rank`` hosts, in chunk order: ``[rank, rank + pp, ...]`` for ``"loop"``,
+    ``[rank, 2 pp - 1 - rank, 2 pp + rank, ...]`` for ``"v"``."""
+    _check_style(style)
+    if style == "loop":
+        return list(range(rank, n_stages, pp))
+    return [c * pp + (rank if c % 2 == 0 else pp - 1 - rank) for c in range(n_stages // pp)]

@@ -1,8 +1,11 @@
 """The data a pipeline schedule is made of: :class:`Action`, :class:`Schedule`, and their compact text form.
 
 Placement. Stages form a chain ``0 .. S-1``; activations flow from stage ``s`` to ``s + 1`` and gradients from
-``s + 1`` back to ``s``. With ``p`` ranks and ``v = S / p`` chunks per rank, chunk ``c`` of rank ``r`` is stage
-``c * p + r`` (so stage ``s`` lives on rank ``s % p`` as chunk ``s // p``). ``v == 1`` is the plain pipeline.
+``s + 1`` back to ``s``. With ``p`` ranks and ``v = S / p`` chunks per rank, stage ``s`` is chunk ``s // p`` of
+its rank, and a schedule states which rank by its ``placement`` (:mod:`shardline.job.placement`): ``"loop"``
+(the default) puts chunk ``c`` of rank ``r`` at stage ``c * p + r`` (stage ``s`` on rank ``s % p``); ``"v"``
+(ZB-V, DualPipeV) zig-zags, odd chunks running back up the ranks, so with two chunks rank ``r`` hosts stages
+``r`` and ``2 p - 1 - r``. ``v == 1`` is the plain pipeline (both placements agree there).
 
 Actions. An action is ``(kind, stage, microbatch)``, always executed on the rank that hosts ``stage``:
 
@@ -11,7 +14,7 @@ code  kind         meaning (``s`` = the action's stage, ``i`` = its micro-batch)
 ====  ===========  ======================================================================================
 F     forward      run stage ``s`` forward on micro-batch ``i``
 B     backward     backward of stage ``s`` for ``i`` (input and weight gradients; input only if a W follows)
-W     weight       the weight-gradient half of a split backward (room for zero-bubble schedules)
+W     weight       the weight-gradient half of a split backward (the zero-bubble schedules place it)
 SA    send_act     send stage ``s``'s output activation of ``i`` to stage ``s + 1``
 RA    recv_act     receive stage ``s``'s input activation of ``i`` from stage ``s - 1``
 SG    send_grad    send the gradient of stage ``s``'s input for ``i`` to stage ``s - 1``
@@ -30,7 +33,8 @@ one-letter codes (F, B, W) are not prefixes of the two-letter ones (S*, R*). A w
     r0: F0 SA0 F1 SA1 RG0 B0 RG1 B1
     r1: RA0 F0 B0 SG0 RA1 F1 B1 SG1
 
-and ``Schedule.from_text(s.to_text()) == s`` for every schedule ``s``.
+A schedule whose placement is not the default ``loop`` says so at the end of its header line
+(``... microbatches=<m> placement=v``). ``Schedule.from_text(s.to_text()) == s`` for every schedule ``s``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .. import placement
+from .. import placement as _placement
 from ..errors import ScheduleError
 
 
@@ -151,9 +155,10 @@ def _positive(name: str, value) -> list[str]:
 class Schedule:
     """Per-rank ordered actions plus the shape of the pipeline they run on.
 
-    ``actions[r]`` is rank ``r``'s program. Construction checks only the metadata (positive sizes, stages a
-    multiple of ranks, every action on a rank that hosts its stage, indices in range); :func:`validate` proves
-    the rest (data flow, send/recv matching, deadlock freedom).
+    ``actions[r]`` is rank ``r``'s program and ``placement`` the stage -> rank rule (``"loop"`` or ``"v"``, see
+    the module docstring). Construction checks only the metadata (positive sizes, stages a multiple of ranks,
+    every action on a rank that hosts its stage, indices in range); :func:`validate` proves the rest (data flow,
+    send/recv matching, deadlock freedom).
     """
 
     name: str
@@ -161,9 +166,10 @@ class Schedule:
     n_stages: int
     n_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
 
     def __init__(self, actions: Sequence[Iterable[Action]], *, n_stages: int, n_microbatches: int,
-                 name: str = "custom"):
+                 name: str = "custom", placement: str = "loop"):
         actions = tuple(tuple(rank_actions) for rank_actions in actions)
         n_ranks = len(actions)
         problems = (_positive("n_ranks", n_ranks) + _positive("n_stages", n_stages)
@@ -173,6 +179,8 @@ class Schedule:
         if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
             # The name goes into trace annotations (pp_batch_name), whose pattern allows [a-z0-9_].
             problems.append(f"name={name!r} must be a non-empty word of [a-z0-9_]")
+        if placement not in _placement.PLACEMENTS:
+            problems.append(f"placement={placement!r} must be one of {list(_placement.PLACEMENTS)}")
         if problems:
             raise ScheduleError("invalid schedule: " + "; ".join(problems))
         for rank, rank_actions in enumerate(actions):
@@ -182,15 +190,17 @@ class Schedule:
                 if action.stage >= n_stages or action.microbatch >= n_microbatches:
                     raise ScheduleError(f"rank {rank}, step {step}: {action} is out of range for "
                                         f"n_stages={n_stages}, n_microbatches={n_microbatches}")
-                if action.stage % n_ranks != rank:
+                home = _placement.stage_rank(action.stage, pp=n_ranks, style=placement)
+                if home != rank:
                     raise ScheduleError(f"rank {rank}, step {step}: {action} acts on stage {action.stage}, "
-                                        f"which lives on rank {action.stage % n_ranks} (stage s is on rank "
-                                        f"s % n_ranks={n_ranks})")
+                                        f"which lives on rank {home} under placement {placement!r} with "
+                                        f"n_ranks={n_ranks}")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "n_ranks", n_ranks)
         object.__setattr__(self, "n_stages", n_stages)
         object.__setattr__(self, "n_microbatches", n_microbatches)
         object.__setattr__(self, "actions", actions)
+        object.__setattr__(self, "placement", placement)
 
     @property
     def forward_only(self) -> bool:
@@ -203,11 +213,12 @@ class Schedule:
         return self.n_stages // self.n_ranks
 
     def rank_of_stage(self, stage: int) -> int:
-        return placement.stage_rank(stage, pp=self.n_ranks)
+        return _placement.stage_rank(stage, pp=self.n_ranks, style=self.placement)
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        """Stages hosted by ``rank``, in chunk order: ``[rank, rank + p, ...]``."""
-        return placement.stages_of_rank(rank, n_stages=self.n_stages, pp=self.n_ranks)
+        """Stages hosted by ``rank``, in chunk order: ``[rank, rank + p, ...]`` (``"loop"``) or
+        ``[rank, 2 p - 1 - rank, ...]`` (``"v"``)."""
+        return _placement.stages_of_rank(rank, n_stages=self.n_stages, pp=self.n_ranks, style=self.placement)
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         return self.actions[rank]
@@ -215,7 +226,8 @@ class Schedule:
     def to_text(self) -> str:
         with_stage = self.n_chunks > 1
         lines = [f"schedule {self.name} ranks={self.n_ranks} stages={self.n_stages} "
-                 f"microbatches={self.n_microbatches}"]
+                 f"microbatches={self.n_microbatches}" + ("" if self.placement == "loop" else
+                                                          f" placement={self.placement}")]
         for rank, rank_actions in enumerate(self.actions):
             lines.append(f"r{rank}: " + " ".join(a.token(with_stage=with_stage) for a in rank_actions))
         return "\n".join(lines) + "\n"
@@ -225,12 +237,13 @@ class Schedule:
         """Inverse of :meth:`to_text`; blank lines and ``#`` comments are ignored."""
         lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
         lines = [ln for ln in lines if ln]
-        header = re.fullmatch(r"schedule\s+(\S+)\s+ranks=(\d+)\s+stages=(\d+)\s+microbatches=(\d+)",
-                              lines[0]) if lines else None
+        header = re.fullmatch(r"schedule\s+(\S+)\s+ranks=(\d+)\s+stages=(\d+)\s+microbatches=(\d+)"
+                              r"(?:\s+placement=(\S+))?", lines[0]) if lines else None
         if header is None:
             raise ScheduleError("schedule text must start with 'schedule <name> ranks=<p> stages=<S> "
-                                f"microbatches=<m>'; got {lines[0] if lines else text!r}")
-        name, n_ranks, n_stages, n_mb = header.group(1), *map(int, header.groups()[1:])
+                                f"microbatches=<m> [placement=<loop|v>]'; got {lines[0] if lines else text!r}")
+        name, n_ranks, n_stages, n_mb = header.group(1), *map(int, header.groups()[1:4])
+        placement = header.group(5) or "loop"
         programs: dict[int, list[Action]] = {}
         for line in lines[1:]:
             match = re.fullmatch(r"r(\d+):(.*)", line)
@@ -244,4 +257,5 @@ class Schedule:
         missing = sorted(set(range(n_ranks)) - set(programs))
         if missing:
             raise ScheduleError(f"schedule text has no line for ranks {missing}")
-        return cls([programs[r] for r in range(n_ranks)], n_stages=n_stages, n_microbatches=n_mb, name=name)
+        return cls([programs[r] for r in range(n_ranks)], n_stages=n_stages, n_microbatches=n_mb, name=name,
+                   placement=placement)

@@ -23,6 +23,9 @@ With ``p`` ranks and ``m`` micro-batches (unit costs F = B = 1, no communication
   when each chunk action costs 1, so the bubble is ``(p - 1) / (v m + p - 1)``. Requires ``m % p == 0``:
   the group structure is what keeps a rank's next forward input ready, and a ragged last group would need a
   different warm-up per group (not implemented; the error says so).
+- ``zb_h1``, ``zb_h2``, ``zbv``, ``dualpipev``: the zero-bubble schedules with a split backward (B then W),
+  generated in :mod:`~shardline.job.pipeline.zero_bubble` (``zbv`` and ``dualpipev`` on two chunks per rank in
+  a V, ``placement="v"``), which documents their bubble and memory.
 - ``forward_only`` (evaluation): every rank runs the forwards of its stages, micro-batch by micro-batch, with
   the transfers between them and no backward. Validation, prediction and a model's
   evaluation loss run on the same engine as training, with the same transport and shape headers.
@@ -37,10 +40,11 @@ from ..errors import ScheduleError
 from .actions import Action, ActionKind, Schedule, parse_action
 from .render import render, render_png, render_text
 from .simulate import SimulationResult, Timed, simulate, validate
+from .zero_bubble import dualpipev, lower_ordered, zb_h1, zb_h2, zb_v
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "SimulationResult", "Timed", "build_schedule",
-           "forward_only", "gpipe", "interleaved_one_f_one_b", "lower", "one_f_one_b", "parse_action", "render",
-           "render_png", "render_text", "simulate", "validate"]
+           "dualpipev", "forward_only", "gpipe", "interleaved_one_f_one_b", "lower", "lower_ordered", "one_f_one_b",
+           "parse_action", "render", "render_png", "render_text", "simulate", "validate", "zb_h1", "zb_h2", "zb_v"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -52,6 +56,10 @@ class ScheduleKind(str, enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     FORWARD_ONLY = "forward_only"
+    ZB_H1 = "zb_h1"
+    ZB_H2 = "zb_h2"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -182,17 +190,25 @@ def forward_only(n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> Schedu
     return lower(compute, n_stages=p * v, n_microbatches=m, name=ScheduleKind.FORWARD_ONLY.value)
 
 
-def build_schedule(kind: ScheduleKind | str, *, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:
-    """One entry point over the generators (``kind`` as the enum or its value)."""
+def build_schedule(kind: ScheduleKind | str, *, n_ranks: int, n_microbatches: int, n_chunks: int | None = None
+                   ) -> Schedule:
+    """One entry point over the generators (``kind`` as the enum or its value). ``n_chunks`` defaults to 2 for
+    the V-shaped ``zbv`` and ``dualpipev`` (the only count they run) and to 1 for the others."""
     try:
         kind = ScheduleKind(kind)
     except ValueError:
         raise ScheduleError(f"unknown schedule kind {kind!r}; expected one of "
                             f"{[k.value for k in ScheduleKind]}") from None
+    if kind in (ScheduleKind.ZBV, ScheduleKind.DUALPIPEV):
+        generator = zb_v if kind is ScheduleKind.ZBV else dualpipev
+        return generator(n_ranks, n_microbatches, 2 if n_chunks is None else n_chunks)
+    n_chunks = 1 if n_chunks is None else n_chunks
     if kind is ScheduleKind.INTERLEAVED:
         return interleaved_one_f_one_b(n_ranks, n_microbatches, n_chunks)
     if kind is ScheduleKind.FORWARD_ONLY:
         return forward_only(n_ranks, n_microbatches, n_chunks)
     if n_chunks != 1:
         raise ScheduleError(f"schedule {kind.value!r} has one chunk per rank; got n_chunks={n_chunks}")
-    return (gpipe if kind is ScheduleKind.GPIPE else one_f_one_b)(n_ranks, n_microbatches)
+    generator = {ScheduleKind.GPIPE: gpipe, ScheduleKind.ONE_F_ONE_B: one_f_one_b, ScheduleKind.ZB_H1: zb_h1,
+                 ScheduleKind.ZB_H2: zb_h2}[kind]
+    return generator(n_ranks, n_microbatches)

@@ -14,17 +14,30 @@ together (``batch_isend_irecv``, a NCCL group), then the rank waits.
   ``max(its own posting, its partner's posting + t_comm)``: a receive posted after the data arrived waits for
   nothing. (Under a rendezvous transport the transfer would start only once both are posted,
   ``max(both) + t_comm``; the model does not price that.) Compute actions take ``t_forward``, ``t_backward``
-  or ``t_weight``.
+  or ``t_weight`` (three separate costs: with a split backward ``t_backward`` is the input-gradient half only).
 
 Definitions: ``busy_r`` is rank ``r``'s compute time, ``idle_r = makespan - busy_r``, and the bubble fraction is
 ``sum_r idle_r / (p * makespan)``. Under unit costs (F = B = 1, no comm) GPipe and 1F1B give
-``makespan = 2 (m + p - 1)`` and bubble ``(p - 1) / (m + p - 1)``. In flight on a rank: the (stage,
-micro-batch) pairs whose forward has run and whose backward has not (activations held).
+``makespan = 2 (m + p - 1)`` and bubble ``(p - 1) / (m + p - 1)``.
+
+Memory (in flight on a rank). A (stage, micro-batch) pair holds its activations from its forward until its
+backward is complete: until its B when the backward is not split, until its W when it is (the schedule has a W
+for that pair). Between B and W a split backward no longer needs the whole saved graph, only what the
+weight gradients read (each layer's input and its output gradient), so that stretch is counted in two ways:
+
+- ``peak_in_flight`` counts such a pair as fully held (an integer, one per pair from F to W): the conservative
+  count, in which the zero-bubble schedules meet their papers' bounds (``p`` micro-batches for ZB-H1 and
+  ZB-V, ``2 p - 1`` for ZB-H2, ``PP + 1`` chunks for DualPipeV).
+- ``peak_held`` weighs a pair between B and W by ``w_held_fraction`` (a parameter of :func:`simulate`, default
+  1.0, which makes it equal to ``peak_in_flight``): the share of a micro-batch's activation memory that W still
+  reads, for a caller that knows it for its model.
+
+Both are maxima over each rank's program order, so they do not depend on the costs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ScheduleError
 from .actions import Action, ActionKind, Schedule
@@ -44,7 +57,7 @@ class Timed:
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """Timing of a schedule. Lists are indexed by rank."""
+    """Timing of a schedule. Lists are indexed by rank; ``peak_in_flight``/``peak_held`` per the module docstring."""
 
     makespan: float
     busy: list[float]
@@ -52,6 +65,7 @@ class SimulationResult:
     bubble_fraction: float
     peak_in_flight: list[int]
     timeline: list[Timed]
+    peak_held: list[float] = field(default_factory=list)
 
 
 def split_ops(program: tuple[Action, ...]) -> list[tuple[int, list[Action]]]:
@@ -147,15 +161,40 @@ def _check_channels(schedule: Schedule) -> None:
                                     f"{k}: {send} vs {recv} (the k-th send must meet the k-th recv)")
 
 
-def _run(schedule: Schedule, *, strict: bool, costs: dict, t_comm: float):
-    """Event loop shared by validate and simulate; returns (clock per rank, timeline, peak in flight)."""
+class _Memory:
+    """Per-rank activation count: pairs between F and B (``full``) and between B and W (``after_b``)."""
+
+    def __init__(self, schedule: Schedule, w_fraction: float):
+        self.split = [{(a.stage, a.microbatch) for a in program if a.kind is W} for program in schedule.actions]
+        self.full = [set() for _ in schedule.actions]
+        self.after_b = [set() for _ in schedule.actions]
+        self.w_fraction = w_fraction
+        self.peak = [0] * schedule.n_ranks
+        self.peak_held = [0.0] * schedule.n_ranks
+
+    def step(self, rank: int, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        if action.kind is F:
+            self.full[rank].add(key)
+        elif action.kind is B:
+            self.full[rank].discard(key)
+            if key in self.split[rank]:
+                self.after_b[rank].add(key)
+        else:
+            self.after_b[rank].discard(key)
+        full, after = len(self.full[rank]), len(self.after_b[rank])
+        self.peak[rank] = max(self.peak[rank], full + after)
+        self.peak_held[rank] = max(self.peak_held[rank], full + self.w_fraction * after)
+
+
+def _run(schedule: Schedule, *, strict: bool, costs: dict, t_comm: float, w_fraction: float = 1.0):
+    """Event loop shared by validate and simulate; returns (pc, ops, clock per rank, timeline, memory)."""
     ops = [split_ops(program) for program in schedule.actions]
     posted: dict[Action, float] = {}
     pc = [0] * schedule.n_ranks
     clock = [0.0] * schedule.n_ranks
     timeline: list[Timed] = []
-    live = [set() for _ in ops]
-    peak = [0] * schedule.n_ranks
+    memory = _Memory(schedule, w_fraction)
     progress = True
     while progress:
         progress = False
@@ -167,12 +206,7 @@ def _run(schedule: Schedule, *, strict: bool, costs: dict, t_comm: float):
                     cost = costs[head.kind]
                     timeline.append(Timed(rank, head, clock[rank], clock[rank] + cost))
                     clock[rank] += cost
-                    key = (head.stage, head.microbatch)
-                    if head.kind is F:
-                        live[rank].add(key)
-                        peak[rank] = max(peak[rank], len(live[rank]))
-                    elif head.kind is B:
-                        live[rank].discard(key)
+                    memory.step(rank, head)
                 else:
                     for a in batch:
                         posted.setdefault(a, clock[rank])
@@ -182,7 +216,7 @@ def _run(schedule: Schedule, *, strict: bool, costs: dict, t_comm: float):
                     clock[rank] = max([clock[rank]] + [posted[p] + t_comm for p in waits_on])
                 pc[rank] += 1
                 progress = True
-    return pc, ops, clock, timeline, peak
+    return pc, ops, clock, timeline, memory
 
 
 def _deadlock_message(schedule: Schedule, pc, ops) -> str:
@@ -190,7 +224,10 @@ def _deadlock_message(schedule: Schedule, pc, ops) -> str:
     for rank, at in enumerate(pc):
         if at < len(ops[rank]):
             step, batch = ops[rank][at]
-            lines.append(f"rank {rank} blocked at step {step} on [{' '.join(map(str, batch))}]")
+            head = batch[0]
+            lines.append(f"rank {rank} blocked at step {step} on [{' '.join(map(str, batch))}] "
+                         f"({head.kind.value} of micro-batch {head.microbatch} at stage {head.stage}"
+                         + (f", peer stage {head.peer_stage}" if head.peer_stage is not None else "") + ")")
     return f"schedule {schedule.name!r} deadlocks under blocking point-to-point: " + "; ".join(lines)
 
 
@@ -214,19 +251,23 @@ def validate(schedule: Schedule) -> Schedule:
 
 
 def simulate(schedule: Schedule, *, t_forward: float = 1.0, t_backward: float = 2.0, t_comm: float = 0.0,
-             t_weight: float = 1.0) -> SimulationResult:
+             t_weight: float = 1.0, w_held_fraction: float = 1.0) -> SimulationResult:
     """Timing of ``schedule`` (validated first) under the engine's execution model; see the module docstring.
 
     ``t_backward`` is the cost of a B action (the input-gradient half when the schedule has W actions, which
-    cost ``t_weight``).
+    cost ``t_weight``). ``w_held_fraction`` (in ``[0, 1]``) is the share of a micro-batch's activations still
+    held between its B and its W, for ``peak_held``.
     """
     bad = {k: v for k, v in dict(t_forward=t_forward, t_backward=t_backward, t_comm=t_comm,
                                  t_weight=t_weight).items() if not v >= 0}
+    if not 0.0 <= w_held_fraction <= 1.0:
+        bad["w_held_fraction"] = w_held_fraction
     if bad:
-        raise ScheduleError(f"simulate needs non-negative costs, got {bad}")
+        raise ScheduleError(f"simulate needs non-negative costs and w_held_fraction in [0, 1], got {bad}")
     validate(schedule)
-    _, _, clock, timeline, peak = _run(schedule, strict=False, costs={F: t_forward, B: t_backward, W: t_weight},
-                                       t_comm=t_comm)
+    _, _, clock, timeline, memory = _run(schedule, strict=False,
+                                         costs={F: t_forward, B: t_backward, W: t_weight}, t_comm=t_comm,
+                                         w_fraction=w_held_fraction)
     makespan = max(clock) if clock else 0.0
     busy = [0.0] * schedule.n_ranks
     for item in timeline:
@@ -234,4 +275,4 @@ def simulate(schedule: Schedule, *, t_forward: float = 1.0, t_backward: float = 
     idle = [makespan - b for b in busy]
     bubble = sum(idle) / (schedule.n_ranks * makespan) if makespan > 0 else 0.0
     return SimulationResult(makespan=makespan, busy=busy, idle=idle, bubble_fraction=bubble,
-                            peak_in_flight=peak, timeline=timeline)
+                            peak_in_flight=memory.peak, timeline=timeline, peak_held=memory.peak_held)
