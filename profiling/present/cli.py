@@ -8,7 +8,8 @@
   self-contained file), ``tensorboard`` (``-o LOGDIR``, written by ``shardline.profiling.present.tensorboard``). Without
   ``--format`` the format follows the suffix of ``-o`` (``.html``, ``.md``, ``.csv``, ``.json``, ``.parquet``).
 - ``profile diff BEFORE AFTER``: per rank and category, the mean-step time before, after and the delta; the deltas
-  sum to the step-time delta exactly (``diff.diff_breakdowns``).
+  sum to the step-time delta exactly (``diff.diff_breakdowns``). Two single-rank runs compare whatever their rank
+  numbers; ``--rank A:B`` pairs ranks explicitly; captures without step markers are flagged as not comparable.
 - ``profile merge PATH -o FILE``: all ranks in one Chrome trace (``merge.merged_trace``).
 - ``profile whatif PATH --scenario S [--scenario S2 ...]``: the step time per rank and step predicted under each
   scenario (``scenarios.what_if``; ``S`` as ``what_if.Scenario.parse`` reads it, e.g. ``comm_faster:k=2``).
@@ -109,7 +110,12 @@ def add_commands(subparsers) -> None:
     diff.add_argument("after", type=Path)
     diff.add_argument("--format", choices=[f.value for f in DiffFormat], default=DiffFormat.TABLE.value)
     diff.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
-    _load_flags(diff)
+    diff.add_argument("--rank", action="append", default=None, metavar="N|A:B",
+                      help="N: the rank of a trace file that does not record its own (both runs); A:B: compare "
+                           "the before run's rank A with the after run's rank B (repeat, or A:B,C:D, for several "
+                           "pairs; a single pair is also the rank of a file that records none). Two single-rank "
+                           "runs compare whatever their rank numbers without it")
+    _load_flags(diff, rank=False)
     _progress_flag(diff)
     diff.set_defaults(func=run_diff)
 
@@ -136,13 +142,14 @@ def add_commands(subparsers) -> None:
     whatif.set_defaults(func=run_whatif)
 
 
-def _load_flags(parser) -> None:
+def _load_flags(parser, *, rank: bool = True) -> None:
     parser.add_argument("--rules", type=Path, default=None, metavar="FILE",
                         help="YAML or JSON list of communication rules {pattern, category, note, literals}; they "
                              "come before the built-in rules (first match wins) and replace one with the same "
                              "pattern")
-    parser.add_argument("--rank", type=int, default=None, metavar="N",
-                        help="the rank of a single trace file that does not record its own")
+    if rank:  # ``profile diff`` has its own --rank (N, or before:after pairs)
+        parser.add_argument("--rank", type=int, default=None, metavar="N",
+                            help="the rank of a single trace file that does not record its own")
 
 
 def read_rules(path: Path) -> tuple:
@@ -481,19 +488,21 @@ def render_table(table: pd.DataFrame) -> str:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    """Load both runs, attribute both, compare."""
+    """Load both runs, attribute both, compare (``--rank``: see ``diff_ranks``)."""
     from ..analyses.diff import diff_breakdowns
     from ..attribution.core import attribute
 
     try:
+        ranks, pairs = diff_ranks(getattr(args, "rank", None))
         with _stages(["before", "after", "comparing"], enabled=_wants_progress(args)) as done:
             tables = []
-            for path in (args.before, args.after):
+            for path, rank in zip((args.before, args.after), ranks):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # an empty breakdown is refused by the diff, by name
-                    tables.append(attribute(load_traces(path, args), caller="breakdown").breakdown)
+                    run = argparse.Namespace(**{**vars(args), "rank": rank})
+                    tables.append(attribute(load_traces(path, run), caller="breakdown").breakdown)
                 done()
-            result = diff_breakdowns(*tables)
+            result = diff_breakdowns(*tables, pairs=pairs)
             _emit(render_diff(result, fmt=DiffFormat(args.format)), args.output)
             done()
     except (ProfilingError, OSError) as exc:
@@ -501,8 +510,36 @@ def run_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def diff_ranks(texts) -> tuple[tuple[int | None, int | None], tuple[tuple[int, int], ...] | None]:
+    """``profile diff --rank`` values -> (the load rank of the before and after runs' files that record none,
+    the rank pairs to compare or None). ``N``: both files' rank; ``A:B`` (one or more): the pairs, and a single
+    pair's ranks are also the files' ranks."""
+    from ..analyses.diff import parse_pairs
+
+    plain = [t for t in texts or () if ":" not in t]
+    pairs = parse_pairs([t for t in texts or () if ":" in t]) or None
+    if len(plain) > 1 or (plain and pairs):
+        raise UsageError(f"--rank {' '.join(texts)}: give one N, or BEFORE:AFTER pairs, not both")
+    if plain:
+        try:
+            rank = int(plain[0])
+        except ValueError:
+            raise UsageError(f"--rank {plain[0]!r}: expected a rank N or a pair BEFORE:AFTER") from None
+        return (rank, rank), None
+    if pairs and len(pairs) == 1:
+        return pairs[0], pairs
+    return (None, None), pairs
+
+
+def _share_text(value: float) -> str:
+    """A percentage of the table, or "-" where it has no sensible base (NaN)."""
+    return "-" if pd.isna(value) else f"{round(value, 1) + 0.0:.1f}"  # + 0.0: no "-0.0"
+
+
 def render_diff(result, *, fmt: DiffFormat) -> str:
-    """The diff table as csv / json (integer ns), markdown or a terminal table (ms, non-zero rows only)."""
+    """The diff table as csv / json (integer ns), markdown or a terminal table (ms, non-zero rows only); the
+    shares of the delta where they have a sensible base ("-" elsewhere), and every delta as a share of the
+    before step."""
     from ..analyses.diff import ALL_RANKS, explain
 
     fmt = DiffFormat(fmt)
@@ -512,11 +549,20 @@ def render_diff(result, *, fmt: DiffFormat) -> str:
     if fmt is DiffFormat.JSON:
         return table.to_json(orient="records", indent=1, double_precision=15) + "\n"
     shown = table[(table["before_ns"] != 0) | (table["after_ns"] != 0)]
-    display = pd.DataFrame({"rank": shown["rank"].map(lambda r: "all" if r == ALL_RANKS else str(r)),
+    crossed = "rank_after" in shown and bool((shown["rank_after"] != shown["rank"]).any())
+
+    def rank_text(before, after) -> str:
+        if before == ALL_RANKS:
+            return "all"
+        return f"{before}->{after}" if crossed and after != before else str(before)
+
+    after_ranks = shown["rank_after"] if "rank_after" in shown else shown["rank"]
+    display = pd.DataFrame({"rank": [rank_text(b, a) for b, a in zip(shown["rank"], after_ranks)],
                             "column": shown["column"],
                             "before_ms": shown["before_ns"] / 1e6, "after_ms": shown["after_ns"] / 1e6,
                             "delta_ms": shown["delta_ns"] / 1e6,
-                            "share_of_delta_%": (100 * shown["share_of_delta"]).round(1)})
+                            "delta_%_of_step": (100 * shown["delta_of_step"]).map(_share_text),
+                            "share_of_delta_%": (100 * shown["share_of_delta"]).map(_share_text)})
     lines = [explain(result, rank=r) for r in [ALL_RANKS, *sorted(set(table["rank"]) - {ALL_RANKS})]]
     notes = [f"note: {n}" for n in result.notes]
     if fmt is DiffFormat.MD:

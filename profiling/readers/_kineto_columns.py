@@ -34,9 +34,33 @@ from ..base.schema import (
 from ._numtext import decimal_texts_to_scaled
 from ._plan import DecodePath
 
-#: Kineto categories of activity recorded on a GPU stream (current and 2021 legacy spellings).
+#: Kineto categories of activity recorded on a device stream: CUDA/ROCm/XPU (current and 2021 legacy
+#: spellings), MTIA's command-processor events (``mtia_ccp_events``, on a "MTIA N" process, one thread per
+#: "Stream N"), Gaudi's ``hpu_op``, and the Cambricon (``mlu_*``) and Enflame (``GCU_*``) plugins' copies and
+#: annotations (their kernels are ``kernel``), as Kineto's activity-type names spell them (only the MTIA lanes
+#: are checked on a public trace). Each is a device lane: ``pid`` = device, ``tid`` = stream.
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "Kernel", "Memcpy",
-                      "Memset", "gpu_instant_event"})
+                      "Memset", "gpu_instant_event", "mtia_ccp_events", "hpu_op", "mlu_memcpy", "mlu_memset",
+                      "mlu_user_annotation", "GCU_MEMCPY", "GCU_MEMSET", "GCU_USER_ANNOTATION"})
+#: Host-side categories Kineto writes (ops, annotations, runtime and driver calls, overhead, syncs).
+HOST_CATS = frozenset({"cpu_op", "user_annotation", "cpu_instant_event", "python_function", "python", "overhead",
+                       "external_correlation", "cuda_sync", "xpu_sync", "Operator", "Runtime", "Trace", "ac2g",
+                       "fwdbwd", "async", "flow", "collective_comm"})
+#: Device categories the reader knowingly leaves off the device lanes, and why.
+UNREAD_DEVICE_CATS = {
+    "cuda_profiler_range": "CUPTI counter-profiler ranges: each kernel replayed alone to count its metrics, so "
+                           "their times are not the run's",
+}
+#: A category that calls a device runtime or driver (``cuda_runtime``, ``mtia_runtime``, ``xpu_driver`` ...).
+_RUNTIME_CAT = re.compile(r"_(?:runtime|driver)$", re.IGNORECASE)
+#: Words of a category that records device-side activity the reader may not know (``npu_kernel``, ``tpu_op``).
+_DEVICE_WORD = re.compile(r"kernel|gpu|hpu|xpu|npu|tpu|ipu|mtia|mlu|gcu|device|accel|memcpy|memset|dma|stream",
+                          re.IGNORECASE)
+#: The args read as integers that only a number can fill (a text that is not one is warned about, by
+#: ``finish_frame``), by field name: their JSON keys.
+NUMERIC_ARGS = {"correlation": "correlation", "external_id": "External id", "external_id_legacy": "external id",
+                "nbytes": "bytes", "group_size": "Group size", "in_nelems": "In msg nelems",
+                "out_nelems": "Out msg nelems", "src_rank": "Src Rank", "dst_rank": "Dst Rank"}
 #: Categories no analysis uses: the profiler's own span, flows, and Python stacks (unless kept).
 DROP_CATS = frozenset({"Trace", "ac2g", "fwdbwd", "async", "flow"})
 PYTHON_CATS = frozenset({"python_function", "python"})
@@ -88,6 +112,26 @@ def _int(value, overflow: list) -> int:
     return -1
 
 
+def _number_text(text: str, overflow: list) -> int | None:
+    """A numeric arg written as text (ROCm's ``"bytes": "4096"``): an integer literal as Python's int() reads
+    it, or a decimal text of an integral value; -1 (counted in ``overflow``) beyond int64; None when the text is
+    no number."""
+    try:
+        number = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        if not (value.is_integer() and abs(value) < 2**53):
+            return None
+        number = int(value)
+    if _INT64[0] <= number <= _INT64[1]:
+        return number
+    overflow.append(text)
+    return -1
+
+
 def _text(value) -> str:
     if value is None:
         return ""
@@ -98,12 +142,26 @@ def _text(value) -> str:
     return str(value)
 
 
-def _ints(values: list, overflow: list) -> np.ndarray:
-    """int64 column from a list of arg values: one C-level conversion, or per value when types are mixed."""
+def _ints(values: list, overflow: list, bad: list | None = None) -> np.ndarray:
+    """int64 column from a list of arg values: one C-level conversion, or per value when types are mixed.
+    ``bad``: the field is numeric (``NUMERIC_ARGS``): a text is read by ``_number_text``, and the position of
+    one that is no number is appended (its value -1, as if absent)."""
     try:
         return np.array(values, dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
-        return np.array([_int(v, overflow) for v in values], dtype=np.int64)
+        if bad is None:
+            return np.array([_int(v, overflow) for v in values], dtype=np.int64)
+    out = np.empty(len(values), dtype=np.int64)
+    for i, value in enumerate(values):
+        if isinstance(value, str):
+            number = _number_text(value, overflow)
+            if number is None:
+                bad.append(i)
+                number = -1
+            out[i] = number
+        else:
+            out[i] = _int(value, overflow)
+    return out
 
 
 def _texts(values: list) -> pd.Categorical:
@@ -182,21 +240,29 @@ def columns_from_events(events: list, *, keep_python: bool, arrow: bool = True, 
     arg_stream = _field(args, "stream", overflow)
     scaled, bad = _times_ns([*map(_get("ts"), kept), *map(_get("dur"), kept)], arrow=arrow)
     ts, dur = scaled[:n], scaled[n:]
-    external = _ints_or_else(args, "external_id", "external_id_legacy", overflow)
-    dst = _ints_or_else(args, "dst_rank", "src_rank", overflow)
+    not_numbers: list = []  # (row, field) of a numeric arg written as a text that is no number
+
+    def numeric(field: str) -> np.ndarray:
+        return _field(args, field, overflow, not_numbers)
+
+    external = _ints_or_else(args, "external_id", "external_id_legacy", overflow, not_numbers)
+    dst = _ints_or_else(args, "dst_rank", "src_rank", overflow, not_numbers)
     texts = {key: _texts(list(map(_get(key), args))) for key in _TEXT_ARGS}
-    in_nelems, out_nelems = _field(args, "in_nelems", overflow), _field(args, "out_nelems", overflow)
+    in_nelems, out_nelems = numeric("in_nelems"), numeric("out_nelems")
     extra = None
     if op_args:
         extra = {key: _json_texts(list(map(_get(key), args))) for key in JSON_ARG_COLUMNS}
         extra.update(dtype=texts["dtype"], in_nelems=in_nelems, out_nelems=out_nelems)
-    return assemble(
+    columns = assemble(
         ph, cat, _factorize(list(map(_get("name"), kept))), gpu=gpu, pid=pid, tid=tid, arg_device=arg_device,
         arg_stream=arg_stream, ts=ts, dur=dur, bad_time=bad[:n] | bad[n:],
-        correlation=_field(args, "correlation", overflow), external=external, texts=texts,
-        group_size=_field(args, "group_size", overflow), in_nelems=in_nelems, out_nelems=out_nelems,
-        nbytes=_field(args, "nbytes", overflow), seq=_field(args, "seq", overflow), dst=dst,
+        correlation=numeric("correlation"), external=external, texts=texts,
+        group_size=numeric("group_size"), in_nelems=in_nelems, out_nelems=out_nelems,
+        nbytes=numeric("nbytes"), seq=_field(args, "seq", overflow), dst=dst,
         overflow=len(overflow), op_args=extra)
+    columns.not_numbers = [(kept[row].name, NUMERIC_ARGS[field], getattr(args[row], field))
+                           for row, field in not_numbers]
+    return columns
 
 
 #: The args text columns, by their events-table (and ``_Args``) names.
@@ -219,7 +285,8 @@ class Columns:
     beyond int64 ns; ``overflow`` counts integer args beyond int64 (set to -1); ``narrowed`` counts, per int32
     column (``NARROW_COLUMNS``), the values beyond int32 that were set to -1 instead; ``ph`` and ``pid`` only
     serve B/E pairing (``pid`` is all -1 where the batch has no B/E rows). Categoricals: ``ph``, ``cat``,
-    ``name``, ``lane`` and the args texts; every other column is a numpy array.
+    ``name``, ``lane`` and the args texts; every other column is a numpy array. ``not_numbers``: (event name,
+    arg key, text) of each numeric arg written as a text that is no number (read as absent).
 
     A plain class with slots, every field a required keyword: a dataclass of these fields is slow to build at
     import, inside a fresh small read (the reader is imported while ``load``'s prefetch thread reads).
@@ -227,7 +294,7 @@ class Columns:
 
     __slots__ = ("ph", "cat", "name", "lane", "device", "stream", "ts", "dur", "bad_time", "correlation",
                  "external_id", "collective", "pg_name", "pg_desc", "pg_ranks", "pg_size", "msg_bytes", "seq",
-                 "peer", "pid", "overflow", "narrowed", "op_args")
+                 "peer", "pid", "overflow", "narrowed", "op_args", "not_numbers")
 
     ph: pd.Categorical
     cat: pd.Categorical
@@ -253,6 +320,7 @@ class Columns:
     narrowed: dict
     #: the op-args columns by ``schema.OP_ARG_COLUMNS`` name, or None (not asked for)
     op_args: dict | None
+    not_numbers: list
 
     def __init__(self, **columns) -> None:
         missing = [name for name in self.__slots__ if name not in columns]
@@ -300,7 +368,7 @@ def assemble(ph, cat, name, *, gpu, pid, tid, arg_device, arg_stream, ts, dur, b
         seq=seq, peer=_narrow(dst, "peer", narrowed),
         # The process id only matters for pairing B/E events; most traces have none, so it is not kept.
         pid=pid if has_begin_end(ph) else np.full(len(gpu), -1, dtype=np.int64),
-        overflow=overflow, narrowed=narrowed, op_args=op_args)
+        overflow=overflow, narrowed=narrowed, op_args=op_args, not_numbers=[])
 
 
 def _narrow(values: np.ndarray, column: str, narrowed: dict) -> np.ndarray:
@@ -358,27 +426,38 @@ def _arrow_times_ns(raws: list) -> np.ndarray | None:
     return _kineto_arrow.exact_ns(decimals)
 
 
-def _field(items: list, field: str, overflow: list) -> np.ndarray:
-    """int64 column of one attribute of every item, converted without an intermediate list when it can."""
+def _field(items: list, field: str, overflow: list, not_numbers: list | None = None) -> np.ndarray:
+    """int64 column of one attribute of every item, converted without an intermediate list when it can.
+    ``not_numbers``: the field is numeric; (row, field) of each text that is no number is appended."""
     try:
         return np.fromiter(map(_get(field), items), dtype=np.int64, count=len(items))
     except (TypeError, ValueError, OverflowError):
-        return _ints(list(map(_get(field), items)), overflow)
+        bad: list | None = None if not_numbers is None else []
+        out = _ints(list(map(_get(field), items)), overflow, bad)
+        if bad:
+            not_numbers.extend((row, field) for row in bad)
+        return out
 
 
-def _ints_or_else(args: list, field: str, fallback: str, overflow: list) -> np.ndarray:
-    """int64 column of ``field``, taking ``fallback`` where ``field`` is absent (or -1); a present but
-    unreadable or overflowing ``field`` stays -1 (only the rows without ``field`` read ``fallback``)."""
+def _ints_or_else(args: list, field: str, fallback: str, overflow: list, not_numbers: list) -> np.ndarray:
+    """int64 column of numeric ``field``, taking numeric ``fallback`` where ``field`` is absent (or -1); a
+    present but unreadable or overflowing ``field`` stays -1 (only the rows without ``field`` read
+    ``fallback``)."""
     values = list(map(_get(field), args))
     try:
         out = np.array(values, dtype=np.int64)
+        absent = out == -1
     except (TypeError, ValueError, OverflowError):
-        second = _get(fallback)
-        return _ints([v if v != -1 else second(a) for v, a in zip(values, args)], overflow)
-    missing = np.flatnonzero(out == -1)
+        bad: list = []
+        out = _ints(values, overflow, bad)
+        not_numbers.extend((row, field) for row in bad)
+        absent = np.fromiter((type(v) is int and v == -1 for v in values), dtype=bool, count=len(values))
+    missing = np.flatnonzero(absent)
     if len(missing):
         rows = operator.itemgetter(*missing.tolist())(args) if len(missing) > 1 else (args[int(missing[0])],)
-        out[missing] = _field(rows, fallback, overflow)
+        bad_rows: list = []
+        out[missing] = _field(rows, fallback, overflow, bad_rows)
+        not_numbers.extend((int(missing[row]), name) for row, name in bad_rows)
     return out
 
 
@@ -416,6 +495,8 @@ def _concat(batches: list[Columns]) -> dict:
             out[key] = sum(b.overflow for b in batches)
         elif key == "narrowed":
             out[key] = {column: sum(b.narrowed.get(column, 0) for b in batches) for column in NARROW_COLUMNS}
+        elif key == "not_numbers":
+            out[key] = [entry for b in batches for entry in b.not_numbers]
         elif key == "op_args":
             out[key] = None if first is None else {column: _joined([b.op_args.pop(column) for b in batches])
                                                    for column in OP_ARG_COLUMNS}
@@ -448,6 +529,7 @@ def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
         warnings.append(f"{path}: {cols['overflow']} integer args beyond int64 were set to -1")
     warnings.extend(f"{path}: {count} integer values beyond int32 in the {column} column were set to -1"
                     for column, count in cols.pop("narrowed").items() if count)
+    _warn_not_numbers(path, cols.pop("not_numbers"), warnings)
     keep = ~cols.pop("bad_time")
     del cols["overflow"]
     if not keep.all():
@@ -475,6 +557,64 @@ def finish_frame(path: Path, batches: list[Columns], *, base_ns: int, rank: int,
     cols["memory_kind"] = _memory_kind(cols["name"])
     cols["step"] = assign_steps(cols)
     return {column: cols[column] for column in (*COLUMNS, *OP_ARG_COLUMNS) if column in cols}
+
+
+#: At most this many (event, arg) pairs are named in the warnings about numeric args that are no number.
+_NAMED_NOT_NUMBERS = 5
+
+
+def _warn_not_numbers(path: Path, not_numbers: list, warnings: list[str]) -> None:
+    """One warning per (event name, arg key) whose text is no number (the first few pairs; then a count)."""
+    if not not_numbers:
+        return
+    pairs: dict = {}
+    for name, key, text in not_numbers:
+        pairs.setdefault((name, key), []).append(text)
+    for (name, key), texts in itertools.islice(pairs.items(), _NAMED_NOT_NUMBERS):
+        times = f" ({len(texts)} events)" if len(texts) > 1 else ""
+        warnings.append(f"{path}: event {name!r} has args {key!r} = {texts[0]!r}{times}, which is no number; the "
+                        f"event is kept without its {key!r}")
+    if len(pairs) > _NAMED_NOT_NUMBERS:
+        rest = sum(len(texts) for texts in itertools.islice(pairs.values(), _NAMED_NOT_NUMBERS, None))
+        warnings.append(f"{path}: {rest} more events of {len(pairs) - _NAMED_NOT_NUMBERS} other names have a "
+                        "numeric arg that is no number; kept without it")
+
+
+def unread_device_categories(categories) -> list[str]:
+    """The categories among ``categories`` that look like device activity (a device word in a category no
+    Kineto host category and no known device category is) and that the reader therefore does not put on a
+    device lane."""
+    return sorted(c for c in categories if c in UNREAD_DEVICE_CATS or (
+        c and c not in GPU_CATS and c not in HOST_CATS and not _RUNTIME_CAT.search(c) and _DEVICE_WORD.search(c)))
+
+
+def device_lane_note(counts: dict[str, int], *, on_device: bool) -> str | None:
+    """What to say of one rank's trace whose events fall in ``counts`` (category -> events) and that has
+    device-lane rows or not (``on_device``): never a silent CPU-only reading of a device trace. A note when its
+    device activity is in categories not read as device lanes, or when it calls a device runtime but records
+    no device activity at all; else None. (``table.load`` warns with it, once per note.)"""
+    unread = unread_device_categories(counts)
+    if unread:
+        listed = ", ".join(f"{c} ({counts[c]} events" + (f": {UNREAD_DEVICE_CATS[c]})" if c in UNREAD_DEVICE_CATS
+                                                           else ")") for c in unread)
+        if on_device:
+            return (f"events in {listed} look like device activity this reader does not read as device lanes; "
+                    "the device breakdown leaves them out")
+        return (f"the breakdown is CPU-only: the trace's device activity is in {listed}, which this reader does "
+                "not read as device lanes (it reads kernel, gpu_memcpy, gpu_memset, mtia_ccp_events, hpu_op and "
+                "the like)")
+    runtime = sorted(c for c in counts if counts[c] and _RUNTIME_CAT.search(c))
+    if runtime and not on_device:
+        listed = ", ".join(f"{c} ({counts[c]} calls)" for c in runtime)
+        return (f"the breakdown is CPU-only: the trace calls a device runtime ({listed}) but records no device "
+                "activity (no kernel, copy or device-op events), so its device lanes cannot be read")
+    return None
+
+
+def device_lane_suspects(categories) -> tuple[bool, bool]:
+    """(any category is unread device activity, any calls a device runtime): whether ``device_lane_note`` may
+    have something to say of a trace with these categories."""
+    return bool(unread_device_categories(categories)), any(_RUNTIME_CAT.search(c) for c in categories if c)
 
 
 _KINETO = pd.CategoricalDtype(pd.Index(["kineto"], dtype=_STR))

@@ -20,24 +20,26 @@ from . import Damage, _buffers, truncation
 
 class _Args(msgspec.Struct, gc=False):
     # Typed with -1 / "" defaults so columns build with one C-level conversion. Fields producers disagree on
-    # (ROCm writes ``"stream": "0x0"``; torch has written ranks as text and as lists) admit both types.
-    correlation: int = -1
-    external_id: int = msgspec.field(name="External id", default=-1)
-    external_id_legacy: int = msgspec.field(name="external id", default=-1)
+    # (ROCm writes ``"stream": "0x0"`` and some versions ``"bytes": "4096"``; torch has written ranks as text
+    # and as lists) admit both types: a numeric field's text is read as its number (``_kineto_columns``, which
+    # warns about a text that is none and keeps the event without it).
+    correlation: int | str = -1
+    external_id: int | str = msgspec.field(name="External id", default=-1)
+    external_id_legacy: int | str = msgspec.field(name="external id", default=-1)
     device: int | str = -1
     stream: int | str = -1
-    nbytes: int = msgspec.field(name="bytes", default=-1)
+    nbytes: int | str = msgspec.field(name="bytes", default=-1)
     collective: str = msgspec.field(name="Collective name", default="")
     pg_name: str | int = msgspec.field(name="Process Group Name", default="")
     pg_desc: str = msgspec.field(name="Process Group Description", default="")
     pg_ranks: str | list = msgspec.field(name="Process Group Ranks", default="")
-    group_size: int = msgspec.field(name="Group size", default=-1)
-    in_nelems: int = msgspec.field(name="In msg nelems", default=-1)
-    out_nelems: int = msgspec.field(name="Out msg nelems", default=-1)
+    group_size: int | str = msgspec.field(name="Group size", default=-1)
+    in_nelems: int | str = msgspec.field(name="In msg nelems", default=-1)
+    out_nelems: int | str = msgspec.field(name="Out msg nelems", default=-1)
     dtype: str = ""
     seq: int | str = msgspec.field(name="Seq", default=-1)
-    src_rank: int = msgspec.field(name="Src Rank", default=-1)
-    dst_rank: int = msgspec.field(name="Dst Rank", default=-1)
+    src_rank: int | str = msgspec.field(name="Src Rank", default=-1)
+    dst_rank: int | str = msgspec.field(name="Dst Rank", default=-1)
 
 
 class Event(msgspec.Struct, gc=False):

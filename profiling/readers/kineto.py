@@ -5,11 +5,16 @@ absolute µs times, the 2021 legacy categories (``Operator``/``Runtime``/``Kerne
 tids such as ``"stream 7"``, lower-case ``external id``), CPU-only and gloo traces, ROCm traces.
 
 Times: ``start_ns = baseTimeNanoseconds + ts·1000`` and ``dur_ns = dur·1000``, computed from the number *text*
-(``_numtext``), so ns fractions survive exactly. Lanes: Kineto puts GPU activity (``kernel``, ``gpu_memcpy``,
-``gpu_memset``, ``gpu_user_annotation`` and the legacy ``Kernel``/``Memcpy``/``Memset``) on ``pid`` = device and
-``tid`` = stream; the ``device``/``stream`` args win when present. Everything else is a CPU lane whose
-``stream`` is the thread id. Kept: complete events (``ph`` X) and B/E pairs; dropped: metadata, flows,
-instant events, the profiler's own ``Trace`` span, and ``python_function`` stacks unless ``keep_python``.
+(``_numtext``), so ns fractions survive exactly. Lanes: Kineto puts device activity (``kernel``, ``gpu_memcpy``,
+``gpu_memset``, ``gpu_user_annotation``, the legacy ``Kernel``/``Memcpy``/``Memset``, MTIA's ``mtia_ccp_events``,
+Gaudi's ``hpu_op``: ``_kineto_columns.GPU_CATS``) on ``pid`` = device and ``tid`` = stream; the
+``device``/``stream`` args win when present. Everything else is a CPU lane whose ``stream`` is the thread id. A
+trace whose device activity is in categories not read as device lanes, or that calls a device runtime but
+records no device activity, is warned about by ``load`` (``_kineto_columns.device_lane_note``): its breakdown is
+CPU-only. Numeric args written as text (ROCm's ``"bytes": "4096"``) are read as their numbers; a text that is no
+number is warned about, naming the event and the arg, and the event is kept without it. Kept: complete events
+(``ph`` X) and B/E pairs; dropped: metadata, flows, instant events, the profiler's own ``Trace`` span, and
+``python_function`` stacks unless ``keep_python``.
 
 Decoding is columnar, by one of five paths that give the same columns (``_kineto_columns.Columns``): the
 native C scanner, a memory-mapped stream of chunks, msgspec in one call, Arrow chunks, and msgspec slices

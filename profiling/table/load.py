@@ -41,7 +41,7 @@ from ..base.schema import (
 )
 from ..readers import Damage, Format, ReadResult, sniff
 from ..readers._buffers import prefetch
-from ..readers._kineto_columns import PYTHON_CATS
+from ..readers._kineto_columns import PYTHON_CATS, device_lane_note, device_lane_suspects
 from ..readers._plan import plan
 from ..readers.join import join_nccl_log
 from .classify import classify_in_place
@@ -137,6 +137,10 @@ def load(path: str | Path, *, rank: int | Mapping[str | Path, int] | None = None
         for note in joined_notes:
             _warnings.warn(note, TraceWarning, stacklevel=2)
         notes += joined_notes
+    lane_notes = _device_lane_notes(events, file_ranks)
+    for note in lane_notes:
+        _warnings.warn(note, TraceWarning, stacklevel=2)
+    notes += lane_notes
     if classify:  # checks the table (check_events) before it fills category and dim
         events = classify_in_place(events, layout=layout)  # the loaded table is ours alone: no copy
     else:
@@ -361,6 +365,40 @@ def _unspill(result: ReadResult) -> ReadResult:
 def _reader(fmt: Format):
     module, function = _READERS[fmt]
     return getattr(importlib.import_module(module), function)
+
+
+def _device_lane_notes(events: pd.DataFrame, file_ranks: dict[Path, tuple[int, ...]]) -> list[str]:
+    """Never a silent CPU-only analysis of a device trace: the ranks whose device activity is not read as
+    device lanes, or that call a device runtime but record no device activity (``device_lane_note``), one
+    warning per distinct note naming its ranks and a file of theirs. Each rank is looked at only when the
+    set's categories give cause (most sets: none, or every rank has device rows)."""
+    if not len(events) or not isinstance(events["cat"].dtype, pd.CategoricalDtype):
+        return []
+    cats = events["cat"].array
+    codes = np.asarray(cats.codes)
+    texts = category_texts(cats.categories)
+    present = np.bincount(codes[codes >= 0], minlength=len(texts))
+    unread, runtime = device_lane_suspects([t for t, n in zip(texts, present.tolist()) if n])
+    if not (unread or runtime):
+        return []
+    rank = events["rank"].to_numpy()
+    gpu = (events["lane"] == "gpu").to_numpy()
+    with_device = set(pd.unique(rank[gpu]).tolist())
+    suspects = [r for r in pd.unique(rank).tolist() if unread or r not in with_device]
+    by_note: dict[str, list[int]] = {}
+    for r in suspects:
+        mine = rank == r
+        counts = np.bincount(codes[mine & (codes >= 0)], minlength=len(texts)).tolist()
+        note = device_lane_note({t: n for t, n in zip(texts, counts) if n}, on_device=r in with_device)
+        if note is not None:
+            by_note.setdefault(note, []).append(int(r))
+    out = []
+    for note, ranks in by_note.items():
+        files = sorted(str(f) for f, held in file_ranks.items() if set(held) & set(ranks))
+        where = files[0] + (f" and {len(files) - 1} more files" if len(files) > 1 else "") if files else "trace"
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {sorted(ranks)}"
+        out.append(f"{where}: {who}: {note}")
+    return out
 
 
 def _read(file: Path, fmt: Format, *, rank: int | None, keep_python: bool, op_args: bool = False,

@@ -77,7 +77,8 @@ _INT32 = (-(2**31), 2**31 - 1)
 #: the columns the events table stores as int32, that a trace's integers fill (``rank`` aside)
 NARROW = ("device", "pg_size", "peer")
 _GPU = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "Kernel", "Memcpy", "Memset",
-        "gpu_instant_event"}
+        "gpu_instant_event", "mtia_ccp_events", "hpu_op", "mlu_memcpy", "mlu_memset", "mlu_user_annotation",
+        "GCU_MEMCPY", "GCU_MEMSET", "GCU_USER_ANNOTATION"}
 _DROPPED = {"Trace", "ac2g", "fwdbwd", "async", "flow"}
 _PYTHON = {"python_function", "python"}
 #: bytes per element of torch's scalar types, as the profiler names them

@@ -101,8 +101,10 @@ def test_different_step_counts_and_ranks_still_sum_exactly(seed):
 
 def test_no_common_rank_or_empty_run_is_refused():
     rng = np.random.default_rng(0)
+    # Two single-rank runs compare whatever their rank numbers (issue 50 §4): disjoint multi-rank runs are refused.
     with pytest.raises(AttributionError, match="no rank in both runs"):
-        diff_breakdowns(_random_breakdown(rng, ranks=[0], steps=1), _random_breakdown(rng, ranks=[1], steps=1))
+        diff_breakdowns(_random_breakdown(rng, ranks=[0, 1], steps=1),
+                        _random_breakdown(rng, ranks=[2, 3], steps=1))
     with pytest.raises(AttributionError, match="before run has nothing attributed"):
         diff_breakdowns(_random_breakdown(rng, ranks=[0], steps=1).iloc[:0], _random_breakdown(rng, ranks=[0],
                                                                                                    steps=1))
