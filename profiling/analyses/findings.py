@@ -23,7 +23,9 @@ synthetic trace that triggers it and one that must not (tests/profiling/test_fin
   with that domain's levers: a recommender's embedding exchange (TorchRec's pipelined sparse dist, quantized
   comms), MoE expert dispatch/combine (DeepEP, shared experts), Ulysses attention (overlap, or ring
   attention); an all-to-all of unknown use gets no domain advice. Saves: ``what_if`` ``overlap:category=c``
-  on the path, else that exposed time (exact bound).
+  on the path, else that exposed time (exact bound). The replay hides the calls' data movement, not their
+  waits for the last rank to arrive: where most of the exposed time is such waiting (``wait_transfer``; the
+  measurement says so), the saving is small and the straggler finding carries the wait.
 - ``tp_across_nodes``: tensor-parallel collectives whose group spans more than one node
   (``collective_bandwidth``'s ``nodes``): "keep tp within a node", with the achieved bus bandwidth against the
   NIC's limit. Saves: ``what_if`` ``comm_faster:k=intra/NIC,dim=tp`` (the same collectives on the node's
@@ -34,12 +36,26 @@ synthetic trace that triggers it and one that must not (tests/profiling/test_fin
   another stage does other work). Saves: ``what_if`` ``no_straggler:rank=R`` (critical-path replay), else
   the wait it caused others (the matched waits whose last arriver it is).
 - ``host_bound``: GPU idle because the host launched late (``idle_host_bound``) at least ``threshold`` of the
-  step: CUDA graphs / torch.compile / fewer, larger kernels, with the launch delays and short-kernel count.
+  step: CUDA graphs / torch.compile / fewer, larger kernels, with the launch delays and short-kernel count and
+  where the launching thread was busy (its largest culprit: annotation, op, ranks, steps).
   Saves: that idle (exact bound).
-- ``pageable_copies``: H2D/D2H copies from or to pageable host memory: "pin the offload buffers". Saves: the
-  exposed time with a pageable copy running (exact bound).
+- ``pageable_copies``: H2D/D2H copies from or to pageable host memory: pin the host buffers (the input
+  pipeline's, in a recommender; the offload buffers otherwise). A pageable copy's launch call blocks the host
+  until the copy is done, so what it costs is the GPU idle while the host was blocked in those calls
+  (``attribution.idle.pageable_idle``), not the copy's own transfer time. Saves: ``what_if``
+  ``no_idle:cause=pageable`` on the path, else that idle (exact bound); the measurement gives that idle on
+  the mean rank and names where the host was blocked (annotation -> op -> call,
+  ``attribution.idle.idle_culprits``) with ranks and steps. A trace without the copies' launch calls does not
+  say how long the host was blocked: then the copies' exposed run time (exact bound), and the text says so.
+- ``host_blocked``: GPU idle while the host was blocked in a synchronise or ``.item()`` (``idle_sync``, less the
+  pageable copies' part) or waiting for data (``idle_dataloader``), at least ``threshold`` of the step, each
+  named by its largest culprit: take the synchronisation out of the step / load ahead. Saves: that idle
+  (exact bound; ``what_if`` ``no_idle:cause=dataloader`` for data loading).
 - ``comm_coverage``: a communication op with no communication kernel, or the reverse (``comm_coverage``):
   a diagnostic -- name the kernel with a ``CommRule``.
+
+A finding whose saving is below the steps' own spread (``step_noise``: the standard deviation of the step
+time over steps) is ``minor``: listed after the others (the report shows it in a short "minor" list).
 
 Every number a finding prints is one of its own columns' numbers, and each finding's source numbers come from
 the report's frames (the breakdown, the pipeline table, the bandwidth rows, the launch statistics). Times are
@@ -51,6 +67,7 @@ noise; ``saves_ns`` keeps the exact value. Percentages have two decimals.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from decimal import ROUND_HALF_UP, Decimal
@@ -59,6 +76,7 @@ import numpy as np
 import pandas as pd
 
 from ..attribution.core import comm_by_dim
+from ..attribution.idle import empty_culprits, idle_culprits, pageable_launches
 from ..base.errors import ProfilingError
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import stage_peers, within_stage
@@ -66,7 +84,7 @@ from ..matching.links import link_table
 from ..matching.pipelines import MEASURED_METHODS
 from ..table.workload import AllToAllUse, Workload, detect_workload
 
-FINDING_COLUMNS = ("rank", "rule", "saves_ns", "method", "measured", "change", "text")
+FINDING_COLUMNS = ("rank", "rule", "saves_ns", "method", "measured", "change", "text", "minor")
 
 _ADVICE = {
     "all_gather": "ZeRO-3 / FSDP parameter prefetch is not overlapping compute: prefetch further ahead "
@@ -140,6 +158,16 @@ class _Context:
         """The report's detected workload (``sections.workload``), else detected here from the events."""
         found = getattr(self.sections, "workload", None)
         return found if isinstance(found, Workload) else detect_workload(self.attribution.events)
+
+    @functools.cached_property
+    def culprits(self) -> pd.DataFrame:
+        """The host calls behind the host-blocked idle (``attribution.idle.idle_culprits``), all ranks: the
+        report's frame (``sections.idle_culprits``) where it has one."""
+        found = getattr(self.sections, "extra", {}).get("idle_culprits") if self.sections is not None else None
+        if isinstance(found, pd.DataFrame):
+            return found
+        frames = [idle_culprits(self.attribution, rank) for rank in self.attribution.working]
+        return pd.concat(frames, ignore_index=True) if frames else empty_culprits()
 
     @property
     def step_ns(self) -> float:
@@ -226,11 +254,27 @@ def _exposed_collective(ctx: _Context, threshold: float) -> list[Finding]:
             if workload.all_to_all is not AllToAllUse.UNKNOWN:
                 name += f" ({workload.all_to_all.value})"
             measured = f"; {workload.all_to_all_text()}" if workload.all_to_all_calls else ""
+        waiting, why = _wait_share(ctx, category), ""
+        if waiting >= 0.5:  # overlap hides data movement, not a wait for the last rank to arrive
+            measured += (f"; {_pct(waiting)} of its calls' time is waiting for the last rank to arrive, which "
+                         "overlapping cannot hide (see the straggler finding)")
+            why = f" ({_pct(waiting)} of it is waiting for the last rank: overlap recovers only the transfer)"
         out.append(Finding("exposed_collective", saved, method,
                            f"exposed {name} {_pct(share)} of the step (mean over ranks and steps; {_ms(bound)} "
                            f"ms/step on the mean rank){measured}", advice,
-                           f"exposed {name} {_pct(share)} of step: {advice}; −{_ms(saved)} ms/step"))
+                           f"exposed {name} {_pct(share)} of step{why}: {advice}; −{_ms(saved)} ms/step"))
     return out
+
+
+def _wait_share(ctx: _Context, category: str) -> float:
+    """Of the matched calls of ``category`` (``sections.wait_transfer``), the share of their time spent waiting
+    for the last rank; NaN where none was matched."""
+    table = getattr(ctx.sections, "wait_transfer", None)
+    if table is None or not len(table) or "category" not in table:
+        return math.nan
+    rows = table[table["category"].astype(str) == category]
+    total = float(rows["dur_ns"].sum())
+    return float(rows["wait_ns"].sum()) / total if total > 0 else math.nan
 
 
 def _tp_across_nodes(ctx: _Context, threshold: float) -> list[Finding]:
@@ -331,8 +375,47 @@ def _host_bound(ctx: _Context, threshold: float) -> list[Finding]:
         delay = float(launch["launch_delay_median_ns"].median())
         detail = f" (launch delay median {delay / 1e3:.1f} µs, {int(launch['short_kernels'].sum())} kernels < 10 µs)"
     measured = f"GPU idle waiting for the host {_pct(share)} of step{detail}"
+    culprits = ctx.culprits
+    rows = culprits[culprits["cause"] == "idle_host_bound"] if len(culprits) else culprits
+    if len(rows):
+        measured += f", the launching thread busy in {_evidence(rows)}"
     change = "launch ahead of the GPU: CUDA graphs or torch.compile, fewer and larger kernels, less Python per step"
     return [Finding("host_bound", saved, method, measured, change, f"{measured}: {change}; −{_ms(saved)} ms/step")]
+
+
+def _per_step_of(ctx: _Context, rows: pd.DataFrame) -> float:
+    """The mean per step (over the breakdown's (rank, step) rows, 0 where ``rows`` has none) of ``rows``'
+    ``idle_ns``."""
+    if not len(rows):
+        return 0.0
+    totals = rows.groupby(["rank", "step"])["idle_ns"].sum()
+    keys = pd.MultiIndex.from_arrays([ctx.breakdown["rank"], ctx.breakdown["step"]])
+    return ctx.per_step(pd.Series(totals.reindex(keys).fillna(0).to_numpy(dtype=float)))
+
+
+def _evidence(rows: pd.DataFrame) -> str:
+    """Where the idle of ``rows`` (culprit rows) is: its largest (annotation, op, call) with ranks and steps."""
+    keys = ["annotation", "op", "call"]
+    top = rows.groupby(keys, sort=False)["idle_ns"].sum().sort_values(ascending=False, kind="stable")
+    annotation, op, call = top.index[0]
+    mine = rows[(rows[keys] == [annotation, op, call]).all(axis=1)]
+    where = " → ".join(x for x in (annotation, op, call) if x) or "no host op recorded"
+    ranks, steps = sorted(set(mine["rank"].tolist())), sorted(set(mine["step"].tolist()))
+    share = float(top.iloc[0]) / float(top.sum()) if top.sum() > 0 else math.nan
+    return (f"{where} ({_pct(share)} of it; ranks {_span(ranks)}, steps {_span(steps)}, "
+            f"{int(mine['gaps'].sum())} gaps)")
+
+
+def _span(values: list[int]) -> str:
+    if len(values) > 2 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ", ".join(str(v) for v in values[:8]) + (", ..." if len(values) > 8 else "")
+
+
+def _bounded(ctx: _Context, scenario: str, bound: float) -> tuple[float, str]:
+    """The ``what_if`` saving of ``scenario`` when it runs, else ``bound`` (the attribution's exact bound)."""
+    saved, method = _what_if_saving(ctx, scenario)
+    return (bound, "exact bound") if math.isnan(saved) else (saved, method)
 
 
 def _pageable_copies(ctx: _Context, threshold: float) -> list[Finding]:
@@ -340,14 +423,63 @@ def _pageable_copies(ctx: _Context, threshold: float) -> list[Finding]:
     if offload is None or offload.empty or not (offload["pageable_copies"] > 0).any():
         return []
     copies = int(offload["pageable_copies"].sum())
+    culprits = ctx.culprits
+    blocked = culprits[culprits["pageable"].astype(bool)] if len(culprits) else culprits
     bd = ctx.breakdown
-    saved = ctx.per_step(bd["pageable_memcpy_ns"]) if "pageable_memcpy_ns" in bd else math.nan
+    if sum(pageable_launches(ctx.attribution, rank) for rank in ctx.attribution.working):
+        # What pinning gives back is the GPU idle the blocking copies cause, not their own transfer time.
+        idle = _per_step_of(ctx, blocked)
+        saved, method = _bounded(ctx, "no_idle:cause=pageable", idle)
+        measured = f"pageable host memory in {copies} copies: GPU idle {_ms(idle)} ms/step (mean rank) while the " \
+                   f"host is blocked in them"
+    else:  # no launch call of theirs in the trace: how long the host was blocked is not recorded
+        saved = ctx.per_step(bd["pageable_memcpy_ns"]) if "pageable_memcpy_ns" in bd else math.nan
+        method = "exact bound"
+        measured = (f"pageable host memory in {copies} copies (no launch calls in the trace: priced by the time "
+                    f"they run, not by the host's blocking)")
     if not saved >= threshold * ctx.step_ns:
         return []
-    measured = f"pageable host memory in {copies} copies"
-    change = "pin the offload buffers (pin_memory=True, DeepSpeed offload pin_memory)"
-    return [Finding("pageable_copies", saved, "exact bound", measured, change,
-                    f"{measured}: {change}; up to −{_ms(saved)} ms/step")]
+    if len(blocked):
+        measured += f", under {_evidence(blocked)}"
+    change = _pageable_change(ctx)
+    return [Finding("pageable_copies", saved, method, measured, change,
+                    f"{measured}: {change}; −{_ms(saved)} ms/step")]
+
+
+def _pageable_change(ctx: _Context) -> str:
+    if ctx.workload.all_to_all is AllToAllUse.EMBEDDING:
+        return ("pin the host tensors the input pipeline copies (DataLoader pin_memory=True, "
+                "tensor.pin_memory() before .to(device, non_blocking=True); TorchRec: pinned KJT batches)")
+    return ("pin the host buffers (DataLoader pin_memory=True, .to(device, non_blocking=True) from pinned "
+            "tensors, DeepSpeed offload pin_memory)")
+
+
+_BLOCKED_ADVICE = {
+    "idle_sync": ("the host waits for the GPU in {where}: take the synchronisation out of the step (no .item() / "
+                  ".cpu() / .tolist() on GPU tensors per step; log every N steps; non_blocking copies)"),
+    "idle_dataloader": ("the GPU waits for data in {where}: load ahead of the step (more DataLoader workers, "
+                        "pin_memory=True, prefetch_factor, persistent_workers)"),
+}
+
+
+def _host_blocked(ctx: _Context, threshold: float) -> list[Finding]:
+    culprits = ctx.culprits
+    if not len(culprits):
+        return []
+    out = []
+    for cause, scenario in (("idle_sync", None), ("idle_dataloader", "no_idle:cause=dataloader")):
+        rows = culprits[(culprits["cause"] == cause) & ~culprits["pageable"].astype(bool)]
+        bound = _per_step_of(ctx, rows)
+        if not len(rows) or not bound >= threshold * ctx.step_ns:
+            continue
+        # idle_sync also holds the pageable copies' idle (their own finding): its scenario would count it twice.
+        saved, method = _bounded(ctx, scenario, bound) if scenario else (bound, "exact bound")
+        evidence = _evidence(rows)
+        measured = f"GPU idle {_ms(bound)} ms/step under {evidence}"
+        change = _BLOCKED_ADVICE[cause].format(where=evidence.split(" (")[0])
+        out.append(Finding("host_blocked", saved, method, measured, change,
+                           f"{change}; −{_ms(saved)} ms/step"))
+    return out
 
 
 def _comm_coverage(ctx: _Context, threshold: float) -> list[Finding]:
@@ -371,6 +503,8 @@ DEFAULT_RULES: tuple[FindingRule, ...] = (
     FindingRule("straggler", 0.05, _straggler, "one rank's late arrivals cost others >= 5% of the step"),
     FindingRule("host_bound", 0.10, _host_bound, "host-bound GPU idle >= 10% of the step"),
     FindingRule("pageable_copies", 0.0, _pageable_copies, "copies from/to pageable host memory"),
+    FindingRule("host_blocked", 0.02, _host_blocked, "GPU idle under a host synchronise or data-loading wait "
+                ">= 2% of the step"),
     FindingRule("comm_coverage", 0.0, _comm_coverage, "communication the rules do not know"),
 )
 
@@ -388,13 +522,22 @@ def _what_if_saving(ctx: _Context, scenario: str) -> tuple[float, str]:
     return float(whole["saved_ns"].mean()), str(whole["method"].iloc[0])
 
 
+def step_noise(breakdown: pd.DataFrame) -> float:
+    """The step-to-step spread of a breakdown: the standard deviation (n - 1) over steps of the step time (each
+    step's mean over ranks); 0 with fewer than two steps."""
+    if not len(breakdown):
+        return 0.0
+    steps = breakdown.groupby("step")["step_ns"].mean()
+    return float(steps.std(ddof=1)) if len(steps) > 1 else 0.0
+
+
 def evaluate(attribution, sections, *, what_if: Callable[[str], pd.DataFrame],
              bandwidth_rows: Callable[[], pd.DataFrame], rules: Sequence[FindingRule] = DEFAULT_RULES) -> pd.DataFrame:
-    """The findings of ``attribution`` given its report's ``sections`` (``present.report_sections``, whose
-    ``findings`` is the entry point for a trace set), one row each (``FINDING_COLUMNS``), the largest saving
-    first and diagnostics last. The rules ask ``what_if(scenario text)`` (``what_if``'s table of the
-    attribution) and ``bandwidth_rows()`` (``traffic.bandwidth_rows`` of the attribution): analyses of other
-    modules, which the caller gives."""
+    """The findings of ``attribution`` given its report's ``sections`` (``present.report_sections``, whose ``findings``
+    is the entry point for a trace set), one row each (``FINDING_COLUMNS``), the largest saving first, then the
+    ``minor`` ones (a saving below ``step_noise``), diagnostics last. The rules ask ``what_if(scenario text)``
+    (``what_if``'s table of the attribution) and ``bandwidth_rows()`` (``traffic.bandwidth_rows`` of the
+    attribution): analyses of other modules, which the caller gives."""
     context = _Context(attribution, sections, what_if, bandwidth_rows)
     found: list[Finding] = []
     for rule in rules:
@@ -404,10 +547,13 @@ def evaluate(attribution, sections, *, what_if: Callable[[str], pd.DataFrame],
     frame = pd.DataFrame([dataclasses.asdict(f) for f in found],
                          columns=[c for c in FINDING_COLUMNS if c != "rank"])
     if frame.empty:
-        return pd.DataFrame({c: pd.Series(dtype=float if c == "saves_ns" else (int if c == "rank" else object))
-                             for c in FINDING_COLUMNS})
+        types = {"saves_ns": float, "rank": int, "minor": bool}
+        return pd.DataFrame({c: pd.Series(dtype=types.get(c, object)) for c in FINDING_COLUMNS})
     frame["saves_ns"] = frame["saves_ns"].astype(float)
-    order = np.lexsort((frame["rule"].to_numpy(), -frame["saves_ns"].fillna(-1).to_numpy()))
+    # Below the steps' own spread a saving cannot be told from noise: listed, but among the minor ones.
+    frame["minor"] = (frame["saves_ns"] < step_noise(context.breakdown)).to_numpy()
+    order = np.lexsort((frame["rule"].to_numpy(), -frame["saves_ns"].fillna(-1).to_numpy(),
+                        frame["minor"].to_numpy(), frame["saves_ns"].isna().to_numpy()))
     frame = frame.iloc[order].reset_index(drop=True)
     frame.insert(0, "rank", np.arange(1, len(frame) + 1))
     return frame[list(FINDING_COLUMNS)]

@@ -1,5 +1,5 @@
-"""Per-(rank, step) idle split by cause and per-rank launch statistics, from the breakdown's idle causes
-(``attribution.idle``, whose docstring has the rules)."""
+"""Per-(rank, step) idle split by cause, the host calls behind it, and per-rank launch statistics, from the
+breakdown's idle causes (``attribution.idle``, whose docstring has the rules)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,18 @@ import numpy as np
 import pandas as pd
 
 from ..attribution.core import attribute
-from ..attribution.idle import IDLE_CAUSES, LAUNCH_STATS_COLUMNS, idle_causes, idle_sets, rank_launch_stats
+from ..attribution.idle import (
+    IDLE_CAUSES,
+    LAUNCH_STATS_COLUMNS,
+    empty_culprits,
+    idle_causes,
+    idle_culprits,
+    idle_sets,
+    rank_launch_stats,
+)
 from ..base import intervals as iv
 
-__all__ = ["idle_breakdown", "launch_stats"]
+__all__ = ["culprits", "idle_breakdown", "launch_stats", "other_share"]
 
 
 def idle_breakdown(source, *, layout: Mapping[str, int] | None = None) -> pd.DataFrame:
@@ -45,3 +53,22 @@ def launch_stats(source, *, layout: Mapping[str, int] | None = None) -> pd.DataF
                          "launch_delay_p90_ns": "float64", "launch_delay_max_ns": "int64", "kernels": "int64",
                          "short_kernels": "int64", "short_kernel_ns": "int64", "busy_ns": "int64",
                          "short_kernel_share": "float64"})
+
+
+def culprits(source, *, layout: Mapping[str, int] | None = None) -> pd.DataFrame:
+    """The host calls behind the host-blocked idle of every rank with work (``attribution.idle.idle_culprits``,
+    columns ``CULPRIT_COLUMNS``): per (rank, step, cause, call, op, annotation) the idle ns it cost the GPU,
+    largest first within a (rank, step). ``source`` as for ``breakdown``."""
+    attribution = attribute(source, layout=layout, caller="idle_culprits")
+    frames = [idle_culprits(attribution, rank) for rank in attribution.working]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return empty_culprits()
+    return pd.concat(frames, ignore_index=True)
+
+
+def other_share(breakdown: pd.DataFrame) -> float:
+    """``idle_other`` / ``idle`` over all (rank, step) rows of a breakdown (or an ``idle_breakdown``): the share
+    of the idle no rule explains; NaN without idle."""
+    idle = float(breakdown["idle"].sum()) if len(breakdown) else 0.0
+    return float(breakdown["idle_other"].sum()) / idle if idle > 0 else float("nan")

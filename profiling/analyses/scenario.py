@@ -31,6 +31,7 @@ class ScenarioKind(str, enum.Enum):
     COMM_FASTER = "comm_faster"
     NO_STRAGGLER = "no_straggler"
     NO_HOST_BOUND = "no_host_bound"
+    NO_IDLE = "no_idle"
     PIPELINE = "pipeline"
 
 
@@ -48,9 +49,12 @@ class Keep(str, enum.Enum):
 
 
 _KEYS = {ScenarioKind.OVERLAP: ("category", "dim"), ScenarioKind.COMM_FASTER: ("k", "category", "dim"),
-         ScenarioKind.NO_STRAGGLER: ("rank",), ScenarioKind.NO_HOST_BOUND: (),
+         ScenarioKind.NO_STRAGGLER: ("rank",), ScenarioKind.NO_HOST_BOUND: (), ScenarioKind.NO_IDLE: ("cause",),
          ScenarioKind.PIPELINE: ("m", "v", "schedule", "keep")}
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: The idle a ``no_idle`` scenario removes: an idle cause's set, or ``pageable`` (the GPU idle under the host's
+#: blocking copies from or to pageable memory, ``attribution.idle.pageable_idle``).
+IDLE_KINDS = ("sync", "dataloader", "host_bound", "pageable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,7 @@ class Scenario:
     v: int | None = None
     schedule: str | None = None
     keep: Keep = Keep.MICROBATCH
+    cause: str = "pageable"
 
     def __post_init__(self) -> None:
         bad = []
@@ -96,6 +101,8 @@ class Scenario:
                 bad.append(f"{name}={value!r} (an integer >= 1)")
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
             bad.append(f"rank={self.rank!r} (a rank >= 0)")
+        if self.cause not in IDLE_KINDS:
+            bad.append(f"cause={self.cause!r} (expected one of {list(IDLE_KINDS)})")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             bad.append(f"schedule={self.schedule!r} (expected one of {list(SCHEDULES)})")
         if bad:
@@ -124,7 +131,7 @@ class Scenario:
         for key, value in values.items():
             if key in ("category", "dim"):
                 fields["categories" if key == "category" else "dims"] = tuple(value.split("+"))
-            elif key in ("schedule", "keep"):
+            elif key in ("schedule", "keep", "cause"):
                 fields[key] = value
             else:
                 try:
@@ -143,6 +150,8 @@ class Scenario:
         for key in ("rank", "m", "v", "schedule"):
             if getattr(self, key) is not None and key in _KEYS[self.kind]:
                 parts.append(f"{key}={getattr(self, key)}")
+        if self.kind is ScenarioKind.NO_IDLE:
+            parts.append(f"cause={self.cause}")
         if self.kind is ScenarioKind.PIPELINE and self.keep is not Keep.MICROBATCH:
             parts.append(f"keep={self.keep.value}")
         return self.kind.value + (":" + ",".join(parts) if parts else "")

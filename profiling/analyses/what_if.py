@@ -37,6 +37,10 @@ Scenarios (:class:`Scenario`, or its text ``kind[:key=value,...]``):
   stage does other work in that span) where it has any. R's own row gets the step's saving.
 - ``no_host_bound``: no host-bound idle (``idle.idle_sets``' ``idle_host_bound``). Per rank: step -
   ``idle_host_bound``. Per step: the path's ``idle`` segments lose exactly their host-bound part.
+- ``no_idle[:cause=pageable|sync|dataloader|host_bound]`` (default ``pageable``): no idle of that cause
+  (``idle.idle_sets``' ``idle_<cause>``; ``pageable``: ``idle.pageable_idle``, the GPU idle while the host was
+  blocked in a copy from or to pageable memory). Per rank: step - that idle. Per step: the path's ``idle``
+  segments lose exactly that part.
 - ``pipeline[:m=M,v=V,schedule=gpipe|1f1b|interleaved,keep=microbatch|batch]``: another micro-batch count,
   chunk count or schedule (unnamed: as measured), by simulation (below); every rank of the pipeline and the
   step get the same change.
@@ -66,7 +70,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..attribution.idle import idle_sets
+from ..attribution.idle import idle_sets, pageable_idle
 from ..base import intervals as iv
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import stage_peers, stragglers
@@ -102,11 +106,11 @@ def _predict(context: Context, scenario: Scenario) -> pd.DataFrame:
         return _frame(_straggler_rows(context, scenario), scenario)
     ranks = {}
     chain = context.chain
-    if scenario.kind is ScenarioKind.NO_HOST_BOUND:
-        table = context.breakdown
-        ranks = dict(zip(zip(table["rank"], table["step"]), table["idle_host_bound"].astype(float)))
-        path_saved = _host_bound_on_path(context)
-        note = "the path's idle loses its host-bound part"
+    if scenario.kind in (ScenarioKind.NO_HOST_BOUND, ScenarioKind.NO_IDLE):
+        cause = "host_bound" if scenario.kind is ScenarioKind.NO_HOST_BOUND else scenario.cause
+        ranks = _idle_of_ranks(context, cause)
+        path_saved = _idle_on_path(context, cause)
+        note = f"the path's idle loses its {cause.replace('_', '-')} part"
     else:
         transfer_only = scenario.kind is ScenarioKind.COMM_FASTER
         share = 1.0 - 1.0 / scenario.k if transfer_only else 1.0
@@ -215,17 +219,37 @@ def _waits_for(context: Context, rank, straggler: int) -> iv.IntervalSet:
 
 # --- scenarios on the path ----------------------------------------------------------------------------------------
 
-def _host_bound_on_path(context: Context) -> pd.Series:
-    """Per step, the host-bound idle (``idle.idle_sets``) under the path's ``idle`` segments."""
+def _idle_set(context: Context, number: int, cause: str):
+    rank = context.attribution.rank(number)
+    if cause == "pageable":
+        return pageable_idle(context.attribution, rank)
+    return idle_sets(context.attribution, rank)[f"idle_{cause}"]
+
+
+def _idle_of_ranks(context: Context, cause: str) -> dict:
+    """(rank, step) -> the ns of ``cause``'s idle in that rank's step window."""
+    table = context.breakdown
+    if cause != "pageable":
+        return dict(zip(zip(table["rank"], table["step"]), table[f"idle_{cause}"].astype(float)))
+    out = {}
+    for rank in context.attribution.working:
+        step_no, lo, hi = rank.window_bounds
+        totals = iv.window_totals(_idle_set(context, rank.rank, cause), lo=lo, hi=hi)
+        out.update({(rank.rank, int(s)): float(t) for s, t in zip(step_no.tolist(), totals.tolist())})
+    return out
+
+
+def _idle_on_path(context: Context, cause: str) -> pd.Series:
+    """Per step, the idle of ``cause`` (``_idle_set``) under the path's ``idle`` segments."""
 
     chain = context.chain
     saved = np.zeros(len(chain), dtype=np.int64)
     idle = (chain["label"] == "idle").to_numpy()
     for number in np.unique(chain["rank"].to_numpy()[idle]).tolist():  # the ranks on the path
         on = np.flatnonzero(idle & (chain["rank"].to_numpy() == number))
-        host_bound = idle_sets(context.attribution, context.attribution.rank(number))["idle_host_bound"]
+        removed = _idle_set(context, number, cause)
         shift = chain["offset_ns"].to_numpy(np.int64)[on]
-        saved[on] = iv.window_totals(host_bound, lo=chain["start_ns"].to_numpy(np.int64)[on] + shift,
+        saved[on] = iv.window_totals(removed, lo=chain["start_ns"].to_numpy(np.int64)[on] + shift,
                                      hi=chain["end_ns"].to_numpy(np.int64)[on] + shift)
     return pd.Series(saved).groupby(chain["step"].to_numpy()).sum()
 

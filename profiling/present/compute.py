@@ -9,7 +9,7 @@ import pandas as pd
 from ..analyses.bubbles import pipeline_bubbles
 from ..analyses.coverage import comm_coverage, coverage_note
 from ..analyses.critical_path import critical_path, critical_path_summary, describe
-from ..analyses.idle import launch_stats
+from ..analyses.idle import culprits, launch_stats
 from ..analyses.kernels import top_kernels
 from ..analyses.traffic import bandwidth_rows, host_links, offload_traffic
 from ..attribution.core import comm_by_dim
@@ -43,7 +43,8 @@ def critical_path_frames(inputs: Inputs) -> dict:
 
 
 def idle_frames(inputs: Inputs) -> dict:
-    return {"launch": launch_stats(inputs.attribution)}  # idle by cause: the breakdown's columns
+    # idle by cause: the breakdown's columns; the host calls behind it: ``idle_culprits`` (an extra frame)
+    return {"launch": launch_stats(inputs.attribution), "idle_culprits": culprits(inputs.attribution)}
 
 
 def comm_by_dim_frames(inputs: Inputs) -> dict:

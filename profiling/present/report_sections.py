@@ -41,7 +41,7 @@ import warnings
 
 import pandas as pd
 
-from ..analyses.findings import DEFAULT_RULES
+from ..analyses.findings import DEFAULT_RULES, ms_figures
 from ..analyses.kernels import TOP_KERNELS
 from ..attribution.core import attribute
 from ..attribution.idle import IDLE_CAUSES
@@ -129,9 +129,13 @@ def findings_terminal(sections: ReportSections, *, top: int = 5) -> str:
         return f"{lead}\n\n" if lead else ""
     lines = [lead, ""] if lead else []
     lines += ["findings (what to change, by what it saves per step):"]
-    lines += [f"  {int(row.rank)}. {row.text}" for row in found.head(top).itertuples(index=False)]
-    if len(found) > top:
-        lines.append(f"  ... {len(found) - top} more in the Markdown/HTML report")
+    minor = found["minor"].astype(bool) if "minor" in found else pd.Series(False, index=found.index)
+    lines += [f"  {int(row.rank)}. {row.text}" for row in found[~minor].head(top).itertuples(index=False)]
+    if (~minor).sum() > top:
+        lines.append(f"  ... {int((~minor).sum()) - top} more in the Markdown/HTML report")
+    if minor.any():  # savings below the steps' own spread: named, not ranked among the others
+        lines.append("  minor (below the step-to-step spread): " + "; ".join(
+            f"{row.rule} −{ms_figures(row.saves_ns)} ms/step" for row in found[minor].itertuples(index=False)))
     return "\n".join(lines) + "\n\n"
 
 
@@ -147,7 +151,9 @@ def why_terminal(sections: ReportSections) -> str:
     if len(bd) and "idle_other" in bd and int(bd["idle"].sum()) > 0:
         parts = ", ".join(f"{c.removeprefix('idle_').replace('_', '-')} {bd[c].sum() / 1e6:.3f} ms"
                           for c in IDLE_CAUSES if int(bd[c].sum()))
-        lines += ["", f"idle by cause (all ranks, {bd['idle'].sum() / 1e6:.3f} ms): {parts}"]
+        other = 100 * bd["idle_other"].sum() / bd["idle"].sum()
+        lines += ["", f"idle by cause (all ranks, {bd['idle'].sum() / 1e6:.3f} ms): {parts} (other: {other:.1f}% "
+                      "of idle, what no rule explains)"]
     return "\n".join(lines) + ("\n" if lines else "")
 
 

@@ -14,13 +14,25 @@ from .sections import ReportSections
 
 
 def findings_tables(sec: ReportSections, many: bool) -> list:
+    """The findings above the steps' noise, then the minor ones (a saving below it) in a short list."""
     if not len(sec.findings):
         return []
     f = sec.findings
-    saves = ["" if np.isnan(v) else str(ms_text([int(round(v))])[0]) for v in f["saves_ns"]]
-    return [("findings-table", pd.DataFrame({
-        "#": f["rank"].astype(str), "saves_ms_per_step": saves, "method": f["method"].astype(str),
-        "finding": f["text"].astype(str), "measured": f["measured"].astype(str)}))]
+    minor = f["minor"].astype(bool).to_numpy() if "minor" in f else np.zeros(len(f), dtype=bool)
+    saves = pd.Series(["" if np.isnan(v) else str(ms_text([int(round(v))])[0]) for v in f["saves_ns"]],
+                      index=f.index)
+    out = []
+    if (~minor).any():
+        major = f[~minor]
+        out.append(("findings-table", pd.DataFrame({
+            "#": major["rank"].astype(str), "saves_ms_per_step": saves[~minor], "method": major["method"].astype(str),
+            "finding": major["text"].astype(str), "measured": major["measured"].astype(str)})))
+    if minor.any():
+        small = f[minor]
+        out.append(("findings-minor-table", pd.DataFrame({
+            "#": small["rank"].astype(str), "saves_ms_per_step": saves[minor], "rule": small["rule"].astype(str),
+            "minor (below the step-to-step spread)": small["text"].astype(str)})))
+    return out
 
 
 def breakdown_tables(sec: ReportSections, many: bool) -> list:
@@ -45,7 +57,13 @@ def idle_tables(sec: ReportSections, many: bool) -> list:
     if len(bd) and "idle_other" in bd and not many:  # many ranks: the idle causes are rows of the distribution
         table = {"rank": bd["rank"].astype(str), "step": bd["step"].astype(str), "idle_ms": ms_text(bd["idle"])}
         table.update({f"{c.removeprefix('idle_')}_ms": ms_text(bd[c]) for c in IDLE_CAUSES})
+        # The share of the idle no rule explains; blank where the step has no idle.
+        table["other_%_of_idle"] = fixed(100 * bd["idle_other"] / bd["idle"].where(bd["idle"] > 0), 1)
         out.append(("idle-table", pd.DataFrame(table)))
+    culprits = getattr(sec, "extra", {}).get("idle_culprits")
+    if culprits is not None and len(culprits) and len(bd):
+        out.append(("idle-culprits-table", _culprits_display(culprits, bd.groupby("rank")["step"].nunique(),
+                                                             many=many)))
     if len(sec.launch) and many:
         out.append(("launch-distribution-table", rank_summary.display(rank_summary.numeric_distribution(
             sec.launch, {"launches": "", "launch_delay_median_ns": "ns", "launch_delay_p90_ns": "ns",
@@ -60,6 +78,31 @@ def idle_tables(sec: ReportSections, many: bool) -> list:
             "kernels": lt["kernels"].astype(str), "short_kernels": lt["short_kernels"].astype(str),
             "short_%_of_busy": fixed(100 * lt["short_kernel_share"], 2)})))
     return out
+
+
+#: Culprit rows shown (the largest by idle over all steps); the frame has them all.
+CULPRIT_ROWS = 12
+
+
+def _culprits_display(culprits: pd.DataFrame, steps_of_rank: pd.Series, *, many: bool) -> pd.DataFrame:
+    """The host calls behind the host-blocked idle, per step of their rank (its steps in the breakdown), the
+    largest first; ``steps``: in how many of them the call cost idle. Many ranks: one row per call over all
+    ranks (``ranks``: how many; per step: over every (rank, step) of the breakdown)."""
+    keys = ["cause", "annotation", "op", "call", "pageable"] if many else ["rank", "cause", "annotation", "op",
+                                                                          "call", "pageable"]
+    top = culprits.groupby(keys, sort=False).agg(idle_ns=("idle_ns", "sum"), steps=("step", "nunique"),
+                                                 ranks=("rank", "nunique"), gaps=("gaps", "sum")).reset_index()
+    if many:
+        top["per_step"] = top["idle_ns"] / max(int(steps_of_rank.sum()), 1)
+    else:
+        top["per_step"] = top["idle_ns"] / top["rank"].map(steps_of_rank).fillna(1).clip(lower=1)
+    top = top.sort_values("per_step", ascending=False, kind="stable").head(CULPRIT_ROWS)
+    call = top["call"].astype(str) + np.where(top["pageable"].astype(bool), " (pageable copy)", "")
+    who = {"ranks": top["ranks"].astype(str)} if many else {"rank": top["rank"].astype(str)}
+    return pd.DataFrame({**who, "cause": top["cause"].str.removeprefix("idle_"),
+                         "annotation": top["annotation"].astype(str), "op": top["op"].astype(str), "call": call,
+                         "idle_ms_per_step": ms_text(top["per_step"].round().astype("int64")),
+                         "steps": top["steps"].astype(str), "gaps": top["gaps"].astype(str)})
 
 
 def comm_by_dim_tables(sec: ReportSections, many: bool) -> list:
