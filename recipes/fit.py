@@ -37,6 +37,7 @@ from shardline.recipes.schema import (
     check_recipe,
     clip,
     load_recipe,
+    read_recipe_file,
     short_repr,
     strategy_arguments,
     strategy_layout,
@@ -44,6 +45,7 @@ from shardline.recipes.schema import (
 )
 
 RECIPES_DIR = Path(__file__).resolve().parent
+RUN_CHECKPOINT = "shardline.plugins.lightning.callbacks.RunCheckpoint"
 HELP_FLAGS = frozenset({"-h", "--help", "--print_config", "--print-config"})
 #: The longest error line the command prints (a recipe error lists at most 20 problems of at most 400 characters).
 MAX_ERROR_CHARS = 10_000
@@ -142,18 +144,91 @@ def run_fit(argv: list[str], *, run: bool = True):
     """Validate the recipe(s) in ``argv`` (LightningCLI ``fit`` arguments), then build the CLI and, with
     ``run``, train. Returns the LightningCLI object (with ``run=False``: parsed and instantiated, not fitted)."""
     typed = list(argv)
-    argv, paths = resolve_config_args(typed)
+    argv, ckpt_every = take_ckpt_every(typed)
+    argv, paths = resolve_config_args(argv)
     if not paths and not HELP_FLAGS & set(typed):
         names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
         raise RecipeError(f"no recipe: shardline fit needs --config RECIPE (a YAML file, or a packaged recipe: "
                           f"{names}); --help lists every field")
+    # before anything imports DeepSpeed (the recipe checks build the strategy): read the files as written first
+    quiet_start(requested_accelerator(typed, [read_recipe_file(path) or {} for path in paths]))
     for path in paths:
         load_recipe(path)
     source = " + ".join(paths) if paths else "(no --config)"
     cli_class = _fit_cli_class()
     if run:
-        return cli_class(typed=typed, source=source, args=["fit", *argv])
-    return cli_class(typed=typed, source=source, args=argv, run=False)
+        return cli_class(typed=typed, source=source, ckpt_every=ckpt_every, args=["fit", *argv])
+    return cli_class(typed=typed, source=source, ckpt_every=ckpt_every, args=argv, run=False)
+
+
+def take_ckpt_every(argv: list[str]) -> tuple[list[str], int | None]:
+    """``argv`` without shardline's ``--ckpt-every N`` shortcut, and N (None when absent): save a checkpoint every
+    N steps and at the end (:class:`~shardline.plugins.lightning.callbacks.RunCheckpoint`), or none with 0."""
+    rest, every = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--ckpt-every" or arg.startswith("--ckpt-every="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            i += 1 if "=" in arg else 2
+            if value is None or not value.isdigit():
+                raise RecipeError(f"--ckpt-every {value!r}: must be a whole number of steps (0: no checkpoints)")
+            every = int(value)
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, every
+
+
+def apply_ckpt_every(config, every: int | None) -> None:
+    """Set ``--ckpt-every``'s N on the parsed configuration's RunCheckpoint callbacks (adding one when there is
+    none), or with 0 remove them, and turn Lightning's checkpointing off when no other ModelCheckpoint is left."""
+    if every is None:
+        return
+    callbacks = list(config.trainer.callbacks or [])
+    ours = [c for c in callbacks if str(getattr(c, "class_path", "")).endswith("callbacks.RunCheckpoint")]
+    if every == 0:
+        callbacks = [c for c in callbacks if c not in ours]
+        if not any("Checkpoint" in str(getattr(c, "class_path", "")) for c in callbacks):
+            config.trainer.enable_checkpointing = False
+    elif ours:
+        for callback in ours:
+            callback.init_args.every_n_train_steps = every
+    else:
+        from jsonargparse import Namespace
+
+        callbacks.append(Namespace(class_path=RUN_CHECKPOINT,
+                                   init_args=Namespace(every_n_train_steps=every)))
+        config.trainer.enable_checkpointing = True
+    config.trainer.callbacks = callbacks
+
+
+def requested_accelerator(typed: list[str], recipes: list[dict[str, Any]]) -> str | None:
+    """``trainer.accelerator`` as the command line sets it (its last ``--trainer.accelerator``), else as the last
+    recipe file that names it sets it; None when neither does (Lightning's default, ``auto``)."""
+    value = None
+    for recipe in recipes:
+        trainer = recipe.get("trainer") if isinstance(recipe, dict) and isinstance(recipe.get("trainer"), dict) else {}
+        value = trainer.get("accelerator", value)
+    for i, arg in enumerate(typed):
+        if arg == "--trainer.accelerator" and i + 1 < len(typed):
+            value = typed[i + 1]
+        elif arg.startswith("--trainer.accelerator="):
+            value = arg.split("=", 1)[1]
+    return value if isinstance(value, str) else None
+
+
+def quiet_start(accelerator: str | None) -> None:
+    """What ``shardline fit`` keeps off the terminal before the first step (:mod:`shardline.plugins.lightning.quiet`):
+    Lightning's hosted-logger tip, the per-rank copies of Lightning's start-up lines on workers, and, for a CPU
+    run, DeepSpeed's warning that it found no GPU (``DS_ACCELERATOR=cpu`` before DeepSpeed is imported, unless the
+    environment names one already)."""
+    from shardline.plugins.lightning.quiet import quiet_duplicate_logs, without_tips
+
+    without_tips()
+    quiet_duplicate_logs()
+    if accelerator == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _fit_cli_class():
@@ -181,8 +256,8 @@ def _define_fit_cli():
     class FitCLI(LightningCLI):
         """LightningCLI with recipe validation; ``typed`` is what the user typed after ``fit``."""
 
-        def __init__(self, *, typed: list[str], source: str, **kwargs):
-            self.user_argv, self.source = typed, source
+        def __init__(self, *, typed: list[str], source: str, ckpt_every: int | None = None, **kwargs):
+            self.user_argv, self.source, self.ckpt_every = typed, source, ckpt_every
             kwargs.setdefault("parser_kwargs", {"exit_on_error": False, "fit": {"exit_on_error": False}})
             super().__init__(LanguageModule, TextDataModule, save_config_kwargs={"overwrite": True},
                              auto_configure_optimizers=False, **kwargs)
@@ -212,6 +287,7 @@ def _define_fit_cli():
         def before_instantiate_classes(self) -> None:
             config = self.config.get(self.subcommand) if self.subcommand else self.config
             source = f"{self.source} with overrides {short_repr(self.user_argv)}"
+            apply_ckpt_every(config, self.ckpt_every)
             recipe = config.as_dict()
             check_recipe(recipe, source=source)
             problems = machine_problems(recipe)

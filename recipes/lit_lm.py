@@ -33,6 +33,7 @@ import pytorch_lightning as pl
 import torch
 
 from shardline.plugins.errors import ContractError
+from shardline.plugins.lightning.quiet import is_worker
 from shardline.plugins.lightning.strategy import HybridParallelStrategy
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class LanguageModule(pl.LightningModule):
             raise ContractError(f"{type(self).__name__}: " + "; ".join(problems))
         self.model_class, self.config = model_config(dict(self.hparams))
         setattr(self, self.MODEL_ATTRIBUTE, None)
-        if init_from:
+        if init_from and not is_worker():  # the same on every rank: said once, by the launching process
             self._warn_ignored_shape_fields()
 
     def _warn_ignored_shape_fields(self) -> None:
@@ -121,6 +122,13 @@ class LanguageModule(pl.LightningModule):
         if differ:
             log.warning("model.init_from=%s sets the model's shape; these recipe fields are not used: %s",
                         self.hparams.init_from, ", ".join(differ))
+
+    def configure_callbacks(self):
+        """The model summary with the whole model's parameter count (Lightning's counts rank 0's shard)."""
+        from shardline.plugins.lightning.callbacks import WholeModelSummary
+        from shardline.recipes.planning.models import ModelSpec
+
+        return [WholeModelSummary(ModelSpec.from_config(self.config, name="model").params())]
 
     @property
     def network(self):

@@ -417,6 +417,33 @@ def as_int(value: Any) -> Any:
     return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
+#: Class-path prefixes of Lightning's unified namespace -> the standalone packages' prefixes shardline fit runs
+#: (its strategy, data module and LanguageModule are pytorch_lightning classes; a lightning.pytorch class is another
+#: class there).
+NAMESPACE_TWINS = {"lightning.pytorch.": "pytorch_lightning.", "lightning.fabric.": "lightning_fabric."}
+
+
+def namespace_problems(recipe: Any, where: str = "") -> list[str]:
+    """Every ``class_path`` in ``recipe`` (at any depth) that names a class of Lightning's other namespace
+    (``lightning.pytorch``), each with the ``pytorch_lightning`` path to use instead: mixing the two namespaces
+    gives Lightning two unrelated copies of each class (a callback of one is not a Callback of the other)."""
+    problems = []
+    if isinstance(recipe, dict):
+        for key, value in recipe.items():
+            here = f"{where}.{key}" if where else str(key)
+            twin = next((p for p in NAMESPACE_TWINS if isinstance(value, str) and value.startswith(p)), None)
+            if key == "class_path" and twin is not None:
+                use = NAMESPACE_TWINS[twin] + value[len(twin):]
+                problems.append(f"{here}={short_repr(value)} is a class of the lightning namespace, but shardline "
+                                f"fit runs pytorch_lightning (the two are different classes): use {use}")
+            else:
+                problems += namespace_problems(value, here)
+    elif isinstance(recipe, list):
+        for i, value in enumerate(recipe):
+            problems += namespace_problems(value, f"{where}[{i}]")
+    return problems
+
+
 def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
     """Cross-field checks (layout vs world, the strategy's own arguments, precision vs pp, model shape and
     training fields, model vs layout, vocabulary); RecipeError naming ``source`` and the fields. Reuses
@@ -454,6 +481,7 @@ def check_recipe(recipe: dict[str, Any], *, source: str) -> None:
             problems.append(f"trainer.devices={devices} x trainer.num_nodes={nodes} with trainer.strategy "
                             f"{degrees}: {error}")
     problems += [f"model.{problem}" for problem in training_problems(model)]
+    problems += namespace_problems(recipe)
     init_from = model.get("init_from")
     try:
         model_class, config = model_config(model)

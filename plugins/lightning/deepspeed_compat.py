@@ -10,7 +10,8 @@ document as API. Each is a function here, named after what it does for us:
 - ZeRO-3's parameter coordinator (``optimizer.parameter_offload``, its forward pre-hook and its trace):
   :class:`Zero3PipelineSteps`;
 - the engine's forward/backward with its gradient-accumulation scaling, as the pipeline engine's backend:
-  :class:`DeepSpeedStageBackend`.
+  :class:`DeepSpeedStageBackend`;
+- the torch backend's shared-memory inference all-reduce op, not built on CPU: :func:`without_shm_comm_op`.
 
 ``TESTED`` is the DeepSpeed range these were checked against (the suite runs them); another version gets one
 warning, since a private name may have moved.
@@ -19,6 +20,7 @@ warning, since a private name may have moved.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 
 import torch
@@ -48,6 +50,31 @@ def check_version() -> None:
                       f"norm integration was tested with ({'.'.join(map(str, TESTED[0]))} up to "
                       f"{'.'.join(map(str, TESTED[1]))}); see shardline.plugins.lightning.deepspeed_compat",
                       stacklevel=2)
+
+
+@contextlib.contextmanager
+def without_shm_comm_op():
+    """While DeepSpeed's torch backend is created, build no shared-memory all-reduce op.
+
+    ``deepspeed.comm.torch.TorchBackend`` builds ``deepspeed_shm_comm`` (a C++ op compiled on first use, and a line
+    printed on every rank) for ``inference_all_reduce`` alone, which neither shardline nor ZeRO's training path
+    calls: their collectives go to ``torch.distributed``. The backend treats a missing op as "use the process
+    group", which is what happens anyway. Private: ``deepspeed.comm.torch.build_shm_op`` (a module function);
+    where it is absent, nothing changes."""
+    try:  # by name: the attribute deepspeed.comm.torch is the torch package itself
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:
+        yield
+        return
+    original = getattr(ds_torch, "build_shm_op", None)
+    if original is None:
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = original
 
 
 def set_norm_flags(params: list[nn.Parameter], *, tp_rank: int, first_stage: bool) -> None:

@@ -8,7 +8,9 @@ raises :class:`LightningPrivateMissing` naming it and the version.
 - overridden on ``DeepSpeedStrategy`` by ``HybridParallelStrategy``: :data:`OVERRIDDEN`;
 - called or read on it: :data:`CALLED` (and the ``_launcher`` attribute every Lightning strategy sets);
 - the subprocess launcher and the thread-count helper it calls, which :mod:`.launcher` subclasses and calls:
-  :data:`SubprocessScriptLauncher`, :func:`set_num_threads_if_needed`.
+  :data:`SubprocessScriptLauncher`, :func:`set_num_threads_if_needed`;
+- ``ModelCheckpoint``'s save steps and ``TQDMProgressBar``'s bar attribute, which :mod:`.callbacks` calls and sets:
+  :data:`CHECKPOINT_METHODS`, :data:`PROGRESS_ATTRIBUTES` (:func:`check_callbacks`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ OVERRIDDEN = ("_configure_launcher", "_initialize_deepspeed_inference", "_setup_
 CALLED = ("_init_config_if_needed", "_init_deepspeed_distributed")
 #: The methods :class:`~.launcher.ShardlineLauncher` calls or replaces in the launcher it subclasses.
 LAUNCHER_METHODS = ("_call_children_scripts", "launch", "kill")
+#: The protected methods of ModelCheckpoint that :class:`~.callbacks.RunCheckpoint` calls at the end of training.
+CHECKPOINT_METHODS = ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
+                      "_save_last_checkpoint")
+#: TQDMProgressBar's protected attribute :class:`~.callbacks.ProgressBar` reads (whether each epoch gets a new bar).
+PROGRESS_ATTRIBUTES = ("_leave",)
 
 
 class LightningPrivateMissing(ShardlineError, RuntimeError):
@@ -44,5 +51,22 @@ def check_strategy(base: type = DeepSpeedStrategy) -> None:
                                           f"{why} (shardline supports pytorch-lightning >=2.6.6,<2.7)")
 
 
-__all__ = ["CALLED", "LAUNCHER_METHODS", "LightningPrivateMissing", "OVERRIDDEN", "SubprocessScriptLauncher",
-           "check_strategy", "set_num_threads_if_needed"]
+def check_callbacks() -> None:
+    """ModelCheckpoint has :data:`CHECKPOINT_METHODS` and a fresh TQDMProgressBar :data:`PROGRESS_ATTRIBUTES`;
+    :class:`LightningPrivateMissing` naming the first that is missing."""
+    from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    for name in CHECKPOINT_METHODS:
+        if not callable(getattr(ModelCheckpoint, name, None)):
+            raise LightningPrivateMissing(f"pytorch_lightning {LIGHTNING_VERSION}: ModelCheckpoint.{name} is gone; "
+                                          "RunCheckpoint calls it (shardline supports pytorch-lightning >=2.6.6,<2.7)")
+    bar = TQDMProgressBar()
+    for name in PROGRESS_ATTRIBUTES:
+        if not hasattr(bar, name):
+            raise LightningPrivateMissing(f"pytorch_lightning {LIGHTNING_VERSION}: TQDMProgressBar.{name} is gone; "
+                                          "ProgressBar reads it (shardline supports pytorch-lightning >=2.6.6,<2.7)")
+
+
+__all__ = ["CALLED", "CHECKPOINT_METHODS", "LAUNCHER_METHODS", "OVERRIDDEN", "PROGRESS_ATTRIBUTES",
+           "LightningPrivateMissing", "SubprocessScriptLauncher", "check_callbacks", "check_strategy",
+           "set_num_threads_if_needed"]

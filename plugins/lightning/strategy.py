@@ -57,13 +57,15 @@ from shardline.plugins.grid import Grid, ParallelDims, SPMode
 from shardline.plugins.layers.roles import sum_sequence_parallel_gradients
 from shardline.plugins.layout import Layout, Offload, PipelineSpec, ZeroSpec
 from shardline.plugins.lightning.checkpointing import Checkpointer
-from shardline.plugins.lightning.deepspeed_compat import set_norm_flags
+from shardline.plugins.lightning.deepspeed_compat import set_norm_flags, without_shm_comm_op
 from shardline.plugins.lightning.launcher import ShardlineLauncher, arm_worker
 from shardline.plugins.lightning.lightning_compat import SubprocessScriptLauncher, check_strategy
+from shardline.plugins.lightning.quiet import install_warning_filters, quiet_duplicate_logs
 from shardline.plugins.lightning.stage_host import PipelineOptimizer, StageHost
 from shardline.plugins.lightning.zero import derive_config, load_user_config
 
 log = logging.getLogger(__name__)
+install_warning_filters()  # third-party warnings expected on every run (quiet.EXPECTED_WARNINGS), by module
 
 
 class NonFiniteLoss(str, enum.Enum):
@@ -181,6 +183,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         # Runs in the launching process, before any worker or process group exists: fail here, not in N copies.
         self.layout_for(self.num_nodes * self.num_processes)
+        if self.parallel_devices and self.parallel_devices[0].type == "cpu":  # so the workers' DeepSpeed does not
+            # warn that it found no GPU: this run asked for none
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         super()._configure_launcher()
         if type(self._launcher) is SubprocessScriptLauncher:  # ours ends every worker it started (launcher.py)
             self._launcher = ShardlineLauncher.replacing(self._launcher, self)
@@ -194,7 +199,9 @@ class HybridParallelStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self.layout = self.layout.bind(self.world_size)
-        self._init_deepspeed_distributed()
+        quiet_duplicate_logs(self.global_rank)
+        with without_shm_comm_op() if self.root_device.type == "cpu" else contextlib.nullcontext():
+            self._init_deepspeed_distributed()
         self.grid = Grid.build(self.dims)
         if self.grid.backend != "gloo":
             import torch.distributed as dist

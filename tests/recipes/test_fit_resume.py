@@ -32,7 +32,11 @@ def _fit(tmp_path: Path, name: str, run_command, *extra: str) -> dict[int, float
     result = run_command(command, cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "resuming the train loader at the start" not in result.stdout  # the position moved exactly
+    OUTPUT[name] = result.stdout
     return dict(_scalars(tmp_path / name / "tiny")["train_loss"])
+
+
+OUTPUT: dict[str, str] = {}  # each run's terminal output, by name
 
 
 @pytest.mark.slow
@@ -48,6 +52,8 @@ def test_fit_resume_on_the_same_and_another_layout(tmp_path, run_command):
     assert sorted(same) == [3, 4, 5]
     # The same layout, the same batches (the loader's position inside the epoch), the same arithmetic: exact.
     assert [same[s] for s in (3, 4, 5)] == [full[s] for s in (3, 4, 5)]
+    # The bar resumes at batch 3 of the epoch and keeps its total (Lightning's drops to "?" past max_steps - 3).
+    assert "3/6" in OUTPUT["same"] and "6/6" in OUTPUT["same"] and "/?" not in OUTPUT["same"]
 
     # --ckpt_path last: Lightning takes the newest last*.ckpt in ckpts/ (the "same" run's last-v1.ckpt: step 6,
     # saved in the recipe's tp2 x pp2 x ZeRO-1) and goes on in dp4 x ZeRO-3; data.batch_size is per dp rank, so 4

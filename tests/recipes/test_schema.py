@@ -86,6 +86,10 @@ def test_keys_and_types_are_named_with_the_file(tmp_path, sections, fragments):
         "class_path": HYBRID, "init_args": {"tp": 2, "pp": 4, "zero_stage": 1}}}),
      "model.n_layer=1: the pipeline cuts its n_layer + 2 = 3 layers (embedding, blocks, head) into "
      "pp*chunks = 4*1 = 4 non-empty stages"),
+    (dict(trainer={"callbacks": [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}]}),
+     "trainer.callbacks[0].class_path='lightning.pytorch.callbacks.LearningRateMonitor' is a class of the "
+     "lightning namespace, but shardline fit runs pytorch_lightning (the two are different classes): use "
+     "pytorch_lightning.callbacks.LearningRateMonitor"),
 ])
 def test_impossible_layouts_and_shapes_name_the_values(tmp_path, sections, fragment):
     path = _write(tmp_path, _tiny_with(**sections))
