@@ -21,6 +21,11 @@ Every parameter declares its role (:mod:`shardline.plugins.layers.roles`): weigh
 ``SHARDED`` along the dim they are split on; the row-parallel bias is ``REPLICATED``, or ``SEQUENCE_REPLICATED``
 under Megatron-SP (each rank's gradient then covers only its tokens and must be summed over the TP group: the
 strategy installs that sum; :func:`allreduce_sequence_parallel_grads` does it by hand outside the strategy).
+
+Split backward (:mod:`shardline.plugins.layers.split_backward`): inside ``deferring_weight_grads`` both linears
+compute their input gradient in backward (B) and leave ``dA = dy^T x`` and the bias gradient to the store's W.
+Under Megatron-SP the column-parallel W reads the sequence-gathered input the forward kept (not re-gathered: see
+that module). Outside the mode they are ``F.linear`` and ``+`` as ever.
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.layers.roles import ParamRole, RoleKind, declare, parameters_with
+from shardline.plugins.layers.split_backward import add_bias, linear
 from shardline.plugins.layers.tp_comm import (
     all_reduce,
     check_divisible,
@@ -114,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, group=self.group, dim=1)
         else:
             x = copy_to_tp(x, group=self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return gather_from_tp(y, group=self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -158,12 +163,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_to_tp(x, group=self.group)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, group=self.group, dim=1)
         else:
             y = reduce_from_tp(partial, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return add_bias(y, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.in_features // group_size(self.group)}), out={self.out_features}, "

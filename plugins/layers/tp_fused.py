@@ -25,6 +25,11 @@ So the gradient is right inside backward, with no synchronisation for the strate
 one optimizer state per element, a checkpoint slices it like any column-parallel weight). The price is that
 all-gather and its reduce-scatter: ``heads * head_dim * in`` elements per replicated part and step, the size of
 the dense K/V projection (small beside the Q projection it serves, ``n_heads/heads`` times larger).
+
+Split backward (:mod:`shardline.plugins.layers.split_backward`): whole-head parts defer ``dA_p``/``db_p`` to W
+like any column-parallel linear (the gathered input kept under Megatron-SP); a replicated-head part's weight is
+computed in the forward (the all-gather above), so its gradient, with the reduce-scatter it flows through, runs
+whole in B.
 """
 
 from __future__ import annotations
@@ -33,12 +38,12 @@ import math
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardline.job.family import head_partition_problems
 from shardline.plugins.errors import LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
+from shardline.plugins.layers.split_backward import linear
 from shardline.plugins.layers.tp_comm import (
     copy_to_tp,
     draw_slice,
@@ -133,7 +138,7 @@ class FusedColumnParallelLinear(nn.Module):
         outputs = []
         for name in self.names:
             w, b = gathered.get(name) or (getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias"))
-            outputs.append(F.linear(x, w, b))
+            outputs.append(linear(x, w, b))
         return tuple(outputs)
 
     def extra_repr(self) -> str:

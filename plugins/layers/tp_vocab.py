@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from shardline.job.annotations import comm_name
 from shardline.plugins.errors import ContractError, LayoutError
 from shardline.plugins.layers.roles import ParamRole, declare
+from shardline.plugins.layers.split_backward import embedding
 from shardline.plugins.layers.tp_comm import (
     draw_slice,
     group_rank,
@@ -71,7 +72,8 @@ class VocabParallelEmbedding(nn.Module):
     (``reduce_from_tp``), or with ``sequence_parallel`` a reduce-scatter along dim 1 giving ``[b, s/n, d]``
     (``reduce_scatter_to_sequence``). Init: ``E ~ N(0, init_std^2)`` drawn full ``[V, d]`` in float32 from
     ``generator``, zero-padded to ``V'`` rows, then sliced. Ids must lie in ``[0, V)``; out-of-range ids are not
-    detected under TP (that would cost a device sync) and silently embed to zero.
+    detected under TP (that would cost a device sync) and silently embed to zero. Split backward: inside
+    ``split_backward.deferring_weight_grads`` the weight's scatter-add runs in W and B computes nothing here.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group, sequence_parallel: bool = False,
@@ -87,10 +89,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, group=self.group, dim=1)
         return reduce_from_tp(out, group=self.group)

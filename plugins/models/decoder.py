@@ -65,6 +65,7 @@ from shardline.plugins.layers.sequence_parallel import (
     shard_sequence,
     ulysses_attention,
 )
+from shardline.plugins.layers.split_backward import linear
 from shardline.plugins.layers.tensor_parallel import (
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
@@ -230,7 +231,7 @@ class DecoderHead(nn.Module):
             h = gather_from_sequence(h, group=self.ctx.tp_group, dim=1)
         else:
             h = copy_to_tp(h, group=self.ctx.tp_group)
-        return F.linear(h, self.weight)
+        return linear(h, self.weight)  # split_backward: its weight gradient in W under a split schedule
 
 
 #: The tie key of a weight shared by the input embedding and the output head (``roles.tie``).
@@ -243,18 +244,19 @@ def layer_seed(seed: int, index: int) -> int:
     return (seed << 20) + index
 
 
-def hosted_layers(n_layers: int, grid, *, chunks: int = 1) -> frozenset[int]:
+def hosted_layers(n_layers: int, grid, *, chunks: int = 1, placement: str = "loop") -> frozenset[int]:
     """The pipeline layers (indices into ``[embedding, *blocks, head]``) this rank hosts: the pipeline's uniform
-    cut into ``pp * chunks`` stages, stage ``s`` on pipeline rank ``s % pp`` (what the strategy's pipeline
-    driver cuts). All of them without a grid or at pp = 1."""
+    cut into ``pp * chunks`` stages, stage ``s`` on the pipeline rank the schedule's ``placement`` gives (``s %
+    pp`` for ``"loop"``; ``"v"`` zig-zags, :mod:`shardline.job.placement`): what the strategy's pipeline driver
+    cuts. All of them without a grid or at pp = 1."""
     if grid is None or grid.dims.pp == 1:
         return frozenset(range(n_layers))
-    from shardline.job import placement
+    from shardline.job import placement as placements
     from shardline.plugins.pipeline.partition import partition_layers
 
     pp = grid.dims.pp
     bounds = partition_layers(n_layers, pp * chunks, method="uniform").bounds
-    stages = placement.stages_of_rank(grid.rank("pp"), n_stages=pp * chunks, pp=pp)
+    stages = placements.stages_of_rank(grid.rank("pp"), n_stages=pp * chunks, pp=pp, style=placement)
     return frozenset(i for s in stages for i in range(*bounds[s]))
 
 
@@ -276,10 +278,10 @@ class DecoderLM(nn.Module):
     reason a layout cannot take the config, each naming its numbers) and the three ``make_*`` methods (one
     layer from its generator); :meth:`prepare` makes what its layers share.
 
-    Per-rank construction: with a grid of pp > 1 (and the pipeline's ``chunks``) only this rank's stages are
-    built (:attr:`hosted`); the others are placeholders (:class:`LayerPlaceholder`), so nothing of them is drawn or
-    allocated. Every layer draws from a generator of its own (:func:`layer_seed`), which is what keeps the
-    weights layout-independent when a rank skips layers.
+    Per-rank construction: with a grid of pp > 1 (and the pipeline's ``chunks`` and stage ``placement``,
+    ``"loop"`` or ``"v"``) only this rank's stages are built (:attr:`hosted`); the others are placeholders
+    (:class:`LayerPlaceholder`), so nothing of them is drawn or allocated. Every layer draws from a generator of
+    its own (:func:`layer_seed`), which is what keeps the weights layout-independent when a rank skips layers.
     """
 
     #: The family's torch-free room (:mod:`shardline.job.families`): its config type, name and layout rules.
@@ -287,7 +289,8 @@ class DecoderLM(nn.Module):
     config_type: type = object
     model_name = "decoder"
 
-    def __init__(self, config, *, grid=None, seed: int = 0, dtype=None, device=None, chunks: int = 1):
+    def __init__(self, config, *, grid=None, seed: int = 0, dtype=None, device=None, chunks: int = 1,
+                 placement: str = "loop"):
         super().__init__()
         if not isinstance(config, self.config_type):
             raise ContractError(f"{type(self).__name__} needs a {self.config_type.__name__}, got "
@@ -296,7 +299,7 @@ class DecoderLM(nn.Module):
         problems = [] if grid is None else self.layout_problems(config, grid.dims)
         self.ctx = layout_context(grid, problems, model=self.model_name)
         #: Indices into :meth:`pipeline_layers` this rank builds (all of them unless the grid has pp > 1).
-        self.hosted = hosted_layers(config.n_layer + 2, grid, chunks=chunks)
+        self.hosted = hosted_layers(config.n_layer + 2, grid, chunks=chunks, placement=placement)
         # On the meta device nothing is drawn either: every factory call makes a meta tensor (counting a rank's
         # bytes, or the frame from_pretrained fills, costs no memory and no random numbers).
         on_meta = device is not None and torch.device(device).type == "meta"

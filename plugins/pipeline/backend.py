@@ -8,7 +8,12 @@ computed. One call per compute action of the schedule, bracketed by one call bef
 - ``forward(stage, x) -> output``: run ``stage`` on its input (the last stage's output goes to ``loss_fn``);
 - ``backward(stage, output, grad, last=...)``: back-propagate ``output`` (``grad`` None for the last stage's
   scaled micro-batch loss, else the gradient received for it), accumulating parameter gradients; ``last`` is
-  True for the stage's final backward of the batch (after it, the stage's gradients are complete);
+  True for the stage's final backward of the batch (after it, the stage's gradients are complete), unless the
+  stage has a W after it;
+- ``weight(stage, store, last=...)``: a zero-bubble schedule's W: run the weight-gradient work the stage's B left
+  in ``store`` (a :class:`~shardline.plugins.layers.split_backward.WeightGradStore`; ``store.run()``
+  accumulates each gradient into ``.grad`` through autograd, so parameter hooks fire here, not at B); ``last``
+  is True for the stage's final W when it comes after the stage's final B (the gradients are complete after it);
 - ``end_batch(loss=..., forward_only=...)``: after the batch's last action and the loss exchange (a training
   backend sums what must be summed across stages here, e.g. tied weights).
 
@@ -38,6 +43,17 @@ class StageBackend:
 
     def backward(self, stage: int, output: torch.Tensor, grad: torch.Tensor | None, *, last: bool) -> None:
         torch.autograd.backward(output, grad_tensors=grad)
+
+    def weight(self, stage: int, store, *, last: bool) -> None:
+        store.run()
+
+    @property
+    def runs_weight_actions(self) -> bool:
+        """Whether this backend may be given W actions: yes unless it overrides ``backward`` and not ``weight``
+        (a backend with its own backward, such as one driving a data-parallel engine, must say how its W runs:
+        where the gradient reduction and the accumulation boundary go)."""
+        kind = type(self)
+        return kind.backward is StageBackend.backward or kind.weight is not StageBackend.weight
 
     def end_batch(self, *, loss: torch.Tensor, forward_only: bool) -> None:
         """Nothing by default."""

@@ -14,6 +14,16 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
   from the gradient received by ``RG``. The stage's input, output and graph are dropped right after, so the
   activations held are exactly those in flight. Parameter gradients accumulate in ``.grad`` across micro-batches
   (the caller zeroes them between batches), so after the batch they equal the full-batch gradient.
+- ``W`` (a zero-bubble schedule's split backward): for every (stage, micro-batch) its program has a W for, the
+  engine runs that F and that B inside :func:`~shardline.plugins.layers.split_backward.deferring_weight_grads`
+  with a store of its own, so the layers that split (:mod:`~shardline.plugins.layers.split_backward`) compute
+  only the input gradient in B and push their weight-gradient work to the store; W runs it
+  (``backend.weight``), accumulating into ``.grad`` through autograd. A module that does not split takes its
+  whole backward in B and its W is empty. What the store keeps (each split layer's input and output gradient)
+  lives until W: the pair counts as in flight from F until W (``EngineStats.peak_in_flight``, as
+  :func:`~shardline.job.pipeline.simulate.simulate` counts it), and the memory meter counts those tensors.
+  A stage's gradient accumulation boundary (``last`` in the hooks and the backend) is its final B or W,
+  whichever comes later in the program.
 - A run of consecutive send/recv actions is one op: its sends and receives are posted together (on NCCL as one
   ``batch_isend_irecv``, a NCCL group), then its receives are waited on; sends are waited on at the end of the
   batch. :func:`validate` proves this cannot deadlock even if sends block until received (see ``simulate``'s
@@ -30,7 +40,7 @@ micro-batches and executes exactly ``schedule.actions[pp_rank]``, nothing else:
   receiver also posts, before the batch, a receive shaped like the previous batch's activation, and checks it
   against the header before use: an unchanged shape costs no round trip, a changed one is handled (p2p).
 - Data-parallel gradient reduction is not the engine's job: the strategy above does it once per batch, at
-  the ``last`` backward of each stage or in ``after_batch`` (see :class:`PipelineHooks`); tied weights are
+  the ``last`` backward (or W) of each stage or in ``after_batch`` (see :class:`PipelineHooks`); tied weights are
   synced with :class:`~shardline.plugins.pipeline.partition.TiedWeight`.
 - The batch loss (``mean`` or ``sum`` of the micro-batch losses) goes from the rank holding the last stage to
   every rank of the pp group (gloo: point to point, received into a receive posted before the batch; NCCL: a
@@ -61,6 +71,7 @@ from shardline.job.annotations import pp_batch_name
 from shardline.job.pipeline.actions import ActionKind, Schedule
 from shardline.job.pipeline.simulate import validate
 from shardline.plugins.errors import ContractError, LayoutError, ScheduleError
+from shardline.plugins.layers.split_backward import WeightGradStore, deferring_weight_grads
 from shardline.plugins.pipeline.backend import AutogradBackend, StageBackend
 from shardline.plugins.pipeline.engine_types import (  # re-exported: the engine's public vocabulary
     Annotations,
@@ -83,7 +94,7 @@ from shardline.plugins.pipeline.p2p import (
     encode_header,
 )
 
-F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 _NO_ANNOTATION = nullcontext()
 
 
@@ -119,10 +130,8 @@ class PipelineEngine:
         if not isinstance(pp_rank, int) or not 0 <= pp_rank < schedule.n_ranks:
             raise LayoutError(f"pp_rank={pp_rank!r} outside 0..{schedule.n_ranks - 1} of schedule "
                               f"{schedule.name!r}")
-        splits = [(step, a) for step, a in enumerate(schedule.actions[pp_rank]) if a.kind is ActionKind.WEIGHT]
-        if splits:
-            raise ScheduleError(f"rank {pp_rank}, step {splits[0][0]}: {splits[0][1]} is a split weight "
-                                f"backward, which this engine does not execute (F and B only)")
+        #: (stage, micro-batch) pairs whose backward is split (the program has a W for them).
+        self._split_pairs = frozenset((a.stage, a.microbatch) for a in schedule.actions[pp_rank] if a.kind is W)
         self.schedule, self.pp_rank, self.loss_fn = schedule, pp_rank, loss_fn
         self._forward_only = schedule.forward_only  # a scan of every action: once, not per action
         self.stages = _as_stage_map(stages, schedule.stages_of_rank(pp_rank))
@@ -151,6 +160,11 @@ class PipelineEngine:
         self.backend = backend if backend is not None else AutogradBackend(self.stages)
         if not isinstance(self.backend, StageBackend):
             raise ContractError(f"backend={backend!r} must be a StageBackend")
+        if self._split_pairs and not self.backend.runs_weight_actions:
+            step, a = next((i, a) for i, a in enumerate(schedule.actions[pp_rank]) if a.kind is W)
+            raise ScheduleError(f"rank {pp_rank}, step {step}: {a} is a split weight backward, but backend "
+                                f"{type(self.backend).__name__} overrides backward and not weight, so it does not "
+                                f"say how W runs (see StageBackend.weight)")
         if not timeout_s > 0:
             raise ContractError(f"timeout_s={timeout_s!r} must be > 0")
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -164,6 +178,7 @@ class PipelineEngine:
             group or dist.group.WORLD, plan=self._plan, loss_rank=self._loss_rank,
             has_last_stage=self._last_stage in self.stages, wait=self._wait)
         self._failed = False
+        self._meter: SavedTensorMeter | None = None
         self.stats = EngineStats()
         #: The last batch's per-micro-batch losses (detached), on the rank holding the last stage; else empty.
         self.micro_losses: tuple[torch.Tensor, ...] = ()
@@ -180,7 +195,7 @@ class PipelineEngine:
                                 f"may still be in flight and would meet this batch's receives; build a new engine")
         self._split_batch(inputs, targets)
         self._state: dict[str, dict] = {k: {} for k in ("input", "output", "grad", "recv", "meta_in",
-                                                                    "meta_out")}
+                                                        "meta_out", "weight")}
         self._meta_sent: set[int] = set()
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
@@ -189,6 +204,7 @@ class PipelineEngine:
         meter = None
         if self.memory is MemoryAccounting.SAVED_TENSORS:
             meter = SavedTensorMeter(self._resident_storages(inputs, targets))
+        self._meter = meter
         with self._annotation(self._batch_name), ExitStack() as stack:
             # A batch that raises drops its activations and graphs at once (the posted sends' buffers stay in
             # _pending, which in-flight messages may still read).
@@ -213,13 +229,14 @@ class PipelineEngine:
             self.hooks.after_batch(loss=loss)
         self.stats.end_ns = time.perf_counter_ns()
         self.stats.peak_saved_bytes = None if meter is None else meter.peak_bytes
-        self._state = {}
+        self._state, self._meter = {}, None
         self.micro_losses, self.micro_outputs = tuple(self._losses), tuple(self._outputs)
         return loss
 
     def _drop_state_if_failed(self) -> None:
         if self._failed:
             self._state, self._losses, self._micro_in, self._micro_tgt = {}, [], None, None
+            self._meter = None
 
     def _split_batch(self, inputs, targets) -> None:
         m = self.schedule.n_microbatches
@@ -263,8 +280,10 @@ class PipelineEngine:
         with self._annotation(step.name):
             if step.kind is F:
                 self._forward(step.stage, step.microbatch)
-            else:
+            elif step.kind is B:
                 self._backward(step.stage, step.microbatch, last=step.last)
+            else:
+                self._weight(step.stage, step.microbatch, last=step.last)
         self.stats.records.append((step.kind.value, step.stage, step.microbatch, start, time.perf_counter_ns()))
 
     def _forward(self, s: int, mb: int) -> None:
@@ -277,9 +296,16 @@ class PipelineEngine:
         else:
             x = st["recv"].pop((s, mb))
         self.hooks.before_forward(stage=s, microbatch=mb)
-        out = self.backend.forward(s, x)
+        store = None
+        if (s, mb) in self._split_pairs:
+            meter = self._meter
+            store = st["weight"][(s, mb)] = WeightGradStore(
+                hold=None if meter is None else meter.hold, unhold=None if meter is None else meter.unhold)
+        with deferring_weight_grads(store):
+            out = self.backend.forward(s, x)
+            if s == self._last_stage:
+                loss = self.loss_fn(out, self._micro_tgt[mb])
         if s == self._last_stage:
-            loss = self.loss_fn(out, self._micro_tgt[mb])
             self._losses.append(loss.detach())
             if self.keep_outputs:
                 self._outputs.append(out.detach())
@@ -293,7 +319,9 @@ class PipelineEngine:
             raise ContractError(f"stage {s} output {tuple(out.shape)} {out.dtype} for micro-batch {mb}, but "
                                 f"{tuple(meta[0])} {meta[1]} for an earlier one: the micro-batches of one batch "
                                 f"must have one shape (one header per batch describes them)")
-        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(st["output"]))
+        # In flight: forwarded and not yet through its backward (B, or W for a split pair).
+        held = len(st["output"]) + sum(key not in st["output"] for key in st["weight"])
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, held)
         self.hooks.after_forward(stage=s, microbatch=mb)
 
     def _backward(self, s: int, mb: int, *, last: bool) -> None:
@@ -307,11 +335,21 @@ class PipelineEngine:
         else:
             grad = st["recv"].pop((s, mb))
         self.hooks.before_backward(stage=s, microbatch=mb, last=last)
-        self.backend.backward(s, out, grad, last=last)
+        # A split pair's B runs in the mode too: an activation-checkpointed block recomputes the graph its F built.
+        with deferring_weight_grads(st["weight"].get((s, mb))):
+            self.backend.backward(s, out, grad, last=last)
         del out  # the graph and its saved activations go now, not at the end of the batch
         if s > 0:  # an input the output does not depend on gets a zero gradient, not None
             st["grad"][(s, mb)] = x.grad if x.grad is not None else torch.zeros_like(x)
         self.hooks.after_backward(stage=s, microbatch=mb, last=last)
+
+    def _weight(self, s: int, mb: int, *, last: bool) -> None:
+        """W: the weight gradients its B left in the pair's store (nothing for modules that do not split)."""
+        store = self._state["weight"].pop((s, mb))
+        self.hooks.before_weight(stage=s, microbatch=mb, last=last)
+        self.backend.weight(s, store, last=last)
+        del store  # what W held (inputs, output gradients) goes now
+        self.hooks.after_weight(stage=s, microbatch=mb, last=last)
 
     # ---------------------------------------------------------------- communication
     def _exchange(self, steps: tuple[Step, ...], n_recv: int) -> None:

@@ -45,8 +45,9 @@ class Annotations(str, enum.Enum):
 class PipelineHooks:
     """Callbacks for the layer above (the strategy). Override what you need; every default does nothing.
 
-    ``last`` in the backward hooks is True for the final backward of that stage in the batch: the gradient
-    accumulation boundary (where ZeRO reduces gradients once per batch).
+    ``last`` in the backward and weight hooks is True for the final backward (B, or W under a split backward,
+    whichever comes later) of that stage in the batch: the gradient accumulation boundary (where ZeRO reduces
+    gradients once per batch). The weight hooks bracket a zero-bubble schedule's W actions.
     """
 
     def before_batch(self, *, n_microbatches: int) -> None: ...
@@ -61,6 +62,10 @@ class PipelineHooks:
 
     def after_backward(self, *, stage: int, microbatch: int, last: bool) -> None: ...
 
+    def before_weight(self, *, stage: int, microbatch: int, last: bool) -> None: ...
+
+    def after_weight(self, *, stage: int, microbatch: int, last: bool) -> None: ...
+
 
 @dataclass
 class EngineStats:
@@ -74,6 +79,7 @@ class EngineStats:
     start_ns: int = 0
     end_ns: int = 0
     records: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    #: Most (stage, micro-batch) pairs held at once: from F until B, or until W for a split backward.
     peak_in_flight: int = 0
     peak_saved_bytes: int | None = None
 

@@ -6,6 +6,11 @@ moment the activation is released (after that node's backward, or when the graph
 once per storage (several saves of one tensor, or views of it, hold one buffer) and parameter storages are left out
 (weights are resident anyway; they are not activations). ``peak_bytes`` is the high-water mark while the meter
 was active: the activation memory a schedule really holds.
+
+A split backward (:mod:`shardline.plugins.layers.split_backward`) keeps, from B until W, each split layer's input
+and output gradient outside autograd's saved tensors; its store registers them with :meth:`SavedTensorMeter.hold`
+(and reads them back with :meth:`SavedTensorMeter.unhold`), so they count until W has run, like a saved tensor
+until its node has.
 """
 
 from __future__ import annotations
@@ -45,6 +50,16 @@ class SavedTensorMeter:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._refs[key] += 1
         return _Handle(self, key, nbytes, tensor)
+
+    def hold(self, tensor: torch.Tensor):
+        """Count ``tensor`` as held (once per storage, parameters and excluded storages not at all) until the
+        returned handle is dropped; :meth:`unhold` gives the tensor back."""
+        return self._pack(tensor)
+
+    @staticmethod
+    def unhold(packed) -> torch.Tensor:
+        """The tensor behind a :meth:`hold` handle."""
+        return SavedTensorMeter._unpack(packed)
 
     @staticmethod
     def _unpack(packed):

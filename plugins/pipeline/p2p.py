@@ -72,7 +72,7 @@ class Step:
     is_send: bool
     is_recv: bool
     peer: int  # group rank at the other end (-1 for compute)
-    last: bool  # a B that is its stage's final backward of the batch
+    last: bool  # a B or W that is its stage's final one of the batch (the gradient accumulation boundary)
     lead: bool  # gloo: the lead message of its edge (see the module docstring)
     what: str  # how a timeout names it
 
@@ -81,7 +81,8 @@ def build_plan(schedule: Schedule, rank: int) -> list[tuple[bool, tuple[Step, ..
     """``split_ops`` of the rank's program (what ``validate`` proved), each op ``(is_compute, steps, n_recv)``,
     ``n_recv`` counting the receives that are not leads in the program up to and including that op."""
     program = schedule.actions[rank]
-    last_backward = {a.stage: step for step, a in enumerate(program) if a.kind is ActionKind.BACKWARD}
+    grad_kinds = (ActionKind.BACKWARD, ActionKind.WEIGHT)
+    last_backward = {a.stage: step for step, a in enumerate(program) if a.kind in grad_kinds}
     lead_mb = {}  # receiving stage -> micro-batch of its first RA, from the receiver's own program
     for receiver in range(schedule.n_ranks):
         for a in reversed(schedule.actions[receiver]):
@@ -94,7 +95,7 @@ def build_plan(schedule: Schedule, rank: int) -> list[tuple[bool, tuple[Step, ..
         return Step(a, a.kind, a.stage, a.microbatch, index,
                     pp_action_name(a.kind.value, stage=a.stage, microbatch=a.microbatch),
                     pp_action_name("wait", stage=a.stage, microbatch=a.microbatch), a.kind.is_send, a.kind.is_recv,
-                    peer, a.kind is ActionKind.BACKWARD and last_backward[a.stage] == index,
+                    peer, a.kind in grad_kinds and last_backward[a.stage] == index,
                     receiving is not None and lead_mb.get(receiving) == a.microbatch, f"{a} from rank {peer}")
 
     plan, n_recv = [], 0

@@ -15,8 +15,10 @@ Balanced means: among all cuts of ``c_0 .. c_{n-1}`` into ``S`` non-empty contig
 largest run sum ``max_k sum_{i in run k} c_i`` (the pipeline's step time is set by its slowest stage). Solved
 exactly by dynamic programming over (layers used, stages used) in ``O(n^2 S)``.
 
-Placement: with ``p`` ranks, stage ``s`` goes to rank ``s % p`` as its chunk ``s // p`` (so a rank's chunks
-are ``stages[r::p]``), matching the interleaved schedule.
+Placement: with ``p`` ranks, stage ``s`` is chunk ``s // p`` of its rank; which rank is the schedule's
+``placement`` (:mod:`shardline.job.placement`): ``"loop"`` puts it on rank ``s % p`` (a rank's chunks are
+``stages[r::p]``: GPipe, 1F1B, interleaved), ``"v"`` on rank ``s % p`` for even chunks and ``p - 1 - s % p`` for
+odd ones (ZB-V, DualPipeV: rank 0 hosts the first stage and the last). Pass ``style=schedule.placement``.
 """
 
 from __future__ import annotations
@@ -146,12 +148,14 @@ def build_stages(layers: Sequence[nn.Module], partition: Partition) -> list[nn.S
     return [nn.Sequential(*layers[a:b]) for a, b in partition.bounds]
 
 
-def stages_of_rank(stages: Sequence, *, rank: int, n_ranks: int) -> list:
-    """This rank's stages in chunk order: stage ``c * p + r`` is chunk ``c`` of rank ``r``."""
+def stages_of_rank(stages: Sequence, *, rank: int, n_ranks: int, style: str = "loop") -> list:
+    """This rank's stages in chunk order under placement ``style`` (``"loop"``: stage ``c * p + r`` is chunk ``c``
+    of rank ``r``; ``"v"``: see the module docstring)."""
     if len(stages) % n_ranks or not 0 <= rank < n_ranks:
         raise LayoutError(f"cannot place {len(stages)} stages on n_ranks={n_ranks} (rank={rank}): the number "
                           f"of stages must be a multiple of the ranks")
-    return [stages[s] for s in placement.stages_of_rank(rank, n_stages=len(stages), pp=n_ranks)]
+    # an unknown style: the placement's own ScheduleError, naming it
+    return [stages[s] for s in placement.stages_of_rank(rank, n_stages=len(stages), pp=n_ranks, style=style)]
 
 
 @dataclass

@@ -291,10 +291,6 @@ def _run_bad(rank, world, case):
         for index in range(rank + 1):
             engine.run_batch(*make_batch(2, index))
         time.sleep(1.5)  # rank 0 stays up, so rank 1 meets its deadline rather than a closed connection
-    elif case == "split":
-        text = ("schedule split ranks=2 stages=2 microbatches=1\n"
-                "r0: F0 SA0 RG0 B0 W0\nr1: RA0 F0 B0 SG0 W0\n")
-        PipelineEngine(stages[rank], schedule=Schedule.from_text(text), pp_rank=rank, loss_fn=loss_fn)
     elif case == "reduction":
         PipelineEngine(stages[rank], schedule=gpipe(world, 2), pp_rank=rank, loss_fn=loss_fn,
                        loss_reduction="median")
@@ -333,7 +329,6 @@ def _run_bad(rank, world, case):
     ("batch", LayoutError, r"(inputs|targets) batch size \(8,\) is not divisible by n_microbatches=3"),
     ("stages", ContractError, r"got 2 stage modules in chunk order but this rank hosts stages \[[01]\]"),
     ("mismatch", ScheduleError, r"rank 1 waited more than 0.5 s for the shape header of RA0@1 from rank 0"),
-    ("split", ScheduleError, r"rank [01], step 4: W0@[01] is a split weight backward, which this engine does not"),
     ("reduction", ContractError, r"loss_reduction='median' is not one of \['mean', 'sum'\]"),
     ("deadlock", ScheduleError, r"schedule 'hand' deadlocks .* rank 0 blocked at step 3 on \[RG0@0\]"),
     ("ragged", ContractError, r"stage 0 output \(4, 2, 6\) torch.float64 for micro-batch 1, but \(4, 3, 6\)"),
