@@ -25,8 +25,11 @@ PREFIX = "sl"
 
 #: Pipeline actions, in the text form the schedule module uses (F/B are compute; the rest are p2p).
 PP_ACTIONS = ("F", "B", "W", "send_act", "recv_act", "send_grad", "recv_grad", "wait")
-#: Parallel dimensions a collective can belong to.
-DIMS = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "mp", "embed", "world")
+#: Parallel dimensions a collective can belong to. ``ep`` (the token all-to-alls of an MoE layer) and ``edp`` (the
+#: expert-data-parallel group that replicates each expert, over which expert gradients reduce) are the expert
+#: axes of :class:`shardline.plugins.grid.ParallelDims`; its third expert axis, ``etp``, is the TP group itself
+#: when it is not 1, so it has no name of its own.
+DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp", "mp", "embed", "world")
 #: Collective operations named in ``sl:comm`` annotations (the profiler's communication categories).
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p_send", "p2p_recv",
             "barrier", "memcpy_h2d", "memcpy_d2h")

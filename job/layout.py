@@ -12,7 +12,8 @@ Axes. ``tp, pp, cp`` are the dense degrees (``dp`` follows from the world size: 
 rank order in :mod:`shardline.job.placement`). ``ep`` and ``etp`` are the expert-parallel axes of MoE layers
 (Megatron's parallel folding: the same ``tp * cp * dp`` ranks of a stage are re-read as ``etp * ep * edp``, expert
 rank order ``etp, ep, edp``); they default to 1 and a dense job never sets them. :meth:`Layout.world_problems`
-holds the folding rule (``etp * ep`` divides ``tp * cp * dp``). The pipeline schedule is any
+holds the folding rule (``etp * ep`` divides ``tp * cp * dp``; :func:`expert_fold_problems`, with ``etp`` in
+``{1, tp}`` in this version: :func:`expert_degree_problems`). The pipeline schedule is any
 :class:`~shardline.job.pipeline.schedule.ScheduleKind` a training run may name (:data:`TRAINING_SCHEDULES`): a
 new schedule is a new member there, not a new field here.
 
@@ -118,6 +119,26 @@ STRATEGY_ARGS = {"tp": (None, "tp"), "pp": (None, "pp"), "cp": (None, "cp"), "ep
                  "nvme_path": ("zero", "nvme_path")}
 
 
+def expert_degree_problems(*, tp: int, ep: int, etp: int) -> list[str]:
+    """Why the expert axes cannot go with ``tp``, the world still unknown (the one statement of the rule, which
+    :class:`~shardline.plugins.grid.ParallelDims` applies too). This version's restriction: an expert is either
+    whole on each rank (``etp=1``) or split over the attention's own TP group (``etp=tp``)."""
+    if etp in (1, tp):
+        return []
+    return [f"etp={etp} must be 1 or tp={tp} (ep={ep}): this version splits an expert only over the attention's "
+            "TP group (etp=tp) or not at all (etp=1)"]
+
+
+def expert_fold_problems(*, tp: int, cp: int, dp: int, ep: int, etp: int) -> list[str]:
+    """Why the ``tp * cp * dp`` ranks of a pipeline stage cannot be re-read as ``etp * ep * edp`` (Megatron's MoE
+    parallel folding): ``etp * ep`` must divide them; ``edp`` is the quotient."""
+    stage = tp * cp * dp
+    if stage % (etp * ep):
+        return [f"etp*ep = {etp}*{ep} does not divide the {stage} ranks of a pipeline stage (tp*cp*dp = "
+                f"{tp}*{cp}*{dp}): expert parallelism folds the same ranks"]
+    return []
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees ``tp, pp, cp`` (``dp`` follows from the world size), the expert axes ``ep, etp``, the
@@ -159,7 +180,7 @@ class Layout:
             problems.append("sp='megatron' shards the sequence over the TP group and needs tp > 1 (tp=1)")
         if self.sp in (SPMode.RING, SPMode.ULYSSES) and self.cp == 1:
             problems.append(f"sp={self.sp.value!r} is context parallelism and needs cp > 1 (cp=1)")
-        return problems
+        return problems + expert_degree_problems(tp=self.tp, ep=self.ep, etp=self.etp)
 
     def dp_of(self, world_size: int) -> int:
         """The data-parallel degree on ``world_size`` ranks (LayoutError naming the numbers if it is none)."""
@@ -177,11 +198,7 @@ class Layout:
         if world_size % model:
             return [f"world_size={world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = "
                     f"{model}"]
-        stage = world_size // self.pp
-        if stage % (self.etp * self.ep):
-            return [f"etp*ep = {self.etp}*{self.ep} does not divide the {stage} ranks of a pipeline stage "
-                    "(tp*cp*dp): expert parallelism folds the same ranks"]
-        return []
+        return expert_fold_problems(tp=self.tp, cp=self.cp, dp=world_size // model, ep=self.ep, etp=self.etp)
 
     @property
     def micro_batches(self) -> int | None:
@@ -298,5 +315,6 @@ def registered_names() -> list[str]:
 
 
 __all__ = ["Layout", "NAME_DEGREES", "NAME_PATTERN", "NAME_STAGES", "Offload", "PipelineSpec", "SPMode",
-           "STRATEGY_ARGS", "TRAINING_SCHEDULES", "ZeroSpec", "parse_offload", "parse_strategy_name",
+           "STRATEGY_ARGS", "TRAINING_SCHEDULES", "ZeroSpec", "expert_degree_problems", "expert_fold_problems",
+           "parse_offload", "parse_strategy_name",
            "registered_names", "strategy_name"]

@@ -34,7 +34,7 @@ class Layout(job_layout.Layout):
     def for_world(self, world_size: int) -> ParallelDims:
         """The ParallelDims of this layout on ``world_size`` ranks (LayoutError naming every number)."""
         dims = ParallelDims(world_size, tp=self.tp, pp=self.pp, cp=self.cp, sp=self.sp,
-                            gpus_per_node=self.gpus_per_node)
+                            gpus_per_node=self.gpus_per_node, ep=self.ep, etp=self.etp)
         problems = self.world_problems(world_size)
         if problems:
             raise LayoutError("invalid parallel layout: " + "; ".join(problems))

@@ -257,3 +257,19 @@ __all__ = ["TESTED", "TorchPrivateMissing", "abort_groups", "check_version", "de
            "sequence_number_reader", "set_group_timeout", "store_client", "store_host",
            "TorchDispatchMode", "buffer_table", "check_index_sampler", "is_view", "non_persistent_buffers",
            "parameter_table", "share_module_tables", "tree_flatten"]
+
+
+# --- grouped matmul, for the MoE experts --------------------------------------------------------------------------
+
+def grouped_mm() -> Callable | None:
+    """torch's grouped matmul (``torch.nn.functional.grouped_mm`` in the torch versions of ``TESTED``; else the
+    private ``torch._grouped_mm`` it wraps), or None where this torch has neither: the MoE experts then multiply one
+    expert at a time (:func:`shardline.plugins.layers.moe.grouped_matmul`). Called as ``fn(a, b, offs=offs)``
+    with ``a: [rows, k]`` grouped by expert, ``b: [experts, k, n]`` and ``offs`` the int32 end row of each group;
+    its kernels want bfloat16 on CUDA (SM >= 80) and rows of 16-byte multiples."""
+    import torch.nn.functional as F
+
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+__all__ += ["grouped_mm"]

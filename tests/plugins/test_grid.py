@@ -217,3 +217,78 @@ def test_a_model_built_on_a_stand_in_grid_is_that_ranks_part():
     model = GPT(config, grid=Grid.stand_in(dims, rank=1), seed=3)
     with pytest.raises(ContractError, match=r"stand-in tp group \[0, 1\] \(rank 1\)"):
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+
+
+# --- expert axes (MoE parallel folding): written out by hand -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    # tp2 x dp4, ep2, etp1: an EP group is two consecutive ranks (here a TP pair); edp strides over the rest
+    (dict(world_size=8, tp=2, ep=2), {"etp": [[r] for r in range(8)], "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                                      "edp": [[0, 2, 4, 6], [1, 3, 5, 7]]}),
+    # etp = tp = 2 with pp2: each stage's 8 ranks read as (etp, ep, edp) = (2, 2, 2), etp fastest
+    (dict(world_size=16, tp=2, pp=2, ep=2, etp=2),
+     {"etp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+      "ep": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+      "edp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]}),
+    # cp2 x dp4, ep4: the EP group runs over cp and dp ranks alike
+    (dict(world_size=8, cp=2, ep=4, sp="ring"), {"ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+                                                 "edp": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
+    # tp2 x dp1, ep2, etp1: ep need not divide dp*cp (the EP group is the TP pair, whose tokens the layer splits)
+    (dict(world_size=2, tp=2, ep=2), {"ep": [[0, 1]], "edp": [[0], [1]]}),
+])
+def test_expert_groups_by_hand(kwargs, expected):
+    dims = ParallelDims(**kwargs)
+    for axis, groups in expected.items():
+        assert dims.group_ranks(axis) == groups, axis
+        assert dims.size(axis) == len(groups[0])
+    for rank in range(dims.world_size):
+        c = dims.expert_coords(rank)
+        assert dims.expert_rank_of(**c) == rank
+        assert c["pp"] == dims.coords(rank)["pp"]
+    text = dims.describe()
+    assert "  ep     size" in text and "  edp    size" in text and "rank -> (etp, ep, edp, pp)" in text
+
+
+@pytest.mark.parametrize(("kwargs", "fragments"), [
+    (dict(world_size=8, tp=2, ep=2, etp=4), ["etp=4 must be 1 or tp=2", "ep=2"]),
+    (dict(world_size=8, tp=4, ep=2, etp=2), ["etp=2 must be 1 or tp=4"]),
+    (dict(world_size=8, ep=3), ["etp*ep = 1*3", "8 ranks of a pipeline stage", "tp*cp*dp = 1*1*8"]),
+    (dict(world_size=8, tp=2, pp=2, ep=4, etp=2), ["etp*ep = 2*4", "4 ranks of a pipeline stage",
+                                                   "tp*cp*dp = 2*1*2"]),
+    (dict(world_size=8, ep=0, etp="2"), ["ep=0 must be an integer >= 1", "etp='2' must be an integer >= 1"]),
+    (dict(world_size=8, tp=3, ep=5), ["tp*cp*pp = 3*1*1 = 3"]),
+])
+def test_impossible_expert_layouts_name_every_number(kwargs, fragments):
+    with pytest.raises(LayoutError) as info:
+        ParallelDims(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_job_layout_and_parallel_dims_agree_on_the_expert_rules():
+    from shardline.job.layout import Layout as JobLayout
+    from shardline.plugins.layout import Layout
+
+    with pytest.raises(LayoutError, match=r"etp=4 must be 1 or tp=2"):
+        JobLayout(tp=2, ep=2, etp=4)
+    assert JobLayout(ep=3).world_problems(8) == [
+        "etp*ep = 1*3 does not divide the 8 ranks of a pipeline stage (tp*cp*dp = 1*1*8): expert parallelism "
+        "folds the same ranks"]
+    dims = Layout(tp=2, ep=2).bind(8).dims
+    assert (dims.ep, dims.etp, dims.edp) == (2, 1, 4)
+
+
+def test_dense_layouts_keep_their_groups_and_grid():
+    dims = ParallelDims(8, tp=2, pp=2)
+    assert not dims.has_expert_axes and "ep " not in dims.describe() and "ep=" not in dims._summary()
+    assert dims.edp == 4 and dims.group_ranks("edp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    grid = Grid.stand_in(dims, rank=5)
+    assert grid.group("ep") is None and grid.group("etp") is None
+    with pytest.raises(LayoutError, match=r"no 'edp' group was built"):
+        grid.group("edp")
+    moe_at_ep1 = Grid.stand_in(dims, rank=5, expert_groups=True)  # an MoE model on tp2 x pp2 at ep = 1
+    assert moe_at_ep1.group("edp").ranks == (4, 5, 6, 7) and moe_at_ep1.group("ep").ranks == (5,)
+    moe = Grid.stand_in(ParallelDims(8, tp=2, ep=2, etp=2), rank=5)
+    assert moe.group("ep").ranks == (5, 7) and moe.group("etp") is moe.group("tp")
+    assert moe.group("edp").ranks == (1, 5) and moe.rank("edp") == 1 and moe.rank("ep") == 0
