@@ -10,6 +10,8 @@ Sections (the YAML's header says each field's meaning and unit):
   link of its own with the entry's numbers (:attr:`Hardware.links` holds every name).
 - ``gpus`` and ``clusters``: the planner's accelerators and node types, handed over as plain field mappings (the
   planner merges a user's file over them and validates the result).
+- ``cpu_adam``: DeepSpeed's CPU Adam as measured (``params`` updated in ``seconds`` on a host of ``dram_gbps``
+  peak DRAM bandwidth) and its ``source``: the planner's rate for a node type that gives none of its own.
 - ``devices``: the profiler's rules from a GPU's name to its intra-node link and NIC (first match wins);
   ``host_pcie``: intra-node link -> the PCIe link of the GPU's host interface; ``defaults``: the NIC and host
   link of a device no rule names.
@@ -35,7 +37,7 @@ from .errors import ShardlineError
 
 PACKAGED_HARDWARE = Path(__file__).with_name("hardware.yaml")
 LINK_KINDS = ("intra", "inter", "host")
-SECTIONS = ("links", "gpus", "clusters", "devices", "host_pcie", "defaults")
+SECTIONS = ("links", "gpus", "clusters", "cpu_adam", "devices", "host_pcie", "defaults")
 _LINK_NUMBERS = ("gbps", "collective_gbps", "latency_us")
 _LINK_KEYS = frozenset((*_LINK_NUMBERS, "source", "kind", "channels", "aliases"))
 
@@ -62,6 +64,22 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class CpuAdam:
+    """A published CPU Adam measurement: ``params`` updated in ``seconds`` on a host whose DRAM peaks at
+    ``dram_gbps`` GB/s, cited by ``source``."""
+
+    params: float
+    seconds: float
+    dram_gbps: float
+    source: str
+
+    @property
+    def params_per_dram_byte(self) -> float:
+        """Parameters per second per byte/s of DRAM peak: the rate another host's DRAM bandwidth scales."""
+        return self.params / self.seconds / (self.dram_gbps * 1e9)
+
+
+@dataclass(frozen=True)
 class DeviceRule:
     """A GPU name matching ``match`` (regex, case-insensitive) sits on ``intra`` inside a node ("" for none
     known) and reaches other nodes through ``nic``."""
@@ -74,7 +92,8 @@ class DeviceRule:
 @dataclass(frozen=True)
 class Hardware:
     """The catalog, read-only. ``links`` by every name (aliases included), ``gpus``/``clusters`` the planner's
-    raw field mappings, ``device_rules`` in order, ``host_pcie`` intra link -> host PCIe link."""
+    raw field mappings, ``device_rules`` in order, ``host_pcie`` intra link -> host PCIe link, ``cpu_adam`` the
+    planner's CPU Adam measurement (None in a file that leaves it out)."""
 
     path: Path
     links: Mapping[str, LinkSpec]
@@ -84,6 +103,7 @@ class Hardware:
     host_pcie: Mapping[str, str]
     default_nic: str
     default_host_pcie: str
+    cpu_adam: CpuAdam | None = None  # the planner's; a file for the profiler alone may leave it out
 
     def link(self, name: str) -> LinkSpec:
         if name not in self.links:
@@ -133,7 +153,24 @@ def load_hardware(path: str | Path) -> Hardware:
         gpus=_entries(data.get("gpus"), path, "gpus"), clusters=_entries(data.get("clusters"), path, "clusters"),
         device_rules=tuple(rules), host_pcie=MappingProxyType(host_pcie),
         default_nic=name(defaults.get("nic"), "defaults.nic"),
-        default_host_pcie=name(defaults.get("host_pcie"), "defaults.host_pcie"))
+        default_host_pcie=name(defaults.get("host_pcie"), "defaults.host_pcie"),
+        cpu_adam=_cpu_adam(data.get("cpu_adam"), path))
+
+
+def _cpu_adam(section, path: Path) -> CpuAdam | None:
+    if section is None:
+        return None
+    fields = _mapping(section, path, "cpu_adam")
+    keys = ("params", "seconds", "dram_gbps", "source")
+    problems = [f"unknown fields {sorted(set(fields) - set(keys))}"] if set(fields) - set(keys) else []
+    problems += [f"missing fields {sorted(set(keys) - set(fields))}"] if set(keys) - set(fields) else []
+    problems += [f"{k}={fields[k]!r} must be a number > 0" for k in keys[:3] if k in fields
+                 and not _positive(fields[k])]
+    if "source" in fields and not (isinstance(fields["source"], str) and fields["source"].strip()):
+        problems.append(f"source={fields['source']!r} must be a citation (text)")
+    if problems:
+        raise HardwareError(f"{path}: cpu_adam: " + "; ".join(problems))
+    return CpuAdam(**{k: fields[k] for k in keys})
 
 
 def _read(path: Path) -> dict:
@@ -200,5 +237,5 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-__all__ = ["DeviceRule", "Hardware", "HardwareError", "LINK_KINDS", "LinkSpec", "PACKAGED_HARDWARE", "SECTIONS",
-           "hardware", "load_hardware"]
+__all__ = ["CpuAdam", "DeviceRule", "Hardware", "HardwareError", "LINK_KINDS", "LinkSpec", "PACKAGED_HARDWARE",
+           "SECTIONS", "hardware", "load_hardware"]

@@ -49,7 +49,10 @@ TREE_EFFICIENCY = 0.92  # NCCL src/graph/tuning.cc: a tree all-reduce's busBw * 
 CTA_TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS/CUTLASS tensor-core CTA tiles (Ampere/Hopper)
 # A link entry without ``channels`` gets its kind's packaged figure (hardware.yaml: NVLink 24, IB 16, PCIe 2).
 DEFAULT_CHANNELS = {"intra": 24, "inter": 16, "host": 2}
-
+#: DeepSpeed's CPU Adam as measured (job/hardware.yaml ``cpu_adam``, cited there: ZeRO-Offload's Table 3), in
+#: parameters per second per byte/s of the host's DRAM peak: a node type without its own ``cpu_adam_gparams`` gets
+#: this times its ``cpu_mem_gbps``.
+CPU_ADAM_PARAMS_PER_DRAM_BYTE = hardware().cpu_adam.params_per_dram_byte
 
 class PlanError(RecipeError):
     """A plan input that cannot be priced (an unknown GPU, link or cluster, a bad catalog entry, a layout the
@@ -130,6 +133,9 @@ class Cluster:
     cpu_mem_gbps: float
     nvme_gbps: float
     cpu_ram_gib: float | None = None  # one node's CPU RAM (offload must fit in it); None: not known
+    #: The node's DeepSpeed CPU Adam throughput, billions of parameters per second (all its cores, shared by its
+    #: GPUs' ranks); None: :data:`CPU_ADAM_PARAMS_PER_DRAM_BYTE` times ``cpu_mem_gbps``.
+    cpu_adam_gparams: float | None = None
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r} must be an integer >= 1" for k in ("gpus_per_node", "nics_per_node")
@@ -138,12 +144,22 @@ class Cluster:
                      if not _positive(getattr(self, k))]
         if self.cpu_ram_gib is not None and not _positive(self.cpu_ram_gib):
             problems.append(f"cpu_ram_gib={self.cpu_ram_gib!r} must be > 0 or None")
+        if self.cpu_adam_gparams is not None and not _positive(self.cpu_adam_gparams):
+            problems.append(f"cpu_adam_gparams={self.cpu_adam_gparams!r} must be > 0 or None")
         for key, kind in (("intra_node", "intra"), ("inter_node", "inter"), ("host", "host")):
             link = getattr(self, key)
             if link.kind != kind:
                 problems.append(f"{key}={link.name!r} is a {link.kind!r} link, not {kind!r}")
         if problems:
             raise PlanError(f"cluster {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def cpu_adam_params_per_s(self) -> float:
+        """Parameters per second one GPU's rank updates with DeepSpeed's CPU Adam: the node's rate
+        (``cpu_adam_gparams``, else the ZeRO-Offload measurement scaled by ``cpu_mem_gbps``) over its GPUs."""
+        node = (self.cpu_adam_gparams * 1e9 if self.cpu_adam_gparams is not None
+                else CPU_ADAM_PARAMS_PER_DRAM_BYTE * self.cpu_mem_gbps * 1e9)
+        return node / self.gpus_per_node
 
     @property
     def node_nic_bytes_per_s(self) -> float:
@@ -246,9 +262,10 @@ def gemm_s(gpu: Gpu, m: int, n: int, k: int, *, dtype: str, batch: int = 1, out_
 _GPU_FIELDS = {f.name for f in dataclasses.fields(Gpu)} - {"name"}
 _LINK_FIELDS = {f.name for f in dataclasses.fields(Link)} - {"name"}
 _CLUSTER_FIELDS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "cpu_mem_gbps",
-                   "nvme_gbps", "cpu_ram_gib"}
-_NULLABLE = {"fp8_tflops", "matmul_fraction_fp8", "cpu_ram_gib"}
-_OPTIONAL = {"cpu_ram_gib"}  # a user's node type may leave it out (offload's CPU RAM is then not checked)
+                   "nvme_gbps", "cpu_ram_gib", "cpu_adam_gparams"}
+_NULLABLE = {"fp8_tflops", "matmul_fraction_fp8", "cpu_ram_gib", "cpu_adam_gparams"}
+# a user's node type may leave these out (offload's CPU RAM is then not checked; CPU Adam follows cpu_mem_gbps)
+_OPTIONAL = {"cpu_ram_gib", "cpu_adam_gparams"}
 _SECTIONS = {"gpus": _GPU_FIELDS, "links": _LINK_FIELDS, "clusters": _CLUSTER_FIELDS}
 
 
@@ -284,15 +301,17 @@ class Catalog:
 
 def cluster(catalog: Catalog, *, gpu: str, gpus_per_node: int, inter_node: str, nics_per_node: int,
             intra_node: str | None = None, host: str = "pcie-gen5", cpu_mem_gbps: float = 614.4,
-            nvme_gbps: float = 56.0, name: str | None = None, cpu_ram_gib: float | None = None) -> Cluster:
+            nvme_gbps: float = 56.0, name: str | None = None, cpu_ram_gib: float | None = None,
+            cpu_adam_gparams: float | None = None) -> Cluster:
     """A cluster of ``gpu`` nodes from catalog names. ``intra_node`` defaults to the GPU's own scale-up link;
     the defaults of ``host``, ``cpu_mem_gbps`` and ``nvme_gbps`` are the DGX H100's (job/hardware.yaml);
-    ``cpu_ram_gib`` (one node's CPU RAM) has none: unknown, offload's CPU RAM is then not checked."""
+    ``cpu_ram_gib`` (one node's CPU RAM) has none: unknown, offload's CPU RAM is then not checked;
+    ``cpu_adam_gparams`` (the node's CPU Adam rate) none: :data:`CPU_ADAM_PARAMS_PER_DRAM_BYTE` x ``cpu_mem_gbps``."""
     accel = catalog.gpu(gpu)
     return Cluster(name=name or f"{gpus_per_node}x{gpu}", gpu=accel, gpus_per_node=gpus_per_node,
                    intra_node=catalog.link(intra_node or accel.intra_node), inter_node=catalog.link(inter_node),
                    nics_per_node=nics_per_node, host=catalog.link(host), cpu_mem_gbps=cpu_mem_gbps,
-                   nvme_gbps=nvme_gbps, cpu_ram_gib=cpu_ram_gib)
+                   nvme_gbps=nvme_gbps, cpu_ram_gib=cpu_ram_gib, cpu_adam_gparams=cpu_adam_gparams)
 
 
 def load_catalog(path: str | Path | None = None) -> Catalog:

@@ -4,7 +4,7 @@
                    [--interconnect NAME] [--nics-per-node K] [--cluster NODE] [--catalog YAML]
                    [--layout tp=..,pp=..,dp=..,cp=..,chunks=..,zero=..,offload=..,recompute=..,
                              micro_batches=..,micro_batch_size=..,sp=..,schedule=..]
-                   [--top K] [--json] [--emit RECIPE.yaml] [--calibrate PROFILE]
+                   [--headroom SHARE] [--top K] [--json] [--explain] [--emit RECIPE.yaml] [--calibrate PROFILE]
                    [--compare PROFILE_DIR [--recipe RUN.yaml] [--warmup W]
                     [--format text|md|html|json|csv|parquet|tensorboard]]
 
@@ -12,7 +12,11 @@ MODEL is a packaged name, a Hugging Face ``config.json`` (or its folder) or a YA
 ``shardline fit`` recipe works). The cluster is ``--cluster`` (a packaged node type) or ``--gpu`` with the node
 type of that GPU in the catalog supplying the links; ``--gpus-per-node``, ``--interconnect`` and
 ``--nics-per-node`` override. Errors are one line on stderr naming the bad value, exit status 2; a layout that
-does not fit is a row saying so (exit status 1 when no row fits).
+does not fit is a row saying so (exit status 1 when no row fits). A row over the usable HBM (``--headroom``,
+default 10% kept for the CUDA caching allocator's fragmentation) but within the HBM is "tight": listed, never
+picked while a row fits. Rows within the step-time model's error band (3.44%) of the fastest are ties: the
+pick is the simplest of them, the others printed as "equivalent: ..."; ``--explain`` says why the pick beats the
+next rows, category by category, and whether more nodes, a longer sequence or another GPU would change it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def add_commands(sub) -> None:
     p.add_argument("--layout", default="", help="fix some or all fields: tp=8,pp=4,zero=1,recompute=full,...")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8"))
     p.add_argument("--attention", default="flash", choices=("flash", "materialized"))
-    p.add_argument("--headroom", type=float, default=None, help="share of HBM kept free (default 0.05)")
+    p.add_argument("--headroom", type=float, default=None, help="share of HBM kept free for the CUDA caching "
+                   "allocator's fragmentation (default 0.10); a row over it but within the HBM is 'tight'")
     p.add_argument("--cpu-ram-gib", type=float, default=None, help="CPU RAM per node, to check offload against")
     p.add_argument("--deepspeed-config", metavar="DS.json", help="the run's DeepSpeed config (JSON, as the "
                    "strategy reads it): the memory estimate and the step model follow its ZeRO-3 sub-group and NVMe "
@@ -52,6 +57,8 @@ def add_commands(sub) -> None:
                    "wins over the recipe's)")
     p.add_argument("--top", type=int, default=10, help="rows to print (0: all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--explain", action="store_true", help="why the pick beats the next rows, category by category, "
+                   "and what more nodes, a longer sequence or another GPU would pick (JSON: 'explain')")
     p.add_argument("--emit", metavar="RECIPE.yaml", help="write the best fitting layout as a shardline fit recipe")
     p.add_argument("--calibrate", metavar="PROFILE", help="replace the catalog's rates by those measured in a "
                                                            "shardline profile of your own run")
@@ -199,10 +206,18 @@ def _run(args) -> int:
                          dtype=args.dtype, attention=args.attention, cpu_ram_gib=args.cpu_ram_gib, zero=zero,
                          **kwargs)
     top = args.top if args.top and args.top > 0 else None
+    explained = search.explain(result, catalog=catalog) if args.explain and result.ties else None
     if args.json:
-        text = json.dumps(result.to_json(top), indent=1, default=float)
+        doc = result.to_json(top)
+        if explained is not None:
+            doc["explain"] = explained
+        text = json.dumps(doc, indent=1, default=float)
     else:
         text = search.format_table(result, top=top or 0)
+        if explained is not None:
+            text += "\n\n" + search.format_explain(result, explained)
+        elif args.explain:
+            text += "\n\nno row fits: nothing to explain"
     if args.output:
         Path(args.output).write_text(text + "\n")
         print(f"wrote {args.output}", file=sys.stderr)
@@ -211,7 +226,7 @@ def _run(args) -> int:
     if args.emit:
         from shardline.recipes.planning.emit import recipe_yaml
 
-        row = result.best
+        row = result.pick
         command = "shardline plan " + " ".join(shlex.quote(a) for a in _reproducer(args))
         # Checking the recipe builds the strategy, whose first import of DeepSpeed logs to stdout: stdout is the
         # plan (--json), so that line goes to stderr.

@@ -68,6 +68,7 @@ from shardline.recipes.planning.catalog import Cluster, PlanError
 from shardline.recipes.planning.layout import PlanLayout
 from shardline.recipes.planning.memory import GIB
 from shardline.recipes.planning.models import ModelSpec
+from shardline.recipes.planning.search import ERROR_BAND
 from shardline.recipes.schema import HYBRID_CLASS, strategy_arguments
 
 #: The twin's limits (see the module docstring).
@@ -234,7 +235,8 @@ def header(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, 
         f"{cluster.intra_node.name} inside a node, {cluster.nics_per_node} x {cluster.inter_node.name} per node), "
         "bf16 mixed precision.",
         "",
-        "Layout, as `shardline plan` picks it (the fastest predicted layout that fits):",
+        "Layout, as `shardline plan` picks it (of the layouts that fit with the allocator's headroom, the simplest "
+        "within the step-time model's 3.44% error band of the fastest):",
         f"  {_layout_line(lay)}",
         f"  {_zero_line(lay)}",
         "",
@@ -245,9 +247,10 @@ def header(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, 
     if top.cpu or top.nvme:
         lines.append(f"  offloaded per GPU: CPU RAM {_gib(top.cpu)} GiB, NVMe {_gib(top.nvme)} GiB")
     lines += [
-        f"Predicted step {pred.step_s:.3f} s: {pred.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+        f"Predicted step {_three(pred.step_s)} s: {_three(pred.tokens_per_s_per_gpu)} tokens/s/GPU, "
         f"{pred.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {100 * pred.mfu:.1f}% (Megatron's model FLOPs over the bf16 "
-        f"peak, {cluster.gpu.bf16_tflops:g} TFLOP/s)",
+        f"peak, {cluster.gpu.bf16_tflops:g} TFLOP/s), each +-{100 * ERROR_BAND:.2f}% (the step-time model's mean "
+        "error on Korthikanti et al. 2022, Table 5)",
         "  " + ", ".join(f"{k} {v:.3f} s" for k, v in times.items()),
         "",
         f"Reproduce: {command}",
@@ -265,6 +268,12 @@ def header(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, 
         "CPU twin (CI trains it for two steps): shardline.recipes.planning.emit.cpu_twin.",
     ]
     return lines
+
+
+def _three(x: float) -> str:
+    """``x`` to three significant figures, thousands separated (the model is good to a few percent)."""
+    places = 2 - math.floor(math.log10(abs(x))) if x else 0
+    return f"{round(x, places):,.{max(0, places)}f}"
 
 
 def recipe_yaml(model: ModelSpec, row, cluster: Cluster, *, gpus: int, seq_len: int, global_batch: int,

@@ -28,9 +28,21 @@ larger micro-batches (memory grows with the micro-batch at every level).
 
 **Fits.** The most loaded rank's estimate (buffers include :data:`~.memory.FIXED_OVERHEAD_BYTES`) must not
 exceed the usable HBM: ``hbm_gb`` GiB (HBM capacities are binary: an "80GB" H100 shows CUDA about 79.2 GiB)
-times ``1 - headroom`` (default :data:`HEADROOM` = 5%, the caching allocator's fragmentation), and the CPU RAM a
-node's offload needs must not exceed ``cpu_ram_gib`` (given, else the node type's ``cpu_ram_gib`` in the
-catalog; with neither, a row that offloads carries a note that its CPU RAM was not checked).
+times ``1 - headroom``, and the CPU RAM a node's offload needs must not exceed ``cpu_ram_gib`` (given, else the
+node type's ``cpu_ram_gib`` in the catalog; with neither, a row that offloads carries a note that its CPU RAM was
+not checked). ``headroom`` (default :data:`HEADROOM` = 10%) is the CUDA caching allocator's fragmentation: what
+it reserves beyond the tensors alive at the peak. Published reserved-vs-active peaks: torchtitan PR #165 (Llama
+7B-class, 8 H100 of 95.04 GiB, FSDP2: 23.92% active vs 32.64% reserved with full AC, 52.13% vs 62.51% with
+selective AC: 8.7% and 10.4% of the HBM; FSDP1: 9.0% and 14.3%); llama-recipes PR #165 (LLaMA-7B, FSDP, 8 GPUs:
+14.93 GB active, 19.52 GB reserved). A row over the usable HBM but within the HBM itself is **tight**: priced
+and listed (``fits`` False, ``tight`` True, after every row that fits), never the best while a row fits.
+
+**Choice.** The step-time model is good to about :data:`ERROR_BAND` (3.44%, its mean error on Korthikanti et
+al.'s Table 5; no per-row band is measured yet), so rows within that share of the fastest are ties to it, and
+:attr:`PlanResult.pick` is the simplest of them (:func:`simplicity`: no offload, fewer parallel dimensions
+crossing nodes, no CP below :func:`cp_floor_tokens`, fewer parallel dimensions, no recompute; then the faster).
+:attr:`PlanResult.best` stays the fastest row that fits. :func:`explain` says why the pick beats the next rows,
+category by category, and what one change (more nodes, a longer sequence, another GPU) does to it.
 
 A fixed field (``layout={"tp": 8}``, or a complete layout) narrows the enumeration to it; a fixed value the rules
 forbid is not dropped: it yields a row that does not fit, or a :class:`~.catalog.PlanError`, naming the numbers.
@@ -58,7 +70,11 @@ from shardline.recipes.planning.models import ModelSpec
 from shardline.recipes.schema import RecipeError
 
 GIB = mem.GIB
-HEADROOM = 0.05
+#: The share of HBM left to the caching allocator's fragmentation (the module docstring's published figures).
+HEADROOM = 0.10
+#: Rows whose predicted steps differ by less than this share are ties: the step-time model's mean error on
+#: Korthikanti et al.'s Table 5 (tests/recipes/planning/test_steptime.py), no per-row band being measured yet.
+ERROR_BAND = 0.0344
 #: The smallest CP chunk searched: FlashAttention's 128-row tile (a shorter chunk runs the ring's attention
 #: steps on partly empty tiles, and its K/V exchanges are latency-bound).
 MIN_CP_CHUNK = 128
@@ -118,6 +134,8 @@ class PlanRow:
     prediction: steptime.StepPrediction | None
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Over the usable HBM (the allocator's headroom) but within the HBM: priced, never the best while a row fits.
+    tight: bool = False
 
     @property
     def step_s(self) -> float:
@@ -130,6 +148,7 @@ class PlanRow:
             "recompute", "micro_batches", "micro_batch_size")}
         row["schedule"] = lay.schedule
         row["fits"] = self.fits
+        row["tight"] = self.tight
         row["memory_gib"] = self.memory.memory_gib() if self.memory is not None else None
         row["cpu_gib_per_gpu"] = self.memory.most_loaded.cpu / GIB if self.memory is not None else None
         row["nvme_gib_per_gpu"] = self.memory.most_loaded.nvme / GIB if self.memory is not None else None
@@ -157,33 +176,66 @@ class PlanResult:
     rows: list[PlanRow]
     rejected: dict[str, str]
     evaluated: int
+    headroom: float = HEADROOM
+    #: ``plan``'s other arguments (dtype, attention, layout, ...), so :func:`explain` can search again with one change.
+    request: dict[str, Any] = field(default_factory=dict)
+    band: float = ERROR_BAND
 
     @property
     def fitting(self) -> list[PlanRow]:
         return [r for r in self.rows if r.fits]
 
     @property
+    def tight(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.tight]
+
+    @property
     def best(self) -> PlanRow:
-        if not self.rows or not self.rows[0].fits:
+        """The fastest row that fits; when none does, the fastest tight row (over the allocator's headroom)."""
+        if not self.rows or not (self.rows[0].fits or self.rows[0].tight):
             why = self.rows[0].problems if self.rows else list(self.rejected.values())[:3]
             raise PlanError(f"no layout of {self.model.name!r} fits {self.gpus} x {self.cluster.gpu.name} "
                             f"({self.usable_bytes / GIB:.1f} GiB usable per GPU): " + "; ".join(why))
         return self.rows[0]
 
+    @functools.cached_property
+    def ties(self) -> list[PlanRow]:
+        """The rows that fit within :attr:`band` of the fastest (the model cannot tell them apart), fastest first;
+        empty when nothing fits."""
+        fitting = self.fitting
+        if not fitting:
+            return []
+        limit = fitting[0].step_s * (1 + self.band)
+        return [r for r in fitting if r.step_s <= limit]
+
+    @functools.cached_property
+    def pick(self) -> PlanRow:
+        """The layout to run: the simplest of :attr:`ties` (:func:`simplicity`), else :attr:`best`."""
+        if not self.ties:
+            return self.best
+        return min(self.ties, key=lambda r: simplicity(r, self))
+
     def to_json(self, top: int | None = None) -> dict[str, Any]:
         m, cl = self.model, self.cluster
         rows = self.rows if not top else self.rows[:top]
-        return {
+        out = {
             "model": {**dataclasses.asdict(m), "params": m.params()},
             "cluster": {"name": cl.name, "gpu": cl.gpu.name, "gpus": self.gpus, "gpus_per_node": cl.gpus_per_node,
                         "nodes": max(1, self.gpus // cl.gpus_per_node), "intra_node": cl.intra_node.name,
                         "inter_node": cl.inter_node.name, "nics_per_node": cl.nics_per_node,
                         "hbm_gib": cl.gpu.hbm_gb, "usable_gib": self.usable_bytes / GIB},
             "seq_len": self.seq_len, "global_batch": self.global_batch, "dtype": self.dtype,
-            "evaluated": self.evaluated, "fitting": len(self.fitting),
+            "headroom": self.headroom, "error_band": self.band,
+            "evaluated": self.evaluated, "fitting": len(self.fitting), "tight": len(self.tight),
             "layouts": [r.to_json() for r in rows],
             "rejected": dict(self.rejected),
         }
+        if self.ties:
+            out["pick"] = {**self.pick.to_json(), "layout": describe(self.pick.layout),
+                           "why": choice_reason(self)}
+            out["equivalent"] = [{"layout": describe(r.layout), "step_s": r.step_s} for r in self.ties
+                                 if r is not self.pick]
+        return out
 
 
 # --- enumeration ------------------------------------------------------------------------------------------------
@@ -372,19 +424,27 @@ def _node_cpu_bytes(estimate: mem.MemoryEstimate, cluster: Cluster) -> float:
     return max(r.cpu for r in estimate.ranks) * cluster.gpus_per_node
 
 
-def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | None, cluster: Cluster) -> list[str]:
+def _fit_problem(estimate: mem.MemoryEstimate, usable: float, cpu_ram: float | None, cluster: Cluster,
+                 headroom: float = HEADROOM) -> tuple[list[str], bool]:
+    """``(problems, tight)``: what keeps the estimate from running, and whether it is only the allocator's
+    headroom (over the usable HBM, within the HBM)."""
     top = estimate.most_loaded
     problems = []
+    hbm = cluster.gpu.hbm_gb * GIB
+    tight = usable < top.total <= hbm
     if top.total > usable:
         parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in top.categories().items() if k != "total")
-        problems.append(f"does not fit: {top.total / GIB:.1f} GiB on rank {top.rank} ({parts}) > "
-                        f"{usable / GIB:.1f} GiB usable")
+        word = "tight" if tight else "does not fit"
+        problems.append(f"{word}: {top.total / GIB:.1f} GiB on rank {top.rank} ({parts}) > "
+                        f"{usable / GIB:.1f} GiB usable ({hbm / GIB:.0f} GiB HBM less the {100 * headroom:g}% "
+                        f"allocator headroom" + (", --headroom lowers it)" if tight else ")"))
     if cpu_ram is not None:
         node_cpu = _node_cpu_bytes(estimate, cluster)
         if node_cpu > cpu_ram:
             problems.append(f"does not fit: offload needs {node_cpu / GIB:.0f} GiB of CPU RAM per node > "
                             f"cpu_ram_gib={cpu_ram / GIB:.0f}")
-    return problems
+            tight = False
+    return problems, tight
 
 
 def _check_options(headroom, cpu_ram_gib, predict_kwargs: dict[str, Any]) -> None:
@@ -402,7 +462,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
          **predict_kwargs) -> PlanResult:
     """Every layout of ``model`` on ``gpus`` GPUs of ``cluster`` training ``global_batch`` sequences of
     ``seq_len`` tokens per step (see the module docstring), fitting rows first by predicted step time, then the
-    rest by memory. ``layout`` fixes fields (PlanLayout's names, or :func:`parse_layout`'s output); ``top``
+    tight ones (over ``headroom``, the allocator's share of HBM, within the HBM) by step time, then the rest by
+    memory. ``layout`` fixes fields (PlanLayout's names, or :func:`parse_layout`'s output); ``top``
     keeps that many rows. ``zero``: the DeepSpeed settings the memory estimate follows (ZeRO-3's sub-groups, the
     NVMe offload's buffers; :meth:`~.memory.ZeroSettings.from_deepspeed`). ``predict_kwargs``: fields of the
     :class:`~.implementation.Implementation` priced (``tp_overlap`` ...), passed to :func:`~.steptime.predict`."""
@@ -428,9 +489,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
             raise PlanError(f"layout: micro_batches*micro_batch_size*dp = {fixed['micro_batches']}*"
                             f"{fixed['micro_batch_size']}*{fixed_dp} = {product} != global_batch={global_batch}")
     usable = cluster.gpu.hbm_gb * GIB * (1 - headroom)
-    if cpu_ram_gib is None:  # the node type's own, where the catalog knows it
-        cpu_ram_gib = cluster.cpu_ram_gib
-    cpu_ram = cpu_ram_gib * GIB if cpu_ram_gib is not None else None
+    node_ram_gib = cluster.cpu_ram_gib if cpu_ram_gib is None else cpu_ram_gib  # else the node type's own
+    cpu_ram = node_ram_gib * GIB if node_ram_gib is not None else None
     dtype_bytes = 4 if dtype == "fp32" else 2
     rejected: dict[str, str] = {}
     if "schedule" not in fixed and fixed.get("pp") != 1:  # STANDING notes, each only where the search could choose
@@ -466,7 +526,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                         continue
                     evaluated += 1
                     row = _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, cpu_ram,
-                                 overhead_bytes, predict_kwargs, explicit, zero)
+                                 overhead_bytes, predict_kwargs, explicit, zero, headroom)
                     if tp > cluster.gpus_per_node:
                         row.notes.append(f"tp={tp} > gpus_per_node={cluster.gpus_per_node}: TP crosses the NICs")
                     if cpu_ram is None and row.memory is not None and (oo, op) != ("none", "none"):
@@ -479,6 +539,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                                          f"({drive * cluster.gpus_per_node / GIB:.0f} GiB per node)")
                     level_rows.append(row)
                 good = [r for r in level_rows if r.fits]
+                found = _keep_tight(rows, level_rows) or found
                 if good:
                     rows.extend(good)
                     found = True
@@ -493,21 +554,30 @@ def plan(model: ModelSpec, cluster: Cluster, *, gpus: int, seq_len: int, global_
                 break  # a larger micro-batch needs more memory at every level
     for pp in interleaved:  # another dp interleaved at this pp: not a rejection of the family
         rejected.pop(f"pp={pp},interleaved", None)
-    fitting_families = {f"tp={r.layout.tp},pp={r.layout.pp},cp={r.layout.cp}" for r in rows if r.fits}
+    fitting_families = {f"tp={r.layout.tp},pp={r.layout.pp},cp={r.layout.cp}" for r in rows if r.fits or r.tight}
     for family, row in closest.items():
         if family in fitting_families:
             continue
         rejected[family] = f"{describe(row.layout)}: " + "; ".join(row.problems)
         if not any(r is row for r in rows):
             rows.append(row)
-    rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else
+    rows.sort(key=lambda r: (0 if r.fits else 1 if r.tight else 2, r.step_s if r.fits or r.tight else
                              (r.memory.most_loaded.total if r.memory else math.inf)))
     if not rows and all(k in STANDING for k in rejected):
         raise PlanError(f"plan for {model.name!r} on {gpus} GPUs, global batch {global_batch}: no layout has the "
                         f"fixed fields {fixed}")
+    request = dict(layout=dict(layout or {}), dtype=dtype, attention=attention, headroom=headroom,
+                   cpu_ram_gib=cpu_ram_gib, overhead_bytes=overhead_bytes, zero=zero, **predict_kwargs)
     return PlanResult(model=model, cluster=cluster, gpus=gpus, seq_len=seq_len, global_batch=global_batch,
                       dtype=dtype, usable_bytes=usable, rows=rows[:top] if top else rows, rejected=rejected,
-                      evaluated=evaluated)
+                      evaluated=evaluated, headroom=headroom, request=request)
+
+
+def _keep_tight(rows: list[PlanRow], level_rows: list[PlanRow]) -> bool:
+    """Lists the tight rows of a level (after every row that fits; a heavier level may still fit): any?"""
+    tight = [r for r in level_rows if r.tight]
+    rows.extend(tight)
+    return bool(tight)
 
 
 def _fully_fixed(fixed: dict[str, Any]) -> bool:
@@ -516,24 +586,26 @@ def _fully_fixed(fixed: dict[str, Any]) -> bool:
 
 
 def _price(model, lay, cluster, seq_len, dtype, dtype_bytes, attention, usable, cpu_ram, overhead,
-           predict_kwargs, explicit_price: bool = False, zero: mem.ZeroSettings = mem.DEFAULT_ZERO) -> PlanRow:
-    """The row of one layout: its memory, and its step time when it fits (or when ``explicit_price``)."""
+           predict_kwargs, explicit_price: bool = False, zero: mem.ZeroSettings = mem.DEFAULT_ZERO,
+           headroom: float = HEADROOM) -> PlanRow:
+    """The row of one layout: its memory, and its step time when it fits, is tight, or ``explicit_price``."""
     try:
         ranks = None if explicit_price else _representatives(model, lay.tp, lay.pp, lay.chunks)
         estimate = mem.estimate(model, lay, seq_len=seq_len, dtype_bytes=dtype_bytes, overhead_bytes=overhead,
                                 pp_ranks=ranks, zero=zero)
     except RecipeError as error:
         return PlanRow(lay, False, None, None, [str(error)])
-    problems = _fit_problem(estimate, usable, cpu_ram, cluster)
+    problems, tight = _fit_problem(estimate, usable, cpu_ram, cluster, headroom)
     prediction = None
-    if problems and not explicit_price:
+    if problems and not explicit_price and not tight:
         return PlanRow(lay, False, estimate, None, problems)
     try:
         impl = Implementation(dtype="bf16" if dtype == "fp32" else dtype, attention=attention, zero=zero)
         prediction = steptime.predict(model, lay, cluster, seq_len=seq_len, impl=impl, **predict_kwargs)
     except PlanError as error:
         problems.append(str(error))
-    return PlanRow(lay, not problems, estimate, prediction, problems)
+        tight = False
+    return PlanRow(lay, not problems, estimate, prediction, problems, tight=tight and prediction is not None)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -569,31 +641,232 @@ def describe(lay: PlanLayout) -> str:
     return ",".join(parts)
 
 
+# --- choice -----------------------------------------------------------------------------------------------------
+
+def crossing_dims(lay: PlanLayout, cluster: Cluster) -> list[str]:
+    """The parallel dimensions (of tp, cp, dp, pp larger than 1) whose groups cross a node boundary, in the
+    rank order the step-time model uses (tp fastest, then cp, dp, pp)."""
+    groups = (("tp", lay.tp, 1), ("cp", lay.cp, lay.tp), ("dp", lay.dp, lay.tp * lay.cp),
+              ("pp", lay.pp, lay.tp * lay.cp * lay.dp))
+    return [name for name, size, stride in groups
+            if size > 1 and hw.group_link(cluster, size=size, stride=stride).crosses_nodes]
+
+
+def cp_floor_tokens(model: ModelSpec, lay: PlanLayout, cluster: Cluster, impl: Implementation) -> float:
+    """Tokens per CP rank (of each sequence) below which a ring hop outlasts the attention step beside it, from
+    the charge in :func:`~.steptime._cp_comm`: a forward step computes ``2 b H T^2 d`` FLOPs (``T`` tokens per
+    rank, ``H`` query heads per TP rank) at the flash rate ``R`` while its hop sends ``2 b T H_kv d e`` bytes at
+    ``B`` (:func:`~.steptime.ring_hop_link`), so it hides once ``T >= (H_kv / H) e R / B``; the backward sends
+    ``e + g`` bytes per element (``g`` = ``ring_grad_bytes``) beside 2.5x the FLOPs at the backward's
+    ``FLASH_BWD_OVER_FWD`` of the rate. The larger of the two; the hop's latency and the SMs it holds are left
+    out, so below it the ring is exposed for sure."""
+    heads_q = model.n_head // lay.tp
+    heads_kv = heads_q if impl.cp_repeats_kv else max(1, model.kv_heads // lay.tp)
+    share = heads_kv / heads_q
+    rate = cluster.gpu.peak_flops("bf16") * cluster.gpu.attention_fraction
+    link = steptime.ring_hop_link(cluster, lay).bytes_per_s
+    forward = share * 2 * rate / link
+    backward = share * (2 + impl.ring_grad_bytes) * rate * steptime.FLASH_BWD_OVER_FWD / (2.5 * link)
+    return max(forward, backward)
+
+
+def _below_floor(row: PlanRow, result: PlanResult) -> float | None:
+    """The CP floor (tokens per rank) ``row`` is under, or None."""
+    lay = row.layout
+    if lay.cp == 1:
+        return None
+    impl = _impl(result)
+    floor = cp_floor_tokens(result.model, lay, result.cluster, impl)
+    return floor if result.seq_len / lay.cp < floor else None
+
+
+def _impl(result: PlanResult) -> Implementation:
+    req = result.request
+    dtype = req.get("dtype", result.dtype)
+    kwargs = {k: v for k, v in req.items() if k not in _PLAN_ARGS}
+    return Implementation(dtype="bf16" if dtype == "fp32" else dtype, attention=req.get("attention", "flash"),
+                          zero=req.get("zero", mem.DEFAULT_ZERO)).with_(**kwargs)
+
+
+_PLAN_ARGS = ("layout", "dtype", "attention", "headroom", "cpu_ram_gib", "overhead_bytes", "zero")
+
+
+def simplicity(row: PlanRow, result: PlanResult) -> tuple:
+    """How complex ``row``'s layout is, as a sort key (smaller is simpler): offload (any; its CPU Adam rate is
+    the least certain number priced, scaled from another host, and its CPU RAM and host-link contention are not in
+    the step), parallel dimensions crossing nodes (:func:`crossing_dims`), CP below :func:`cp_floor_tokens`,
+    parallel dimensions (tp, cp, pp) used, recompute; then the predicted step."""
+    lay = row.layout
+    offload = lay.offload_optimizer != "none" or lay.offload_params != "none"
+    dims = sum(1 for d in (lay.tp, lay.cp, lay.pp) if d > 1)
+    return (offload, len(crossing_dims(lay, result.cluster)), _below_floor(row, result) is not None, dims,
+            lay.recompute != "none", row.step_s)
+
+
+def choice_reason(result: PlanResult) -> str:
+    """One sentence: why :attr:`PlanResult.pick` is the pick."""
+    pick, ties = result.pick, result.ties
+    fastest = ties[0]
+    band = f"{result.band:.2%}".rstrip("0").rstrip(".")
+    if len(ties) == 1:
+        return f"the fastest row that fits; the next is more than {band} (the model's error band) slower"
+    head = f"{len(ties)} rows lie within {band} of the fastest (the model's error band: ties)"
+    if pick is fastest:
+        return head + "; none of them is simpler than the fastest"
+    mine, theirs = simplicity(pick, result), simplicity(fastest, result)
+    slower = pick.step_s / fastest.step_s - 1
+    if mine[0] != theirs[0]:
+        said = "no offload (the fastest offloads)"
+    elif mine[1] != theirs[1]:
+        said = f"fewer dimensions crossing nodes ({mine[1]} vs {theirs[1]})"
+    elif mine[2] != theirs[2]:
+        said = (f"no CP under its tokens-per-rank floor (the fastest runs {result.seq_len // fastest.layout.cp} "
+                f"tokens per CP rank, its floor is {_below_floor(fastest, result):,.0f})")
+    elif mine[3] != theirs[3]:
+        said = f"fewer parallel dimensions ({mine[3]} vs {theirs[3]})"
+    else:
+        said = "no recompute (the fastest recomputes)"
+    return (f"{head}; picked as the simplest: {said}, {slower:.1%} slower than the fastest, "
+            f"{describe(fastest.layout)}")
+
+
+#: The profiler's labels as :func:`explain` names them.
+_CATEGORY_WORDS = {"compute": "compute", "all_reduce": "exposed all-reduce", "all_gather": "exposed all-gather",
+                   "reduce_scatter": "exposed reduce-scatter", "all_to_all": "exposed all-to-all",
+                   "p2p_send": "exposed p2p (pipeline, CP ring)", "p2p_recv": "exposed p2p receive",
+                   "bubble": "pipeline bubble", "memcpy_h2d": "offload copy to GPU",
+                   "memcpy_d2h": "offload copy to CPU", "idle": "wait for the CPU optimizer"}
+
+
+def _significant(x: float, digits: int = 2) -> str:
+    """``x`` to ``digits`` significant figures, without an exponent (8093 -> '8090' at 3)."""
+    if x == 0 or not math.isfinite(x):
+        return format(x, "g")
+    places = digits - 1 - math.floor(math.log10(abs(x)))
+    return f"{round(x, places):.{max(0, places)}f}"
+
+
+def explain(result: PlanResult, *, versus: int = 3, changes: bool = True, catalog: hw.Catalog | None = None
+            ) -> dict[str, Any]:
+    """Why :attr:`PlanResult.pick` beats the next ``versus`` rows, category by category (each other row's
+    seconds minus the pick's, in the profiler's labels: they sum to the step-time difference), and, with
+    ``changes``, what one change does to the pick: twice the GPUs, twice the sequence (within the model's
+    context), the next GPU type of ``catalog`` (each a new search with that change alone)."""
+    pick = result.pick
+    others = [r for r in result.rows if (r.fits or r.tight) and r is not pick][:versus]
+    rows = []
+    for row in others:
+        delta = {k: row.prediction.time_s[k] - pick.prediction.time_s[k] for k in pick.prediction.time_s}
+        rows.append({"layout": describe(row.layout), "tight": row.tight, "step_s": row.step_s,
+                     "delta_s": row.step_s - pick.step_s, "categories": delta})
+    out: dict[str, Any] = {"pick": describe(pick.layout), "step_s": pick.step_s, "why": choice_reason(result),
+                           "versus": rows}
+    if changes:
+        out["changes"] = _what_changes(result, catalog)
+    return out
+
+
+def _shape(lay: PlanLayout) -> tuple:
+    return (lay.tp, lay.pp, lay.cp, lay.sp, lay.schedule, lay.chunks, lay.zero_stage, lay.offload_optimizer,
+            lay.offload_params, lay.recompute)
+
+
+def _what_changes(result: PlanResult, catalog: hw.Catalog | None) -> list[dict[str, Any]]:
+    req = dict(result.request)
+    req["layout"] = {k: v for k, v in req.get("layout", {}).items() if k not in ("dp", "micro_batches")}
+    cl, model = result.cluster, result.model
+    asks: list[tuple[str, dict[str, Any]]] = []
+    more = result.gpus * 2 if result.gpus >= cl.gpus_per_node else cl.gpus_per_node
+    asks.append((f"{more} GPUs ({max(1, more // cl.gpus_per_node)} nodes)", {"gpus": more}))
+    if result.seq_len * 2 <= model.seq_len:
+        asks.append((f"sequence {result.seq_len * 2}", {"seq_len": result.seq_len * 2}))
+    other = _another_gpu(cl, catalog)
+    if other is not None:
+        asks.append((f"{other.gpu.name} ({other.name})", {"cluster": other}))
+    out = []
+    for what, change in asks:
+        args = {"gpus": result.gpus, "seq_len": result.seq_len, "global_batch": result.global_batch,
+                "cluster": cl, **change}
+        where = args.pop("cluster")
+        entry: dict[str, Any] = {"change": what}
+        try:
+            again = plan(model, where, **args, **req)
+            new = again.pick
+        except PlanError as error:
+            entry.update(pick=None, changed=True, note=str(error))
+            out.append(entry)
+            continue
+        entry.update(pick=describe(new.layout), step_s=new.step_s, tight=new.tight,
+                     tokens_per_s_per_gpu=new.prediction.tokens_per_s_per_gpu,
+                     changed=_shape(new.layout) != _shape(result.pick.layout))
+        out.append(entry)
+    if not result.seq_len * 2 <= model.seq_len:
+        out.append({"change": f"sequence {result.seq_len * 2}", "pick": None, "changed": None,
+                    "note": f"beyond {model.name}'s context of {model.seq_len} tokens: not searched"})
+    return out
+
+
+def _another_gpu(cl: Cluster, catalog: hw.Catalog | None) -> Cluster | None:
+    """The next packaged node type (catalog order, wrapping) whose GPU differs from ``cl``'s."""
+    if catalog is None:
+        catalog = hw.load_catalog()
+    names = list(catalog.clusters)
+    own = next((i for i, n in enumerate(names) if catalog.clusters[n]["gpu"] == cl.gpu.name), -1)
+    for name in names[own + 1:] + names[:own + 1]:
+        if catalog.clusters[name]["gpu"] != cl.gpu.name:
+            return catalog.cluster(name)
+    return None
+
+
+def format_explain(result: PlanResult, explained: dict[str, Any]) -> str:
+    """:func:`explain`'s dict as text: the pick, one line per compared row (its categories, largest first, that
+    move the step by at least a millisecond), one line per change."""
+    lines = [f"why {explained['pick']} ({_significant(explained['step_s'], 3)} s): {explained['why']}"]
+    for row in explained["versus"]:
+        parts = sorted(((v, k) for k, v in row["categories"].items() if abs(v) >= 5e-4), key=lambda x: -abs(x[0]))
+        said = ", ".join(f"{v:+.{_decimals(v)}f} s {_CATEGORY_WORDS.get(k, k)}" for v, k in parts) or "the same"
+        tight = " (tight)" if row["tight"] else ""
+        lines.append(f"  vs {row['layout']}{tight}: {row['delta_s']:+.{_decimals(row['delta_s'])}f} s "
+                     f"({_significant(row['step_s'], 3)} s): {said}")
+    for entry in explained.get("changes", []):
+        if entry.get("pick") is None:
+            lines.append(f"  with {entry['change']}: {entry['note']}")
+            continue
+        verdict = "the pick changes to" if entry["changed"] else "the same shape:"
+        lines.append(f"  with {entry['change']}: {verdict} {entry['pick']} ({_significant(entry['step_s'], 3)} s, "
+                     f"{_significant(entry['tokens_per_s_per_gpu'], 3)} tokens/s/GPU)")
+    return "\n".join(lines)
+
+
+def _decimals(x: float) -> int:
+    """Decimals for a time difference: two significant figures, at least a millisecond's."""
+    if x == 0:
+        return 3
+    return min(3, max(0, 1 - math.floor(math.log10(abs(x))))) if abs(x) >= 1e-3 else 3
+
+
 def format_table(result: PlanResult, top: int = 10) -> str:
-    """The ``--top`` rows as a text table (memory and time breakdowns), then one line per rejected family."""
+    """The ``--top`` rows as a text table (memory and time breakdowns; rows equal to the one above at the
+    table's precision folded into an ``equivalent:`` line under it), the pick and its ties, then one line per
+    rejected family. Step times and throughput to three significant figures (the model's error band is
+    3.44%), parts of a step to the millisecond."""
     head = (f"{result.model.name} ({result.model.params() / 1e9:.2f}B params) on {result.gpus} x "
             f"{result.cluster.gpu.name} ({result.cluster.gpus_per_node}/node, {result.cluster.intra_node.name}, "
             f"{result.cluster.nics_per_node} x {result.cluster.inter_node.name}), seq {result.seq_len}, global "
             f"batch {result.global_batch} ({result.global_batch * result.seq_len / 1e6:.2f}M tokens); "
             f"{result.evaluated} layouts priced, {len(result.fitting)} fit in "
-            f"{result.usable_bytes / GIB:.1f} GiB usable")
+            f"{result.usable_bytes / GIB:.1f} GiB usable ({100 * result.headroom:g}% of HBM kept for the allocator)"
+            + (f", {len(result.tight)} tight" if result.tight else ""))
     cols = ("#", "layout", "fits", "GiB", "par", "grad", "opt", "act", "buf", "step s", "tok/s/GPU", "TFLOP/s",
             "MFU", "compute", "exp.comm", "bubble", "offload")
-    lines = []
-    shown = result.rows[:top] if top else result.rows
-    for i, row in enumerate(shown, 1):
-        g = row.memory.memory_gib() if row.memory else {}
-        p = row.prediction
-        c = p.categories() if p else {}
-
-        def f(x, spec=".1f"):
-            return "-" if x is None else format(x, spec)
-        lines.append((str(i), describe(row.layout), "yes" if row.fits else "NO", f(g.get("total")), f(g.get("params")),
-                      f(g.get("grads")), f(g.get("optimizer")), f(g.get("activations")), f(g.get("buffers")),
-                      f(p and p.step_s, ".3f"), f(p and p.tokens_per_s_per_gpu, ".0f"),
-                      f(p and p.tflops_per_gpu, ".0f"), f(p and 100 * p.mfu, ".1f"),
-                      f(c.get("compute"), ".3f"), f(c.get("exposed_comm"), ".3f"), f(c.get("bubble"), ".3f"),
-                      f(c.get("offload"), ".3f")))
+    lines, folded, shown = [], {}, []
+    for row in result.rows[:top] if top else result.rows:
+        line = _table_line(row)
+        if shown and row.prediction is not None and line[2:] == lines[-1][3:]:
+            folded.setdefault(id(shown[-1]), []).append(row)  # equal at the table's precision
+            continue
+        lines.append((str(len(lines) + 1), *line))
+        shown.append(row)
     widths = [max(len(cols[j]), *(len(r[j]) for r in lines)) if lines else len(cols[j]) for j in range(len(cols))]
     out = [head, "", "  ".join(c.rjust(w) if j not in (1,) else c.ljust(w) for j, (c, w) in
                               enumerate(zip(cols, widths)))]
@@ -603,6 +876,9 @@ def format_table(result: PlanResult, top: int = 10) -> str:
         said = [*row.problems, *row.notes]
         if said:
             out.append(f"  #{i} {describe(row.layout)}: {'; '.join(said)}")
+        if id(row) in folded:
+            out.append(f"  #{i} equivalent: " + "; ".join(describe(r.layout) for r in folded[id(row)]))
+    out += _choice_lines(result, shown)
     rejected = [f"  {k}: {v}" for k, v in result.rejected.items() if v]
     if rejected:  # no header without a line under it
         out += ["", "rejected:", *rejected]
@@ -613,5 +889,47 @@ def format_table(result: PlanResult, top: int = 10) -> str:
     return "\n".join(out)
 
 
-__all__ = ["HEADROOM", "LAYOUT_KEYS", "PlanResult", "PlanRow", "check_fixed", "clear_caches", "describe",
-           "format_table", "parse_layout", "plan"]
+def _table_line(row: PlanRow) -> tuple[str, ...]:
+    g = row.memory.memory_gib() if row.memory else {}
+    p = row.prediction
+    c = p.categories() if p else {}
+
+    def f(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+    return (describe(row.layout), "yes" if row.fits else "tight" if row.tight else "NO", f(g.get("total")),
+            f(g.get("params")), f(g.get("grads")), f(g.get("optimizer")), f(g.get("activations")),
+            f(g.get("buffers")), "-" if p is None else _significant(p.step_s, 3),
+            "-" if p is None else _significant(p.tokens_per_s_per_gpu, 3), f(p and p.tflops_per_gpu, ".0f"),
+            f(p and 100 * p.mfu, ".1f"), f(c.get("compute"), ".3f"), f(c.get("exposed_comm"), ".3f"),
+            f(c.get("bubble"), ".3f"), f(c.get("offload"), ".3f"))
+
+
+def _choice_lines(result: PlanResult, shown: list[PlanRow]) -> list[str]:
+    """``pick:`` and ``equivalent:`` (the other rows within the error band), only when rows fit."""
+    if not result.ties:
+        if result.tight:
+            return ["", f"no row fits in {result.usable_bytes / GIB:.1f} GiB; the fastest tight row is "
+                        f"{describe(result.tight[0].layout)} (--headroom lowers the allocator's share)"]
+        return []
+    number = {id(r): i for i, r in enumerate(shown, 1)}
+
+    def name(row: PlanRow) -> str:
+        return (f"#{number[id(row)]} " if id(row) in number else "") + describe(row.layout)
+    pick = result.pick
+    out = ["", f"pick: {name(pick)} ({_significant(pick.step_s, 3)} s): {choice_reason(result)}"]
+    others = [r for r in result.ties if r is not pick]
+    if others:
+        more = f"; and {len(others) - 5} more" if len(others) > 5 else ""
+        out.append("equivalent: " + "; ".join(f"{name(r)} ({_significant(r.step_s, 3)} s)" for r in others[:5])
+                   + more)
+    faster_tight = [r for r in result.tight if r.step_s < pick.step_s]
+    if faster_tight:
+        r = faster_tight[0]
+        out.append(f"tight (within the {100 * result.headroom:g}% allocator headroom, not picked): "
+                   f"{describe(r.layout)} ({_significant(r.step_s, 3)} s, {r.memory.most_loaded.total / GIB:.1f} GiB)")
+    return out
+
+
+__all__ = ["ERROR_BAND", "HEADROOM", "LAYOUT_KEYS", "PlanResult", "PlanRow", "check_fixed", "choice_reason",
+           "clear_caches", "cp_floor_tokens", "crossing_dims", "describe", "explain", "format_explain",
+           "format_table", "parse_layout", "plan", "simplicity"]

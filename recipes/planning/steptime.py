@@ -38,11 +38,13 @@ Offload copies run on the copy engines (no SMs held) but are charged on the host
 the optimizer's gradient partition down (fp32: ``OFFLOAD_GRAD_BYTES``) and its bf16 parameters up once per
 step, exposed (the CPU step waits for the gradients, the next forward for the parameters); ZeRO-3's parameter
 fetches (``offload_params``) each forward and backward pass, hidden under that pass's compute with
-``overlap_dp``, exposed without; CPU Adam over the node's CPU-memory bandwidth share. NVMe offload adds the drive
-traffic DeepSpeed's swappers make (:func:`~.memory.swap_traffic`, over the node's drive bandwidth share): the
-swapped parameter partitions outside the CPU flat read in every forward and backward pass (beside the host
-copy) and written back after the step; the swapped sub-groups' master, moments and fp32 gradients read and
-written at the step (with DeepSpeed's ``max_in_cpu = 1e9`` most parameters of a rank stay in CPU RAM).
+``overlap_dp``, exposed without; CPU Adam at the node's DeepSpeed CPU Adam rate over its GPUs
+(``Cluster.cpu_adam_params_per_s``: ZeRO-Offload's measured CPU-Adam latency, scaled by the node's DRAM
+peak). NVMe offload adds the drive traffic DeepSpeed's swappers make (:func:`~.memory.swap_traffic`, over the
+node's drive bandwidth share): the swapped parameter partitions outside the CPU flat read in every forward and
+backward pass (beside the host copy) and written back after the step; the swapped sub-groups' master, moments
+and fp32 gradients read and written at the step (with DeepSpeed's ``max_in_cpu = 1e9`` most parameters of a rank
+stay in CPU RAM).
 
 Pipeline: with per-micro-batch stage times ``t_s``, ``makespan = m max(t_s) + (sum(t_s) - max(t_s)) / v``, i.e.
 the bubble fraction ``(p-1)/(v m + p - 1)`` for equal stages (1F1B, GPipe, interleaved); the first stage holds
@@ -81,8 +83,9 @@ CUTS = tuple(c.value for c in Cut)
 FLASH_BWD_OVER_FWD = 0.63 / 0.73  # FlashAttention-2 (Dao 2023): backward vs forward share of A100 peak
 # Optimizer bytes per local parameter on the GPU: gradient norm (read 4), Adam (fp32 p, m, v, g read, p, m, v
 # written: 28), master -> bf16 copy (read 4, write 2), gradient-buffer zeroing (4); fp16 adds loss-scale
-# unscale + inf check (read 4, write 4). On the CPU: Adam's 28.
-ADAM_BYTES_GPU, ADAM_BYTES_FP16_EXTRA, ADAM_BYTES_CPU = 42, 8, 28
+# unscale + inf check (read 4, write 4). On the CPU: DeepSpeed's CPU Adam at its measured rate
+# (``Cluster.cpu_adam_params_per_s``, job/hardware.yaml's cpu_adam_gparams).
+ADAM_BYTES_GPU, ADAM_BYTES_FP16_EXTRA = 42, 8
 # DeepSpeed's CPU-offloaded optimizer receives its gradient partition in the master dtype (fp32): the GPU converts
 # it before the copy (stage_1_and_2.async_inplace_copy_grad_to_fp32_buffer_from_gpu, stage3's
 # _offload_grad_partition_at_boundary), so 4 bytes per element cross the host link.
@@ -564,7 +567,7 @@ def _tail(st: _Setup, stage: int, params: float, bwd_window: float, cooldown: fl
         led.compute += st.hbm((ADAM_BYTES_GPU + (ADAM_BYTES_FP16_EXTRA if st.impl.dtype == "fp16" else 0)) * local)
     else:
         led.comm("memcpy_d2h", local * OFFLOAD_GRAD_BYTES / cl.host.bytes_per_s)
-        cpu_s = ADAM_BYTES_CPU * local / (cl.cpu_mem_gbps * 1e9 / cl.gpus_per_node)
+        cpu_s = local / cl.cpu_adam_params_per_s
         led.comm("memcpy_h2d", local * e / cl.host.bytes_per_s)
     # NVMe: master, moments and gradients read and written, the swapped parameters written back
     cpu_s += drive_step / (cl.nvme_gbps * 1e9 / cl.gpus_per_node)

@@ -117,7 +117,7 @@ def command(size: Size) -> str:
 
 
 def plan_row(size: Size, *, layout: dict[str, Any] | None = None):
-    """``(ModelSpec, Cluster, the plan's best row)`` for ``size``; ``layout`` fixes the layout (all of
+    """``(ModelSpec, Cluster, the plan's pick)`` for ``size``; ``layout`` fixes the layout (all of
     PlanLayout's fields: the row is priced, not searched)."""
     from shardline.recipes.planning.catalog import load_catalog
     from shardline.recipes.planning.models import packaged
@@ -126,7 +126,7 @@ def plan_row(size: Size, *, layout: dict[str, Any] | None = None):
     model, cluster = packaged(size.model), load_catalog().cluster(size.cluster)
     result = plan(model, cluster, gpus=size.gpus, seq_len=size.seq_len, global_batch=size.global_batch,
                   layout=layout)
-    return model, cluster, result.best
+    return model, cluster, result.pick
 
 
 def render(size: Size, *, layout: dict[str, Any] | None = None) -> str:

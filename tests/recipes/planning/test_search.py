@@ -144,7 +144,8 @@ def test_offload_is_chosen_when_it_beats_recompute():
     # CPU offload of the optimizer (no recompute) is faster: both levels are priced, the faster one wins.
     model = packaged("llama3-70b")
     fixed = {"tp": 1, "pp": 1, "cp": 4, "sp": "ring", "micro_batch_size": 1, "zero_stage": 3}
-    result = search.plan(model, H100, gpus=64, seq_len=8192, global_batch=256, layout=fixed)
+    # headroom 5%: the offload row (74.5 GiB) is tight under the default 10% (test_choice.py covers that)
+    result = search.plan(model, H100, gpus=64, seq_len=8192, global_batch=256, layout=fixed, headroom=0.05)
     levels = {(r.layout.recompute, r.layout.offload_optimizer, r.layout.offload_params): r.step_s
               for r in result.fitting}
     assert ("none", "none", "none") not in levels

@@ -333,7 +333,9 @@ def test_cpu_optimizer_offload_is_host_traffic_and_gpu_idle():
     params = model.params()
     assert pred.time_s["memcpy_d2h"] == pytest.approx(params * 4 / 24e9, rel=1e-12)  # fp32 grads, NCCL's Gen4
     assert pred.time_s["memcpy_h2d"] == pytest.approx(params * 2 / 24e9, rel=1e-12)  # bf16 parameters back
-    assert pred.time_s["idle"] == pytest.approx(28 * params / (409.6e9 / 8), rel=1e-9)  # CPU Adam, node share
+    # CPU Adam at ZeRO-Offload's measured 10B parameters in 2.57 s on 255.9 GB/s of DRAM, scaled to the DGX A100's
+    # 409.6 GB/s, the node's rate shared by its 8 GPUs
+    assert pred.time_s["idle"] == pytest.approx(params / (10e9 / 2.57 * 409.6 / 255.9 / 8), rel=1e-9)
     assert pred.categories()["offload"] == pytest.approx(params * 6 / 24e9, rel=1e-12)
 
 
