@@ -225,6 +225,17 @@ class Family:
         """Bytes a stage holding blocks saves once for all of them (none unless the family says so)."""
         return 0
 
+    # --- closed forms: HBM traffic of the memory-bound kernels (the planner's step-time model) -----------------
+
+    @classmethod
+    def elementwise_bytes(cls, shape, *, tokens: int, region: float, hidden: float, tp: int, e: int,
+                          eager: bool) -> float:
+        """HBM bytes one block's memory-bound forward kernels move on one rank, besides the residual adds: its two
+        norms over ``region`` elements (``tokens x d_model``, ``/tp`` under Megatron-SP), its MLP activation over
+        ``hidden`` (``tokens x d_ff / tp``) and anything of its own; ``e`` bytes per element, ``eager``: shardline's
+        unfused kernels rather than fused ones (:mod:`shardline.recipes.planning.steptime` states the counts)."""
+        raise NotImplementedError
+
     # --- closed forms: per-TP-rank parameter sizes of each pipeline layer, in the module's order ---------------
 
     @classmethod

@@ -133,6 +133,12 @@ class GPT2(Family):
         return norms + 2 * e * b * g.s * d + attention_activation_bytes(shape, g) + 2 * e * b * g.s * shape.d_ff // g.t
 
     @classmethod
+    def elementwise_bytes(cls, shape, *, tokens: int, region: float, hidden: float, tp: int, e: int,
+                          eager: bool) -> float:
+        """Two LayerNorms (read, write: one kernel each, fused or not) and GELU (read, write)."""
+        return 2 * 2 * e * region + 2 * e * hidden
+
+    @classmethod
     def embedding_activation_bytes(cls, shape, g: MicroBatch) -> int:
         """The position index (int64; under SP a view of all ``s``) besides the shared TP terms."""
         return 8 * g.s + super().embedding_activation_bytes(shape, g)

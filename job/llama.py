@@ -258,6 +258,15 @@ class LlamaFamily(Family):
         return norms + sum(copies) * e * b * g.s * d + attention_activation_bytes(shape, g) + mlp + gathered
 
     @classmethod
+    def elementwise_bytes(cls, shape, *, tokens: int, region: float, hidden: float, tp: int, e: int,
+                          eager: bool) -> float:
+        """Two RMSNorms (fused: read, write; shardline's eager float32 chain x.float, pow, mean, mul, cast,
+        weight-mul: 36 bytes an element), SwiGLU (fused 3e; eager 10) and rotary on q and k (fused 2e; eager 20)."""
+        rotary = tokens * (shape.n_head + kv_heads(shape)) * dim_per_head(shape) // tp
+        norms = 2 * (36 if eager else 2 * e) * region
+        return norms + (10 if eager else 3 * e) * hidden + (20 if eager else 2 * e) * rotary
+
+    @classmethod
     def final_norm_activation_bytes(cls, shape, g: MicroBatch) -> int:
         return (F32 + g.e) * g.b * g.sh * shape.d_model + F32 * g.b * g.sh  # RMSNorm: fp32 input, 1/rms
 

@@ -293,17 +293,15 @@ def _attention_core(st: _Setup) -> tuple[float, float, float]:
 def _layer_elementwise(st: _Setup) -> float:
     """HBM bytes of one block's memory-bound forward kernels on one rank, per element: norms 4 (read, write;
     shardline's eager RMSNorm: 36, its float32 chain x.float, pow, mean, mul, cast, weight-mul), two residual adds
-    6 (+1 per dropout mask), GELU 4, SwiGLU 6 (eager: 10), rotary on q,k 4 (eager: 20). Norm and residual
-    regions are ``/t`` under Megatron-SP, replicated otherwise."""
+    6 (+1 per dropout mask), GELU 4, SwiGLU 6 (eager: 10), rotary on q,k 4 (eager: 20): the residual adds here,
+    the rest in the family's room (``Family.elementwise_bytes``). Norm and residual regions are ``/t`` under
+    Megatron-SP, replicated otherwise."""
     mod, lay, e = st.model, st.layout, 2
     region = st.tokens * mod.d_model / (lay.tp if lay.sp == "megatron" else 1)
     hidden = st.tokens * mod.d_ff // lay.tp
-    eager = not st.impl.fused_kernels and mod.architecture == "llama"
-    nbytes = 2 * (36 if eager else 2 * e) * region + 2 * (3 * e + (1 if st.impl.dropout else 0)) * region
-    if mod.architecture == "gpt2":
-        return nbytes + 2 * e * hidden
-    rotary = st.tokens * (mod.n_head + mod.kv_heads) * mod.dim_per_head // lay.tp
-    return nbytes + (10 if eager else 3 * e) * hidden + (20 if eager else 2 * e) * rotary
+    residual = 2 * (3 * e + (1 if st.impl.dropout else 0)) * region
+    return residual + mod.family.elementwise_bytes(mod, tokens=st.tokens, region=region, hidden=hidden, tp=lay.tp,
+                                                   e=e, eager=not st.impl.fused_kernels)
 
 
 def _tp_comm(st: _Setup, led: _Ledger, gemms: dict[str, tuple[int, int, int]],
