@@ -70,7 +70,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..attribution.idle import idle_sets, pageable_idle
+from ..attribution.idle import cause_set, pageable_idle
 from ..base import intervals as iv
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import stage_peers, stragglers
@@ -223,7 +223,7 @@ def _idle_set(context: Context, number: int, cause: str):
     rank = context.attribution.rank(number)
     if cause == "pageable":
         return pageable_idle(context.attribution, rank)
-    return idle_sets(context.attribution, rank)[f"idle_{cause}"]
+    return cause_set(context.attribution, rank, f"idle_{cause}")
 
 
 def _idle_of_ranks(context: Context, cause: str) -> dict:

@@ -196,6 +196,9 @@ class IdleRows:
         self.selections = dict(rank_selections(events))
         self.hosts: dict[int, _Host] = {}
         self.sets: dict[int, dict[str, iv.IntervalSet]] = {}
+        #: rank -> the sets of :data:`NAMED_CAUSES` the breakdown's ``idle_causes`` computed (what
+        #: ``idle_culprits`` names; small next to the idle set, which the breakdown does not keep).
+        self.named: dict[int, dict[str, iv.IntervalSet]] = {}
 
 
 _LAUNCH, _SYNC, _QUERY, _WAIT, _WAIT_ROW, _DATALOADER, _GRAPH = (1 << bit for bit in range(7))
@@ -469,7 +472,8 @@ def idle_causes(attribution, rank, *,
     each cause of :data:`IDLE_CAUSES` (int64). Their sum is the window's idle, checked against ``idle`` (the
     partition's ``idle`` column of this rank) when given: ``AssertionError`` if not equal."""
     _, lo, hi = rank.window_bounds  # the arrays of ``attributed_windows``, without building its frame
-    sets = _idle_sets(attribution, rank, other=False)  # not kept: the breakdown needs only the totals
+    sets = _idle_sets(attribution, rank, other=False)  # not kept whole: the breakdown needs only the totals
+    _table(attribution).named[rank.rank] = {cause: sets[cause] for cause in NAMED_CAUSES}  # for idle_culprits
     zero = np.zeros(len(lo), dtype=np.int64)
     out = {cause: iv.window_totals(sets[cause], lo=lo, hi=hi) if len(sets[cause][0]) else zero
            for cause in IDLE_CAUSES if cause != "idle_other"}
@@ -529,8 +533,9 @@ def idle_culprits(attribution, rank) -> pd.DataFrame:
     - ``op``: the outermost ``cpu_op`` of that thread covering it (and the call) that starts inside the
       annotation: what the code called (``aten::to`` around the ``cudaMemcpyAsync`` of a pageable copy).
 
-    "" where no row says. A CPU rank has only ``idle_dataloader`` pieces to name."""
-    sets = idle_sets(attribution, rank)
+    "" where no row says. A CPU rank has only ``idle_dataloader`` pieces to name. Reads the cause sets the
+    breakdown kept (``IdleRows.named``) rather than partitioning the rank again."""
+    sets = {cause: cause_set(attribution, rank, cause) for cause in NAMED_CAUSES}
     step_no, lo, hi = rank.window_bounds
     if not len(lo):
         return _culprit_frame([])
@@ -635,10 +640,19 @@ def _culprit_frame(rows) -> pd.DataFrame:
                                kind="stable").reset_index(drop=True)[list(CULPRIT_COLUMNS)]
 
 
+def cause_set(attribution, rank, cause: str) -> iv.IntervalSet:
+    """``rank``'s idle set of ``cause`` (a key of :data:`IDLE_CAUSES`): for :data:`NAMED_CAUSES` the one the
+    breakdown kept, without partitioning the rank again; else from :func:`idle_sets`."""
+    named = _table(attribution).named.get(rank.rank)
+    if named is not None and cause in named:
+        return named[cause]
+    return idle_sets(attribution, rank)[cause]
+
+
 def pageable_idle(attribution, rank) -> iv.IntervalSet:
     """The part of ``rank``'s ``idle_sync`` set while its host was blocked in the launch call of a copy from or to
     pageable host memory: the GPU idle those copies cost (what pinning the buffers would give back)."""
-    sync = idle_sets(attribution, rank)["idle_sync"]
+    sync = cause_set(attribution, rank, "idle_sync")
     return iv.intersect(sync, _host(attribution, rank).pageable) if len(sync[0]) else iv.EMPTY
 
 
