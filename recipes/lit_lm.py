@@ -124,11 +124,20 @@ class LanguageModule(pl.LightningModule):
                         self.hparams.init_from, ", ".join(differ))
 
     def configure_callbacks(self):
-        """The model summary with the whole model's parameter count (Lightning's counts rank 0's shard)."""
+        """The model summary with the whole model's parameter count (Lightning's counts rank 0's shard), in place
+        of the trainer's summary and at its depth; none where the trainer shows none
+        (``enable_model_summary=False``)."""
+        from pytorch_lightning.callbacks import ModelSummary
+
         from shardline.plugins.lightning.callbacks import WholeModelSummary
         from shardline.recipes.planning.models import ModelSpec
 
-        return [WholeModelSummary(ModelSpec.from_config(self.config, name="model").params())]
+        callbacks = self.trainer.callbacks if self._trainer is not None else []
+        summaries = [c for c in callbacks if isinstance(c, ModelSummary)]
+        if not summaries:
+            return []
+        depth = getattr(summaries[0], "_max_depth", 1)
+        return [WholeModelSummary(ModelSpec.from_config(self.config, name="model").params(), max_depth=depth)]
 
     @property
     def network(self):

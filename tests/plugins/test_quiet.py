@@ -92,3 +92,22 @@ def test_no_shared_memory_op_is_built_while_the_backend_starts():
     with without_shm_comm_op():
         assert ds_torch.build_shm_op() is None
     assert ds_torch.build_shm_op is original
+
+
+def test_the_whole_model_summary_replaces_the_trainers_at_its_depth_and_only_where_there_is_one():
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelSummary
+
+    from shardline.plugins.lightning.callbacks import WholeModelSummary
+    from shardline.recipes.lit_lm import LanguageModule
+
+    module = LanguageModule(n_layer=1, d_model=32, n_head=2, seq_len=16)
+    common = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module.trainer = pl.Trainer(enable_model_summary=False, **common)
+    assert module.configure_callbacks() == []  # the user turned the summary off: it stays off
+    module.trainer = pl.Trainer(callbacks=[ModelSummary(max_depth=3)], **common)
+    (summary,) = module.configure_callbacks()
+    assert isinstance(summary, WholeModelSummary) and summary._max_depth == 3
+    # GPT with a tied head: embedding 256 x 32 + positions 16 x 32, one block, the final LayerNorm (by hand)
+    block = 2 * 32 + (3 * 32 * 32 + 3 * 32) + (32 * 32 + 32) + 2 * 32 + (4 * 32 * 32 + 4 * 32) + (4 * 32 * 32 + 32)
+    assert summary.whole_parameters == 256 * 32 + 16 * 32 + block + 2 * 32
