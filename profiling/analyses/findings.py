@@ -81,7 +81,7 @@ from ..base.errors import ProfilingError
 from ..base.schema import COMM_CATEGORIES, P2P_CATEGORIES
 from ..matching.collectives import stage_peers, within_stage
 from ..matching.links import link_table
-from ..matching.pipelines import MEASURED_METHODS
+from ..matching.pipelines import MEASURED_METHODS, ideal_fraction
 from ..table.workload import AllToAllUse, Workload, detect_workload
 
 FINDING_COLUMNS = ("rank", "rule", "saves_ns", "method", "measured", "change", "text", "minor")
@@ -214,13 +214,13 @@ def _pipeline_bubble(ctx: _Context, threshold: float) -> list[Finding]:
         return []
     worst = measured.sort_values(["bubble_fraction", "rank"], ascending=[False, True]).iloc[0]
     p, m, v = int(worst["p"]), int(worst["m"]), max(int(worst["v"]), 1)
-    ideal_next = (p - 1) / (v * 2 * m + p - 1)
+    ideal_next = ideal_fraction(None, p=p, m=2 * m, v=v)
     if not worst["bubble_fraction"] - ideal_next >= threshold:
         return []
     # The same global batch in twice the micro-batches (each half the size): what more micro-batches buy.
     saved, method = _what_if_saving(ctx, f"pipeline:m={2 * m},keep=batch")
     if math.isnan(saved):
-        ideal_now = (p - 1) / (v * m + p - 1)
+        ideal_now = ideal_fraction(None, p=p, m=m, v=v)
         saved = float(measured["batch_ns"].mean()) * (ideal_now - ideal_next)
         method = "exact bound"
     if not saved > 0:

@@ -68,6 +68,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardline.job.pipeline import theory
 from shardline.job.stages import uniform_bounds
 from shardline.profiling.table.partition import LABELS, OVERLAP_COLUMNS
 from shardline.recipes.planning import catalog as hw
@@ -142,8 +143,9 @@ class StepPrediction:
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """``(p-1) / (v m + p - 1)``: the idle share of a pipeline of equal stages (1F1B, GPipe, interleaved)."""
-    return (p - 1) / (v * m + p - 1)
+    """``(p-1) / (v m + p - 1)``: the idle share of a pipeline of equal stages (1F1B, GPipe, interleaved), as
+    :mod:`shardline.job.pipeline.theory` states it."""
+    return theory.bubble_fraction("interleaved" if v > 1 else "1f1b", p=p, m=m, v=v)
 
 
 def pipeline_makespan(stage_s: list[float], *, micro_batches: int, chunks: int = 1) -> float:
